@@ -1,0 +1,95 @@
+"""Scheduling policies, one file each, over the API in ``policies.base``.
+
+``make_policy("prefer-prefill", {"completion_batch_size": "16"})`` builds a bundled policy;
+``make_policy("my_policies.py:Fair", {})`` loads a user's class from a file, and
+``make_policy("pkg.module:Fair", {})`` from an importable module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Any, Mapping
+
+from .base import (
+    CostModel,
+    OptionError,
+    Pass,
+    PassShape,
+    Phase,
+    Plan,
+    Policy,
+    PolicyBase,
+    RequestView,
+    SchedulerView,
+    admit_fifo,
+    fifo_chunks,
+    finishes_this_pass,
+)
+from .chunked_prefill import ChunkedPrefill
+from .mlx_default import MlxDefault
+from .prefer_prefill import PreferPrefill
+from .slots import Slots
+from .static import Static
+from .unified import Unified
+
+POLICIES: dict[str, type[PolicyBase]] = {
+    cls.name: cls for cls in (MlxDefault, PreferPrefill, Static, Slots, ChunkedPrefill, Unified)
+}
+
+
+class PolicyNotFound(ValueError):
+    pass
+
+
+def make_policy(spec: str, options: Mapping[str, Any] | None = None) -> Policy:
+    """A policy object from a bundled name or ``file.py:Class`` / ``module:Class``."""
+    if spec in POLICIES:
+        return POLICIES[spec].from_options(options)
+    if ":" not in spec:
+        known = ", ".join(POLICIES)
+        raise PolicyNotFound(f"unknown policy '{spec}' (bundled: {known}; or give file.py:Class)")
+    cls = _load_class(spec)
+    if hasattr(cls, "from_options"):
+        return cls.from_options(options)
+    if options:
+        try:
+            policy = cls(**options)
+        except TypeError as exc:
+            raise OptionError(f"policy '{spec}': {exc}") from None
+    else:
+        policy = cls()
+    if not hasattr(policy, "name"):
+        policy.name = spec
+    return policy
+
+
+def _load_class(spec: str) -> type:
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = Path(where)
+            if not path.is_file():
+                raise PolicyNotFound(f"policy file not found: {where}")
+            mod_spec = importlib.util.spec_from_file_location(f"_user_policy_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except PolicyNotFound:
+        raise
+    except Exception as exc:  # a user's file: report, don't crash
+        raise PolicyNotFound(f"cannot load policy '{spec}': {type(exc).__name__}: {exc}") from None
+    cls = getattr(module, attr, None)
+    if cls is None or not inspect.isclass(cls) or not callable(getattr(cls, "plan", None)):
+        raise PolicyNotFound(f"'{spec}' is not a class with a plan(view) method")
+    return cls
+
+
+__all__ = [
+    "POLICIES", "make_policy", "PolicyNotFound", "OptionError", "CostModel", "Pass", "PassShape",
+    "Phase", "Plan", "Policy", "PolicyBase", "RequestView", "SchedulerView", "admit_fifo",
+    "fifo_chunks", "finishes_this_pass",
+]

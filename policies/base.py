@@ -1,0 +1,308 @@
+"""The policy API: what a scheduling policy reads (a view) and what it returns (a plan).
+
+A policy is any object with ``name`` and ``plan(view) -> Plan``. The same object runs in
+the simulator and on the real MLX engine; nothing here knows which.
+
+Vocabulary (shared/DESIGN.md):
+
+- request: one trace row. Its phase is ``waiting`` (arrived, not admitted), ``prefilling``
+  (admitted, prompt not yet wholly in the KV cache: it may hold 0 tokens so far),
+  ``decoding`` (prompt in the cache, first token out) or ``finished``.
+- pass: one model forward call: decode rows (one token each) and prefill chunks
+  ``(request id, n_tokens)``. A padded pass batches its prefill chunks into one
+  right-padded forward (mlx-lm's prompt batches); otherwise each chunk is its own forward.
+- plan: admissions, preemptions, then passes run in order.
+
+The first output token comes from the pass that puts the last prompt token into the KV
+cache. That is either a prefill chunk that completes the prompt, or a decode row on a
+request with exactly one prompt token left (mlx-lm's hand-off: the last prompt token is
+the first decode input and prefill logits are never computed).
+
+This module imports nothing from ``sim`` or ``engine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@runtime_checkable
+class RequestView(Protocol):
+    """Read-only facts about one request, as a policy sees them."""
+
+    id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int  # the request's max_tokens; runs stop exactly there (ignore-eos)
+
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def prefilled(self) -> int: ...  # prompt tokens now in the KV cache
+    @property
+    def generated(self) -> int: ...  # output tokens produced so far
+    @property
+    def remaining_prompt(self) -> int: ...  # prompt tokens still to put into the cache
+    @property
+    def kv_tokens(self) -> int: ...  # tokens this request holds in the KV cache now
+    @property
+    def kv_footprint(self) -> int: ...  # most KV tokens it will ever hold: prompt + output - 1
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward call. ``decode``: request ids, one token each. ``prefill``: chunks."""
+
+    decode: tuple[str, ...] = ()
+    prefill: tuple[tuple[str, int], ...] = ()
+    padded: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from user policies; store tuples so a plan is immutable.
+        if not isinstance(self.decode, tuple):
+            object.__setattr__(self, "decode", tuple(self.decode))
+        if not isinstance(self.prefill, tuple):
+            object.__setattr__(self, "prefill", tuple((r, n) for r, n in self.prefill))
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefill)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one scheduler step does: admissions, preemptions, then passes in order."""
+
+    admit: tuple[str, ...] = ()
+    preempt: tuple[str, ...] = ()
+    passes: tuple[Pass, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("admit", "preempt", "passes"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+    @property
+    def idle(self) -> bool:
+        return not self.admit and not self.preempt and not any(not p.empty for p in self.passes)
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What the cost of a pass depends on.
+
+    decode_contexts: for each decode row, the tokens it attends to (its KV plus the new one).
+    prefill: for each chunk, ``(n_tokens, context_before)``.
+    padded: chunks run as one right-padded batch (cost of padding is real).
+    batch_rows_before / joins / leaves: the engine keeps decoding rows in one batched KV
+      cache; rows joining it (extend) and leaving it (filter: finished, parked or
+      preempted) copy the batch. ``leaves`` counts rows removed after this pass.
+    """
+
+    decode_contexts: tuple[int, ...] = ()
+    prefill: tuple[tuple[int, int], ...] = ()
+    padded: bool = False
+    batch_rows_before: int = 0
+    joins: int = 0
+    leaves: int = 0
+
+    @property
+    def decode_rows(self) -> int:
+        return len(self.decode_contexts)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for n, _ in self.prefill)
+
+    @property
+    def padded_prefill_tokens(self) -> int:
+        """Tokens the forward actually computes: rows x longest chunk when padded."""
+        if not self.prefill:
+            return 0
+        if self.padded:
+            return len(self.prefill) * max(n for n, _ in self.prefill)
+        return self.prefill_tokens
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicts seconds from shapes. Policies may read it to make decisions."""
+
+    def pass_seconds(self, shape: PassShape) -> float: ...
+
+    def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float: ...
+
+
+class SchedulerView(Protocol):
+    """A frozen view of one replica at the start of a step."""
+
+    now: float
+    step_index: int
+    kv_capacity: int  # KV tokens the replica can hold
+    kv_used: int  # KV tokens held now
+    kv_reserved: int  # sum of kv_footprint over admitted, unfinished requests
+    cost_model: CostModel | None
+
+    @property
+    def waiting(self) -> Sequence[RequestView]: ...  # arrival order
+    @property
+    def prefilling(self) -> Sequence[RequestView]: ...  # admission order
+    @property
+    def decoding(self) -> Sequence[RequestView]: ...  # order they started decoding
+    @property
+    def more_arrivals(self) -> bool: ...  # requests still to arrive
+
+    def shape(self, p: Pass) -> PassShape: ...
+
+
+class Policy(Protocol):
+    name: str
+
+    def plan(self, view: SchedulerView) -> Plan: ...
+
+
+# ---------------------------------------------------------------- helpers for policies
+
+
+class OptionError(ValueError):
+    """A bad ``-o key=value`` option."""
+
+
+@dataclass
+class PolicyBase:
+    """Base for the bundled policies: options are dataclass fields, settable by name."""
+
+    name = "policy"
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> "PolicyBase":
+        options = dict(options or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, raw in options.items():
+            if key not in fields:
+                known = ", ".join(sorted(fields)) or "none"
+                raise OptionError(f"policy '{cls.name}' has no option '{key}' (options: {known})")
+            kwargs[key] = _coerce(cls.name, key, raw, fields[key].default)
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise OptionError(f"policy '{cls.name}': {exc}") from None
+
+    def options(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.options().items())
+        return f"{self.name}({opts})"
+
+
+def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    kind = type(default)
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise OptionError(
+            f"policy '{policy}': option {key}={raw!r} is not a valid {kind.__name__}"
+        ) from None
+    return raw
+
+
+def require_positive(policy: str, **values: int) -> None:
+    for key, value in values.items():
+        if value < 1:
+            raise OptionError(f"policy '{policy}': option {key} must be >= 1, got {value}")
+
+
+def finishes_this_pass(r: RequestView) -> bool:
+    """A decode row on ``r`` now produces its last output token."""
+    return r.generated + 1 >= r.output_tokens
+
+
+def admit_fifo(
+    view: SchedulerView, max_new: int, *, reserved: int | None = None
+) -> list[RequestView]:
+    """Take waiting requests in arrival order while their whole KV footprint fits.
+
+    Admission reserves ``prompt + output - 1`` tokens per request, so an admitted request
+    never needs preemption. Stops at the first request that does not fit (FIFO: no
+    overtaking), so a big request is not starved by small ones behind it.
+    """
+    taken: list[RequestView] = []
+    if max_new <= 0:
+        return taken
+    budget = view.kv_capacity - (view.kv_reserved if reserved is None else reserved)
+    for r in view.waiting:
+        if len(taken) >= max_new or r.kv_footprint > budget:
+            break
+        taken.append(r)
+        budget -= r.kv_footprint
+    return taken
+
+
+def fifo_chunks(
+    requests: Iterable[RequestView],
+    budget: int,
+    *,
+    leave_last: bool = False,
+    max_chunk: int | None = None,
+) -> list[tuple[str, int]]:
+    """Fill a token budget with prefill chunks taken in order.
+
+    ``leave_last``: stop one token short of the prompt's end (mlx-lm's hand-off: the last
+    prompt token is decoded, not prefilled). ``max_chunk``: cap any one chunk.
+    """
+    chunks: list[tuple[str, int]] = []
+    for r in requests:
+        if budget <= 0:
+            break
+        todo = r.remaining_prompt - (1 if leave_last else 0)
+        if max_chunk is not None:
+            todo = min(todo, max_chunk)
+        n = min(todo, budget)
+        if n > 0:
+            chunks.append((r.id, n))
+            budget -= n
+    return chunks
+
+
+def iter_limit(seq: Iterable[RequestView], n: int) -> Iterator[RequestView]:
+    for i, r in enumerate(seq):
+        if i >= n:
+            return
+        yield r

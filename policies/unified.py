@@ -1,0 +1,48 @@
+"""unified: one pass per step holding every decode row, then prefill chunks (vLLM v1).
+
+Decode rows come first, one token each; the rest of ``token_budget`` is filled with
+prefill chunks in FIFO order (running prompts first, then newly admitted ones, a partial
+chunk for the one that does not fit). Admission stops at ``max_batch`` running requests
+or when the budget is spent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, fifo_chunks, require_positive
+
+
+@dataclass
+class Unified(PolicyBase):
+    name = "unified"
+    token_budget: int = 2048
+    max_batch: int = 64
+
+    def __post_init__(self) -> None:
+        require_positive(self.name, token_budget=self.token_budget, max_batch=self.max_batch)
+
+    def plan(self, view: SchedulerView) -> Plan:
+        decode = tuple(r.id for r in view.decoding)[: self.token_budget]
+        budget = self.token_budget - len(decode)
+        running = list(view.prefilling)
+        in_flight = sum(r.remaining_prompt for r in running)
+        admitted = []
+        if budget > in_flight:
+            active = len(running) + len(view.decoding)
+            admitted = admit_fifo(view, self.max_batch - active)
+            # admit only what this step's budget can start on
+            room, kept = budget - in_flight, []
+            for r in admitted:
+                if room <= 0:
+                    break
+                kept.append(r)
+                room -= r.remaining_prompt
+            admitted = kept
+        chunks = fifo_chunks(running + admitted, budget)
+        if not decode and not chunks:
+            return Plan(admit=tuple(r.id for r in admitted))
+        return Plan(
+            admit=tuple(r.id for r in admitted),
+            passes=(Pass(decode=decode, prefill=tuple(chunks)),),
+        )

@@ -1,0 +1,205 @@
+"""Cost models: seconds of a pass from its shape.
+
+``LinearCostModel`` is a sum of named terms, each a coefficient times a feature of the
+pass shape. The decode and prefill terms are separate (they were fitted apart best in a
+probe: R^2 0.99): a pass with both runs both graphs in one evaluation and costs the sum.
+
+Features (seconds per unit in the coefficients):
+
+==============  =====================================================================
+d_pass          1 when the pass has decode rows (dispatch floor of a decode forward)
+d_rows          decode rows
+d_kv            rows x longest context: attention over the left-padded batch cache
+c_join          rows after x longest context, when rows join the batch cache (extend)
+c_leave         rows kept x longest context, when rows leave it (filter)
+p_pass          prefill forwards (1 when padded, else one per chunk)
+p_tokens        prefill tokens computed (rows x longest chunk when padded)
+p_attn          sum of chunk x (context + chunk): prompt attention (rows x max when padded)
+s_step          1 per step (the scheduler loop's own overhead)
+s_row           decode rows + prefill chunks in the step (bookkeeping per row)
+==============  =====================================================================
+
+Profiles are JSON written by ``calibrate``; a shipped profile is always measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from policies.base import PassShape
+
+PASS_FEATURES = ("d_pass", "d_rows", "d_kv", "c_join", "c_leave", "p_pass", "p_tokens", "p_attn")
+STEP_FEATURES = ("s_step", "s_row")
+FEATURES = PASS_FEATURES + STEP_FEATURES
+PROFILE_SCHEMA = "schedlab-profile/1"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; one line for the user."""
+
+
+def pass_features(s: PassShape) -> dict[str, float]:
+    f = dict.fromkeys(PASS_FEATURES, 0.0)
+    ctx = s.decode_contexts
+    if ctx:
+        rows = len(ctx)
+        longest = max(ctx)
+        f["d_pass"] = 1.0
+        f["d_rows"] = rows
+        f["d_kv"] = rows * longest
+        if s.joins:
+            f["c_join"] = rows * longest
+        if s.leaves:
+            f["c_leave"] = max(rows + s.batch_rows_before - (rows - s.joins) - s.leaves, 0) * longest
+    if s.prefill:
+        if s.padded:
+            n = max(c for c, _ in s.prefill)
+            ctx0 = max(b for _, b in s.prefill)
+            rows = len(s.prefill)
+            f["p_pass"] = 1.0
+            f["p_tokens"] = rows * n
+            f["p_attn"] = rows * n * (ctx0 + n)
+        else:
+            f["p_pass"] = len(s.prefill)
+            f["p_tokens"] = sum(c for c, _ in s.prefill)
+            f["p_attn"] = sum(c * (b + c) for c, b in s.prefill)
+    return f
+
+
+def step_features(n_passes: int, n_rows: int) -> dict[str, float]:
+    return {"s_step": 1.0, "s_row": float(n_rows)}
+
+
+@dataclass
+class LinearCostModel:
+    """Seconds = sum of coefficient x feature. Implements ``policies.base.CostModel``."""
+
+    coefficients: dict[str, float]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ProfileError(f"unknown cost coefficient(s): {', '.join(sorted(unknown))}")
+        for k, v in self.coefficients.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ProfileError(f"cost coefficient {k} must be a finite number, got {v!r}")
+        c = self.coefficients
+        # unpacked once: pass_seconds is the simulator's hot path
+        self._d = tuple(float(c.get(k, 0.0)) for k in PASS_FEATURES)
+        self._s_step = float(c.get("s_step", 0.0))
+        self._s_row = float(c.get("s_row", 0.0))
+
+    def pass_seconds(self, s: PassShape) -> float:
+        d_pass, d_rows, d_kv, c_join, c_leave, p_pass, p_tokens, p_attn = self._d
+        t = 0.0
+        ctx = s.decode_contexts
+        if ctx:
+            rows = len(ctx)
+            kv = rows * max(ctx)
+            t += d_pass + d_rows * rows + d_kv * kv
+            if s.joins:
+                t += c_join * kv
+            if s.leaves:
+                kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
+                t += c_leave * kept * (kv / rows)
+        if s.prefill:
+            if s.padded:
+                n = max(c for c, _ in s.prefill)
+                ctx0 = max(b for _, b in s.prefill)
+                rows = len(s.prefill)
+                t += p_pass + p_tokens * rows * n + p_attn * rows * n * (ctx0 + n)
+            else:
+                for c, b in s.prefill:
+                    t += p_pass + p_tokens * c + p_attn * c * (b + c)
+        return t
+
+    def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
+        return self._s_step + self._s_row * n_rows
+
+    # ------------------------------------------------------------------ profiles
+    @classmethod
+    def from_profile(cls, path: str | Path) -> "LinearCostModel":
+        data = read_profile(path)
+        return cls(dict(data["coefficients"]), meta={k: v for k, v in data.items() if k != "coefficients"})
+
+    def to_profile(self, path: str | Path, **meta: Any) -> None:
+        data = {"schema": PROFILE_SCHEMA, **self.meta, **meta, "coefficients": self.coefficients}
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile not found: {path}")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"profile {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
+        raise ProfileError(f"profile {path} has no 'coefficients' object")
+    if data.get("schema", PROFILE_SCHEMA) != PROFILE_SCHEMA:
+        raise ProfileError(f"profile {path} has schema {data.get('schema')!r}, expected {PROFILE_SCHEMA}")
+    return data
+
+
+# ---------------------------------------------------------------------- fitting
+
+
+def nnls(a, b, max_iter: int | None = None):
+    """Non-negative least squares (Lawson-Hanson active set), numpy only."""
+    import numpy as np
+
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = a.T @ (b - a @ x)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
+    for _ in range(max_iter or 3 * n + 10):
+        if passive.all() or (w[~passive] <= tol).all():
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= ~(np.abs(x) < tol)
+            passive &= x > 0
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def fit_linear(
+    rows: Sequence[Mapping[str, float]],
+    seconds: Sequence[float],
+    names: Sequence[str],
+    *,
+    relative: bool = True,
+) -> dict[str, float]:
+    """Fit non-negative coefficients for ``names`` to measured seconds.
+
+    ``relative`` weights each sample by 1/seconds, so a 5 ms decode step counts as much as
+    a 2 s prefill (we care about percent error per step, not absolute seconds).
+    """
+    import numpy as np
+
+    if len(rows) != len(seconds) or not rows:
+        raise ValueError("fit needs one or more (features, seconds) samples")
+    a = np.array([[float(r.get(k, 0.0)) for k in names] for r in rows])
+    y = np.asarray(seconds, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns to unit scale
+    x = nnls(a / scale * w[:, None], y * w)
+    return {k: float(v / s) for k, v, s in zip(names, x, scale)}

@@ -1,0 +1,166 @@
+"""Metrics with the definitions of ``vllm bench serve`` (shared/DESIGN.md).
+
+TTFT = first token - arrival. TPOT = (last - first) / (output - 1), over requests with more
+than one output token. ITL = every gap between consecutive tokens of a request, pooled.
+E2E = last token - arrival. Decode rate = (output - 1) / (last - first) tok/s per request.
+Throughput = output tokens / makespan, makespan = last finish - first arrival.
+Percentiles are numpy's linear interpolation, as vLLM computes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES) -> dict[str, float | None]:
+    a = np.asarray(values, dtype=float)
+    out: dict[str, float | None] = {"mean": float(a.mean()) if a.size else None}
+    for p in percentiles:
+        out[f"p{p:g}"] = float(np.percentile(a, p)) if a.size else None
+    return out
+
+
+def request_rows(requests) -> list[dict[str, Any]]:
+    """One row per finished request, times in seconds and milliseconds as in requests.csv."""
+    rows = []
+    for r in requests:
+        if r.finish_s is None:
+            continue
+        o = r.output_tokens
+        span = r.finish_s - r.first_token_s
+        rows.append({
+            "id": r.id,
+            "arrival_s": r.arrival_s,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": o,
+            "first_token_s": r.first_token_s,
+            "finish_s": r.finish_s,
+            "ttft_ms": (r.first_token_s - r.arrival_s) * 1e3,
+            "tpot_ms": span / (o - 1) * 1e3 if o > 1 else None,
+            "e2e_ms": (r.finish_s - r.arrival_s) * 1e3,
+            "decode_rate_tok_s": (o - 1) / span if o > 1 and span > 0 else None,
+        })
+    return rows
+
+
+def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """summary.json for a run (see issue: keys as `vllm bench serve --save-result`)."""
+    percentiles = tuple(percentiles)
+    rows = request_rows(result.requests)
+    finished = [r for r in result.requests if r.finish_s is not None]
+    itl = np.concatenate([np.diff(np.asarray(r.token_times)) for r in finished]) if finished else np.array([])
+    arrivals = [r.arrival_s for r in result.requests]
+    start = min(arrivals) if arrivals else 0.0
+    end = max((r.finish_s for r in finished), default=start)
+    makespan = end - start
+    out_tokens = sum(r.output_tokens for r in finished)
+    in_tokens = sum(r.prompt_tokens for r in finished)
+
+    def col(key):
+        return [row[key] for row in rows if row[key] is not None]
+
+    rates = col("decode_rate_tok_s")
+    summary: dict[str, Any] = {
+        "policy": result.policy,
+        "mode": result.mode,
+        "trace": result.trace,
+        "requests": len(result.requests),
+        "finished": len(finished),
+        "rejected": len(result.rejected),
+        "makespan_s": makespan,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "output_throughput_tok_s": out_tokens / makespan if makespan > 0 else None,
+        "request_throughput_rps": len(finished) / makespan if makespan > 0 else None,
+        "ttft_ms": dist(col("ttft_ms"), percentiles),
+        "tpot_ms": dist(col("tpot_ms"), percentiles),
+        "itl_ms": dist(itl * 1e3, percentiles),
+        "e2e_ms": dist(col("e2e_ms"), percentiles),
+        "decode_rate_tok_s": {
+            "min": float(min(rates)) if rates else None,
+            "p50": float(np.percentile(rates, 50)) if rates else None,
+            "max": float(max(rates)) if rates else None,
+        },
+        "steps": len(result.steps),
+        "wall_s": result.wall_s,
+    }
+    if slo:
+        summary["slo"] = dict(slo)
+        good = sum(1 for row in rows if meets_slo(row, slo))
+        summary["goodput_rps"] = good / makespan if makespan > 0 else None
+        summary["slo_attainment"] = good / len(result.requests) if result.requests else None
+    if result.error:
+        summary["error"] = result.error
+    if result.meta:
+        summary["meta"] = result.meta
+    return summary
+
+
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+def meets_slo(row: Mapping[str, Any], slo: Mapping[str, float]) -> bool:
+    """vllm bench serve --goodput: a request is good when every given SLO holds."""
+    for key, limit in slo.items():
+        value = row.get(key)
+        if value is None:
+            if key == "tpot_ms":  # one-token outputs have no TPOT: nothing to violate
+                continue
+            return False
+        if value > limit:
+            return False
+    return True
+
+
+def format_summary(s: Mapping[str, Any]) -> str:
+    """The printed summary in the layout of ``vllm bench serve``."""
+    w = 50
+    lines = [" Serving Benchmark Result ".center(w, "=")]
+
+    def kv(label, value, fmt="{:.2f}"):
+        if value is None:
+            text = "n/a"
+        elif isinstance(value, str):
+            text = value
+        elif isinstance(value, int):
+            text = str(value)
+        else:
+            text = fmt.format(value)
+        lines.append(f"{label:<40} {text:<10}")
+
+    kv("Policy:", s["policy"])
+    kv("Mode:", "simulated" if s["mode"] == "sim" else "real (MLX)")
+    kv("Trace:", s["trace"])
+    kv("Successful requests:", s["finished"])
+    if s.get("rejected"):
+        kv("Rejected requests:", s["rejected"])
+    kv("Benchmark duration (s):", s["makespan_s"])
+    kv("Total input tokens:", s["total_input_tokens"])
+    kv("Total generated tokens:", s["total_output_tokens"])
+    kv("Request throughput (req/s):", s["request_throughput_rps"])
+    kv("Output token throughput (tok/s):", s["output_throughput_tok_s"])
+    if "goodput_rps" in s:
+        kv("Request goodput (req/s):", s["goodput_rps"])
+    for key, title, short in (
+        ("ttft_ms", "Time to First Token", "TTFT"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+        ("itl_ms", "Inter-token Latency", "ITL"),
+        ("e2e_ms", "End-to-end Latency", "E2EL"),
+    ):
+        lines.append(f"{title}".center(w, "-"))
+        d = s[key]
+        kv(f"Mean {short} (ms):", d["mean"])
+        kv(f"Median {short} (ms):", d["p50"])
+        for p in [k for k in d if k.startswith("p") and k != "p50"]:
+            kv(f"{p.upper()} {short} (ms):", d[p])
+    lines.append("Per-request decode rate".center(w, "-"))
+    rate = s["decode_rate_tok_s"]
+    kv("Min decode rate (tok/s):", rate["min"])
+    kv("Median decode rate (tok/s):", rate["p50"])
+    kv("Max decode rate (tok/s):", rate["max"])
+    lines.append("=" * w)
+    return "\n".join(lines)

@@ -1,0 +1,316 @@
+"""The request state machine shared by simulation and real runs.
+
+``ReplicaState`` holds every request's phase and progress, applies a policy's plan and
+checks it: a plan that admits a request that is not waiting, decodes a request that is not
+decoding, prefills past a prompt, or overfills the KV cache raises ``PlanError`` naming the
+policy and the violation. Nothing here knows whether time is predicted or measured.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from policies.base import CostModel, Pass, PassShape, Phase, Plan
+from traces.schema import Request
+
+WAITING, PREFILLING, DECODING, FINISHED = Phase.WAITING, Phase.PREFILLING, Phase.DECODING, Phase.FINISHED
+
+
+class PlanError(RuntimeError):
+    """A policy planned something impossible. One line, names the policy and the step."""
+
+
+class RequestState:
+    """One request's progress. Policies see it read-only (properties without setters)."""
+
+    __slots__ = (
+        "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index",
+        "_phase", "_prefilled", "_generated", "_target",
+        "admitted_s", "first_token_s", "finish_s", "token_times", "preemptions",
+    )
+
+    def __init__(self, req: Request, index: int):
+        self.id = req.id
+        self.arrival_s = req.arrival_s
+        self.prompt_tokens = req.prompt_tokens
+        self.output_tokens = req.output_tokens
+        self.prefix_ids = req.prefix_ids
+        self.index = index
+        self._phase = WAITING
+        self._prefilled = 0  # tokens of the (re)prefill target now in the KV cache
+        self._generated = 0
+        self._target = req.prompt_tokens  # prompt, or prompt + generated after preemption
+        self.admitted_s: float | None = None
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.token_times: list[float] = []
+        self.preemptions = 0
+
+    phase = property(lambda self: self._phase)
+    prefilled = property(lambda self: self._prefilled)
+    generated = property(lambda self: self._generated)
+    remaining_prompt = property(lambda self: self._target - self._prefilled)
+
+    @property
+    def kv_tokens(self) -> int:
+        if self._phase is DECODING:
+            return self.prompt_tokens + self._generated - 1
+        return self._prefilled
+
+    @property
+    def kv_footprint(self) -> int:
+        return self.prompt_tokens + self.output_tokens - 1
+
+    def __repr__(self) -> str:
+        return (f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"
+                f"{self._target} generated={self._generated}/{self.output_tokens}>")
+
+
+class _Queue(Sequence):
+    """A read-only, ordered, live window on one of the replica's queues."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict):
+        self._d = d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(self._d.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+    def __getitem__(self, i):
+        if i == 0 and self._d and not isinstance(i, slice):
+            return next(iter(self._d.values()))
+        return list(self._d.values())[i]
+
+    def __contains__(self, r) -> bool:
+        return getattr(r, "id", None) in self._d
+
+    def __repr__(self) -> str:
+        return f"<queue of {len(self._d)}>"
+
+
+class ReplicaView:
+    """What ``policy.plan(view)`` reads. Valid for the step it was handed out in."""
+
+    __slots__ = ("_state", "now", "step_index", "cost_model")
+
+    def __init__(self, state: "ReplicaState", cost_model: CostModel | None):
+        self._state = state
+        self.cost_model = cost_model
+        self.now = 0.0
+        self.step_index = 0
+
+    waiting = property(lambda self: self._state.waiting_q)
+    prefilling = property(lambda self: self._state.prefilling_q)
+    decoding = property(lambda self: self._state.decoding_q)
+    kv_capacity = property(lambda self: self._state.kv_capacity)
+    kv_used = property(lambda self: self._state.kv_used)
+    kv_reserved = property(lambda self: self._state.kv_reserved)
+    more_arrivals = property(lambda self: self._state.arrived < self._state.n_accepted)
+
+    def request(self, rid: str) -> RequestState:
+        return self._state.by_id[rid]
+
+    def shape(self, p: Pass) -> PassShape:
+        return self._state.shape(p)
+
+
+class ReplicaState:
+    def __init__(self, requests: Sequence[Request], kv_capacity: int, policy_name: str):
+        self.policy_name = policy_name
+        self.kv_capacity = int(kv_capacity)
+        self.requests: list[RequestState] = [RequestState(r, i) for i, r in enumerate(requests)]
+        self.by_id: dict[str, RequestState] = {r.id: r for r in self.requests}
+        # Requests that can never fit are refused up front, like a server's 400.
+        self.rejected: list[tuple[RequestState, str]] = []
+        for r in self.requests:
+            if r.kv_footprint > self.kv_capacity:
+                self.rejected.append((r, (
+                    f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
+                    f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}")))
+        rejected_ids = {r.id for r, _ in self.rejected}
+        self.accepted: list[RequestState] = [r for r in self.requests if r.id not in rejected_ids]
+        self.n_accepted = len(self.accepted)
+        self.arrived = 0
+        self.waiting: dict[str, RequestState] = {}
+        self.prefilling: dict[str, RequestState] = {}
+        self.decoding: dict[str, RequestState] = {}
+        self.waiting_q, self.prefilling_q, self.decoding_q = (
+            _Queue(self.waiting), _Queue(self.prefilling), _Queue(self.decoding))
+        self.kv_used = 0
+        self.kv_reserved = 0
+        self.finished = 0
+        self.step_index = 0
+        # Rows of the engine's batched decode cache (see PassShape): mirrors what the
+        # MLX backend does, so predicted copies match real ones.
+        self.batch: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def arrive(self, r: RequestState) -> None:
+        self.waiting[r.id] = r
+        self.arrived += 1
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.n_accepted
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.prefilling or self.decoding)
+
+    def _fail(self, msg: str) -> PlanError:
+        return PlanError(f"policy '{self.policy_name}' step {self.step_index}: {msg}")
+
+    def _get(self, rid, what: str) -> RequestState:
+        r = self.by_id.get(rid) if isinstance(rid, str) else None
+        if r is None:
+            raise self._fail(f"{what} unknown request {rid!r}")
+        return r
+
+    def apply_admin(self, plan: Plan, now: float) -> list[RequestState]:
+        """Admissions and preemptions. Returns the preempted requests (their KV is freed)."""
+        if not isinstance(plan, Plan):
+            raise self._fail(f"plan() returned {type(plan).__name__}, not a Plan")
+        preempted = []
+        for rid in plan.preempt:
+            r = self._get(rid, "preempts")
+            if r._phase is PREFILLING:
+                del self.prefilling[rid]
+            elif r._phase is DECODING:
+                del self.decoding[rid]
+            else:
+                raise self._fail(f"preempts request {rid} which is {r._phase.value}")
+            # Recompute: its KV is dropped; re-admitted, it prefills prompt + output so far.
+            self.kv_used -= r.kv_tokens
+            self.kv_reserved -= r.kv_footprint
+            r._target = r.prompt_tokens + r._generated
+            r._prefilled = 0
+            r._phase = WAITING
+            r.preemptions += 1
+            self.batch.discard(rid)
+            # back to the front of the queue (it arrived before anyone still waiting)
+            self.waiting = {rid: r, **self.waiting}
+            self.waiting_q._d = self.waiting
+            preempted.append(r)
+        for rid in plan.admit:
+            r = self._get(rid, "admits")
+            if r._phase is not WAITING or rid not in self.waiting:
+                raise self._fail(f"admits request {rid} which is {r._phase.value}")
+            del self.waiting[rid]
+            r._phase = PREFILLING
+            if r.admitted_s is None:
+                r.admitted_s = now
+            self.prefilling[rid] = r
+            self.kv_reserved += r.kv_footprint
+        return preempted
+
+    # ------------------------------------------------------------------ passes
+    def shape(self, p: Pass) -> PassShape:
+        """Check a pass against the current state and describe it for the cost model."""
+        if not isinstance(p, Pass):
+            raise self._fail(f"plan holds {type(p).__name__}, not a Pass")
+        seen: set[str] = set()
+        ctx: list[int] = []
+        joins = 0
+        finishing = 0
+        for rid in p.decode:
+            r = self._get(rid, "decodes")
+            if rid in seen:
+                raise self._fail(f"decodes request {rid} twice in one pass")
+            seen.add(rid)
+            ph = r._phase
+            if ph is DECODING:
+                ctx.append(self.prompt_plus(r))
+            elif ph is PREFILLING and r._target - r._prefilled == 1:
+                ctx.append(r._target)  # hand-off: the last prompt token is the decode input
+            else:
+                raise self._fail(f"decodes request {rid} which is {ph.value}"
+                                 + (f" with {r._target - r._prefilled} prompt tokens left"
+                                    if ph is PREFILLING else ""))
+            if rid not in self.batch:
+                joins += 1
+            if r._generated + 1 >= r.output_tokens:
+                finishing += 1
+        chunks: list[tuple[int, int]] = []
+        for item in p.prefill:
+            try:
+                rid, n = item
+            except (TypeError, ValueError):
+                raise self._fail(f"prefill chunk {item!r} is not (request id, n_tokens)") from None
+            r = self._get(rid, "prefills")
+            if rid in seen:
+                raise self._fail(f"request {rid} appears twice in one pass")
+            seen.add(rid)
+            if r._phase is not PREFILLING:
+                raise self._fail(f"prefills request {rid} which is {r._phase.value}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise self._fail(f"prefill chunk of request {rid} has {n!r} tokens")
+            left = r._target - r._prefilled
+            if n > left:
+                raise self._fail(f"prefills {n} tokens of request {rid} which has {left} prompt tokens left")
+            chunks.append((n, r._prefilled))
+        leaves = 0
+        if p.decode:
+            leaves = len(self.batch) - (len(p.decode) - joins) + finishing
+        added = len(p.decode) + sum(n for n, _ in chunks)
+        if self.kv_used + added > self.kv_capacity:
+            raise self._fail(f"needs {self.kv_used + added} KV tokens but the capacity is {self.kv_capacity}")
+        return PassShape(
+            decode_contexts=tuple(ctx), prefill=tuple(chunks), padded=bool(p.padded and chunks),
+            batch_rows_before=len(self.batch) if p.decode else 0, joins=joins, leaves=leaves,
+        )
+
+    @staticmethod
+    def prompt_plus(r: RequestState) -> int:
+        """Tokens a decode row of ``r`` attends to: its KV plus the new input token."""
+        return r.prompt_tokens + r._generated
+
+    def apply_pass(self, p: Pass, t: float) -> list[RequestState]:
+        """Advance requests by an already-checked pass that ended at ``t``; return finishes."""
+        done: list[RequestState] = []
+        decoding = self.decoding
+        for rid in p.decode:
+            r = self.by_id[rid]
+            if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
+                r._prefilled += 1
+                r._phase = DECODING
+                del self.prefilling[rid]
+                decoding[rid] = r
+                if r.first_token_s is None:
+                    r.first_token_s = t
+            self.kv_used += 1
+            r._generated += 1
+            r.token_times.append(t)
+            if r._generated >= r.output_tokens:
+                done.append(r)
+        if p.decode:
+            self.batch = set(p.decode)
+        for rid, n in p.prefill:
+            r = self.by_id[rid]
+            r._prefilled += n
+            self.kv_used += n
+            if r._prefilled == r._target:  # the prompt is in: this pass yields a token
+                del self.prefilling[rid]
+                r._phase = DECODING
+                decoding[rid] = r
+                r._generated += 1
+                if r.first_token_s is None:
+                    r.first_token_s = t
+                r.token_times.append(t)
+                if r._generated >= r.output_tokens:
+                    done.append(r)
+        for r in done:
+            self.kv_used -= r.prompt_tokens + r._generated - 1
+            self.kv_reserved -= r.kv_footprint
+            del decoding[r.id]
+            self.batch.discard(r.id)
+            r._phase = FINISHED
+            r.finish_s = t
+            self.finished += 1
+        return done
