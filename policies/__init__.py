@@ -25,6 +25,7 @@ from .base import (
     RequestView,
     SchedulerView,
     admit_fifo,
+    count_finishing,
     fifo_chunks,
     finishes_this_pass,
 )
@@ -91,5 +92,5 @@ def _load_class(spec: str) -> type:
 __all__ = [
     "POLICIES", "make_policy", "PolicyNotFound", "OptionError", "CostModel", "Pass", "PassShape",
     "Phase", "Plan", "Policy", "PolicyBase", "RequestView", "SchedulerView", "admit_fifo",
-    "fifo_chunks", "finishes_this_pass",
+    "count_finishing", "fifo_chunks", "finishes_this_pass",
 ]

@@ -27,7 +27,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from operator import attrgetter
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 
 class Phase(str, Enum):
@@ -53,6 +54,8 @@ class RequestView(Protocol):
     @property
     def generated(self) -> int: ...  # output tokens produced so far
     @property
+    def tokens_left(self) -> int: ...  # output tokens still to produce
+    @property
     def remaining_prompt(self) -> int: ...  # prompt tokens still to put into the cache
     @property
     def kv_tokens(self) -> int: ...  # tokens this request holds in the KV cache now
@@ -60,20 +63,27 @@ class RequestView(Protocol):
     def kv_footprint(self) -> int: ...  # most KV tokens it will ever hold: prompt + output - 1
 
 
-@dataclass(frozen=True)
-class Pass:
-    """One forward call. ``decode``: request ids, one token each. ``prefill``: chunks."""
+class _PassFields(NamedTuple):
+    decode: tuple[str, ...]
+    prefill: tuple[tuple[str, int], ...]
+    padded: bool
 
-    decode: tuple[str, ...] = ()
-    prefill: tuple[tuple[str, int], ...] = ()
-    padded: bool = False
 
-    def __post_init__(self) -> None:
-        # Accept lists from user policies; store tuples so a plan is immutable.
-        if not isinstance(self.decode, tuple):
-            object.__setattr__(self, "decode", tuple(self.decode))
-        if not isinstance(self.prefill, tuple):
-            object.__setattr__(self, "prefill", tuple((r, n) for r, n in self.prefill))
+class Pass(_PassFields):
+    """One forward call. ``decode``: request ids, one token each. ``prefill``: chunks
+    ``(request id, n_tokens)``. ``padded``: run the chunks as one right-padded batch.
+
+    Immutable (a tuple); lists given by a policy are stored as tuples.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, decode: Sequence[str] = (), prefill: Sequence[tuple[str, int]] = (), padded: bool = False):
+        if type(decode) is not tuple:
+            decode = tuple(decode)
+        if type(prefill) is not tuple:
+            prefill = tuple(tuple(c) if isinstance(c, list) else c for c in prefill)
+        return tuple.__new__(cls, (decode, prefill, padded))
 
     @property
     def empty(self) -> bool:
@@ -84,27 +94,32 @@ class Pass:
         return sum(n for _, n in self.prefill)
 
 
-@dataclass(frozen=True)
-class Plan:
+class _PlanFields(NamedTuple):
+    admit: tuple[str, ...]
+    preempt: tuple[str, ...]
+    passes: tuple[Pass, ...]
+
+
+class Plan(_PlanFields):
     """What one scheduler step does: admissions, preemptions, then passes in order."""
 
-    admit: tuple[str, ...] = ()
-    preempt: tuple[str, ...] = ()
-    passes: tuple[Pass, ...] = ()
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        for name in ("admit", "preempt", "passes"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(value))
+    def __new__(cls, admit: Sequence[str] = (), preempt: Sequence[str] = (), passes: Sequence[Pass] = ()):
+        if type(admit) is not tuple:
+            admit = tuple(admit)
+        if type(preempt) is not tuple:
+            preempt = tuple(preempt)
+        if type(passes) is not tuple:
+            passes = tuple(passes)
+        return tuple.__new__(cls, (admit, preempt, passes))
 
     @property
     def idle(self) -> bool:
-        return not self.admit and not self.preempt and not any(not p.empty for p in self.passes)
+        return not self.admit and not self.preempt and all(p.empty for p in self.passes)
 
 
-@dataclass(frozen=True)
-class PassShape:
+class PassShape(NamedTuple):
     """What the cost of a pass depends on.
 
     decode_contexts: for each decode row, the tokens it attends to (its KV plus the new one).
@@ -149,6 +164,15 @@ class CostModel(Protocol):
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float: ...
 
 
+class RequestQueue(Protocol):
+    """An ordered, read-only sequence of requests; ``ids()`` gives their ids fast."""
+
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[RequestView]: ...
+    def __getitem__(self, i: int) -> RequestView: ...
+    def ids(self) -> tuple[str, ...]: ...
+
+
 class SchedulerView(Protocol):
     """A frozen view of one replica at the start of a step."""
 
@@ -160,11 +184,11 @@ class SchedulerView(Protocol):
     cost_model: CostModel | None
 
     @property
-    def waiting(self) -> Sequence[RequestView]: ...  # arrival order
+    def waiting(self) -> RequestQueue: ...  # arrival order
     @property
-    def prefilling(self) -> Sequence[RequestView]: ...  # admission order
+    def prefilling(self) -> RequestQueue: ...  # admission order
     @property
-    def decoding(self) -> Sequence[RequestView]: ...  # order they started decoding
+    def decoding(self) -> RequestQueue: ...  # order they started decoding
     @property
     def more_arrivals(self) -> bool: ...  # requests still to arrive
 
@@ -251,7 +275,15 @@ def require_positive(policy: str, **values: int) -> None:
 
 def finishes_this_pass(r: RequestView) -> bool:
     """A decode row on ``r`` now produces its last output token."""
-    return r.generated + 1 >= r.output_tokens
+    return r.tokens_left == 1
+
+
+_TOKENS_LEFT = attrgetter("tokens_left")
+
+
+def count_finishing(rows: Iterable[RequestView]) -> int:
+    """How many of ``rows`` would finish if decoded now (no per-row Python: hot path)."""
+    return list(map(_TOKENS_LEFT, rows)).count(1)
 
 
 def admit_fifo(

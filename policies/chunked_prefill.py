@@ -40,5 +40,5 @@ class ChunkedPrefill(PolicyBase):
         if chunks:
             passes.append(Pass(prefill=tuple(chunks)))
         if view.decoding:
-            passes.append(Pass(decode=tuple(r.id for r in view.decoding)))
+            passes.append(Pass(decode=view.decoding.ids()))
         return Plan(admit=tuple(r.id for r in admitted), passes=tuple(passes))

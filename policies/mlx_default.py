@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Pass, Plan, PolicyBase, RequestView, SchedulerView, admit_fifo, finishes_this_pass, require_positive
+from .base import (
+    Pass, Plan, PolicyBase, RequestView, SchedulerView, admit_fifo, count_finishing, require_positive,
+)
 
 
 @dataclass
@@ -38,13 +40,14 @@ class MlxDefault(PolicyBase):
         self.completion_batch_size = max(self.completion_batch_size, self.prefill_batch_size)
 
     # -- pieces shared with prefer-prefill -------------------------------------------
-    def decode_rows(self, view: SchedulerView) -> list[RequestView]:
-        """The decoding batch plus prompts handed off with their last token."""
-        return list(view.decoding) + [r for r in view.prefilling if r.remaining_prompt == 1]
+    @staticmethod
+    def handoffs(view: SchedulerView) -> list[RequestView]:
+        """Prompts with one token left: it is decoded, not prefilled (mlx-lm's hand-off)."""
+        return [r for r in view.prefilling if r.remaining_prompt == 1]
 
     def prompt_step(self, view: SchedulerView, batch_after: int) -> tuple[list[str], Pass | None]:
         """Admissions and the padded prefill pass, given the decode batch size after decode."""
-        if batch_after >= self.completion_batch_size:
+        if batch_after >= self.completion_batch_size or not (view.prefilling or view.waiting):
             return [], None
         prompt_batch = list(view.prefilling)  # includes hand-offs, as in mlx-lm at admission
         room = min(
@@ -60,11 +63,12 @@ class MlxDefault(PolicyBase):
         return [r.id for r in admitted], (Pass(prefill=tuple(chunks), padded=True) if chunks else None)
 
     def plan(self, view: SchedulerView) -> Plan:
-        rows = self.decode_rows(view)
+        handoffs = self.handoffs(view) if view.prefilling else []
+        rows = view.decoding.ids() + tuple(r.id for r in handoffs)
         passes = []
         if rows:
-            passes.append(Pass(decode=tuple(r.id for r in rows)))
-        batch_after = sum(1 for r in rows if not finishes_this_pass(r))
+            passes.append(Pass(decode=rows))
+        batch_after = len(rows) - count_finishing(view.decoding) - count_finishing(handoffs)
         admit, prefill = self.prompt_step(view, batch_after)
         if prefill is not None:
             passes.append(prefill)

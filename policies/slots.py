@@ -28,5 +28,5 @@ class Slots(PolicyBase):
         if chunks:
             passes.append(Pass(prefill=chunks))
         if view.decoding:
-            passes.append(Pass(decode=tuple(r.id for r in view.decoding)))
+            passes.append(Pass(decode=view.decoding.ids()))
         return Plan(admit=tuple(r.id for r in admitted), passes=tuple(passes))

@@ -28,7 +28,7 @@ class Static(PolicyBase):
                 chunks = tuple((r.id, r.remaining_prompt) for r in view.prefilling)
                 passes.append(Pass(prefill=chunks, padded=self.padded))
             if view.decoding:
-                passes.append(Pass(decode=tuple(r.id for r in view.decoding)))
+                passes.append(Pass(decode=view.decoding.ids()))
             return Plan(passes=tuple(passes))
         batch = admit_fifo(view, self.batch_size)
         if not batch:

@@ -23,7 +23,7 @@ class Unified(PolicyBase):
         require_positive(self.name, token_budget=self.token_budget, max_batch=self.max_batch)
 
     def plan(self, view: SchedulerView) -> Plan:
-        decode = tuple(r.id for r in view.decoding)[: self.token_budget]
+        decode = view.decoding.ids()[: self.token_budget]
         budget = self.token_budget - len(decode)
         running = list(view.prefilling)
         in_flight = sum(r.remaining_prompt for r in running)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import simpy
 import simpy.rt
@@ -63,8 +63,7 @@ class SimBackend:
         return {}
 
 
-@dataclass
-class StepRecord:
+class StepRecord(NamedTuple):
     index: int
     start_s: float
     end_s: float
@@ -115,9 +114,12 @@ def run(
             return env.env_start + (time.monotonic() - env.real_start) / env.factor
     else:
         env = simpy.Environment()
+        # The replica runs ahead of env.now between arrivals (nothing else can happen in
+        # between), yielding to SimPy only when an arrival is due: same events, fewer hops.
+        clock = [0.0]
 
         def now() -> float:
-            return env.now
+            return clock[0]
 
     wake: list = [None]  # the event the idle replica waits on, if it is waiting
     error: list[str] = []
@@ -149,7 +151,7 @@ def run(
                     f"{type(exc).__name__}: {exc}") from exc
             for r in state.apply_admin(plan, t0):
                 backend.release(r)
-            passes = [p for p in plan.passes if not p.empty]
+            passes = [p for p in plan.passes if p.decode or p.prefill]
             if not passes:
                 if plan.admit or plan.preempt:
                     continue  # the state changed: plan again at the same instant
@@ -158,11 +160,15 @@ def run(
                     wake[0] = env.event()
                     yield wake[0]
                     wake[0] = None
+                    if not real:
+                        clock[0] = env.now
                     continue
                 raise PlanError(
                     f"policy '{policy_name}' step {state.step_index}: planned nothing with "
                     f"{state.n_accepted - state.finished} request(s) unfinished and no arrivals left")
-            n_rows = sum(len(p.decode) + len(p.prefill) for p in passes)
+            n_rows = 0
+            for p in passes:
+                n_rows += len(p.decode) + len(p.prefill)
             predicted = overhead(len(passes), n_rows)
             t = t0 if real else t0 + predicted  # simulated overhead: planning comes first
             rows = ptoks = 0
@@ -170,12 +176,18 @@ def run(
                 shape = state.shape(p)
                 pred = pass_seconds(shape)
                 predicted += pred
-                backend.execute(p, shape, state)
-                t = now() if real else t + pred
+                if real:
+                    backend.execute(p, shape, state)
+                    t = now()
+                else:
+                    t += pred
                 rows += len(p.decode)
-                ptoks += shape.prefill_tokens
-                for r in state.apply_pass(p, t):
-                    backend.release(r)
+                if p.prefill:
+                    ptoks += shape.prefill_tokens
+                done = state.apply_pass(p, t)
+                if done and real:
+                    for r in done:
+                        backend.release(r)
             if real:
                 t = now()
             if record_steps:
@@ -185,9 +197,16 @@ def run(
             state.step_index += 1
             if on_step is not None:
                 on_step(state)
-            if t > env.now:
-                yield env.timeout(t - env.now)
+            if real:
+                if t > env.now:
+                    yield env.timeout(t - env.now)
+            else:
+                clock[0] = t
+                nxt = state.arrived
+                if nxt < state.n_accepted and accepted[nxt].arrival_s <= t and t > env.now:
+                    yield env.timeout(t - env.now)
 
+    accepted = state.accepted
     env.process(arrivals())
     proc = env.process(replica())
     try:

@@ -8,6 +8,7 @@ policy and the violation. Nothing here knows whether time is predicted or measur
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterator, Sequence
 
 from policies.base import CostModel, Pass, PassShape, Phase, Plan
@@ -20,12 +21,25 @@ class PlanError(RuntimeError):
     """A policy planned something impossible. One line, names the policy and the step."""
 
 
+def _dupes(ids) -> str:
+    seen, dup = set(), []
+    for i in ids:
+        if i in seen and i not in dup:
+            dup.append(i)
+        seen.add(i)
+    return ", ".join(map(str, dup))
+
+
+_CTX = attrgetter("_ctx")
+_LEFT = attrgetter("_left")
+
+
 class RequestState:
     """One request's progress. Policies see it read-only (properties without setters)."""
 
     __slots__ = (
         "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index",
-        "_phase", "_prefilled", "_generated", "_target",
+        "_phase", "_prefilled", "_target", "_left", "_ctx",
         "admitted_s", "first_token_s", "finish_s", "token_times", "preemptions",
     )
 
@@ -38,23 +52,32 @@ class RequestState:
         self.index = index
         self._phase = WAITING
         self._prefilled = 0  # tokens of the (re)prefill target now in the KV cache
-        self._generated = 0
         self._target = req.prompt_tokens  # prompt, or prompt + generated after preemption
+        self._left = req.output_tokens  # output tokens still to produce
+        self._ctx = 1  # what a decode row of it would attend to: its KV + the new token
         self.admitted_s: float | None = None
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
         self.token_times: list[float] = []
         self.preemptions = 0
 
-    phase = property(lambda self: self._phase)
-    prefilled = property(lambda self: self._prefilled)
-    generated = property(lambda self: self._generated)
-    remaining_prompt = property(lambda self: self._target - self._prefilled)
+    # read-only to policies; attrgetter keeps the getters in C (the simulator's hot path)
+    phase = property(attrgetter("_phase"))
+    prefilled = property(attrgetter("_prefilled"))
+
+    @property
+    def generated(self) -> int:
+        return self.output_tokens - self._left
+    tokens_left = property(attrgetter("_left"))
+
+    @property
+    def remaining_prompt(self) -> int:
+        return self._target - self._prefilled
 
     @property
     def kv_tokens(self) -> int:
         if self._phase is DECODING:
-            return self.prompt_tokens + self._generated - 1
+            return self.prompt_tokens + self.output_tokens - self._left - 1
         return self._prefilled
 
     @property
@@ -63,7 +86,7 @@ class RequestState:
 
     def __repr__(self) -> str:
         return (f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"
-                f"{self._target} generated={self._generated}/{self.output_tokens}>")
+                f"{self._target} generated={self.generated}/{self.output_tokens}>")
 
 
 class _Queue(Sequence):
@@ -82,6 +105,10 @@ class _Queue(Sequence):
 
     def __bool__(self) -> bool:
         return bool(self._d)
+
+    def ids(self) -> tuple[str, ...]:
+        """The ids in order (fast: no per-request Python)."""
+        return tuple(self._d)
 
     def __getitem__(self, i):
         if i == 0 and self._d and not isinstance(i, slice):
@@ -189,8 +216,9 @@ class ReplicaState:
             # Recompute: its KV is dropped; re-admitted, it prefills prompt + output so far.
             self.kv_used -= r.kv_tokens
             self.kv_reserved -= r.kv_footprint
-            r._target = r.prompt_tokens + r._generated
+            r._target = r.prompt_tokens + r.generated
             r._prefilled = 0
+            r._ctx = 1
             r._phase = WAITING
             r.preemptions += 1
             self.batch.discard(rid)
@@ -215,28 +243,26 @@ class ReplicaState:
         """Check a pass against the current state and describe it for the cost model."""
         if not isinstance(p, Pass):
             raise self._fail(f"plan holds {type(p).__name__}, not a Pass")
-        seen: set[str] = set()
-        ctx: list[int] = []
+        batch = self.batch
+        decode = p.decode
         joins = 0
-        finishing = 0
-        for rid in p.decode:
-            r = self._get(rid, "decodes")
-            if rid in seen:
-                raise self._fail(f"decodes request {rid} twice in one pass")
-            seen.add(rid)
-            ph = r._phase
-            if ph is DECODING:
-                ctx.append(self.prompt_plus(r))
-            elif ph is PREFILLING and r._target - r._prefilled == 1:
-                ctx.append(r._target)  # hand-off: the last prompt token is the decode input
-            else:
-                raise self._fail(f"decodes request {rid} which is {ph.value}"
-                                 + (f" with {r._target - r._prefilled} prompt tokens left"
-                                    if ph is PREFILLING else ""))
-            if rid not in self.batch:
-                joins += 1
-            if r._generated + 1 >= r.output_tokens:
-                finishing += 1
+        ctx: tuple[int, ...] = ()
+        if decode:
+            try:
+                dset = set(decode)
+            except TypeError:
+                raise self._fail(f"decode rows must be request ids, got {decode!r:.80}") from None
+            if len(dset) != len(decode):
+                raise self._fail(f"decodes a request twice in one pass: {_dupes(decode)}")
+            # rows already in the batch cache are decoding (the batch holds nothing else);
+            # only newcomers need checking
+            if not batch.issuperset(dset):
+                for rid in dset - batch:
+                    self._check_decode(rid, self.by_id.get(rid) if isinstance(rid, str) else None)
+                    joins += 1
+            rs = list(map(self.by_id.__getitem__, decode))
+            ctx = tuple(map(_CTX, rs))
+            finishing = list(map(_LEFT, rs)).count(1)
         chunks: list[tuple[int, int]] = []
         for item in p.prefill:
             try:
@@ -244,9 +270,6 @@ class ReplicaState:
             except (TypeError, ValueError):
                 raise self._fail(f"prefill chunk {item!r} is not (request id, n_tokens)") from None
             r = self._get(rid, "prefills")
-            if rid in seen:
-                raise self._fail(f"request {rid} appears twice in one pass")
-            seen.add(rid)
             if r._phase is not PREFILLING:
                 raise self._fail(f"prefills request {rid} which is {r._phase.value}")
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -255,58 +278,70 @@ class ReplicaState:
             if n > left:
                 raise self._fail(f"prefills {n} tokens of request {rid} which has {left} prompt tokens left")
             chunks.append((n, r._prefilled))
-        leaves = 0
-        if p.decode:
-            leaves = len(self.batch) - (len(p.decode) - joins) + finishing
-        added = len(p.decode) + sum(n for n, _ in chunks)
+        if chunks and (len(chunks) > 1 or decode):
+            ids = [rid for rid, _ in p.prefill]
+            if len(set(ids)) != len(ids) or (decode and not dset.isdisjoint(ids)):
+                raise self._fail(f"a request appears twice in one pass: {_dupes(list(decode) + ids)}")
+        added = len(decode) + sum(n for n, _ in chunks)
         if self.kv_used + added > self.kv_capacity:
             raise self._fail(f"needs {self.kv_used + added} KV tokens but the capacity is {self.kv_capacity}")
-        return PassShape(
-            decode_contexts=tuple(ctx), prefill=tuple(chunks), padded=bool(p.padded and chunks),
-            batch_rows_before=len(self.batch) if p.decode else 0, joins=joins, leaves=leaves,
-        )
+        padded = bool(p.padded and chunks)
+        if not decode:
+            return PassShape((), tuple(chunks), padded, 0, 0, 0)
+        leaves = len(batch) - (len(decode) - joins) + finishing
+        return PassShape(ctx, tuple(chunks), padded, len(batch), joins, leaves)
 
-    @staticmethod
-    def prompt_plus(r: RequestState) -> int:
-        """Tokens a decode row of ``r`` attends to: its KV plus the new input token."""
-        return r.prompt_tokens + r._generated
+    def _check_decode(self, rid, r: RequestState | None) -> int:
+        if r is None:
+            raise self._fail(f"decodes unknown request {rid!r}")
+        if r._phase is DECODING:
+            return r._ctx
+        if r._phase is PREFILLING and r._target - r._prefilled == 1:
+            return r._target  # hand-off: the last prompt token is the decode input
+        raise self._fail(f"decodes request {rid} which is {r._phase.value}"
+                         + (f" with {r._target - r._prefilled} prompt tokens left"
+                            if r._phase is PREFILLING else ""))
 
     def apply_pass(self, p: Pass, t: float) -> list[RequestState]:
         """Advance requests by an already-checked pass that ended at ``t``; return finishes."""
         done: list[RequestState] = []
         decoding = self.decoding
-        for rid in p.decode:
-            r = self.by_id[rid]
-            if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
-                r._prefilled += 1
-                r._phase = DECODING
-                del self.prefilling[rid]
-                decoding[rid] = r
-                if r.first_token_s is None:
-                    r.first_token_s = t
-            self.kv_used += 1
-            r._generated += 1
-            r.token_times.append(t)
-            if r._generated >= r.output_tokens:
-                done.append(r)
+        by_id = self.by_id
         if p.decode:
+            for r in map(by_id.__getitem__, p.decode):
+                if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
+                    r._prefilled += 1
+                    r._phase = DECODING
+                    del self.prefilling[r.id]
+                    decoding[r.id] = r
+                    if r.first_token_s is None:
+                        r.first_token_s = t
+                r._ctx += 1
+                r.token_times.append(t)
+                r._left -= 1
+                if not r._left:
+                    done.append(r)
+            self.kv_used += len(p.decode)
             self.batch = set(p.decode)
         for rid, n in p.prefill:
-            r = self.by_id[rid]
+            r = by_id[rid]
             r._prefilled += n
             self.kv_used += n
             if r._prefilled == r._target:  # the prompt is in: this pass yields a token
                 del self.prefilling[rid]
                 r._phase = DECODING
                 decoding[rid] = r
-                r._generated += 1
+                r._left -= 1
+                r._ctx = r._target + 1  # prompt (+ recomputed output) plus the new token
                 if r.first_token_s is None:
                     r.first_token_s = t
                 r.token_times.append(t)
-                if r._generated >= r.output_tokens:
+                if not r._left:
                     done.append(r)
+            else:
+                r._ctx = r._prefilled + 1
         for r in done:
-            self.kv_used -= r.prompt_tokens + r._generated - 1
+            self.kv_used -= r.prompt_tokens + r.output_tokens - 1
             self.kv_reserved -= r.kv_footprint
             del decoding[r.id]
             self.batch.discard(r.id)
