@@ -65,7 +65,8 @@ class Trace:
 
 def _int_field(row: dict, key: str, where: str) -> int:
     value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
         raise TraceError(f"{where}: '{key}' must be an integer, got {value!r}")
     return int(value)
 
