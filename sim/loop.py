@@ -84,6 +84,7 @@ class RunResult:
     rejected: list[tuple[RequestState, str]]
     steps: list[StepRecord]
     wall_s: float
+    passes: list[tuple[int, int, float, float, Pass]] = field(default_factory=list)  # step, index, start, end
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # set when the run stopped early (the rest is kept)
 
@@ -105,6 +106,7 @@ def run(
     state = ReplicaState(requests, kv_capacity, policy_name)
     real = backend.mode == "real"
     steps: list[StepRecord] = []
+    pass_log: list[tuple[int, int, float, float, Pass]] = []
     wall0 = time.perf_counter()
     backend.start(state)  # warm-up happens before the clock starts
     if real:
@@ -172,7 +174,8 @@ def run(
             predicted = overhead(len(passes), n_rows)
             t = t0 if real else t0 + predicted  # simulated overhead: planning comes first
             rows = ptoks = 0
-            for p in passes:
+            for k, p in enumerate(passes):
+                t_pass = now() if real else t
                 shape = state.shape(p)
                 pred = pass_seconds(shape)
                 predicted += pred
@@ -182,6 +185,8 @@ def run(
                 else:
                     t += pred
                 rows += len(p.decode)
+                if record_steps:
+                    pass_log.append((state.step_index, k, t_pass, t, p))
                 if p.prefill:
                     ptoks += shape.prefill_tokens
                 done = state.apply_pass(p, t)
@@ -216,6 +221,6 @@ def run(
     meta = backend.finish()
     return RunResult(
         policy=policy_name, mode=backend.mode, trace=trace_name, requests=state.requests,
-        rejected=state.rejected, steps=steps, wall_s=time.perf_counter() - wall0, meta=meta,
+        rejected=state.rejected, steps=steps, passes=pass_log, wall_s=time.perf_counter() - wall0, meta=meta,
         error=error[0] if error else None,
     )

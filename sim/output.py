@@ -1,4 +1,7 @@
-"""Run directories: summary.json, requests.csv, tokens.csv, steps.csv, meta.json.
+"""Run directories: summary.json, requests.csv, tokens.csv, steps.csv, passes.csv, meta.json.
+
+passes.csv has one row per request per pass (step, pass index, request id, kind
+decode|prefill, tokens, start_s, end_s): what every forward held, for timelines.
 
 Everything but meta.json (wall time, versions, command) is a pure function of the inputs,
 so the same trace, policy, profile and seed give byte-identical files.
@@ -65,6 +68,13 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
         for s in result.steps:
             w.writerow([s.index, _cell(s.start_s), _cell(s.end_s), _cell(s.predicted_s),
                         _cell(s.measured_s), s.decode_rows, s.prefill_tokens, s.passes, s.kv_tokens])
+
+    with open(out / "passes.csv", "w", newline="") as f:
+        f.write("step,pass,request_id,kind,tokens,start_s,end_s\n")
+        for step, k, t0, t1, p in result.passes:
+            tail = f",{t0!r},{t1!r}\n"
+            f.writelines(f"{step},{k},{rid},decode,1{tail}" for rid in p.decode)
+            f.writelines(f"{step},{k},{rid},prefill,{n}{tail}" for rid, n in p.prefill)
 
     info = {
         "wall_s": result.wall_s,

@@ -1,0 +1,367 @@
+"""Load sweeps: one trace rescaled to several request rates, every (policy, rate) simulated.
+
+The trace's arrival times are rescaled (``traces.to_rate``) so that its mean rate,
+(requests - 1) / (last arrival - first arrival), equals each swept rate; the shape of the
+arrival pattern and every request's lengths are kept. Each (policy, rate) is one
+``sim.run`` plus ``summarize`` -- a job; jobs run in worker processes.
+
+Highest sustained rate
+----------------------
+With SLOs, a request is *good* when it finished and meets every SLO given
+(``sim.metrics.meets_slo``, the rule of ``vllm bench serve --goodput``); a run's SLO
+attainment is good requests / all requests of the trace (rejected and unfinished requests
+count as misses). A policy *sustains* a swept rate r when its attainment is at least the
+threshold (default 0.9) at r **and at every lower swept rate**; its highest sustained rate
+is the largest such r, or none when the lowest swept rate already fails. Requiring every
+lower rate too keeps one lucky point past the knee (attainment is not always monotone in
+load) from being reported. When the highest swept rate is sustained, the true limit may be
+higher: ``limited_by_sweep`` says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+ROW_FIELDS = (
+    "policy", "rate_rps", "requests", "finished", "rejected", "ttft_p50_ms", "ttft_p99_ms",
+    "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_throughput_tok_s",
+    "request_throughput_rps", "goodput_rps", "slo_attainment", "makespan_s", "error",
+)
+DEFAULT_ATTAINMENT = 0.9
+
+
+def rescale(trace, rps: float):
+    """The trace with arrival times scaled so its mean rate is ``rps`` (first arrival at 0)."""
+    try:
+        from traces import to_rate
+    except ImportError:  # pragma: no cover - older traces package
+        to_rate = _to_rate
+    return to_rate(trace, rps)
+
+
+def _to_rate(trace, rps: float):
+    from dataclasses import replace
+
+    from traces.schema import Trace, TraceError
+
+    reqs = trace.requests
+    span = reqs[-1].arrival_s - reqs[0].arrival_s if reqs else 0.0
+    if len(reqs) < 2 or span <= 0:
+        raise TraceError(f"{trace.name}: cannot set a rate: it needs at least two requests arriving at different times")
+    k = rps / ((len(reqs) - 1) / span)
+    t0 = reqs[0].arrival_s
+    return Trace(trace.name, trace.description,
+                 [replace(r, arrival_s=(r.arrival_s - t0) / k) for r in reqs])
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    policy: str  # as the user gave it: a bundled name or file.py:Class
+    options: Mapping[str, str]
+    rate: float
+
+
+def row_from_summary(policy: str, rate: float, s: Mapping[str, Any]) -> dict[str, Any]:
+    """One table row from a summary (summarize()'s dict)."""
+    return {
+        "policy": policy,
+        "rate_rps": rate,
+        "requests": s["requests"],
+        "finished": s["finished"],
+        "rejected": s["rejected"],
+        "ttft_p50_ms": s["ttft_ms"].get("p50"),
+        "ttft_p99_ms": s["ttft_ms"].get("p99"),
+        "itl_p50_ms": s["itl_ms"].get("p50"),
+        "itl_p99_ms": s["itl_ms"].get("p99"),
+        "tpot_p50_ms": s["tpot_ms"].get("p50"),
+        "e2e_p50_ms": s["e2e_ms"].get("p50"),
+        "output_throughput_tok_s": s["output_throughput_tok_s"],
+        "request_throughput_rps": s["request_throughput_rps"],
+        "goodput_rps": s.get("goodput_rps"),
+        "slo_attainment": s.get("slo_attainment"),
+        "makespan_s": s["makespan_s"],
+        "error": s.get("error"),
+    }
+
+
+def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, float] | None) -> dict[str, Any]:
+    """Simulate one (policy, rate); any failure becomes the row's ``error`` (one line)."""
+    from policies import make_policy
+
+    from .loop import run
+    from .metrics import summarize
+
+    try:
+        tr = rescale(trace, job.rate)
+        pol = make_policy(job.policy, dict(job.options))
+        result = run(tr.requests, pol, cost_model, kv_capacity=kv_capacity, trace_name=tr.name,
+                     record_steps=False)
+        row = row_from_summary(job.policy, job.rate, summarize(result, slo=slo or None))
+    except Exception as exc:  # a user's policy or a bad option: keep the other jobs going
+        row = {k: None for k in ROW_FIELDS}
+        row.update(policy=job.policy, rate_rps=job.rate, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+    row["index"] = job.index
+    return row
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which cancels the sweep."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _worker(args):
+    return run_job(*args)
+
+
+def default_workers(n_jobs: int) -> int:
+    return max(1, min(os.cpu_count() or 1, n_jobs))
+
+
+def sweep(
+    trace,
+    policies: Sequence[str],
+    rates: Sequence[float],
+    cost_model,
+    kv_capacity: int,
+    *,
+    options: Mapping[str, str] | None = None,
+    slo: Mapping[str, float] | None = None,
+    workers: int | None = None,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every (policy, rate), rows in (policy, rate) order. ``workers`` 1 runs in-process.
+
+    Ctrl-C (KeyboardInterrupt) cancels jobs not started, stops the workers and re-raises.
+    """
+    jobs = [Job(i, p, dict(options or {}), float(r))
+            for i, (p, r) in enumerate((p, r) for p in policies for r in rates)]
+    n = workers if workers is not None else default_workers(len(jobs))
+    rows: list[dict[str, Any]] = []
+    if n <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            row = run_job(job, trace, cost_model, kv_capacity, slo)
+            rows.append(row)
+            if on_done:
+                on_done(row)
+    else:
+        rows = _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done)
+    rows.sort(key=lambda r: r["index"])
+    for r in rows:
+        r.pop("index", None)
+    return rows
+
+
+def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawn (as on macOS): no fork of a process that has threads. SIGINT is ignored while
+    # workers start, so they inherit "ignore" and a Ctrl-C during their start-up prints
+    # nothing; the parent's handler is back before the first result is awaited.
+    ctx = multiprocessing.get_context("spawn")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_ignore_sigint)
+        futures = [pool.submit(_worker, (job, trace, cost_model, kv_capacity, slo)) for job in jobs]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    rows = []
+    try:
+        for fut in as_completed(futures):
+            row = fut.result()
+            rows.append(row)
+            if on_done:
+                on_done(row)
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        procs = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:  # the jobs still running: stop them now, not when they finish
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+        raise
+    pool.shutdown(wait=True)
+    return rows
+
+
+# ------------------------------------------------------------------------ analysis
+
+
+def max_sustained_rate(rows: Sequence[Mapping[str, Any]], attainment: float = DEFAULT_ATTAINMENT) -> dict[str, dict[str, Any]]:
+    """Per policy: the highest sustained rate (module docstring) and whether the sweep limited it."""
+    out: dict[str, dict[str, Any]] = {}
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for pol in policies:
+        mine = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["rate_rps"])
+        best = None
+        failed_at = None
+        for r in mine:
+            a = r.get("slo_attainment")
+            if r.get("error") or a is None or a < attainment:
+                failed_at = r["rate_rps"]
+                break
+            best = r["rate_rps"]
+        out[pol] = {"rate_rps": best, "first_failing_rate_rps": failed_at,
+                    "limited_by_sweep": best is not None and failed_at is None}
+    return out
+
+
+def _num(v: Any, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], slo: bool = False) -> str:
+    cols = [("policy", "policy", "{}"), ("rate_rps", "rate/s", "{:g}"),
+            ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+            ("itl_p50_ms", "ITL p50 ms", "{:.1f}"), ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
+            ("output_throughput_tok_s", "tok/s", "{:.1f}"), ("request_throughput_rps", "req/s", "{:.2f}")]
+    if slo:
+        cols += [("goodput_rps", "goodput req/s", "{:.2f}"), ("slo_attainment", "SLO met", "{:.0%}")]
+    cells = [[h for _, h, _ in cols]]
+    for r in rows:
+        line = [_num(r.get(k), f) if k != "policy" else str(r[k]) for k, _, f in cols]
+        if r.get("error"):
+            line[2] = "error"
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    out = []
+    for j, c in enumerate(cells):
+        out.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def write_results(out_dir, rows, info: Mapping[str, Any]) -> list:
+    import csv
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "sweep.csv", "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(ROW_FIELDS)
+        for r in rows:
+            w.writerow(["" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k])
+                        for k in ROW_FIELDS])
+    (out / "sweep.json").write_text(json.dumps({**info, "rows": list(rows)}, indent=2) + "\n")
+    return [out / "sweep.csv", out / "sweep.json"]
+
+
+# ------------------------------------------------------------------------ figure
+
+
+def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainment: float = DEFAULT_ATTAINMENT,
+               sustained: Mapping[str, Mapping[str, Any]] | None = None, offered_tok_per_req: float | None = None,
+               title: str = "", formats: Sequence[str] = ("png", "svg")) -> dict[str, Any]:
+    """Latency against load: p50/p99 TTFT and ITL vs request rate, one colour per policy."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+
+    from .plots import _new_figure, _plain_log_axis, _style, _wide, save
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig = _new_figure(12.5, 8.6)
+    axes = fig.subplots(2, 2)
+    data: dict[str, Any] = {}
+    color = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+
+    def series(pol, key):
+        mine = sorted((r for r in rows if r["policy"] == pol and not r.get("error")), key=lambda r: r["rate_rps"])
+        x = np.array([r["rate_rps"] for r in mine], dtype=float)
+        y = np.array([np.nan if r.get(key) is None else r[key] for r in mine], dtype=float)
+        return x, y
+
+    for ax, metric, name in ((axes[0, 0], "ttft", "Time to first token"), (axes[0, 1], "itl", "Inter-token latency")):
+        ys = []
+        for pol in policies:
+            for p, ls, mk in (("p50", "-", "o"), ("p99", "--", "s")):
+                x, y = series(pol, f"{metric}_{p}_ms")
+                ax.plot(x, y, linestyle=ls, marker=mk, markersize=4.5, color=color[pol], linewidth=1.6)
+                data[f"{pol}/{metric}_{p}_ms"] = (x, y)
+                ys.append(y[np.isfinite(y)])
+        limit = (slo or {}).get("ttft_ms" if metric == "ttft" else "tpot_ms")
+        if limit is not None:
+            ax.axhline(limit, color="#444444", linestyle=":", linewidth=1.2)
+            ax.text(0.99, limit, f"SLO: {'TTFT' if metric == 'ttft' else 'TPOT'} ≤ {limit:g} ms",
+                    transform=ax.get_yaxis_transform(), va="center", ha="right", fontsize=8, color="#444444", zorder=6,
+                    bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"})
+        allv = np.concatenate(ys) if ys else np.array([])
+        if _wide(allv, 20):
+            _plain_log_axis(ax.yaxis)
+        ax.set_title(f"{name} (ms) vs load: p50 solid, p99 dashed", fontsize=10.5)
+        ax.set_ylabel(f"{metric.upper()} (ms)" + (", log scale" if ax.get_yscale() == "log" else ""))
+
+    ax = axes[1, 0]
+    for pol in policies:
+        x, y = series(pol, "output_throughput_tok_s")
+        ax.plot(x, y, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
+        data[f"{pol}/output_throughput_tok_s"] = (x, y)
+    if offered_tok_per_req:
+        rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
+        ax.plot(rates, rates * offered_tok_per_req, color="#888888", linestyle=":", linewidth=1.2,
+                label="offered: rate × mean output tokens")
+        ax.legend(loc="upper left", fontsize=8, frameon=False)
+    ax.set_title("Output token throughput vs load", fontsize=10.5)
+    ax.set_ylabel("output throughput (tok/s)")
+    ax.set_ylim(bottom=0)
+
+    ax = axes[1, 1]
+    if slo:
+        for pol in policies:
+            x, y = series(pol, "slo_attainment")
+            ax.plot(x, y * 100, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
+            data[f"{pol}/slo_attainment"] = (x, y)
+            best = (sustained or {}).get(pol, {}).get("rate_rps")
+            if best is not None:
+                ax.axvline(best, color=color[pol], linestyle=":", linewidth=1.2)
+        ax.axhline(attainment * 100, color="#444444", linestyle="--", linewidth=1)
+        ax.text(0.99, attainment * 100, f"threshold {attainment:.0%}", transform=ax.get_yaxis_transform(),
+                va="center", ha="right", fontsize=8, color="#444444", zorder=6,
+                bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"})
+        ax.set_ylim(-3, 103)
+        slo_text = ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items())
+        ax.set_title(f"SLO attainment ({slo_text})", fontsize=10.5)
+        if sustained:
+            lines = ["highest sustained rate (dotted):"]
+            for pol in policies:
+                s_ = sustained.get(pol, {})
+                r_ = s_.get("rate_rps")
+                lines.append(f"{pol}: " + ("none" if r_ is None else f"{r_:g} req/s" + (" (sweep max)" if s_.get("limited_by_sweep") else "")))
+            ax.text(0.02, 0.03, "\n".join(lines), transform=ax.transAxes, ha="left", va="bottom", fontsize=8,
+                    bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.3"}, zorder=6)
+        ax.set_ylabel("requests meeting every SLO (%)")
+    else:
+        for pol in policies:
+            x, y = series(pol, "request_throughput_rps")
+            ax.plot(x, y, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
+            data[f"{pol}/request_throughput_rps"] = (x, y)
+        rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
+        ax.plot(rates, rates, color="#888888", linestyle=":", linewidth=1.2, label="offered rate (y = x)")
+        ax.legend(loc="upper left", fontsize=8, frameon=False)
+        ax.set_title("Completed requests/s vs offered rate (give --slo for attainment)", fontsize=10.5)
+        ax.set_ylabel("request throughput (req/s)")
+        ax.set_ylim(bottom=0)
+
+    for ax in axes.flat:
+        ax.set_xlabel("offered request rate (req/s)")
+        _style(ax)
+    handles = [Line2D([], [], color=color[p], linewidth=2, label=p) for p in policies]
+    handles += [Line2D([], [], color="black", linestyle="-", marker="o", markersize=4, label="p50"),
+                Line2D([], [], color="black", linestyle="--", marker="s", markersize=4, label="p99")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    files = save(fig, out_dir, "latency_vs_load", formats)
+    return {"files": files, "series": data}

@@ -1,0 +1,60 @@
+"""Shared test helpers for the simulator: requests, known cost models, exact states."""
+
+from __future__ import annotations
+
+from policies.base import Pass, Plan
+from sim.cost import LinearCostModel
+from sim.state import ReplicaState, ReplicaView
+from traces.schema import Request
+
+# Known coefficients (not a profile: tests only). Decode ~ a few ms, prefill ~ 20k tok/s.
+KNOWN = {
+    "d_pass": 0.004, "d_rows": 0.0002, "d_kv": 2e-8, "c_join": 1e-8, "c_leave": 1e-8,
+    "p_pass": 0.004, "p_tokens": 5e-5, "p_attn": 2e-9, "s_step": 0.0005, "s_row": 1e-5,
+}
+
+
+def cost_model(**overrides) -> LinearCostModel:
+    return LinearCostModel({**KNOWN, **overrides})
+
+
+def req(rid, prompt, output, arrival=0.0) -> Request:
+    return Request(str(rid), float(arrival), int(prompt), int(output))
+
+
+class Bench:
+    """A ReplicaState driven by hand into an exact situation, with a view for policies."""
+
+    def __init__(self, requests, kv_capacity=1_000_000, name="test"):
+        self.state = ReplicaState(requests, kv_capacity, name)
+        for r in self.state.accepted:
+            self.state.arrive(r)
+        self.view = ReplicaView(self.state, cost_model())
+        self.t = 0.0
+
+    def apply(self, plan: Plan):
+        self.state.apply_admin(plan, self.t)
+        done = []
+        for p in plan.passes:
+            self.state.shape(p)
+            self.t += 0.01
+            done += self.state.apply_pass(p, self.t)
+        self.state.step_index += 1
+        return done
+
+    def decoding(self, rid):
+        """Admit ``rid`` and prefill it whole: it is decoding with one token out."""
+        r = self.state.by_id[str(rid)]
+        self.apply(Plan(admit=(r.id,), passes=(Pass(prefill=((r.id, r.prompt_tokens),)),)))
+        return r
+
+    def prefilling(self, rid, n):
+        """Admit ``rid`` and prefill ``n`` of its prompt tokens (n may be 0)."""
+        r = self.state.by_id[str(rid)]
+        passes = (Pass(prefill=((r.id, n),)),) if n else ()
+        self.apply(Plan(admit=(r.id,), passes=passes))
+        return r
+
+    def plan(self, policy) -> Plan:
+        self.view.now = self.t
+        return policy.plan(self.view)

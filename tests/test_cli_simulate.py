@@ -1,0 +1,189 @@
+"""`simulate` end to end through its console script: output, files, determinism, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simkit import KNOWN
+
+BIN = Path(sys.executable).parent
+
+
+def cli(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prof") / "known.json"
+    p.write_text(json.dumps({"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144,
+                             "coefficients": KNOWN}))
+    return p
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    for frag in fragments:
+        assert frag in lines[0], lines[0]
+    return lines[0]
+
+
+def test_summary_for_a_bundled_trace_from_any_directory(tmp_path, profile):
+    proc = cli("simulate", "--policy", "prefer-prefill", "--trace", "mixed.json", "--profile", str(profile), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for label in ("Serving Benchmark Result", "Successful requests:", "Benchmark duration (s):",
+                  "Request throughput (req/s):", "Output token throughput (tok/s):", "Mean TTFT (ms):",
+                  "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "P99 ITL (ms):",
+                  "Median E2EL (ms):", "Min decode rate (tok/s):", "Max decode rate (tok/s):"):
+        assert label in out, label
+    assert "Successful requests:                     300" in out
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_out_dir_files_and_their_agreement(tmp_path, profile):
+    out = tmp_path / "run"
+    proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile),
+               "-o", "budget=256", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("policy", "mode", "trace", "requests", "finished", "makespan_s", "output_throughput_tok_s",
+                "request_throughput_rps"):
+        assert key in summary
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
+    assert set(summary["decode_rate_tok_s"]) == {"min", "p50", "max"}
+    assert summary["mode"] == "sim" and summary["policy"] == "chunked-prefill"
+
+    reqs = read_csv(out / "requests.csv")
+    assert list(reqs[0]) == ["id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
+                             "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status"]
+    assert len(reqs) == summary["requests"] == summary["finished"]
+    tokens = read_csv(out / "tokens.csv")
+    assert len(tokens) == sum(int(r["output_tokens"]) for r in reqs)
+    # requests.csv agrees with tokens.csv: first and last token times, TTFT
+    by_req: dict[str, list[float]] = {}
+    for t in tokens:
+        by_req.setdefault(t["request_id"], []).append(float(t["time_s"]))
+    for r in reqs:
+        times = by_req[r["id"]]
+        assert float(r["first_token_s"]) == times[0] and float(r["finish_s"]) == times[-1]
+        assert float(r["ttft_ms"]) == pytest.approx((times[0] - float(r["arrival_s"])) * 1e3)
+    steps = read_csv(out / "steps.csv")
+    assert list(steps[0]) == ["step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
+                              "prefill_tokens", "passes", "kv_tokens"]
+    assert all(s["measured_s"] == "" for s in steps)  # nothing is measured in a simulation
+    assert sum(int(s["prefill_tokens"]) for s in steps) == sum(int(r["prompt_tokens"]) for r in reqs)
+    for s in steps:  # in simulation a step lasts exactly what was predicted
+        assert float(s["end_s"]) - float(s["start_s"]) == pytest.approx(float(s["predicted_s"]), abs=1e-9)
+    passes = read_csv(out / "passes.csv")
+    prefilled: dict[str, int] = {}
+    token_times = {(t["request_id"], float(t["time_s"])) for t in tokens}
+    for p in passes:
+        if p["kind"] == "prefill":
+            prefilled[p["request_id"]] = prefilled.get(p["request_id"], 0) + int(p["tokens"])
+        else:  # every decode row put out a token at the end of its pass
+            assert (p["request_id"], float(p["end_s"])) in token_times
+    assert prefilled == {r["id"]: int(r["prompt_tokens"]) for r in reqs}
+    assert {int(p["step"]) for p in passes} == {int(s["step"]) for s in steps}
+
+
+def test_same_seed_byte_identical_other_seed_differs(tmp_path, profile):
+    def go(seed: int, name: str) -> Path:
+        out = tmp_path / name
+        proc = cli("simulate", "-p", "unified", "-t", "mooncake_conv_10min", "--profile", str(profile),
+                   "--seed", str(seed), "--out", str(out), "-q")
+        assert proc.returncode == 0, proc.stderr
+        return out
+
+    a, b, c = go(1, "a"), go(1, "b"), go(2, "c")
+    for f in ("summary.json", "requests.csv", "tokens.csv", "steps.csv"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    assert (a / "requests.csv").read_bytes() != (c / "requests.csv").read_bytes()
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, profile):
+    prof = ["--profile", str(profile)]
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"requests": [{"id": 1, "arrival_s": 0, "prompt_tokens": 0, "output_tokens": 3}]}')
+    not_json = tmp_path / "not.json"
+    not_json.write_text("{nope")
+    bad_prof = tmp_path / "prof.json"
+    bad_prof.write_text('{"coefficients": {"d_pass": "fast"}}')
+    cases = [
+        (["-p", "nope", "-t", "mixed"] + prof, ["unknown policy 'nope'"]),
+        (["-p", "static", "-t", "mixed", "-o", "batch_size=big"] + prof, ["batch_size", "not a valid int"]),
+        (["-p", "static", "-t", "mixed", "-o", "batch_size"] + prof, ["not key=value"]),
+        (["-p", "static", "-t", str(bad_json)] + prof, ["empty prompt"]),
+        (["-p", "static", "-t", str(not_json)] + prof, ["invalid JSON"]),
+        (["-p", "static", "-t", "no-such-trace"] + prof, ["trace not found"]),
+        (["-p", "static", "-t", "mixed", "--profile", str(bad_prof)], ["d_pass"]),
+        (["-p", "static", "-t", "mixed", "--profile", str(tmp_path / "none.json")], ["profile not found"]),
+        (["-p", "static", "-t", "mixed", "--kv-tokens", "0"] + prof, ["--kv-tokens"]),
+        (["-p", "static", "-t", "mixed", "--frobnicate"] + prof, ["No such option"]),
+        (["-p", "static"] + prof, ["Missing option"]),
+    ]
+    for args, frags in cases:
+        assert_one_line_error(cli("simulate", *args), *frags)
+
+
+def test_impossible_plan_and_crashing_policy(tmp_path, profile):
+    f = tmp_path / "bad_policies.py"
+    f.write_text(
+        "from policies.base import Plan, Pass\n"
+        "class DecodeWaiting:\n"
+        "    name = 'decode-waiting'\n"
+        "    def plan(self, view):\n"
+        "        return Plan(passes=[Pass(decode=[view.waiting[0].id])])\n"
+        "class Crash:\n"
+        "    name = 'crash'\n"
+        "    def plan(self, view):\n"
+        "        return 1 / 0\n"
+        "class Lazy:\n"
+        "    name = 'lazy'\n"
+        "    def plan(self, view):\n"
+        "        return Plan()\n")
+    prof = ["--profile", str(profile)]
+    line = assert_one_line_error(cli("simulate", "-p", f"{f}:DecodeWaiting", "-t", "real-smoke", *prof),
+                                 "policy 'decode-waiting' step 0", "which is waiting")
+    assert line.startswith("simulate: error:")
+    assert_one_line_error(cli("simulate", "-p", f"{f}:Crash", "-t", "real-smoke", *prof),
+                          "policy 'crash' step 0 raised ZeroDivisionError")
+    assert_one_line_error(cli("simulate", "-p", f"{f}:Lazy", "-t", "real-smoke", *prof),
+                          "planned nothing", "no arrivals left")
+
+
+def test_prompt_larger_than_kv_capacity_loses_no_other_request(tmp_path, profile):
+    tr = tmp_path / "t.json"
+    tr.write_text(json.dumps({"name": "t", "requests": [
+        {"id": "small1", "arrival_s": 0.0, "prompt_tokens": 100, "output_tokens": 10},
+        {"id": "huge", "arrival_s": 0.1, "prompt_tokens": 5000, "output_tokens": 10},
+        {"id": "small2", "arrival_s": 0.2, "prompt_tokens": 200, "output_tokens": 10},
+    ]}))
+    out = tmp_path / "run"
+    proc = cli("simulate", "-p", "mlx-default", "-t", str(tr), "--profile", str(profile),
+               "--kv-tokens", "1000", "--out", str(out))
+    assert_one_line_error(proc, "1 request(s) rejected", "huge", "the other requests ran")
+    assert "Successful requests:                     2" in proc.stdout
+    status = {r["id"]: r["status"] for r in read_csv(out / "requests.csv")}
+    assert status == {"small1": "finished", "huge": "rejected", "small2": "finished"}
+
+
+def test_help_lists_every_option():
+    proc = cli("simulate", "--help")
+    assert proc.returncode == 0
+    for opt in ("--policy", "--trace", "--option", "--profile", "--kv-tokens", "--seed", "--out"):
+        assert opt in proc.stdout

@@ -1,0 +1,258 @@
+"""Policies on exact scheduler states: what each plans, step by step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies import POLICIES, OptionError, PolicyNotFound, make_policy
+from policies.base import Pass, Plan
+from simkit import Bench, req
+
+
+def decode_ids(plan: Plan) -> list[str]:
+    return [rid for p in plan.passes for rid in p.decode]
+
+
+def prefill_chunks(plan: Plan) -> list[tuple[str, int]]:
+    return [c for p in plan.passes for c in p.prefill]
+
+
+# ------------------------------------------------------------------ mlx-default / prefer-prefill
+
+
+def test_one_decoding_one_queued_prefer_prefill_skips_decode_mlx_default_does_not():
+    b = Bench([req("a", 50, 20), req("b", 300, 10)])
+    b.decoding("a")
+    mlx = b.plan(make_policy("mlx-default"))
+    pp = b.plan(make_policy("prefer-prefill"))
+    # mlx-default: decode a, admit b, one padded prefill pass that stops one token short
+    assert decode_ids(mlx) == ["a"]
+    assert mlx.admit == ("b",)
+    assert prefill_chunks(mlx) == [("b", 299)]
+    assert mlx.passes[-1].padded
+    # prefer-prefill: the same admission and prefill, no decode this step
+    assert decode_ids(pp) == []
+    assert pp.admit == ("b",)
+    assert prefill_chunks(pp) == [("b", 299)]
+
+
+def test_mlx_default_hands_off_last_prompt_token_to_decode():
+    b = Bench([req("a", 50, 20), req("b", 300, 10)])
+    b.decoding("a")
+    b.apply(b.plan(make_policy("mlx-default")))  # b prefilled to 299 of 300
+    assert b.state.by_id["b"].remaining_prompt == 1
+    plan = b.plan(make_policy("mlx-default"))
+    assert decode_ids(plan) == ["a", "b"]  # b's last prompt token is its first decode input
+    assert prefill_chunks(plan) == []
+    b.apply(plan)
+    rb = b.state.by_id["b"]
+    assert rb.phase.value == "decoding" and rb.generated == 1 and rb.first_token_s == b.t
+
+
+def test_prefer_prefill_equals_mlx_default_without_pending_prefill():
+    rng = random.Random(7)
+    for trial in range(30):
+        n = rng.randint(1, 40)
+        b = Bench([req(i, rng.randint(1, 400), rng.randint(1, 60)) for i in range(n)])
+        mlx, pp = make_policy("mlx-default"), make_policy("prefer-prefill")
+        for _ in range(rng.randint(0, 12)):
+            if b.state.done:
+                break
+            b.apply(b.plan(mlx))
+        # a prefill is pending when a prompt has more than its hand-off token left, or a
+        # waiting prompt can be admitted (the prompt batch and decode batch have room)
+        st = b.state
+        admissible = bool(st.waiting) and len(st.prefilling) < 8 and len(st.decoding) < 32
+        pending = admissible or any(r.remaining_prompt > 1 for r in st.prefilling.values())
+        if not pending:
+            assert b.plan(pp) == b.plan(mlx)
+        else:
+            assert decode_ids(b.plan(pp)) == [] or len(b.state.decoding) >= pp.completion_batch_size
+
+
+def test_prefer_prefill_decodes_when_batch_is_saturated():
+    reqs = [req(i, 10, 50) for i in range(5)] + [req("late", 100, 5)]
+    b = Bench(reqs)
+    for i in range(5):
+        b.decoding(i)
+    pol = make_policy("prefer-prefill", {"completion_batch_size": "5", "prefill_batch_size": "2"})
+    plan = b.plan(pol)
+    assert decode_ids(plan) == ["0", "1", "2", "3", "4"]
+    assert plan.admit == ()  # batch full: no admission, as in mlx-lm
+
+
+def test_mlx_default_admission_limits():
+    reqs = [req(i, 100, 10) for i in range(12)]
+    b = Bench(reqs)
+    plan = b.plan(make_policy("mlx-default"))
+    assert len(plan.admit) == 8  # prefill_batch_size
+    b.apply(plan)
+    plan2 = b.plan(make_policy("mlx-default"))
+    assert plan2.admit == ()  # prompt batch (incl. hand-offs) is full
+    assert decode_ids(plan2) == [str(i) for i in range(8)]
+
+
+def test_mlx_default_long_prompt_advances_by_step_size():
+    b = Bench([req("x", 5000, 4)])
+    pol = make_policy("mlx-default")
+    steps = []
+    while b.state.by_id["x"].phase.value != "finished":
+        plan = b.plan(pol)
+        steps.append(prefill_chunks(plan))
+        b.apply(plan)
+    assert steps[:3] == [[("x", 2048)], [("x", 2048)], [("x", 903)]]
+    assert b.state.by_id["x"].generated == 4
+
+
+# ------------------------------------------------------------------ static / slots
+
+
+def test_static_admits_nothing_while_batch_runs():
+    b = Bench([req(i, 20 + i, 3 + i) for i in range(5)])
+    pol = make_policy("static", {"batch_size": "3"})
+    first = b.plan(pol)
+    assert first.admit == ("0", "1", "2")
+    assert first.passes[0].padded and prefill_chunks(first) == [("0", 20), ("1", 21), ("2", 22)]
+    b.apply(first)
+    admitted_while_running = []
+    while b.state.decoding:
+        plan = b.plan(pol)
+        admitted_while_running += list(plan.admit)
+        b.apply(plan)
+    assert admitted_while_running == []
+    assert b.plan(pol).admit == ("3", "4")
+
+
+def test_slots_refill_a_freed_slot_at_once():
+    b = Bench([req("a", 10, 2), req("b", 10, 9), req("c", 30, 4)])
+    pol = make_policy("slots", {"n_slots": "2"})
+    b.apply(b.plan(pol))  # a, b prefilled whole: first tokens out
+    plan = b.plan(pol)
+    assert plan.admit == ()  # both slots busy
+    done = b.apply(plan)  # a's second (last) token
+    assert [r.id for r in done] == ["a"]
+    plan = b.plan(pol)
+    assert plan.admit == ("c",)
+    assert prefill_chunks(plan) == [("c", 30)]  # prefilled whole
+    assert decode_ids(plan) == ["b"]
+
+
+# ------------------------------------------------------------------ chunked prefill
+
+
+def test_chunked_prefill_budget_partial_chunk_and_short_prompts_behind():
+    b = Bench([req("long", 3000, 5), req("s1", 100, 5), req("s2", 200, 5)])
+    pol = make_policy("chunked-prefill", {"budget": "1024"})
+    plan = b.plan(pol)
+    chunks = prefill_chunks(plan)
+    assert sum(n for _, n in chunks) <= 1024
+    assert chunks[0][0] == "long" and chunks[0][1] < 3000  # partial chunk, front of queue
+    assert ("s1", 100) in chunks and ("s2", 200) in chunks  # short prompts served too
+    b.apply(plan)
+    nxt = prefill_chunks(b.plan(pol))
+    assert nxt[0][0] == "long"  # the partial request stays at the front
+    assert sum(n for _, n in nxt) <= 1024
+
+
+def test_chunked_prefill_strict_fifo_when_threshold_is_budget():
+    b = Bench([req("long", 3000, 5), req("s1", 100, 5)])
+    pol = make_policy("chunked-prefill", {"budget": "1024", "long_prefill_threshold": "1024"})
+    assert prefill_chunks(b.plan(pol)) == [("long", 1024)]
+
+
+def test_chunked_prefill_decodes_after_prefill_and_respects_max_batch():
+    b = Bench([req(i, 40, 10) for i in range(6)])
+    b.decoding(0)
+    pol = make_policy("chunked-prefill", {"max_batch": "3"})
+    plan = b.plan(pol)
+    assert len(plan.admit) == 2  # 1 active + 2 admitted = max_batch
+    assert [bool(p.prefill) for p in plan.passes] == [True, False]
+    assert decode_ids(plan) == ["0"]
+
+
+# ------------------------------------------------------------------ unified
+
+
+def test_unified_one_pass_decode_rows_first_within_budget():
+    b = Bench([req("d1", 10, 50), req("d2", 10, 50), req("p", 5000, 3), req("q", 100, 3)])
+    b.decoding("d1")
+    b.decoding("d2")
+    pol = make_policy("unified", {"token_budget": "512"})
+    plan = b.plan(pol)
+    assert len(plan.passes) == 1
+    p = plan.passes[0]
+    assert p.decode == ("d1", "d2")
+    assert p.prefill == (("p", 510),)  # budget minus the two decode tokens
+    assert plan.admit == ("p",)  # q is not admitted: the budget is spent
+
+
+# ------------------------------------------------------------------ registry and options
+
+
+def test_every_policy_is_registered_and_has_options():
+    assert set(POLICIES) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill", "unified"}
+    for name, cls in POLICIES.items():
+        pol = make_policy(name)
+        assert pol.name == name
+        assert set(pol.options()) == set(cls.option_names())
+
+
+@pytest.mark.parametrize("name,opts,msg", [
+    ("static", {"nope": "1"}, "has no option 'nope'"),
+    ("static", {"batch_size": "x"}, "not a valid int"),
+    ("static", {"batch_size": "0"}, "must be >= 1"),
+    ("static", {"padded": "maybe"}, "not a valid bool"),
+    ("chunked-prefill", {"long_prefill_threshold": "-1"}, "long_prefill_threshold"),
+])
+def test_bad_options(name, opts, msg):
+    with pytest.raises(OptionError, match=msg):
+        make_policy(name, opts)
+
+
+def test_unknown_policy_and_user_policy_files(tmp_path):
+    with pytest.raises(PolicyNotFound, match="unknown policy"):
+        make_policy("fifo-magic")
+    f = tmp_path / "mine.py"
+    f.write_text(
+        "from policies.base import Plan, Pass\n"
+        "class Greedy:\n"
+        "    name = 'greedy'\n"
+        "    def __init__(self, k=1):\n"
+        "        self.k = int(k)\n"
+        "    def plan(self, view):\n"
+        "        return Plan()\n")
+    pol = make_policy(f"{f}:Greedy", {"k": "3"})
+    assert pol.name == "greedy" and pol.k == 3
+    with pytest.raises(PolicyNotFound, match="not a class"):
+        make_policy(f"{f}:Missing")
+    with pytest.raises(PolicyNotFound, match="not found"):
+        make_policy(f"{tmp_path}/absent.py:X")
+    bad = tmp_path / "broken.py"
+    bad.write_text("def oops(:\n")
+    with pytest.raises(PolicyNotFound, match="SyntaxError"):
+        make_policy(f"{bad}:X")
+
+
+def test_plans_do_not_mutate_the_state():
+    """A policy reads a view; planning twice gives the same plan and leaves state untouched."""
+    b = Bench([req(i, 100 + 37 * i, 5 + i) for i in range(10)])
+    b.decoding(0)
+    b.prefilling(1, 40)
+    for name in POLICIES:
+        pol = make_policy(name)
+        before = [(r.id, r.phase, r.prefilled, r.generated) for r in b.state.requests]
+        kv = (b.state.kv_used, b.state.kv_reserved)
+        assert b.plan(pol) == b.plan(pol)
+        assert before == [(r.id, r.phase, r.prefilled, r.generated) for r in b.state.requests]
+        assert kv == (b.state.kv_used, b.state.kv_reserved)
+
+
+def test_view_is_read_only():
+    b = Bench([req("a", 10, 5)])
+    r = b.view.waiting[0]
+    for attr in ("phase", "prefilled", "generated", "remaining_prompt", "kv_tokens"):
+        with pytest.raises(AttributeError):
+            setattr(r, attr, 3)
+    assert isinstance(Pass(decode=["a"]).decode, tuple)  # lists from policies become tuples

@@ -1,0 +1,105 @@
+"""Invariants of whole simulations: every policy over every bundled trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import traces
+from policies import POLICIES, make_policy
+from sim import run, summarize
+from sim.loop import SimBackend
+from simkit import cost_model
+
+CAPACITY = 262_144
+
+
+def bundled_cases():
+    names = ["mixed", "long-context", "sonnet", "real-smoke", "real-mixed"]
+    cases = [(n, traces.load(n)) for n in names]
+    # the real production traces, windowed so the suite stays fast
+    cases.append(("azure2023_conv[0:300s]", traces.window(traces.load("azure2023_conv"), 0, 300)))
+    cases.append(("azure2023_code[0:600s]", traces.window(traces.load("azure2023_code"), 0, 600)))
+    moon = traces.load("mooncake_conv_10min", seed=0)
+    cases.append(("mooncake[0:120s]", traces.window(moon, 0, 120)))
+    return cases
+
+
+CASES = bundled_cases()
+
+
+class KvWatch:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.max_used = 0
+        self.steps = 0
+
+    def __call__(self, state):
+        self.steps += 1
+        assert 0 <= state.kv_used <= self.capacity
+        self.max_used = max(self.max_used, state.kv_used)
+        if self.steps % 97 == 0:  # the running total equals the sum over requests
+            held = sum(r.kv_tokens for r in state.prefilling.values()) + sum(
+                r.kv_tokens for r in state.decoding.values())
+            assert held == state.kv_used
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_request_finishes_once_with_its_tokens(policy, case):
+    name, tr = case
+    watch = KvWatch(CAPACITY)
+    res = run(tr.requests, make_policy(policy), cost_model(), kv_capacity=CAPACITY,
+              trace_name=name, on_step=watch)
+    assert res.error is None
+    assert not res.rejected
+    assert len(res.requests) == len(tr.requests)
+    by_id = {r.id: r for r in tr.requests}
+    for r in res.requests:
+        src = by_id[r.id]
+        assert r.phase.value == "finished"
+        assert r.generated == src.output_tokens == len(r.token_times)
+        t = np.asarray(r.token_times)
+        assert np.all(np.diff(t) >= 0), f"token times go back in time for {r.id}"
+        assert t[0] == r.first_token_s and t[-1] == r.finish_s
+        assert r.first_token_s > r.arrival_s  # a pass takes time
+        assert r.admitted_s >= r.arrival_s
+    assert watch.max_used > 0
+    starts = np.array([s.start_s for s in res.steps])
+    ends = np.array([s.end_s for s in res.steps])
+    assert np.all(ends > starts) and np.all(starts[1:] >= ends[:-1] - 1e-9)
+    assert max(s.kv_tokens for s in res.steps) <= CAPACITY
+    s = summarize(res)
+    assert s["finished"] == len(tr.requests)
+    assert s["total_output_tokens"] == sum(r.output_tokens for r in tr.requests)
+
+
+def test_schedules_differ_on_mixed():
+    """The six policies are not one policy under six names."""
+    tr = traces.load("mixed")
+    results = {p: summarize(run(tr.requests, make_policy(p), cost_model(), kv_capacity=CAPACITY))
+               for p in POLICIES}
+    fingerprints = {p: (round(s["ttft_ms"]["p50"], 3), round(s["itl_ms"]["p99"], 3), s["steps"])
+                    for p, s in results.items()}
+    assert len(set(fingerprints.values())) == len(POLICIES), fingerprints
+
+
+def test_kv_capacity_limits_concurrency_without_losing_requests():
+    tr = traces.load("real-mixed")
+    small = max(r.prompt_tokens + r.output_tokens - 1 for r in tr.requests)
+    for policy in POLICIES:
+        watch = KvWatch(small)
+        res = run(tr.requests, make_policy(policy), cost_model(), kv_capacity=small, on_step=watch)
+        assert res.error is None and all(r.finish_s is not None for r in res.requests)
+        assert watch.max_used <= small
+
+
+def test_sim_backend_is_the_default_and_sim_never_imports_mlx():
+    import subprocess
+    import sys
+
+    code = ("import sys, sim, sim.loop, sim.cost, sim.metrics, sim.output, policies, traces;"
+            "import sim.profiles;"
+            "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert SimBackend.mode == "sim"

@@ -1,0 +1,123 @@
+"""The shared request state machine: it checks every plan and applies it exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.base import Pass, Plan
+from sim.cost import LinearCostModel, pass_features
+from sim.state import PlanError, ReplicaState
+from simkit import KNOWN, Bench, req
+
+
+def raises_plan(b: Bench, plan: Plan, match: str):
+    with pytest.raises(PlanError, match=match) as info:
+        b.apply(plan)
+    msg = str(info.value)
+    assert msg.startswith("policy 'test' step ") and "\n" not in msg
+    return msg
+
+
+def test_decoding_a_request_that_is_not_decoding():
+    b = Bench([req("a", 10, 5), req("b", 10, 5)])
+    raises_plan(b, Plan(passes=(Pass(decode=("a",)),)), "decodes request a which is waiting")
+    b.prefilling("b", 3)
+    raises_plan(b, Plan(passes=(Pass(decode=("b",)),)), "decodes request b which is prefilling with 7 prompt tokens left")
+
+
+def test_prefilling_past_the_prompt_and_bad_chunks():
+    b = Bench([req("a", 10, 5)])
+    b.prefilling("a", 4)
+    raises_plan(b, Plan(passes=(Pass(prefill=(("a", 7),)),)), "prefills 7 tokens of request a which has 6")
+    raises_plan(b, Plan(passes=(Pass(prefill=(("a", 0),)),)), "has 0 tokens")
+    raises_plan(b, Plan(passes=(Pass(prefill=(("a", 2), ("a", 2))),)), "appears twice")
+    raises_plan(b, Plan(passes=(Pass(prefill=(("zz", 2),)),)), "unknown request 'zz'")
+
+
+def test_admitting_twice_and_prefilling_unadmitted():
+    b = Bench([req("a", 10, 5)])
+    raises_plan(b, Plan(passes=(Pass(prefill=(("a", 2),)),)), "prefills request a which is waiting")
+    b.prefilling("a", 0)
+    raises_plan(b, Plan(admit=("a",)), "admits request a which is prefilling")
+
+
+def test_kv_capacity_is_enforced_per_pass():
+    b = Bench([req("a", 60, 5), req("b", 60, 5)], kv_capacity=100)
+    b.prefilling("a", 60)
+    msg = raises_plan(b, Plan(admit=("b",), passes=(Pass(prefill=(("b", 41),)),)), "needs 101 KV tokens")
+    assert "capacity is 100" in msg
+
+
+def test_requests_larger_than_capacity_are_rejected_up_front():
+    st = ReplicaState([req("ok", 50, 10), req("huge", 95, 10)], kv_capacity=100, policy_name="p")
+    assert [r.id for r, _ in st.rejected] == ["huge"]
+    assert "needs 104 KV tokens" in st.rejected[0][1]
+    assert [r.id for r in st.accepted] == ["ok"]
+
+
+def test_token_accounting_prefill_then_decode():
+    b = Bench([req("a", 10, 3)])
+    r = b.decoding("a")
+    assert (r.generated, r.kv_tokens, r.first_token_s) == (1, 10, b.t)
+    b.apply(Plan(passes=(Pass(decode=("a",)),)))
+    assert (r.generated, r.kv_tokens) == (2, 11)
+    done = b.apply(Plan(passes=(Pass(decode=("a",)),)))
+    assert done == [r] and r.phase.value == "finished" and r.finish_s == b.t
+    assert len(r.token_times) == 3 and r.token_times[-1] == r.finish_s
+    assert b.state.kv_used == 0 and b.state.kv_reserved == 0
+
+
+def test_preemption_recomputes_prompt_plus_output():
+    b = Bench([req("a", 10, 6)])
+    r = b.decoding("a")
+    b.apply(Plan(passes=(Pass(decode=("a",)),)))  # 2 tokens out, KV holds 11
+    assert b.state.kv_used == 11
+    b.apply(Plan(preempt=("a",)))
+    assert r.phase.value == "waiting" and b.state.kv_used == 0 and r.preemptions == 1
+    # re-admitted, it prefills prompt + generated (12 tokens) and the pass yields token 3
+    b.apply(Plan(admit=("a",), passes=(Pass(prefill=(("a", 12),)),)))
+    assert r.generated == 3 and r.kv_tokens == 12 and b.state.kv_used == 12
+    assert r.first_token_s < r.token_times[-1]  # TTFT kept from the first time around
+    while r.phase.value != "finished":
+        b.apply(Plan(passes=(Pass(decode=("a",)),)))
+    assert r.generated == 6 and len(r.token_times) == 6
+
+
+def test_shape_reports_contexts_joins_and_leaves():
+    b = Bench([req("a", 10, 2), req("b", 20, 9), req("c", 30, 9)])
+    for rid in "abc":
+        b.decoding(rid)
+    st = b.state
+    s = st.shape(Pass(decode=("a", "b")))
+    assert s.decode_contexts == (11, 21) and s.joins == 2 and s.batch_rows_before == 0
+    assert s.leaves == 1  # a finishes in this pass and is filtered out
+    b.apply(Plan(passes=(Pass(decode=("a", "b")),)))
+    assert st.batch == {"b"}
+    s = st.shape(Pass(decode=("b", "c")))
+    assert (s.batch_rows_before, s.joins, s.leaves) == (1, 1, 0)
+    s = st.shape(Pass(decode=("c",)))  # b would be parked: it leaves the batch
+    assert (s.batch_rows_before, s.joins, s.leaves) == (1, 1, 1)
+
+
+def test_cost_model_features_and_prediction_agree():
+    """The fast pass_seconds and the feature vector the fit uses are the same function."""
+    cm = LinearCostModel(dict(KNOWN))
+    b = Bench([req(i, 50 + 10 * i, 20) for i in range(6)])
+    for i in range(3):
+        b.decoding(i)
+    b.prefilling(3, 10)
+    b.prefilling(4, 0)
+    shapes = [
+        b.state.shape(Pass(decode=("0", "1"))),
+        b.state.shape(Pass(prefill=(("3", 20), ("4", 64)), padded=True)),
+        b.state.shape(Pass(prefill=(("3", 20), ("4", 64)))),
+        b.state.shape(Pass(decode=("0", "1", "2"), prefill=(("4", 7),))),
+    ]
+    for s in shapes:
+        f = pass_features(s)
+        assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN[k] * v for k, v in f.items()), rel=1e-12)
+    padded, unpadded = shapes[1], shapes[2]
+    assert pass_features(padded)["p_tokens"] == 2 * 64  # rows x longest
+    assert pass_features(unpadded)["p_tokens"] == 84
+    # one batched forward vs one forward per chunk: padding trades waste for dispatches
+    assert (pass_features(padded)["p_pass"], pass_features(unpadded)["p_pass"]) == (1, 2)
