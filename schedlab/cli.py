@@ -21,7 +21,10 @@ def simulate(
     trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. mixed.json)"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"),
-    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
+    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's, or what --hardware's memory holds)"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="analytic roofline model on a hardware preset (m4-max, h100-sxm, cpu-local, ...) instead of a measured profile"),
+    model_config: Optional[str] = typer.Option(None, "--model-config", help="with --hardware: a bundled model config (llama-3.1-8b, qwen3-30b-a3b, ...) or a config.json path"),
+    quant: Optional[int] = typer.Option(None, "--quant", help="with --hardware: weight bits (4, 8, 16; default: the config's dtype)"),
     seed: int = typer.Option(0, "--seed", help="seed for trace jitter/thinning"),
     out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, tokens.csv, steps.csv here"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
@@ -37,16 +40,37 @@ def simulate(
 
     pol = make_policy(policy, parse_options(option))
     tr = traces.load(trace, seed=seed)
-    cost, capacity, profile_path = load_cost_model(profile, kv_tokens)
+    cost, capacity, cost_meta = pick_cost_model(profile, kv_tokens, hardware, model_config, quant)
     slos = parse_kv_floats(slo, "SLO")
     result = run(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
     summary = summarize(result, slo=slos or None)
     if out is not None:
-        write_run(out, result, summary, meta={"profile": str(profile_path), "kv_tokens": capacity,
+        write_run(out, result, summary, meta={**cost_meta, "kv_tokens": capacity,
                                               "seed": seed, "policy_options": _options(pol)})
     if not quiet:
         print(format_summary(summary))
     report_problems(result, summary)
+
+
+def pick_cost_model(profile, kv_tokens, hardware, model_config, quant):
+    """A measured profile (default), or the analytic model of --hardware/--model-config."""
+    if hardware is None and model_config is None:
+        if quant is not None:
+            fail("--quant goes with --hardware and --model-config", 2)
+        cost, capacity, path = load_cost_model(profile, kv_tokens)
+        return cost, capacity, {"profile": str(path)}
+    if not (hardware and model_config):
+        fail("--hardware and --model-config go together", 2)
+    if profile is not None:
+        fail("give either --profile or --hardware/--model-config, not both", 2)
+    from sim.analytic import make_analytic_cost_model
+
+    cost, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
+    if kv_tokens is not None:
+        if kv_tokens < 1:
+            fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
+        capacity = kv_tokens
+    return cost, capacity, {"analytic": meta}
 
 
 def load_cost_model(profile: str | None, kv_tokens: int | None):

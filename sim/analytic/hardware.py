@@ -1,0 +1,323 @@
+"""Hardware presets (``sim/hardware/hardware.json``) and the measured ``cpu-local`` preset.
+
+A preset gives memory (GB), memory bandwidth (GB/s) and peak TFLOP/s by dtype, each with the
+ids of its sources, plus an ``efficiency`` block (see :class:`Efficiency`) written by
+``python -m sim.analytic refit`` from published single-request benchmarks.
+
+``cpu-local`` is measured on first use: numpy float32 GEMM GFLOP/s (numpy's own BLAS) and a
+large-array copy for bandwidth (bytes read + written per second). The result is cached in the
+user cache dir (``$SCHEDLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/schedlab``, else
+``~/.cache/schedlab``) as ``cpu-local.json``, keyed by machine, so later runs are instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import AnalyticError
+
+HARDWARE_DIR = Path(__file__).resolve().parent.parent / "hardware"
+HARDWARE_FILE = HARDWARE_DIR / "hardware.json"
+BENCHMARKS_FILE = HARDWARE_DIR / "benchmarks.json"
+CPU_LOCAL = "cpu-local"
+CPU_CACHE_SCHEMA = "schedlab-cpu-local/1"
+
+#: dtype aliases users may type
+_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
+                  "float": "fp32", "float8": "fp8"}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak a real engine reaches, and its per-forward floor.
+
+    compute: achieved / peak FLOP/s on compute-bound forwards (prefill).
+    bandwidth: achieved / peak bytes/s on memory-bound forwards (decode).
+    overhead_per_layer_s: fixed seconds per layer per forward (kernel launches, dispatch).
+    step_overhead_s: seconds per scheduler step outside forwards (0: not modelled).
+    """
+
+    compute: float
+    bandwidth: float
+    overhead_per_layer_s: float = 0.0
+    step_overhead_s: float = 0.0
+    basis: str = "default"  # fitted | borrowed | default | user
+    engine: str = ""
+    source: str = ""
+    #: factors for mixture-of-experts models (gathered expert matmuls run slower than dense
+    #: ones): a mapping with compute, bandwidth, overhead_per_layer_s (+ basis, source)
+    moe: Mapping[str, Any] | None = field(default=None, compare=False)
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in ("compute", "bandwidth"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise AnalyticError(f"efficiency {key} must be in (0, 1], got {v!r}")
+        for key in ("overhead_per_layer_s", "step_overhead_s"):
+            v = getattr(self, key)
+            if not isinstance(v, (int, float)) or v < 0 or v != v:
+                raise AnalyticError(f"efficiency {key} must be >= 0, got {v!r}")
+
+        if self.moe is not None:
+            for key in ("compute", "bandwidth", "overhead_per_layer_s"):
+                if not isinstance(self.moe.get(key), (int, float)):
+                    raise AnalyticError(f"efficiency moe block lacks {key}")
+            if not (0 < self.moe["compute"] <= 1 and 0 < self.moe["bandwidth"] <= 1 and self.moe["overhead_per_layer_s"] >= 0):
+                raise AnalyticError("efficiency moe block out of range")
+
+    def for_model(self, is_moe: bool) -> "Efficiency":
+        """The factors that apply to a model: the ``moe`` block for MoE models when present."""
+        if not is_moe or not self.moe:
+            return self
+        m = self.moe
+        return replace(self, compute=float(m["compute"]), bandwidth=float(m["bandwidth"]),
+                       overhead_per_layer_s=float(m["overhead_per_layer_s"]),
+                       basis=str(m.get("basis", self.basis)), source=str(m.get("source", self.source)), moe=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"compute": self.compute, "bandwidth": self.bandwidth,
+             "overhead_per_layer_s": self.overhead_per_layer_s, "step_overhead_s": self.step_overhead_s,
+             "basis": self.basis, "engine": self.engine, "source": self.source}
+        if self.moe:
+            d["moe"] = dict(self.moe)
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Efficiency":
+        known = {"compute", "bandwidth", "overhead_per_layer_s", "step_overhead_s", "basis", "engine", "source", "moe"}
+        try:
+            return cls(compute=float(d["compute"]), bandwidth=float(d["bandwidth"]),
+                       overhead_per_layer_s=float(d.get("overhead_per_layer_s", 0.0)),
+                       step_overhead_s=float(d.get("step_overhead_s", 0.0)),
+                       basis=str(d.get("basis", "default")), engine=str(d.get("engine", "")),
+                       source=str(d.get("source", "")), moe=dict(d["moe"]) if d.get("moe") else None,
+                       extra={k: v for k, v in d.items() if k not in known})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise AnalyticError(f"bad efficiency block: {exc}") from None
+
+
+#: Used only where a preset has no efficiency block (before `refit`), and for cpu-local.
+DEFAULT_EFFICIENCY = {
+    "apple-gpu": Efficiency(0.5, 0.7, 1e-4, basis="default", source="placeholder until refit"),
+    "nvidia-gpu": Efficiency(0.5, 0.7, 5e-5, basis="default", source="placeholder until refit"),
+    # A probe of the real MLX engine on the 2-core development machine (float32 tiny and small
+    # presets, OpenBLAS; 16 forwards: prefill 16-1024 tokens, decode 1-8 rows at 64-1024
+    # context; medians of 5) fitted with fit_efficiency: rms 33%, max 50% on a loaded machine.
+    # MLX's CPU attention runs far below its GEMM rate, which one compute factor cannot
+    # capture: fit your own with fit_efficiency(samples) from calibrate runs.
+    "cpu": Efficiency(0.31, 0.59, 1.7e-3, basis="default", engine="mlx (CPU, OpenBLAS)",
+                      source="fit_efficiency on 16 MLX forwards (tiny/small presets, fp32) on a 2-core dev machine, "
+                             "rms residual 33%: a rough prior; fit yours from measured samples"),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    title: str
+    kind: str
+    memory_bytes: float
+    bandwidth: float  # bytes/s, peak
+    peak_flops: Mapping[str, float]  # dtype -> FLOP/s, peak
+    default_compute: str
+    efficiency: Efficiency
+    family: str = ""
+    info: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def peak(self, dtype: str | None = None) -> float:
+        d = _DTYPE_ALIASES.get((dtype or self.default_compute).lower(), (dtype or self.default_compute).lower())
+        if d not in self.peak_flops:
+            raise AnalyticError(f"{self.name} has no {d} peak (has: {', '.join(sorted(self.peak_flops))})")
+        return self.peak_flops[d]
+
+    def with_efficiency(self, eff: Efficiency) -> "Hardware":
+        return replace(self, efficiency=eff)
+
+    def summary(self) -> dict[str, Any]:
+        return {"hardware": self.name, "hardware_title": self.title, "memory_gb": self.memory_bytes / 1e9,
+                "bandwidth_gbs": self.bandwidth / 1e9,
+                "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
+                "compute_dtype": self.default_compute, "efficiency": self.efficiency.to_dict()}
+
+
+# ---------------------------------------------------------------------- presets file
+
+
+def read_hardware_file(path: Path | None = None) -> dict[str, Any]:
+    p = path or HARDWARE_FILE
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise AnalyticError(f"hardware presets file not found: {p}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AnalyticError(f"hardware presets file {p} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("presets"), dict):
+        raise AnalyticError(f"hardware presets file {p} has no 'presets' object")
+    return data
+
+
+def list_hardware() -> list[str]:
+    return sorted(read_hardware_file()["presets"])
+
+
+def _value(preset: Mapping[str, Any], key: str, name: str) -> float:
+    fig = preset.get(key)
+    v = fig.get("value") if isinstance(fig, Mapping) else fig
+    if not isinstance(v, (int, float)) or v <= 0:
+        raise AnalyticError(f"hardware preset {name}: {key} must be a positive number")
+    return float(v)
+
+
+def hardware_from_preset(name: str, preset: Mapping[str, Any]) -> Hardware:
+    peaks = {}
+    for dtype, fig in (preset.get("peak_tflops") or {}).items():
+        v = fig.get("value") if isinstance(fig, Mapping) else fig
+        if isinstance(v, (int, float)) and v > 0:
+            peaks[dtype] = float(v) * 1e12
+    if not peaks:
+        raise AnalyticError(f"hardware preset {name} has no peak_tflops")
+    kind = str(preset.get("kind", "nvidia-gpu"))
+    eff_block = preset.get("efficiency")
+    eff = Efficiency.from_dict(eff_block) if eff_block else DEFAULT_EFFICIENCY.get(kind, DEFAULT_EFFICIENCY["nvidia-gpu"])
+    return Hardware(name=name, title=str(preset.get("name", name)), kind=kind,
+                    memory_bytes=_value(preset, "memory_gb", name) * 1e9,
+                    bandwidth=_value(preset, "bandwidth_gbs", name) * 1e9, peak_flops=peaks,
+                    default_compute=str(preset.get("default_compute", "fp16")), efficiency=eff,
+                    family=str(preset.get("family", "")), info=dict(preset))
+
+
+def load_hardware(name: str, *, cache_dir: str | Path | None = None, remeasure: bool = False) -> Hardware:
+    """A preset by name (case-insensitive); ``cpu-local`` is measured (and cached)."""
+    data = read_hardware_file()
+    presets = data["presets"]
+    key = str(name).strip().lower()
+    if key not in presets:
+        raise AnalyticError(f"unknown hardware '{name}' (presets: {', '.join(sorted(presets))})")
+    preset = presets[key]
+    if key == CPU_LOCAL:
+        m = measure_cpu(cache_dir=cache_dir, remeasure=remeasure)
+        preset = dict(preset)
+        src = [f"measured {m['measured_at']} on {m['machine']}"]
+        preset["memory_gb"] = {"value": m["memory_gb"], "sources": src}
+        preset["bandwidth_gbs"] = {"value": m["copy_gbs"], "sources": src,
+                                   "note": f"numpy copy of {m['copy_mb']} MB arrays, read + write bytes per second, best of {m['repeats']}"}
+        preset["peak_tflops"] = {"fp32": {"value": m["gemm_gflops"] / 1e3, "sources": src,
+                                          "note": f"numpy float32 matmul, n={m['gemm_n']}, best of {m['repeats']}"}}
+        preset["measurement"] = m
+    return hardware_from_preset(key, preset)
+
+
+# ---------------------------------------------------------------------- cpu-local
+
+
+def cache_dir_default() -> Path:
+    env = os.environ.get("SCHEDLAB_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "schedlab"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:  # macOS
+        import subprocess
+
+        out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, timeout=5)
+        return float(out.stdout.strip())
+    except Exception:  # pragma: no cover - exotic platforms
+        return 8e9
+
+
+def machine_key() -> str:
+    import numpy as np
+
+    return f"{platform.node()}|{platform.system()}|{platform.machine()}|{_cpu_model()}|{_cpu_count()} cpus|numpy {np.__version__}"
+
+
+def _measure(gemm_sizes: tuple[int, ...] = (1024, 1536), copy_mb: int = 128, repeats: int = 4) -> dict[str, Any]:
+    """About a second: float32 GEMM at sizes past the caches, and a large copy."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    best_gemm = 0.0
+    for n in gemm_sizes:
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        a @ b  # warm-up (threads, page faults)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            dt = time.perf_counter() - t0
+            best_gemm = max(best_gemm, 2.0 * n ** 3 / dt)
+    n_items = copy_mb * (1 << 20) // 4
+    src = np.ones(n_items, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch both
+    best_copy = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        dt = time.perf_counter() - t0
+        best_copy = max(best_copy, 2.0 * src.nbytes / dt)
+    return {"gemm_gflops": best_gemm / 1e9, "gemm_n": list(gemm_sizes), "copy_gbs": best_copy / 1e9,
+            "copy_mb": copy_mb, "repeats": repeats, "memory_gb": _memory_bytes() / 1e9,
+            "numpy": np.__version__}
+
+
+def measure_cpu(cache_dir: str | Path | None = None, remeasure: bool = False) -> dict[str, Any]:
+    """The cached measurement for this machine, measuring (about a second) when absent."""
+    directory = Path(cache_dir) if cache_dir is not None else cache_dir_default()
+    path = directory / "cpu-local.json"
+    key = machine_key()
+    cache: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            cache = json.loads(path.read_text())
+            if cache.get("schema") != CPU_CACHE_SCHEMA or not isinstance(cache.get("machines"), dict):
+                cache = {}
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    machines = cache.get("machines", {})
+    if not remeasure and isinstance(machines.get(key), dict):
+        return machines[key]
+    m = _measure()
+    m["machine"] = key
+    m["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    machines[key] = m
+    try:  # a read-only home must not stop a simulation
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"schema": CPU_CACHE_SCHEMA, "machines": machines}, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass
+    return m

@@ -1,0 +1,327 @@
+"""Model shapes from an mlx-lm / Hugging Face ``config.json``: parameter counts, bytes, KV size.
+
+Only the fields that decide cost are read. Dense (Llama, Qwen2/3, Mistral) and mixture-of-
+experts (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3 expert layout) configs are understood:
+
+===========================  ===========================================================
+field                        meaning here
+===========================  ===========================================================
+hidden_size                  H
+num_hidden_layers            L
+num_attention_heads          query heads; ``head_dim`` defaults to H / heads
+num_key_value_heads          KV heads (defaults to the query heads: no GQA)
+intermediate_size            dense MLP width (Mixtral: the expert width)
+vocab_size                   V; the head is V x H, the embedding V x H (counted once if tied)
+num_experts / num_local_      E, routed experts per MoE layer
+experts / n_routed_experts
+num_experts_per_tok          k, experts each token picks
+moe_intermediate_size        expert MLP width
+shared_expert_intermediate_  Qwen2-MoE shared expert (plus its 1-wide gate)
+size, n_shared_experts
+decoder_sparse_step,         which layers are MoE (Qwen); ``first_k_dense_replace`` and
+mlp_only_layers              ``moe_layer_freq`` (DeepSeek)
+attention_bias, mlp_bias     biases (Qwen2 has q/k/v biases by model type)
+kv_lora_rank, q_lora_rank    DeepSeek multi-head latent attention (compressed KV cache)
+===========================  ===========================================================
+
+Every MLP is gated (gate, up, down: 3 x H x width), as in all the families above. Norms
+(2 per layer, the final one, Qwen3's per-head q/k norms) are counted in the totals and stay
+16-bit under quantisation; they are too small to matter to time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import AnalyticError
+
+#: bits per weight of a quantised matrix: ``bits`` plus a 16-bit scale and a 16-bit bias per
+#: group of ``group_size`` weights (mlx's affine quantisation: 4 bits, group 64 -> 4.5 bits).
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+FLOAT_BITS = (16, 32)
+DEFAULT_GROUP_SIZE = 64
+
+
+def bits_per_weight(bits: float, group_size: int = DEFAULT_GROUP_SIZE) -> float:
+    """Storage bits per weight of a matrix quantised to ``bits`` (16/32: plain floats)."""
+    if bits in FLOAT_BITS:
+        return float(bits)
+    return float(bits) + 32.0 / group_size
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
+    v = cfg.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0:
+        raise AnalyticError(f"model config field {key} must be a non-negative integer, got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the cost model needs to know about a model, derived from its config."""
+
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    native_bits: int
+    # per-layer parameter counts (matrices only, no norms)
+    attn_params: int  # q, k, v, o (+ biases, + MLA projections)
+    dense_mlp_params: int  # a dense layer's MLP
+    expert_params: int  # one routed expert (0 for a dense model)
+    shared_params: int  # shared experts + router of an MoE layer
+    n_experts: int  # E (0 for dense)
+    top_k: int  # k (0 for dense)
+    moe_layers: int  # how many layers are MoE
+    norm_params: int  # all norm weights in the model
+    kv_dim: int  # K+V values cached per token per layer
+    config: Mapping[str, Any] = field(repr=False, default_factory=dict)
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_layers > 0
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def layer_matrix_params(self) -> int:
+        """All matrices of all layers (every expert counted)."""
+        moe = self.attn_params + self.shared_params + self.n_experts * self.expert_params
+        dense = self.attn_params + self.dense_mlp_params
+        return self.moe_layers * moe + self.dense_layers * dense
+
+    @property
+    def total_params(self) -> int:
+        emb = self.embed_params if self.tied else 2 * self.embed_params
+        return self.layer_matrix_params + emb + self.norm_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token touches: every expert replaced by the k it picks."""
+        return self.total_params - self.moe_layers * (self.n_experts - self.top_k) * self.expert_params
+
+    @property
+    def non_embedding_params(self) -> int:
+        return self.total_params - (self.embed_params if self.tied else 2 * self.embed_params)
+
+    def active_matmul_params(self) -> int:
+        """Matrix parameters a token multiplies through in the layers (no embedding, no head)."""
+        moe = self.attn_params + self.shared_params + self.top_k * self.expert_params
+        dense = self.attn_params + self.dense_mlp_params
+        return self.moe_layers * moe + self.dense_layers * dense
+
+    # ------------------------------------------------------------------ MoE
+    def distinct_experts(self, tokens: float) -> float:
+        """Expected distinct experts per MoE layer hit by ``tokens`` tokens choosing k of E
+        each, uniform routing: E * (1 - (1 - k/E)^T). At most E; k for one token."""
+        if not self.is_moe or tokens <= 0:
+            return 0.0
+        e, k = self.n_experts, self.top_k
+        return e * (1.0 - (1.0 - k / e) ** tokens)
+
+    def layer_weight_params_touched(self, tokens: float) -> float:
+        """Layer matrix parameters read by a forward over ``tokens`` tokens."""
+        dense = self.dense_layers * (self.attn_params + self.dense_mlp_params)
+        if not self.is_moe:
+            return float(dense)
+        per = self.attn_params + self.shared_params + self.distinct_experts(tokens) * self.expert_params
+        return dense + self.moe_layers * per
+
+    # ------------------------------------------------------------------ bytes
+    def weight_bytes(self, bits: float | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> float:
+        """Bytes to hold every weight: matrices and embeddings at ``bits`` (None: native),
+        norms at 16 bits."""
+        b = bits_per_weight(self.native_bits if bits is None else bits, group_size) / 8.0
+        emb = self.embed_params if self.tied else 2 * self.embed_params
+        return (self.layer_matrix_params + emb) * b + self.norm_params * 2.0
+
+    def kv_bytes_per_token(self, kv_bits: int = 16) -> float:
+        """K and V of one token in every layer: 2 x layers x kv_heads x head_dim x bytes
+        (DeepSeek MLA: the compressed latent + rope key per layer)."""
+        return self.layers * self.kv_dim * kv_bits / 8.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model_type": self.model_type,
+            "layers": self.layers,
+            "hidden_size": self.hidden,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "tied_embeddings": self.tied,
+            "experts": self.n_experts,
+            "experts_per_token": self.top_k,
+            "moe_layers": self.moe_layers,
+            "total_params": self.total_params,
+            "active_params": self.active_params,
+        }
+
+
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Multimodal configs keep the language model under ``text_config``."""
+    inner = cfg.get("text_config")
+    if isinstance(inner, Mapping) and "hidden_size" not in cfg:
+        merged = dict(inner)
+        merged.setdefault("model_type", cfg.get("model_type"))
+        return merged
+    return cfg
+
+
+def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
+    """Read a config dict. Raises ``AnalyticError`` (one line) on what it cannot use."""
+    if not isinstance(config, Mapping):
+        raise AnalyticError(f"model config {name} is not a JSON object")
+    cfg = _text_config(config)
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if cfg.get(k) is None]
+    if missing:
+        raise AnalyticError(f"model config {name} lacks {', '.join(missing)}")
+    mtype = str(cfg.get("model_type") or "unknown")
+    h = _int(cfg, "hidden_size")
+    n_layers = _int(cfg, "num_hidden_layers")
+    heads = _int(cfg, "num_attention_heads")
+    vocab = _int(cfg, "vocab_size")
+    if not (h and n_layers and heads and vocab):
+        raise AnalyticError(f"model config {name}: hidden_size, num_hidden_layers, "
+                            "num_attention_heads and vocab_size must be > 0")
+    kv_heads = _int(cfg, "num_key_value_heads") or heads
+    head_dim = _int(cfg, "head_dim") or h // heads
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    native_bits = 32 if "32" in dtype else 16
+
+    attn_bias = bool(cfg.get("attention_bias", mtype in ("qwen2", "qwen2_moe")))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+
+    # ---- attention
+    kv_lora = _int(cfg, "kv_lora_rank")
+    if kv_lora:  # DeepSeek multi-head latent attention
+        q_lora = _int(cfg, "q_lora_rank")
+        nope = _int(cfg, "qk_nope_head_dim", 128)
+        rope = _int(cfg, "qk_rope_head_dim", 64)
+        v_dim = _int(cfg, "v_head_dim", 128)
+        qk = nope + rope
+        q = (h * q_lora + q_lora * heads * qk) if q_lora else h * heads * qk
+        attn = q + h * (kv_lora + rope) + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
+        kv_dim = kv_lora + rope
+        head_dim = qk
+        norms_per_layer = 2 * h + kv_lora + (q_lora or 0)
+    else:
+        q_out, kv_out = heads * head_dim, kv_heads * head_dim
+        attn = h * q_out + 2 * h * kv_out + q_out * h
+        if attn_bias:
+            attn += q_out + 2 * kv_out
+        kv_dim = 2 * kv_out
+        norms_per_layer = 2 * h + (2 * head_dim if mtype.startswith("qwen3") else 0)
+
+    # ---- MLP / experts
+    inter = _int(cfg, "intermediate_size") or 4 * h
+    n_exp = (_int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts") or 0)
+    top_k = _int(cfg, "num_experts_per_tok") or (_int(cfg, "top_k") or 0)
+    gated_mlp = lambda width: 3 * h * width + (2 * width + h if mlp_bias else 0)  # noqa: E731
+    dense_mlp = gated_mlp(inter)
+    expert = shared = 0
+    moe_layers = 0
+    if n_exp:
+        if not top_k or top_k > n_exp:
+            raise AnalyticError(f"model config {name}: num_experts_per_tok must be 1..{n_exp}, got {top_k}")
+        moe_width = _int(cfg, "moe_intermediate_size") or inter  # Mixtral: intermediate_size is per expert
+        expert = gated_mlp(moe_width)
+        shared = h * n_exp  # router
+        shared_width = _int(cfg, "shared_expert_intermediate_size")
+        n_shared = _int(cfg, "n_shared_experts") or _int(cfg, "num_shared_experts") or 0
+        if shared_width:
+            shared += gated_mlp(shared_width) + h  # Qwen2-MoE shared expert and its 1-wide gate
+        elif n_shared:
+            shared += n_shared * expert
+        if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:  # DeepSeek layout
+            first = _int(cfg, "first_k_dense_replace", 0)
+            freq = _int(cfg, "moe_layer_freq", 1) or 1
+            moe_layers = sum(1 for i in range(n_layers) if i >= first and i % freq == 0)
+        else:  # Qwen-MoE / Mixtral layout
+            step = _int(cfg, "decoder_sparse_step", 1) or 1
+            only_mlp = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
+    norms = n_layers * norms_per_layer + h
+    return ModelSpec(
+        name=name, model_type=mtype, hidden=h, layers=n_layers, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, vocab=vocab, tied=tied, native_bits=native_bits, attn_params=attn,
+        dense_mlp_params=dense_mlp, expert_params=expert, shared_params=shared, n_experts=n_exp,
+        top_k=top_k if n_exp else 0, moe_layers=moe_layers, norm_params=norms, kv_dim=kv_dim,
+        config=dict(config),
+    )
+
+
+# ---------------------------------------------------------------------- bundled configs
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+def bundled_model_configs() -> list[str]:
+    if not CONFIG_DIR.is_dir():
+        return []
+    return sorted(p.parent.name for p in CONFIG_DIR.glob("*/config.json"))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise AnalyticError(f"model config not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AnalyticError(f"model config {path} is not valid JSON: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise AnalyticError(f"model config {path} is not a JSON object")
+    return data
+
+
+def load_model_config(spec: str | Path) -> tuple[str, dict[str, Any]]:
+    """A bundled name (``qwen3-30b-a3b``) or a path to a config.json (or its directory)."""
+    text = str(spec)
+    bundled = bundled_model_configs()
+    if text.lower() in bundled:
+        return text.lower(), read_config_file(CONFIG_DIR / text.lower() / "config.json")
+    p = Path(text)
+    if p.exists():
+        name = p.parent.name if p.is_file() else p.name
+        return name or text, read_config_file(p)
+    raise AnalyticError(f"unknown model config '{text}' (bundled: {', '.join(bundled)}; "
+                        "or give a path to a config.json)")
+
+
+def check_quant(bits: int | float | None) -> None:
+    if bits is None:
+        return
+    if isinstance(bits, bool) or bits not in QUANT_BITS + FLOAT_BITS:
+        allowed = ", ".join(str(b) for b in QUANT_BITS + FLOAT_BITS)
+        raise AnalyticError(f"--quant must be one of {allowed} bits, got {bits}")
+
+
+def fmt_params(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
