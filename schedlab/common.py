@@ -23,6 +23,13 @@ class UserError(Exception):
         self.code = code
 
 
+class Interrupted(UserError):
+    """Ctrl-C: printed as ``prog: interrupted[: what was dropped]``, exit status 130."""
+
+    def __init__(self, detail: str = ""):
+        super().__init__(detail, 130)
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Every exception that means bad input, not a bug. Imported lazily (no mlx here)."""
     from policies import OptionError, PolicyNotFound
@@ -58,7 +65,13 @@ def run_app(app: typer.Typer, prog: str) -> None:
     try:
         rc = app(prog_name=prog, standalone_mode=False)
         if isinstance(rc, int) and rc:
+            if rc == 130:  # typer turns Ctrl-C into a silent exit 130
+                print(f"{prog}: interrupted", file=sys.stderr)
             raise SystemExit(rc)
+    except Interrupted as exc:
+        detail = f": {exc}" if str(exc) else ""
+        print(f"{prog}: interrupted{detail}", file=sys.stderr)
+        raise SystemExit(130) from None
     except _cx.UsageError as exc:
         msg = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         print(f"{prog}: error: {msg} (see {prog} --help)", file=sys.stderr)

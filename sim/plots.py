@@ -1,8 +1,9 @@
 """Figures from run directories: latency CDFs, decode rates, step timelines, validation.
 
 A run directory is what ``simulate --out DIR`` writes (sim/output.py): summary.json,
-requests.csv, tokens.csv, steps.csv (meta.json is not needed here). A validation directory
-holds validation.json plus ``sim/`` and ``real/`` run directories.
+requests.csv, tokens.csv, steps.csv and passes.csv (meta.json is not needed here; a
+directory without passes.csv still plots, see below). A validation directory holds
+validation.json plus ``sim/`` and ``real/`` run directories.
 
 Every ``plot_*`` function draws one figure, saves it in each requested format and returns
 the numbers it drew (CDF arrays, the p50/p99 it marked, bar heights, timeline segments),
@@ -14,9 +15,15 @@ draws. Nothing here imports mlx.
 
 What the step timeline can and cannot show
 ------------------------------------------
-steps.csv has, per step, its start and end and how many decode rows and prefill tokens it
-ran, but not which requests. tokens.csv has the time of every output token, which is the
-end of the pass that produced it. From those two files (the "tokens" view):
+With passes.csv (one row per request per pass: ``step,pass,request_id,kind,tokens,
+start_s,end_s``, kind ``decode`` or ``prefill``) the timeline is exact: every prefill chunk
+and decode row is drawn over its pass, and pass boundaries show as thin gaps.
+
+Without it (run directories written before passes.csv existed) the timeline falls back to
+steps.csv and tokens.csv. steps.csv has, per step, its start and end and how many decode
+rows and prefill tokens it ran, but not which requests. tokens.csv has the time of every
+output token, which is the end of the pass that produced it. From those two files (the
+"tokens" view):
 
 - exact: in which step each request received each token, and the end time of that pass;
   the steps in which a decoding request got no token (stalls) show as gaps;
@@ -27,10 +34,6 @@ end of the pass that produced it. From those two files (the "tokens" view):
 - not recoverable: which steps prefilled which request before its first token (only the
   step total is known), waiting vs. prefilling before the first token, whether the first
   token came from a prefill chunk or a decode hand-off, and preemptions/recomputes.
-
-An optional ``passes.csv`` (one row per request per pass: ``step,pass,request_id,kind,
-tokens,start_s,end_s`` with kind ``decode`` or ``prefill``) makes the timeline exact; it is
-used whenever present.
 """
 
 from __future__ import annotations
@@ -187,6 +190,9 @@ def load_run(path: str | Path) -> RunData:
     if not p.is_dir():
         raise RunDirError(f"{p} is not a run directory (it is a file; give the directory written by simulate --out)")
     missing = [f for f in RUN_FILES if not (p / f).is_file()]
+    if missing and (p / "sim").is_dir() and (p / "real").is_dir():
+        raise RunDirError(f"{p} has sim/ and real/ but no validation.json (not a validation directory), "
+                          f"and is not a run directory")
     if missing:
         raise RunDirError(f"{p} is not a run directory: missing {', '.join(missing)} "
                           f"(write one with simulate --out DIR)")
@@ -447,20 +453,22 @@ def plot_decode_rates(runs: Sequence[RunData], out_dir: str | Path, formats=FORM
                 ax.fill_between(x, np.where(starved, rates, 0), step="mid", color=STARVED_COLOR, linewidth=0)
         if med is not None:
             ax.axhline(med, color="black", linestyle="--", linewidth=1.1)
-            ax.text(0.005, med, f" median {med:.1f} tok/s ", transform=ax.get_yaxis_transform(),
-                    va="bottom", ha="left", fontsize=8.5, zorder=6,
-                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
         if 0 < rates.size <= 48:
             ax.set_xticks(x, [str(i) for i in ids], rotation=90, fontsize=7)
             ax.set_xlabel("request id, sorted by decode rate (ascending)")
         else:
             ax.set_xlabel("requests, sorted by decode rate (ascending)")
+        if rates.size > 48:  # ids are not on the axis: name the slowest
+            slow = ", ".join(f"{i} ({v:.3g})" for i, v in zip(ids[:3], rates[:3]))
+            ax.text(0.01, 0.97, f"slowest: {slow} tok/s", transform=ax.transAxes, va="top", ha="left",
+                    fontsize=8.5, bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.3"})
         ax.set_xlim(-0.7, max(rates.size, 1) - 0.3)
         ax.set_ylabel("decode rate (tok/s)")
         skipped = len(r.finished) - rates.size
         note = f"; {skipped} with one output token have no rate" if skipped else ""
-        ax.set_title(f"{r.label}: {rates.size} requests, {int(starved.sum())} below "
-                     f"{STARVED_FRACTION:.0%} of the median (red){note}", fontsize=10)
+        med_text = f"median {med:.3g} tok/s (dashed)" if med is not None else "no decode rates"
+        ax.set_title(f"{r.label}: {rates.size} requests, {med_text}, {int(starved.sum())} below "
+                     f"{STARVED_FRACTION:.0%} of it (red){note}", fontsize=10)
         _style(ax)
         ax.grid(False, axis="x")
         data[r.label] = {"ids": list(ids), "heights": rates, "median": med, "starved": list(ids[starved])}
@@ -547,6 +555,14 @@ def _rects(ax, x, w, h, color, edge) -> None:
     ax.set_ylim(0, (h.max() if h.size else 1) * 1.1)
 
 
+def _lane_rects(ax, x, w, lane, half, color, edge, z) -> None:
+    from matplotlib.collections import PolyCollection
+
+    lo, hi = lane - half, lane + half
+    verts = np.stack([np.c_[x, lo], np.c_[x, hi], np.c_[x + w, hi], np.c_[x + w, lo]], axis=1)
+    ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors=edge, linewidths=0.3, zorder=z))
+
+
 def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *, lanes: int = DEFAULT_LANES,
                   window: tuple[float, float] | None = None, formats=FORMATS) -> dict[str, Any]:
     """Per-request lanes of prefill and decode work over time, with per-step batch panels."""
@@ -564,7 +580,7 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
         x0, x1 = window
     else:
         lo = [float(shown["arrival_s"].min())] if len(shown) else [0.0]
-        hi = [e for _, _, _, e in segs] + lo
+        hi = [e for _, _, _, e in segs] + [float(shown["arrival_s"].max())] + lo
         x0 = window[0] if window is not None and math.isfinite(window[0]) else min(lo)
         x1 = window[1] if window is not None and math.isfinite(window[1]) else max(hi)
         if x1 <= x0:
@@ -602,15 +618,16 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
         mine = [s for s in segs if s[0] == row.id]
         last = max((e for _, _, _, e in mine), default=row.arrival_s)
         alive_line.append((row.arrival_s, end if end is not None else last, i))
-    for a, b, i in alive_line:
-        ax.plot([a, b], [i, i], color="#b0b0b0", linewidth=0.8, zorder=1)
+    if alive_line:
+        from matplotlib.collections import LineCollection
+
+        ax.add_collection(LineCollection([[(a, i), (b, i)] for a, b, i in alive_line], colors="#b0b0b0",
+                                         linewidths=0.8, zorder=1))
     ax.plot(shown["arrival_s"].to_numpy(float), np.arange(len(ids)), linestyle="none", marker="|",
             color="black", markersize=7, zorder=4)
 
-    by_lane_kind: dict[tuple[int, str], list[tuple[float, float]]] = {}
     first_start: dict[str, float] = {}
     for rid, kind, s, e in segs:
-        by_lane_kind.setdefault((lane_of[rid], kind), []).append((s, e - s))
         first_start[rid] = min(first_start.get(rid, math.inf), s)
     # before the first drawn segment: waiting (passes view) or unresolved (tokens view)
     waits = []
@@ -618,14 +635,15 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
         fs = first_start.get(row.id)
         if fs is not None and fs > row.arrival_s:
             waits.append((lane_of[row.id], row.arrival_s, fs - row.arrival_s))
-    for lane, a, w in waits:
-        ax.broken_barh([(a, w)], (lane - 0.2, 0.4), facecolors=WAIT_COLOR, zorder=2)
-    n_segs = len(segs)
-    seg_edge = "white" if n_segs <= 3000 else "none"
-    color_of = {"prefill": PREFILL_COLOR, "first": PREFILL_COLOR, "decode": DECODE_COLOR}
-    for (lane, kind), spans in by_lane_kind.items():
-        ax.broken_barh(spans, (lane - 0.38, 0.76), facecolors=color_of[kind], edgecolors=seg_edge,
-                       linewidth=0.3, zorder=3)
+    if waits:
+        lane, a, w = (np.array(v, dtype=float) for v in zip(*waits))
+        _lane_rects(ax, a, w, lane, 0.2, WAIT_COLOR, "none", 2)
+    seg_edge = "white" if len(segs) <= 3000 else "none"
+    for kinds, color in ((("prefill", "first"), PREFILL_COLOR), (("decode",), DECODE_COLOR)):
+        mine = [(lane_of[rid], s, e) for rid, kind, s, e in segs if kind in kinds]
+        if mine:
+            lane, s, e = (np.array(v, dtype=float) for v in zip(*mine))
+            _lane_rects(ax, s, e - s, lane, 0.38, color, seg_edge, 3)
 
     ax.set_ylim(n_lanes - 0.5, -0.5)  # earliest arrival on top
     if len(ids) <= 80:
@@ -650,11 +668,17 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
                Patch(color=DECODE_COLOR, label=decode_label),
                Line2D([], [], color="black", marker="|", linestyle="none", markersize=8, label="arrival"),
                Line2D([], [], color="#b0b0b0", label="in system (gaps = stalled)")]
+    if (shown["status"] == "rejected").any():
+        handles.append(Line2D([], [], color=STARVED_COLOR, marker="x", linestyle="none", markersize=7,
+                              label="rejected: needs more KV than the capacity"))
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     total = len(run.requests)
     which = f"{len(ids)} of {alive} requests alive in {window[0]:g}–{window[1]:g} s" if window else \
         f"first {len(ids)} of {total} requests by arrival"
-    ax_d.set_title(f"{run.label}: step timeline, {which} ({how})", fontsize=10.5)
+    title = f"{run.label}: step timeline, {which} ({how})"
+    if run.summary.get("error"):
+        title += f"\nthe run stopped early: {run.summary['error']}"
+    ax_d.set_title(title, fontsize=10.5)
     files = save(fig, out_dir, name or f"timeline_{slug(run.label)}", formats)
     return {"files": files, "lanes": ids, "segments": segs, "source": source, "x_range": (x0, x1),
             "steps_drawn": in_range["step"].to_numpy()}

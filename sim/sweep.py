@@ -109,13 +109,18 @@ def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, flo
     return row
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the parent, which cancels the sweep."""
+_SHARED: tuple = ()  # in a worker process: (trace, cost model, KV capacity, SLOs)
+
+
+def _init_worker(trace, cost_model, kv_capacity, slo) -> None:
+    """Each worker gets the trace once (jobs stay tiny); Ctrl-C is left to the parent."""
+    global _SHARED
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _SHARED = (trace, cost_model, kv_capacity, slo)
 
 
-def _worker(args):
-    return run_job(*args)
+def _worker(job: Job) -> dict[str, Any]:
+    return run_job(job, *_SHARED)
 
 
 def default_workers(n_jobs: int) -> int:
@@ -133,60 +138,79 @@ def sweep(
     slo: Mapping[str, float] | None = None,
     workers: int | None = None,
     on_done: Callable[[dict[str, Any]], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every (policy, rate), rows in (policy, rate) order. ``workers`` 1 runs in-process.
 
-    Ctrl-C (KeyboardInterrupt) cancels jobs not started, stops the workers and re-raises.
+    ``on_start(jobs, workers)`` is called once the jobs are queued (and the worker processes
+    started); ``on_done(row)`` after each job. Ctrl-C (KeyboardInterrupt) cancels jobs not
+    started, stops the workers and re-raises.
     """
     jobs = [Job(i, p, dict(options or {}), float(r))
             for i, (p, r) in enumerate((p, r) for p in policies for r in rates)]
     n = workers if workers is not None else default_workers(len(jobs))
     rows: list[dict[str, Any]] = []
     if n <= 1 or len(jobs) <= 1:
+        if on_start:
+            on_start(len(jobs), 1)
         for job in jobs:
             row = run_job(job, trace, cost_model, kv_capacity, slo)
             rows.append(row)
             if on_done:
                 on_done(row)
     else:
-        rows = _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done)
+        rows = _parallel(jobs, trace, cost_model, kv_capacity, slo, min(n, len(jobs)), on_done, on_start)
     rows.sort(key=lambda r: r["index"])
     for r in rows:
         r.pop("index", None)
     return rows
 
 
-def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done):
+def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=None):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    # spawn (as on macOS): no fork of a process that has threads. SIGINT is ignored while
-    # workers start, so they inherit "ignore" and a Ctrl-C during their start-up prints
-    # nothing; the parent's handler is back before the first result is awaited.
-    ctx = multiprocessing.get_context("spawn")
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_ignore_sigint)
-        futures = [pool.submit(_worker, (job, trace, cost_model, kv_capacity, slo)) for job in jobs]
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    # spawn (as on macOS): no fork of a process that has threads. A terminal's Ctrl-C goes
+    # to the whole process group, workers included. SIGINT is ignored while the workers are
+    # created: they inherit "ignore" through exec (a blocked mask would not survive it), so a
+    # Ctrl-C during their start-up prints no traceback there; the parent's handler is back
+    # (a Ctrl-C in those few milliseconds is lost) before any result is awaited, and the
+    # parent then stops them.
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()  # signals: main thread only
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    restored = not main_thread
+    pool = None
+    futures = []
     rows = []
     try:
+        ctx = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
+                                   initargs=(trace, cost_model, kv_capacity, slo))
+        futures = [pool.submit(_worker, job) for job in jobs]
+        if not restored:
+            signal.signal(signal.SIGINT, previous)
+            restored = True
+        if on_start:
+            on_start(len(jobs), n)
         for fut in as_completed(futures):
             row = fut.result()
             rows.append(row)
             if on_done:
                 on_done(row)
     except BaseException:
-        for f in futures:
-            f.cancel()
-        procs = list(getattr(pool, "_processes", {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:  # the jobs still running: stop them now, not when they finish
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
+        if not restored:
+            signal.signal(signal.SIGINT, previous)
+        if pool is not None:
+            # Stop the running jobs now, not when they finish, then let the pool's own thread
+            # fail or cancel the rest and wind down: futures are not cancelled from here (that
+            # races with it), and it is joined before we return (so nothing of it is left to
+            # race with interpreter exit). Jobs are small, so its queue never blocks.
+            for p in list((getattr(pool, "_processes", None) or {}).values()):  # private: the only handle
+                if p.is_alive():
+                    p.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
     return rows
