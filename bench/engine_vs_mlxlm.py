@@ -1,0 +1,211 @@
+"""Our engine under `mlx-default` against mlx-lm's own BatchGenerator, same model and trace.
+
+Both run in this process, alternating A/B/A/B for ``--reps`` repetitions, on the same
+model (a synthetic preset, ``tiny`` by default), the same prompt token ids and output
+lengths, and the same arrival times:
+
+- ours: ``sim.loop.run(trace, MlxDefault(defaults), backend=MLXBackend(model))``, the
+  real-time loop; token times are the loop's wall-clock times.
+- mlx-lm: ``BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8,
+  prefill_step_size=2048)`` (its defaults, which are mlx-default's); requests are inserted
+  when due and ``next()`` is called in a loop; a token's time is when ``next()`` returns it.
+
+Two scenarios on the same requests: ``trace`` (arrivals as in the trace: mostly arrival
+bound) and ``burst`` (every request at 0 s: a saturated batch, where engine speed shows).
+Metrics (vLLM's definitions): output throughput = output tokens / (last token - first
+arrival), TTFT p50, ITL p50. The JSON has every repetition and the medians over them, the
+ratios ours/theirs, and how many requests got identical greedy tokens from both.
+
+    python bench/engine_vs_mlxlm.py [--model tiny|small] [--trace real-smoke] [--reps 5]
+                                    [--scenario both|trace|burst]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import engine  # noqa: E402  (OpenBLAS before mlx)
+from engine import blas  # noqa: E402
+from engine.backend import MLXBackend, prompt_ids  # noqa: E402
+from engine.models import load_model  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+
+import traces  # noqa: E402
+from policies.mlx_default import MlxDefault  # noqa: E402
+from sim.cost import LinearCostModel  # noqa: E402
+from sim.loop import run  # noqa: E402
+
+
+def metrics(arrivals: dict, times: dict, outputs: dict) -> dict:
+    first = min(arrivals.values())
+    last = max(t[-1] for t in times.values())
+    n_out = sum(outputs.values())
+    ttft = [times[k][0] - arrivals[k] for k in times]
+    itl = [b - a for k in times for a, b in zip(times[k], times[k][1:])]
+    return {
+        "output_throughput_tok_s": n_out / (last - first),
+        "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1e3,
+        "itl_p50_ms": float(np.percentile(itl, 50)) * 1e3 if itl else None,
+        "makespan_s": last - first,
+    }
+
+
+def run_ours(info, requests) -> tuple[dict, dict]:
+    backend = MLXBackend(info)
+    res = run(requests, MlxDefault(), LinearCostModel({}), kv_capacity=10**9, backend=backend,
+              trace_name="bench", record_steps=False)
+    if res.error:
+        raise SystemExit(f"our engine failed: {res.error}")
+    arrivals = {r.id: r.arrival_s for r in res.requests}
+    times = {r.id: list(r.token_times) for r in res.requests}
+    outputs = {r.id: r.output_tokens for r in res.requests}
+    m = metrics(arrivals, times, outputs)
+    m["copy_s"] = backend.stats["copy_s"]
+    m["warmup_s"] = backend.stats["warmup_s"]
+    return m, {rid: list(t) for rid, t in backend.tokens.items()}
+
+
+def warm_mlxlm(info, prompts) -> None:
+    gen = BatchGenerator(info.model)
+    gen.insert([p[:64] for p in prompts[:4]], max_tokens=[4] * min(4, len(prompts)))
+    while True:
+        _, responses = gen.next()
+        if not responses and not gen._prompt_batch.uids and not gen._unprocessed_sequences \
+                and not len(gen._generation_batch):
+            break
+    gen.close()
+
+
+def run_mlxlm(info, requests, prompts) -> tuple[dict, dict]:
+    gen = BatchGenerator(info.model)  # its defaults = mlx-default's options
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    uid_of: dict[int, str] = {}
+    times: dict[str, list[float]] = {r.id: [] for r in requests}
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    left = sum(r.output_tokens for r in requests)
+    nxt = 0
+    t0 = time.perf_counter()
+    while left > 0:
+        now = time.perf_counter() - t0
+        due = []
+        while nxt < len(order) and requests[order[nxt]].arrival_s <= now:
+            due.append(order[nxt])
+            nxt += 1
+        if due:
+            uids = gen.insert([prompts[i] for i in due], max_tokens=[requests[i].output_tokens for i in due])
+            for uid, i in zip(uids, due):
+                uid_of[uid] = requests[i].id
+        busy = bool(len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences)
+        if not busy:
+            time.sleep(max(0.0, requests[order[nxt]].arrival_s - (time.perf_counter() - t0)))
+            continue
+        _, responses = gen.next()
+        t = time.perf_counter() - t0
+        for resp in responses:
+            rid = uid_of[resp.uid]
+            times[rid].append(t)
+            tokens[rid].append(int(resp.token))
+            left -= 1
+    gen.close()
+    arrivals = {r.id: r.arrival_s for r in requests}
+    outputs = {r.id: r.output_tokens for r in requests}
+    return metrics(arrivals, times, outputs), tokens
+
+
+def scenario(info, requests, reps_n: int) -> dict:
+    """Alternate ours / mlx-lm ``reps_n`` times on ``requests``; medians and ratios."""
+    prompts = [prompt_ids(0, r.id, r.prompt_tokens, info.vocab_size, r.prefix_ids) for r in requests]
+    reps = {"ours": [], "mlx_lm": []}
+    same_tokens = []
+    for rep in range(reps_n):
+        m, ours_tokens = run_ours(info, requests)
+        reps["ours"].append(m)
+        m2, theirs_tokens = run_mlxlm(info, requests, prompts)
+        reps["mlx_lm"].append(m2)
+        for who, mm in (("ours", m), ("mlx_lm", m2)):
+            print(f"rep {rep} {who:7s} throughput {mm['output_throughput_tok_s']:.1f} tok/s  "
+                  f"TTFT p50 {mm['ttft_p50_ms']:.0f} ms  ITL p50 {mm['itl_p50_ms']:.1f} ms  "
+                  f"makespan {mm['makespan_s']:.2f} s", flush=True)
+        same_tokens.append(sum(ours_tokens[r.id] == theirs_tokens[r.id] for r in requests))
+
+    def med(who, key):
+        vals = [m[key] for m in reps[who] if m.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    keys = ("output_throughput_tok_s", "ttft_p50_ms", "itl_p50_ms", "makespan_s")
+    medians = {who: {k: med(who, k) for k in keys} for who in reps}
+    ratios = {
+        "throughput_ours_over_mlxlm": medians["ours"]["output_throughput_tok_s"] / medians["mlx_lm"]["output_throughput_tok_s"],
+        "ttft_p50_ours_over_mlxlm": medians["ours"]["ttft_p50_ms"] / medians["mlx_lm"]["ttft_p50_ms"],
+        "itl_p50_ours_over_mlxlm": medians["ours"]["itl_p50_ms"] / medians["mlx_lm"]["itl_p50_ms"],
+    }
+    print(json.dumps({"medians": medians, "ratios": ratios}, indent=2), flush=True)
+    return {
+        "requests": len(requests),
+        "output_tokens": sum(r.output_tokens for r in requests),
+        "medians": medians,
+        "ratios": ratios,
+        "requests_with_identical_tokens": {"per_rep": same_tokens, "of": len(requests)},
+        "runs": reps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--trace", default="real-smoke")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--scenario", choices=("both", "trace", "burst"), default="both",
+                    help="trace: arrivals as in the trace; burst: every request at 0 s")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine_vs_mlxlm[_MODEL].json)")
+    args = ap.parse_args()
+
+    info = load_model(args.model)
+    tr = traces.load(args.trace)
+    warm_mlxlm(info, [prompt_ids(0, r.id, r.prompt_tokens, info.vocab_size) for r in tr.requests])
+    scenarios = {}
+    if args.scenario in ("both", "trace"):
+        print(f"== {tr.name}, arrivals as in the trace", flush=True)
+        scenarios["trace"] = scenario(info, tr.requests, args.reps)
+    if args.scenario in ("both", "burst"):
+        print(f"== {tr.name}, every request at 0 s", flush=True)
+        burst = [dataclasses.replace(r, arrival_s=0.0) for r in tr.requests]
+        scenarios["burst"] = scenario(info, burst, args.reps)
+    out = {
+        "bench": "engine_vs_mlxlm",
+        "what": "our engine under mlx-default (its default options) vs mlx-lm BatchGenerator "
+                "(its defaults), same model, prompts, output lengths and arrival times; "
+                "alternating ours, mlx-lm per repetition; medians over repetitions",
+        "model": args.model,
+        "parameters": info.n_params,
+        "trace": tr.name,
+        "reps": args.reps,
+        "scenarios": scenarios,
+        "blas": blas.info(),
+        "mlx": mx.__version__,
+        "platform": platform.platform(),
+        "cpu_count": info.metadata()["machine"]["cpu_count"],
+    }
+    default = ROOT / "bench" / "results" / (
+        "engine_vs_mlxlm.json" if args.model == "tiny" else f"engine_vs_mlxlm_{Path(args.model).name}.json")
+    path = Path(args.out) if args.out else default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,476 @@
+"""MLXBackend: runs the loop's passes on a real mlx-lm model (``sim.loop.Backend``).
+
+The loop calls ``execute(p, shape, state)`` with a pass the state machine has already
+checked and *before* the state advances, so ``state.by_id[rid]`` still shows each
+request's progress before the pass. ``execute`` blocks until the pass's computation is
+done and returns the measured seconds; the loop reads the wall clock right after.
+
+Where each request's KV lives:
+
+- ``_cache[rid]``: its own list of per-layer caches (admitted and prefilling, prefilled
+  and not yet decoding, or parked out of the decode batch). Prefill chunks advance it in
+  place; a chunk after a chunk gives the state of one whole-prompt call. (It is mlx-lm's
+  KVCache, growing by 256 slots with a copy: pre-sizing it to the request's prefill target
+  was measured and made no difference, within +-5% noise, for 2048-token prompts in
+  128-512-token chunks on the tiny and small presets.)
+- the decode batch: one mlx-lm ``BatchKVCache`` per layer (left-padded rows), kept across
+  passes as mlx-lm keeps its generation batch. Its rows mirror ``ReplicaState.batch``
+  exactly: a decode pass first parks rows that are in the batch but not in the pass
+  (``filter``; rare), joins rows that are not yet in it (``BatchKVCache.merge`` of their
+  own caches, then ``extend``), runs ONE batched forward over all rows, then filters the
+  rows that finished. After the pass the batch is exactly the pass's decode rows minus
+  those that finished. A preempted request is dropped at once (``release``).
+
+A decode row on a prompt with exactly one token left is mlx-lm's hand-off: that last
+prompt token is the decode input and the pass yields the first output token.
+
+A padded pass with several prefill chunks is one right-padded batched forward, as
+mlx-lm's ``PromptProcessingBatch.prompt``: the rows' caches are merged into a
+``BatchKVCache`` (left-padded to the longest context so far), the chunks are right-padded
+to the longest chunk, and after the forward each row's real keys/values are sliced back
+into its own cache (right-padding keys are never attended to by real tokens, which come
+first; mlx-lm rolls them to the left with ``finalize`` instead, a copy the slice avoids).
+An unpadded pass runs each chunk as its own forward over its own cache.
+
+One evaluation per pass: every graph of a pass (the batched decode forward and each
+prefill chunk's forward) is built lazily and evaluated by ONE ``mx.eval``. On MLX's CPU
+backend that is one lazy graph executed in order by the single CPU stream's worker
+thread (BLAS threads inside each matmul): it saves per-forward dispatch and
+synchronisation overhead (a Python round trip and a wait per forward), not FLOPs; a mixed
+pass costs about the sum of its parts (tiny preset: 16-row decode 27 ms + 256-token chunk
+117 ms = 145 ms mixed). Two CPU streams (decode on one, prefill on the other, one eval)
+could overlap them; measured here with 2-thread OpenBLAS on 2 cores it was no faster
+(155 ms), so it is not done.
+
+Batch-cache copies (join, park, finish, preempt) are evaluated on their own so their time
+is logged (``finish()`` reports ``copy_s``). Joins, parks and finishes happen inside the
+decode pass that causes them, as ``PassShape.joins``/``leaves`` charge them; a preemption's
+filter happens in ``release``, at the start of the step that preempts.
+
+Outputs run to the trace's output length (EOS is ignored). Every request's generated
+token ids are kept in ``backend.tokens[rid]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
+from .models import ModelInfo
+from .sampling import Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
+
+from policies.base import Pass, PassShape, Phase  # noqa: E402
+
+# ------------------------------------------------------------------------- caches
+
+
+def _cache_arrays(caches: Iterable[Any]) -> list:
+    out = []
+    for c in caches:
+        if c.keys is not None:
+            out.append(c.keys)
+            out.append(c.values)
+    return out
+
+
+# ------------------------------------------------------------------------- backend
+
+
+class EngineStateError(RuntimeError):
+    """The engine and the state machine disagree: a bug, never bad input."""
+
+
+class MLXBackend:
+    """Executes passes on an mlx-lm model. ``mode == "real"``: the loop uses wall time."""
+
+    mode = "real"
+
+    def __init__(self, model_info: ModelInfo, sampling: Any = "greedy", seed: int = 0,
+                 *, warmup: bool = True, check: bool = True):
+        self.info = model_info
+        self.model = model_info.model
+        self.sampling = parse_sampling(sampling)
+        self.seed = int(seed)
+        self.warmup = warmup
+        self.check = check
+        self.vocab = model_info.vocab_size
+        self.n_layers = model_info.n_layers
+        self._hidden = model_info.hidden
+        self._head = model_info.head
+        self.tokens: dict[str, list[int]] = {}  # generated ids per request
+        self._seq: dict[str, list[int]] = {}  # prompt ids + generated ids (made on first use)
+        self._kv: dict[str, int] = {}  # tokens in each request's KV (own cache or batch row)
+        self._cache: dict[str, list[Any]] = {}  # own per-layer caches (not in the batch)
+        self._batch: list[BatchKVCache] | None = None
+        self._rows: list[str] = []  # batch row order
+        self.stats = {"passes": 0, "forwards": 0, "decode_rows": 0, "prefill_tokens": 0,
+                      "padded_prefill_tokens": 0, "joins": 0, "leaves": 0, "parks": 0,
+                      "copy_s": 0.0, "execute_s": 0.0, "warmup_s": 0.0, "preemptions": 0}
+
+    # ------------------------------------------------------------------ protocol
+    def start(self, state) -> None:
+        """Check the trace against the model, make prompt ids, warm up (before the clock)."""
+        self.info.check_trace(state.accepted)
+        for r in state.requests:
+            self.tokens.setdefault(r.id, [])
+        if self.warmup:
+            t0 = time.perf_counter()
+            self._warm_up(state)
+            self.stats["warmup_s"] = time.perf_counter() - t0
+
+    def execute(self, p: Pass, shape: PassShape, state) -> float:
+        t0 = time.perf_counter()
+        by_id = state.by_id
+        if self.check:
+            self._check(p, state)
+        targets: list = []
+        decode = None
+        finishing: list[str] = []
+        if p.decode:
+            decode = self._decode_graph(p.decode, by_id)
+            targets.append(decode[0])
+            targets.extend(_cache_arrays(self._batch))
+            finishing = [rid for rid in p.decode
+                         if by_id[rid].generated + 1 >= by_id[rid].output_tokens]
+        chunks = []
+        if p.prefill:
+            if p.padded and len(p.prefill) > 1:
+                chunks = [self._padded_graph(p.prefill, by_id)]
+            else:
+                chunks = [self._chunk_graph(rid, n, by_id[rid]) for rid, n in p.prefill]
+            for rids, tok, arrays in chunks:
+                if tok is not None:
+                    targets.append(tok)
+                targets.extend(arrays)
+        mx.eval(targets)  # ONE evaluation for the whole pass
+        if decode is not None:
+            toks = decode[0].tolist()
+            for rid, t in zip(self._rows, toks):
+                self._kv[rid] += 1
+                self._emit(rid, t)
+            self.stats["decode_rows"] += len(self._rows)
+            self.stats["forwards"] += 1
+        for rids, tok, _ in chunks:
+            if tok is not None:
+                for rid, t in zip(rids, tok.tolist()):
+                    self._emit(rid, t)
+        self.stats["forwards"] += (1 if p.padded and len(p.prefill) > 1 else len(p.prefill))
+        self.stats["prefill_tokens"] += shape.prefill_tokens
+        self.stats["padded_prefill_tokens"] += shape.padded_prefill_tokens
+        if finishing:
+            self._leave(finishing)
+        # own caches of requests finishing in a prefill chunk (output_tokens == 1) go in release
+        self.stats["passes"] += 1
+        dt = time.perf_counter() - t0
+        self.stats["execute_s"] += dt
+        return dt
+
+    def release(self, r) -> None:
+        """Free a request's KV: finished (already out of the batch) or preempted."""
+        rid = r.id
+        self._cache.pop(rid, None)
+        if rid in self._rows:
+            self._leave([rid])
+        self._kv[rid] = 0
+        if r.phase is Phase.FINISHED:
+            self._seq.pop(rid, None)  # prompt ids are not needed again (tokens[rid] stays)
+        else:
+            self.stats["preemptions"] += 1
+
+    def finish(self) -> dict[str, Any]:
+        meta = self.info.metadata()
+        meta["engine"] = {
+            "sampling": self.sampling.describe(),
+            "prompt_seed": self.seed,
+            "one_eval_per_pass": True,
+            "head_on_needed_positions_only": self.info.fast_head,
+            **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
+        }
+        return meta
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def batch_rows(self) -> list[str]:
+        """Requests in the decode batch cache, in row order."""
+        return list(self._rows)
+
+    def holds(self, rid: str) -> bool:
+        """Whether the engine holds any KV for ``rid`` (own cache or a batch row)."""
+        return rid in self._cache or rid in self._rows
+
+    def kv_arrays(self, rid: str) -> list[tuple[Any, Any]]:
+        """Per layer, ``rid``'s keys and values, shape (1, kv_heads, tokens, head_dim)."""
+        n = self._kv.get(rid, 0)
+        if rid in self._rows:
+            i = self._rows.index(rid)
+            return [(c.keys[i:i + 1, :, c._idx - n:c._idx], c.values[i:i + 1, :, c._idx - n:c._idx])
+                    for c in self._batch]
+        if rid in self._cache:
+            return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in self._cache[rid]]
+        raise KeyError(f"the engine holds no KV for request {rid}")
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _emit(self, rid: str, token: int) -> None:
+        self._seq[rid].append(int(token))
+        self.tokens[rid].append(int(token))
+
+    def _expected_kv(self, r) -> int:
+        if r.phase is Phase.DECODING:
+            return r.prompt_tokens + r.generated - 1
+        return r.prefilled
+
+    def _check(self, p: Pass, state) -> None:
+        if set(self._rows) != state.batch:
+            raise EngineStateError(
+                f"step {state.step_index}: engine batch rows {sorted(self._rows)} differ from the "
+                f"state machine's {sorted(state.batch)}")
+        for rid in list(p.decode) + [rid for rid, _ in p.prefill]:
+            r = state.by_id[rid]
+            have = self._kv.get(rid, 0)
+            if have != self._expected_kv(r):
+                raise EngineStateError(f"step {state.step_index}: request {rid} holds {have} KV "
+                                       f"tokens in the engine, {self._expected_kv(r)} in the state")
+            if len(self._ids(r)) != r.prompt_tokens + r.generated:
+                raise EngineStateError(f"step {state.step_index}: request {rid} token count differs")
+
+    def _ids(self, r) -> list[int]:
+        """Prompt ids + generated ids of request ``r`` (prompt ids made on first use)."""
+        seq = self._seq.get(r.id)
+        if seq is None:
+            seq = prompt_ids(self.seed, r.id, r.prompt_tokens, self.vocab, r.prefix_ids)
+            seq += self.tokens[r.id]
+            self._seq[r.id] = seq
+        return seq
+
+    def _own_cache(self, rid: str) -> list[Any]:
+        c = self._cache.get(rid)
+        if c is None:
+            c = [KVCache() for _ in range(self.n_layers)]
+            self._cache[rid] = c
+            self._kv[rid] = 0
+        return c
+
+    def _timed_copy(self, arrays: list) -> None:
+        t = time.perf_counter()
+        mx.eval(arrays)
+        self.stats["copy_s"] += time.perf_counter() - t
+
+    def _sample(self, logits, rids: Sequence[str]):
+        """Token ids (lazy) from rows of logits, one row per request in ``rids``."""
+        if self.sampling.greedy:
+            return mx.argmax(logits, axis=-1)
+        s = self.sampling
+        noise = np.empty((len(rids), logits.shape[-1]), dtype=np.float32)
+        for i, rid in enumerate(rids):
+            rng = np.random.default_rng([s.seed & ((1 << 64) - 1), h64(rid), len(self.tokens[rid])])
+            noise[i] = rng.gumbel(size=logits.shape[-1])
+        return mx.argmax(logits.astype(mx.float32) / s.temperature + mx.array(noise), axis=-1)
+
+    # ------------------------------------------------------------------ decode batch
+    def _leave(self, rids: Sequence[str], park: bool = False) -> None:
+        """Remove rows from the batch (filter); ``park`` keeps their KV in own caches."""
+        gone = set(rids)
+        keep = [i for i, rid in enumerate(self._rows) if rid not in gone]
+        arrays = []
+        if park:
+            for i, rid in enumerate(self._rows):
+                if rid in gone:
+                    caches = []
+                    for c in self._batch:
+                        kc = KVCache()
+                        pad = c._idx - self._kv[rid]
+                        kc.keys = c.keys[i:i + 1, :, pad:c._idx]
+                        kc.values = c.values[i:i + 1, :, pad:c._idx]
+                        kc.offset = self._kv[rid]
+                        caches.append(kc)
+                    self._cache[rid] = caches
+                    arrays += _cache_arrays(caches)
+            self.stats["parks"] += len(gone)
+        self.stats["leaves"] += len(gone)
+        if not keep:  # filter([]) raises in mlx-lm; an empty batch is no batch
+            self._batch = None
+            self._rows = []
+            if arrays:
+                self._timed_copy(arrays)
+            return
+        for c in self._batch:
+            c.filter(keep)
+        self._rows = [self._rows[i] for i in keep]
+        self._timed_copy(arrays + _cache_arrays(self._batch))
+
+    def _join(self, rids: Sequence[str]) -> None:
+        """Merge the rows' own caches into a batch cache and extend the batch with it."""
+        per_layer = [[self._cache[rid][layer] for rid in rids] for layer in range(self.n_layers)]
+        merged = [BatchKVCache.merge(cs) for cs in per_layer]
+        if self._batch is None:
+            self._batch = merged
+        else:
+            for c, m in zip(self._batch, merged):
+                c.extend(m)
+        for rid in rids:
+            del self._cache[rid]
+        self._rows = self._rows + list(rids)
+        self.stats["joins"] += len(rids)
+        self._timed_copy(_cache_arrays(self._batch))
+
+    def _decode_graph(self, rows: Sequence[str], by_id):
+        """Park/join rows, then the batched decode forward (lazy). Returns (tokens,)."""
+        wanted = set(rows)
+        parked = [rid for rid in self._rows if rid not in wanted]
+        if parked:
+            self._leave(parked, park=True)
+        present = set(self._rows)
+        joining = [rid for rid in rows if rid not in present]
+        if joining:
+            for rid in joining:
+                self._ids(by_id[rid])
+                self._own_cache(rid)  # a 1-token prompt hands off with no KV
+            self._join(joining)
+        seq, kv = self._seq, self._kv
+        inputs = mx.array([seq[rid][kv[rid]] for rid in self._rows], dtype=mx.uint32)
+        h = self._hidden(inputs[:, None], self._batch)
+        logits = self._head(h[:, -1, :])
+        return (self._sample(logits, self._rows),)
+
+    # ------------------------------------------------------------------ prefill
+    def _chunk_graph(self, rid: str, n: int, r):
+        """One chunk as its own forward over the request's own cache (lazy)."""
+        caches = self._own_cache(rid)
+        start = self._kv[rid]
+        x = mx.array([self._ids(r)[start:start + n]], dtype=mx.uint32)
+        h = self._hidden(x, caches)
+        self._kv[rid] = start + n
+        tok = None
+        if start + n == r._target:  # the prompt is in: this pass yields a token
+            tok = self._sample(self._head(h[:, -1, :]), [rid])
+        return [rid], tok, _cache_arrays(caches)
+
+    def _padded_graph(self, chunks: Sequence[tuple[str, int]], by_id):
+        """One right-padded batched forward over several chunks (lazy)."""
+        rids = [rid for rid, _ in chunks]
+        ns = [n for _, n in chunks]
+        caches = [self._own_cache(rid) for rid in rids]
+        starts = [self._kv[rid] for rid in rids]
+        longest = max(ns)
+        rows = []
+        for rid, n, s in zip(rids, ns, starts):
+            ids = self._ids(by_id[rid])[s:s + n]
+            rows.append(ids + [0] * (longest - n))
+        x = mx.array(rows, dtype=mx.uint32)
+        batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(self.n_layers)]
+        h = self._hidden(x, batch)
+        # slice each row's real keys/values back into its own cache
+        base = max(starts)
+        arrays = []
+        for i, (rid, n, s) in enumerate(zip(rids, ns, starts)):
+            own = []
+            for bc in batch:
+                kc = KVCache()
+                kc.keys = bc.keys[i:i + 1, :, base - s:base + n]
+                kc.values = bc.values[i:i + 1, :, base - s:base + n]
+                kc.offset = s + n
+                own.append(kc)
+            self._cache[rid] = own
+            self._kv[rid] = s + n
+            arrays += _cache_arrays(own)
+        done = [i for i, (rid, n, s) in enumerate(zip(rids, ns, starts))
+                if s + n == by_id[rid]._target]
+        tok = None
+        if done:
+            sel = h[mx.array(done), mx.array([ns[i] - 1 for i in done])]
+            tok = self._sample(self._head(sel), [rids[i] for i in done])
+        return [rids[i] for i in done], tok, arrays
+
+    # ------------------------------------------------------------------ warm-up
+    def _warm_up(self, state) -> None:
+        """Throwaway passes of representative shapes: allocation and first-call costs."""
+        longest = max((r.prompt_tokens for r in state.accepted), default=64)
+        chunk = int(min(max(longest, 16), 1024))
+        vocab = self.vocab
+        rng = np.random.default_rng(12345)
+
+        class _Fake:
+            def __init__(self, rid, prompt, output):
+                self.id, self.prompt_tokens, self.output_tokens = rid, prompt, output
+                self._target, self.prefilled, self.generated = prompt, 0, 0
+                self.phase = Phase.PREFILLING
+                self.prefix_ids = None
+
+        saved = (self._batch, self._rows)
+        self._batch, self._rows = None, []
+        fakes = {}
+        for i, n in enumerate((chunk, 96, 64, 48, 40, 32, 24, 16)):
+            rid = f"\x00warm{i}"
+            fakes[rid] = _Fake(rid, n + 1, 4)
+            self._seq[rid] = rng.integers(0, vocab, n + 8).tolist()
+            self.tokens[rid] = []
+        ids = list(fakes)
+        try:
+            # an unpadded chunk (the longest prompt, capped), then a padded batch of chunks
+            _, tok, arrays = self._chunk_graph(ids[0], chunk, fakes[ids[0]])
+            mx.eval(arrays)
+            rest = ids[1:]
+            out = self._padded_graph([(rid, fakes[rid].prompt_tokens - 1) for rid in rest], fakes)
+            mx.eval(out[2])
+            # decode batches growing then shrinking: extend/filter and several batch sizes
+            for k in (1, 2, 4, 8, len(ids)):
+                (tok,) = self._decode_graph(ids[:k], fakes)
+                mx.eval(tok, _cache_arrays(self._batch))
+                for rid in self._rows:
+                    self._kv[rid] += 1
+                    self._emit(rid, 0)
+            for k in (4, 1):
+                self._leave(self._rows[k:])
+                (tok,) = self._decode_graph(self._rows, fakes)
+                mx.eval(tok, _cache_arrays(self._batch))
+                for rid in self._rows:
+                    self._kv[rid] += 1
+                    self._emit(rid, 0)
+            # a mixed pass: decode + a completing chunk in one evaluation
+            extra = "\x00warm-mixed"
+            fakes[extra] = _Fake(extra, 33, 2)
+            self._seq[extra] = rng.integers(0, vocab, 40).tolist()
+            self.tokens[extra] = []
+            (tok,) = self._decode_graph(self._rows, fakes)
+            _, t2, arrays = self._chunk_graph(extra, 33, fakes[extra])
+            mx.eval(tok, t2, arrays, _cache_arrays(self._batch))
+        finally:
+            for rid in fakes:
+                self._seq.pop(rid, None)
+                self.tokens.pop(rid, None)
+                self._kv.pop(rid, None)
+                self._cache.pop(rid, None)
+            self._batch, self._rows = saved
+            for key in ("forwards", "decode_rows", "prefill_tokens", "padded_prefill_tokens",
+                        "joins", "leaves", "parks"):
+                self.stats[key] = 0
+            self.stats["copy_s"] = 0.0
+
+
+# ------------------------------------------------------------------------- reference
+
+
+def reference_tokens(model_info: ModelInfo, prompt: Sequence[int], n: int) -> list[int]:
+    """The model alone on ``prompt``: whole-prompt forward, then ``n`` greedy tokens.
+
+    Uses mlx-lm's plain ``KVCache`` and the model's full ``__call__`` (logits for every
+    position), batch of one: nothing of the engine's batching or head slicing.
+    """
+    model = model_info.model
+    cache = [KVCache() for _ in range(model_info.n_layers)]
+    logits = model(mx.array([list(prompt)], dtype=mx.uint32), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        tok = mx.argmax(logits[:, -1, :], axis=-1)
+        t = int(tok.item())
+        out.append(t)
+        if len(out) == n:
+            break
+        logits = model(mx.array([[t]], dtype=mx.uint32), cache=cache)
+    return out

@@ -1,0 +1,326 @@
+"""Models for the real engine: synthetic presets and local mlx-lm checkpoints.
+
+``load_model("tiny")`` builds an mlx-lm Llama with seeded random weights (deterministic for
+a seed; nothing is downloaded). ``load_model("/path/to/checkpoint")`` loads a local mlx-lm
+checkpoint directory (``config.json`` + ``model*.safetensors``) with mlx-lm's own loader;
+no tokenizer is needed because every workload here is token ids.
+
+Presets (parameter counts include the tied embedding; every one has a 32768-token context):
+
+=======  ======  ======  =====  ========  =====  =====  ===========
+preset   layers  hidden  heads  kv heads  ffn    vocab  parameters
+=======  ======  ======  =====  ========  =====  =====  ===========
+micro    2       64      4      2         192    512    0.13 M  (tests)
+tiny     4       256     4      2         768    8192   5.2 M
+small    8       512     8      4         1024   8192   23.1 M
+=======  ======  ======  =====  ========  =====  =====  ===========
+
+The forward used by the engine computes hidden states with ``model.model(x, cache)`` and
+applies the head (``lm_head``, or the tied embedding's ``as_linear``) only to the positions
+whose logits are needed: ``model(x)`` would compute logits for every prompt position.
+Architectures without that structure (checked numerically at load) use ``model(x)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import blas as _blas  # (OpenBLAS before mlx)
+from .errors import EngineError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "micro": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=192, vocab_size=512),
+    "tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=768, vocab_size=8192),
+    "small": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8,
+                  num_key_value_heads=4, intermediate_size=1024, vocab_size=8192),
+}
+PRESET_CONTEXT = 32768
+
+# Gains of the random init (std = gain / sqrt(fan_in)). Larger attention/MLP output gains
+# make every layer's contribution outweigh the token's own embedding in the residual
+# stream, and a larger query/key gain makes attention sharp: the next token then depends
+# on the whole context, not only on the last token, so a wrong KV cache changes the
+# tokens (the engine's equivalence tests rely on that).
+_GAINS = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 2.0,
+          "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 2.0, "lm_head": 1.0}
+
+
+@dataclass
+class ModelInfo:
+    """A loaded model plus what the engine and run metadata need to know about it."""
+
+    model: Any  # mlx.nn.Module
+    name: str  # preset name or checkpoint path
+    kind: str  # "preset" or "checkpoint"
+    dtype: str
+    seed: int | None
+    config: dict[str, Any]
+    n_params: int
+    vocab_size: int
+    n_layers: int
+    max_context: int | None
+    fast_head: bool
+    hidden: Callable[..., Any] = field(repr=False, default=None)  # (x, cache) -> hidden or logits
+    head: Callable[..., Any] = field(repr=False, default=None)  # hidden rows -> logits
+
+    def metadata(self) -> dict[str, Any]:
+        import mlx.core as mx
+        import mlx_lm
+
+        return {
+            "model": self.name,
+            "model_kind": self.kind,
+            "model_type": self.config.get("model_type"),
+            "parameters": self.n_params,
+            "layers": self.n_layers,
+            "hidden_size": self.config.get("hidden_size"),
+            "vocab_size": self.vocab_size,
+            "max_context": self.max_context,
+            "dtype": self.dtype,
+            "weights_seed": self.seed,
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "device": str(mx.default_device()),
+            "blas": _blas.info(),
+            "machine": {"platform": platform.platform(), "processor": platform.machine(),
+                        "cpu_count": _cpu_count()},
+        }
+
+    def check_trace(self, requests: Sequence[Any]) -> None:
+        """One-line EngineError naming the first request the model cannot hold."""
+        if self.max_context is None:
+            return
+        for r in requests:
+            need = r.prompt_tokens + r.output_tokens
+            if need > self.max_context:
+                raise EngineError(
+                    f"request {r.id} needs {need} positions (prompt {r.prompt_tokens} + output "
+                    f"{r.output_tokens}) but model {self.name} has a context of {self.max_context}")
+
+
+def _cpu_count() -> int | None:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise EngineError(f"unknown model preset '{name}' (presets: {', '.join(PRESETS)}; "
+                          "or give a local mlx-lm checkpoint directory)")
+    cfg = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
+               max_position_embeddings=PRESET_CONTEXT, tie_word_embeddings=True,
+               **PRESETS[name])
+    return cfg
+
+
+def preset_parameters(name: str) -> int:
+    """Parameter count of a preset, from its shape alone (no model built)."""
+    c = preset_config(name)
+    h, f, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    hd = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    return v * h + n * per_layer + h
+
+
+def _init_random(model, seed: int) -> None:
+    """Seeded random weights, one key per parameter in sorted-name order."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    new = []
+    for i, (name, p) in enumerate(params):
+        if p.ndim == 1:  # norm weights (no biases in these presets)
+            new.append((name, mx.ones(p.shape, dtype=mx.float32)))
+            continue
+        if "embed_tokens" in name:
+            std = 1.0
+        else:
+            kind = name.split(".")[-2]
+            std = _GAINS.get(kind, 1.0) / math.sqrt(p.shape[-1])
+        new.append((name, mx.random.normal(p.shape, key=keys[i]) * std))
+    model.update(tree_unflatten(new))
+
+
+def _count_params(model) -> int:
+    from mlx.utils import tree_flatten
+
+    n = 0
+    for name, p in tree_flatten(model.parameters()):
+        n += p.size
+    return int(n)
+
+
+def _build_preset(name: str, seed: int):
+    from mlx_lm.models import llama
+
+    cfg = preset_config(name)
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    _init_random(model, seed)
+    return model, cfg
+
+
+def check_checkpoint_dir(path: Path) -> None:
+    """One-line EngineError unless ``path`` looks like an mlx-lm checkpoint (no mlx needed)."""
+    if not path.exists():
+        raise EngineError(f"model not found: {path} (not a preset: {', '.join(PRESETS)})")
+    if not path.is_dir():
+        raise EngineError(f"model {path} is not a directory (give an mlx-lm checkpoint "
+                          "directory with config.json and model*.safetensors)")
+    if not (path / "config.json").is_file():
+        raise EngineError(f"model {path} is not an mlx-lm checkpoint: no config.json")
+    if not any(path.glob("model*.safetensors")):
+        raise EngineError(f"model {path} is not an mlx-lm checkpoint: no model*.safetensors")
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineError(f"model {path}: config.json is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise EngineError(f"model {path}: config.json has no model_type")
+
+
+def _load_checkpoint(path: Path):
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    try:
+        model, config = mlx_lm_load(path)
+    except Exception as exc:  # mlx-lm raises ValueError/KeyError/FileNotFoundError/...
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        raise EngineError(f"model {path} could not be loaded by mlx-lm: {msg}") from None
+    return model, config
+
+
+def _max_context(config: dict[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        v = config.get(key)
+        if v is None and isinstance(config.get("text_config"), dict):
+            v = config["text_config"].get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _make_forward(model):
+    """(hidden, head, fast): hidden(x, cache) and head(rows); fast when they split the model.
+
+    The split is used only where ``head(model.model(x))`` reproduces ``model(x)``; checked
+    numerically on a short input, so an architecture that scales or caps its logits in
+    ``__call__`` falls back to the full forward (logits for every position).
+    """
+    import mlx.core as mx
+
+    inner = getattr(model, "model", None)
+    head = None
+    if inner is not None and callable(inner):
+        if getattr(model, "lm_head", None) is not None:
+            head = model.lm_head
+        else:
+            emb = getattr(inner, "embed_tokens", None)
+            if emb is not None and hasattr(emb, "as_linear"):
+                head = emb.as_linear
+    if head is not None:
+        try:
+            x = mx.array([[1, 2, 3, 4]])
+            full = model(x)
+            split = head(inner(x))
+            ok = full.shape == split.shape and bool(mx.allclose(full, split, rtol=1e-4, atol=1e-4).item())
+        except Exception:
+            ok = False
+        if ok:
+            return (lambda x, cache: inner(x, cache=cache)), head, True
+    return (lambda x, cache: model(x, cache=cache)), (lambda h: h), False
+
+
+def _check_plain_kv(model, name: str) -> None:
+    """The engine keeps one plain KVCache per layer; other cache kinds are not supported."""
+    from mlx_lm.models.cache import KVCache
+
+    if not hasattr(model, "layers"):
+        raise EngineError(f"model {name}: no .layers; the engine needs an mlx-lm decoder model")
+    if hasattr(model, "make_cache"):
+        kinds = sorted({type(c).__name__ for c in model.make_cache() if type(c) is not KVCache})
+        if kinds:
+            raise EngineError(f"model {name} uses {', '.join(kinds)} caches (sliding-window or "
+                              "recurrent layers); the engine supports plain KV caches only")
+
+
+def is_path_spec(spec: str) -> bool:
+    """A model spec names a directory (not a preset) when it has a slash or exists."""
+    return "/" in spec or spec.startswith(".") or spec.startswith("~") or Path(spec).exists()
+
+
+def check_spec(spec: str, dtype: str = "float32") -> None:
+    """Validate a model spec and dtype without importing mlx (fast CLI errors)."""
+    if dtype not in DTYPES:
+        raise EngineError(f"unknown dtype '{dtype}' (choose: {', '.join(DTYPES)})")
+    if is_path_spec(spec):
+        check_checkpoint_dir(Path(spec).expanduser())
+    elif spec not in PRESETS:
+        raise EngineError(f"unknown model preset '{spec}' (presets: {', '.join(PRESETS)}; "
+                          "or give a local mlx-lm checkpoint directory)")
+
+
+def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> ModelInfo:
+    """A preset name (micro, tiny, small) or a local mlx-lm checkpoint directory."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise EngineError("give a model: a preset (micro, tiny, small) or a checkpoint directory")
+    check_spec(spec, dtype)  # before importing anything heavy
+    _blas.notify_if_missing()  # once per process, one line, when MLX keeps its slow BLAS
+    import mlx.core as mx
+
+    mx_dtype = getattr(mx, dtype)
+    if is_path_spec(spec):
+        path = Path(spec).expanduser()
+        model, config = _load_checkpoint(path)
+        kind, name, used_seed = "checkpoint", str(path), None
+    else:
+        model, config = _build_preset(spec, seed)
+        kind, name, used_seed = "preset", spec, seed
+    # cast floating parameters only (quantized checkpoints keep their integer weights)
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    cast = [(k, v.astype(mx_dtype)) for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx_dtype]
+    if cast:
+        model.update(tree_unflatten(cast))
+    model.eval()
+    mx.eval(model.parameters())
+    _check_plain_kv(model, name)
+    hidden, head, fast = _make_forward(model)
+    vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
+    if vocab <= 0:
+        raise EngineError(f"model {name}: config has no vocab_size")
+    layers = len(getattr(model, "layers", []) or []) or int(config.get("num_hidden_layers", 0))
+    return ModelInfo(
+        model=model, name=name, kind=kind, dtype=dtype, seed=used_seed, config=dict(config),
+        n_params=_count_params(model), vocab_size=vocab, n_layers=layers,
+        max_context=_max_context(config), fast_head=fast, hidden=hidden, head=head,
+    )
+
+
+def save_checkpoint(info: ModelInfo, path: str | Path) -> Path:
+    """Write ``info``'s model as an mlx-lm checkpoint: config.json + model.safetensors."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(info.model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(info.config, indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,306 @@
+"""The real MLX engine: every policy's tokens equal single-sequence references, cache states.
+
+Everything runs the real parts: the SimPy loop in real-time mode (``sim.loop.run`` with
+``MLXBackend``), real MLX on CPU, the ``micro`` preset (2 layers, hidden 64, seeded random
+weights). A reference is the model alone on one prompt (mlx-lm's plain KVCache, whole
+prompt, batch of one, full logits); the engine's greedy tokens must equal it exactly,
+whatever the batching, chunking, padding, joining, parking or preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+from engine.backend import MLXBackend, reference_tokens
+from engine.models import load_model
+from engine.sampling import prompt_ids
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from policies import make_policy
+from policies.base import Pass, Plan
+from policies.mlx_default import MlxDefault
+from sim.cost import LinearCostModel
+from sim.loop import run
+from sim.state import ReplicaState
+from traces.schema import Request
+
+NO_COST = LinearCostModel({})
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return load_model("micro")
+
+
+def trace() -> list[Request]:
+    """10 requests, prompts 10..300, outputs 1..60; four arrive while the first ones decode."""
+    rows = [  # id, arrival_s, prompt, output
+        ("a", 0.0, 300, 60), ("b", 0.0, 10, 45), ("c", 0.0, 129, 1), ("d", 0.0, 64, 30),
+        ("e", 0.0, 1, 12), ("f", 0.005, 257, 20), ("g", 0.02, 77, 25), ("h", 0.03, 200, 2),
+        ("i", 0.05, 33, 40), ("j", 0.06, 150, 18),
+    ]
+    return [Request(rid, t, p, o) for rid, t, p, o in rows]
+
+
+@pytest.fixture(scope="module")
+def references(micro):
+    return {r.id: reference_tokens(micro, prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size), r.output_tokens)
+            for r in trace()}
+
+
+def run_real(model, policy, requests=None, **backend_kw):
+    backend = MLXBackend(model, **backend_kw)
+    result = run(requests or trace(), policy, NO_COST, kv_capacity=100_000, backend=backend)
+    assert result.error is None, result.error
+    assert result.mode == "real"
+    return result, backend
+
+
+def assert_reference_tokens(backend, references, requests=None):
+    for r in requests or trace():
+        assert len(backend.tokens[r.id]) == r.output_tokens, r.id
+        assert backend.tokens[r.id] == references[r.id], f"request {r.id} differs from its reference"
+
+
+def test_references_are_context_sensitive(micro, references):
+    """The equivalence tests have teeth: one changed early prompt token changes the output,
+    and the requests do not all produce the same tokens."""
+    ids = prompt_ids(0, "a", 300, micro.vocab_size)
+    changed = list(ids)
+    changed[3] = (changed[3] + 1) % micro.vocab_size
+    assert reference_tokens(micro, changed, 60) != references["a"]
+    assert len({tuple(t[:10]) for t in references.values() if len(t) >= 10}) >= 6
+
+
+CASES = [
+    ("mlx-default", {"prefill_step_size": "64"}),  # several padded chunks per prompt
+    ("mlx-default", {"prefill_step_size": "2048", "prefill_batch_size": "3", "completion_batch_size": "4"}),
+    ("prefer-prefill", {"prefill_step_size": "48", "prefill_batch_size": "3"}),
+    ("static", {"batch_size": "3"}),  # padded whole-prompt prefills completing in the pass
+    ("static", {"batch_size": "4", "padded": "false"}),
+    ("slots", {"n_slots": "3"}),
+    ("chunked-prefill", {"budget": "40", "max_batch": "4"}),
+    ("unified", {"token_budget": "48", "max_batch": "5"}),  # decode + chunks in one eval
+]
+
+
+@pytest.mark.parametrize("name,options", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_every_policy_yields_the_reference_tokens(micro, references, name, options):
+    result, backend = run_real(micro, make_policy(name, options))
+    assert_reference_tokens(backend, references)
+    assert all(r.finish_s is not None for r in result.requests)
+    # a late request was admitted while an earlier one was still decoding (static batching
+    # admits only between batches, by design)
+    reqs = {r.id: r for r in result.requests}
+    assert name == "static" or any(reqs[late].admitted_s < reqs[early].finish_s and reqs[late].admitted_s > reqs[early].first_token_s
+               for late in "fghij" for early in "abd")
+    # nothing is left behind: every finished request's KV was freed
+    assert backend.batch_rows == [] and not any(backend.holds(r.id) for r in result.requests)
+    stats = backend.stats
+    assert stats["joins"] == stats["leaves"] == sum(1 for r in trace() if r.output_tokens > 1 or name.startswith(("mlx", "prefer")))
+
+
+def test_padded_chunks_really_pad(micro, references):
+    """mlx-default's padded passes compute rows x longest chunk tokens."""
+    _, backend = run_real(micro, make_policy("mlx-default", {"prefill_step_size": "64"}))
+    assert backend.stats["padded_prefill_tokens"] > backend.stats["prefill_tokens"]
+
+
+# ---------------------------------------------------------------------- driving by hand
+
+
+class Driver:
+    """A ReplicaState and an MLXBackend driven plan by plan (the loop's calls, no clock)."""
+
+    def __init__(self, model, requests, **kw):
+        self.state = ReplicaState(requests, 1_000_000, "test")
+        for r in self.state.accepted:
+            self.state.arrive(r)
+        self.backend = MLXBackend(model, warmup=False, **kw)
+        self.backend.start(self.state)
+        self.shapes = []
+
+    def apply(self, plan: Plan):
+        for r in self.state.apply_admin(plan, 0.0):
+            self.backend.release(r)
+        for p in plan.passes:
+            shape = self.state.shape(p)
+            self.shapes.append(shape)
+            self.backend.execute(p, shape, self.state)
+            for r in self.state.apply_pass(p, 0.0):
+                self.backend.release(r)
+        self.state.step_index += 1
+
+
+def whole_prompt_cache(model, ids):
+    cache = [KVCache() for _ in range(model.n_layers)]
+    model.model(mx.array([ids]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    return cache
+
+
+def next_logits(model, kv, token):
+    """Logits for ``token`` appended to a cache made of (keys, values) per layer."""
+    cache = []
+    for k, v in kv:
+        c = KVCache()
+        c.update_and_fetch(mx.array(k), mx.array(v))
+        cache.append(c)
+    return model.model(mx.array([[token]]), cache=cache)[:, -1, :]
+
+
+def assert_same_state(model, got_kv, ids, next_token):
+    ref = whole_prompt_cache(model, ids)
+    assert len(got_kv) == len(ref)
+    for (k, v), c in zip(got_kv, ref):
+        assert k.shape == c.keys[..., :c.offset, :].shape
+        assert mx.allclose(k, c.keys[..., :c.offset, :], atol=1e-5, rtol=1e-5).item()
+        assert mx.allclose(v, c.values[..., :c.offset, :], atol=1e-5, rtol=1e-5).item()
+    ref_kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in ref]
+    a, b = next_logits(model, got_kv, next_token), next_logits(model, ref_kv, next_token)
+    assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+    assert mx.argmax(a).item() == mx.argmax(b).item()
+
+
+def test_chunked_prefill_state_equals_whole_prompt_state(micro):
+    req = Request("x", 0.0, 300, 5)
+    d = Driver(micro, [req])
+    d.apply(Plan(admit=("x",), passes=(Pass(prefill=(("x", 64),)),)))
+    d.apply(Plan(passes=(Pass(prefill=(("x", 100),)),)))
+    d.apply(Plan(passes=(Pass(prefill=(("x", 135),)),)))  # 299: one left for the hand-off
+    ids = prompt_ids(0, "x", 300, micro.vocab_size)
+    assert_same_state(micro, d.backend.kv_arrays("x"), ids[:299], ids[299])
+    # a different split gives the same state too, and a wrong one does not
+    d2 = Driver(micro, [req])
+    d2.apply(Plan(admit=("x",), passes=(Pass(prefill=(("x", 299),)),)))
+    assert_same_state(micro, d2.backend.kv_arrays("x"), ids[:299], ids[299])
+    with pytest.raises(AssertionError):
+        assert_same_state(micro, d.backend.kv_arrays("x"), ids[1:300], ids[299])
+
+
+def test_padded_prefill_of_rows_at_different_contexts(micro):
+    """One right-padded forward over rows at different contexts leaves each row's own state."""
+    reqs = [Request("p", 0.0, 200, 3), Request("q", 0.0, 90, 3), Request("s", 0.0, 50, 3)]
+    d = Driver(micro, reqs)
+    d.apply(Plan(admit=("p", "q", "s"), passes=(Pass(prefill=(("p", 120), ("q", 10)), padded=True),)))
+    d.apply(Plan(passes=(Pass(prefill=(("p", 79), ("q", 79), ("s", 30)), padded=True),)))
+    assert d.shapes[-1].padded and d.shapes[-1].padded_prefill_tokens == 3 * 79
+    for rid, n in (("p", 199), ("q", 89), ("s", 30)):
+        ids = prompt_ids(0, rid, {"p": 200, "q": 90, "s": 50}[rid], micro.vocab_size)
+        assert_same_state(micro, d.backend.kv_arrays(rid), ids[:n], ids[n])
+
+
+def test_finished_request_kv_is_freed_and_batch_shrinks(micro):
+    reqs = [Request("u", 0.0, 40, 2), Request("v", 0.0, 30, 5), Request("w", 0.0, 20, 5)]
+    d = Driver(micro, reqs)
+    d.apply(Plan(admit=("u", "v", "w"), passes=(Pass(prefill=(("u", 40), ("v", 30), ("w", 20)), padded=True),)))
+    assert all(d.backend.holds(r) for r in "uvw") and d.backend.batch_rows == []
+    d.apply(Plan(passes=(Pass(decode=("u", "v", "w")),)))  # u's second token: u finishes
+    assert d.shapes[-1].joins == 3 and d.shapes[-1].leaves == 1
+    assert d.backend.batch_rows == ["v", "w"] and set(d.backend.batch_rows) == d.state.batch
+    assert not d.backend.holds("u")
+    assert d.backend._batch[0].keys.shape[0] == 2
+    d.apply(Plan(passes=(Pass(decode=("v", "w")),)))
+    for rid in "vw":
+        assert len(d.backend.kv_arrays(rid)[0][0][0, 0]) == d.state.by_id[rid].kv_tokens
+    d.apply(Plan(passes=(Pass(decode=("v", "w")),)))
+    d.apply(Plan(passes=(Pass(decode=("v", "w")),)))  # both finish: filter([]) is avoided
+    assert d.backend.batch_rows == [] and d.backend._batch is None
+    assert not d.backend.holds("v") and not d.backend.holds("w")
+    for r in reqs:
+        ids = prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size)
+        assert d.backend.tokens[r.id] == reference_tokens(micro, ids, r.output_tokens)
+
+
+# ---------------------------------------------------------------------- odd policies
+
+
+@dataclasses.dataclass
+class PreemptOnce(MlxDefault):
+    """mlx-default, but preempts the first decoding request with 3+ tokens out, and the
+    first prefilling request with some KV, once each (recompute on re-admission)."""
+
+    name = "preempt-once"
+    done_decode: bool = False
+    done_prefill: bool = False
+
+    def plan(self, view):
+        if not self.done_decode:
+            for r in view.decoding:
+                if r.generated >= 3 and r.generated + 1 < r.output_tokens:
+                    self.done_decode = True
+                    return Plan(preempt=(r.id,))
+        if not self.done_prefill:
+            for r in view.prefilling:
+                if 0 < r.prefilled < r.prompt_tokens - 1:
+                    self.done_prefill = True
+                    return Plan(preempt=(r.id,))
+        return super().plan(view)
+
+
+def test_preemption_recomputes_to_the_reference_tokens(micro, references):
+    policy = PreemptOnce(prefill_step_size=48, prefill_batch_size=3)
+    result, backend = run_real(micro, policy)
+    assert policy.done_decode and policy.done_prefill
+    assert sum(r.preemptions for r in result.requests) == 2
+    assert backend.stats["preemptions"] == 2
+    assert_reference_tokens(backend, references)
+
+
+@dataclasses.dataclass
+class Alternate(MlxDefault):
+    """Decodes only every other decoding request each step: rows park and rejoin."""
+
+    name = "alternate"
+
+    def plan(self, view):
+        plan = super().plan(view)
+        passes = []
+        for p in plan.passes:
+            if p.decode and len(p.decode) > 1:
+                keep = tuple(rid for i, rid in enumerate(p.decode) if (i + view.step_index) % 2 == 0)
+                p = Pass(decode=keep)
+            passes.append(p)
+        return Plan(admit=plan.admit, preempt=plan.preempt, passes=tuple(passes))
+
+
+def test_rows_parked_out_of_the_batch_continue_exactly(micro, references):
+    result, backend = run_real(micro, Alternate(prefill_step_size=64))
+    assert backend.stats["parks"] > 0
+    assert_reference_tokens(backend, references)
+
+
+# ---------------------------------------------------------------------- ids and sampling
+
+
+def test_prompt_ids_share_prefix_blocks():
+    a = prompt_ids(0, "a", 1300, 4096, prefix_ids=(7, 8, 9))
+    b = prompt_ids(0, "b", 1100, 4096, prefix_ids=(7, 8, 5))
+    c = prompt_ids(1, "a", 1300, 4096, prefix_ids=(7, 8, 9))
+    assert len(a) == 1300 and len(b) == 1100 and all(0 <= t < 4096 for t in a + b)
+    assert a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]
+    assert a != c and a == prompt_ids(0, "a", 1300, 4096, prefix_ids=(7, 8, 9))
+    assert prompt_ids(0, "a", 50, 4096) != prompt_ids(0, "b", 50, 4096)
+
+
+def test_temperature_sampling_is_seeded_and_batch_invariant(micro, references):
+    spec = "temperature=1.5,seed=3"
+    _, one = run_real(micro, make_policy("mlx-default", {"prefill_step_size": "64"}), sampling=spec)
+    _, two = run_real(micro, make_policy("slots", {"n_slots": "2"}), sampling=spec)
+    assert one.tokens == two.tokens
+    assert sum(one.tokens[r] != references[r] for r in references) >= 5
+    _, other = run_real(micro, make_policy("slots", {"n_slots": "2"}), sampling="temperature=1.5,seed=4")
+    assert other.tokens != one.tokens
+
+
+def test_full_logits_fallback_gives_the_same_tokens(micro, references):
+    """Architectures whose head cannot be split off run model(x) (logits for every position)."""
+    full = dataclasses.replace(micro, fast_head=False, head=lambda h: h,
+                               hidden=lambda x, cache: micro.model(x, cache=cache))
+    _, backend = run_real(full, make_policy("static", {"batch_size": "3"}))
+    assert_reference_tokens(backend, references)
