@@ -79,6 +79,38 @@ def _cache_arrays(caches: Iterable[Any]) -> list:
     return out
 
 
+def _merge_with_headroom(caches: Sequence[Any]) -> BatchKVCache:
+    """``BatchKVCache.merge`` that leaves room for the next tokens.
+
+    mlx-lm's merge allocates exactly the longest row, so the very next decode step has to
+    grow the batch cache (a concatenate copying every row: as much as the merge itself).
+    Allocating up to the next 256-slot step past the longest row in the same zeros() costs
+    nothing extra and removes that copy. Rows are laid out exactly as mlx-lm lays them
+    (left padding; ``_idx`` = longest row), so extend/filter/masks work unchanged.
+    """
+    lengths = [c.size() for c in caches]
+    longest = max(lengths)
+    if longest == 0:
+        return BatchKVCache([0] * len(caches))
+    step = BatchKVCache.step
+    slots = (longest // step + 1) * step
+    ref = next(c for c in caches if c.keys is not None)
+    _, heads, _, dk = ref.keys.shape
+    dv = ref.values.shape[3]
+    keys = mx.zeros((len(caches), heads, slots, dk), dtype=ref.keys.dtype)
+    values = mx.zeros((len(caches), heads, slots, dv), dtype=ref.values.dtype)
+    for i, (n, c) in enumerate(zip(lengths, caches)):
+        if n:
+            p = longest - n
+            keys[i:i + 1, :, p:longest] = c.keys[..., :n, :]
+            values[i:i + 1, :, p:longest] = c.values[..., :n, :]
+    out = BatchKVCache([longest - n for n in lengths])
+    out.keys, out.values = keys, values
+    out.offset = out.offset + longest
+    out._idx = longest
+    return out
+
+
 # ------------------------------------------------------------------------- backend
 
 
@@ -194,6 +226,36 @@ class MLXBackend:
         }
         return meta
 
+    def prime(self, r, n: int, state=None) -> None:
+        """Calibration only: give request ``r`` ``n`` prompt tokens of KV without a forward.
+
+        Timing does not depend on the values, only on the shapes, so ``calibrate`` sets up
+        long contexts this way in milliseconds instead of prefilling them for minutes. The
+        cache is laid out as a real prefill leaves it (mlx-lm's ``KVCache``: 256-slot
+        steps, ``offset`` = n). The caller advances the state machine by the same chunk.
+        """
+        if n < 1 or n >= r._target:
+            raise ValueError("prime() fills 1 .. target-1 tokens (the last one needs a real pass)")
+        self._ids(r)
+        caches = self._own_cache(r.id)
+        if self._kv[r.id]:
+            raise ValueError(f"request {r.id} already holds KV")
+        cfg = self.info.config
+        heads = cfg.get("num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        dtype = getattr(mx, self.info.dtype)
+        slots = -(-n // KVCache.step) * KVCache.step
+        shape = (1, kv_heads, slots, head_dim)
+        arrays = []
+        for c in caches:
+            c.keys = mx.random.normal(shape).astype(dtype)
+            c.values = mx.random.normal(shape).astype(dtype)
+            c.offset = n
+            arrays += [c.keys, c.values]
+        mx.eval(arrays)
+        self._kv[r.id] = n
+
     # ------------------------------------------------------------------ inspection
     @property
     def batch_rows(self) -> list[str]:
@@ -307,7 +369,7 @@ class MLXBackend:
     def _join(self, rids: Sequence[str]) -> None:
         """Merge the rows' own caches into a batch cache and extend the batch with it."""
         per_layer = [[self._cache[rid][layer] for rid in rids] for layer in range(self.n_layers)]
-        merged = [BatchKVCache.merge(cs) for cs in per_layer]
+        merged = [_merge_with_headroom(cs) for cs in per_layer]
         if self._batch is None:
             self._batch = merged
         else:

@@ -128,6 +128,10 @@ class PassShape(NamedTuple):
     batch_rows_before / joins / leaves: the engine keeps decoding rows in one batched KV
       cache; rows joining it (extend) and leaving it (filter: finished, parked or
       preempted) copy the batch. ``leaves`` counts rows removed after this pass.
+    prefill_done: for each chunk, whether it completes its prompt (and so yields a token).
+      On a lazy framework (MLX) a chunk that does not complete needs only the KV cache of
+      the last layer, not its attention output and MLP: measured here, a completing chunk
+      costs ~1/3 more. Empty when unknown (treated as not completing).
     """
 
     decode_contexts: tuple[int, ...] = ()
@@ -136,6 +140,7 @@ class PassShape(NamedTuple):
     batch_rows_before: int = 0
     joins: int = 0
     leaves: int = 0
+    prefill_done: tuple[bool, ...] = ()
 
     @property
     def decode_rows(self) -> int:

@@ -57,9 +57,13 @@ def run_real(
         fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
 
     warnings: list[str] = []
-    cost, capacity, profile_path, profile_blas = _cost_model(profile, kv_tokens, warnings)
+    if profile is not None:
+        from sim.profiles import resolve_profile
+
+        resolve_profile(profile)  # a bad --profile fails before the model loads
     info = load_model(model, dtype=dtype, seed=model_seed)
     info.check_trace(tr.requests)
+    cost, capacity, profile_path, profile_blas = _cost_model(profile, kv_tokens, warnings, info)
     engine_blas = blas.info()
     mismatch = _blas_mismatch(profile_blas, engine_blas)
     if mismatch:
@@ -93,23 +97,38 @@ def run_real(
     report_problems(result, summary)
 
 
-def _cost_model(profile: str | None, kv_tokens: int | None, warnings: list[str]):
-    """(cost model, KV capacity, profile path or None, the profile's BLAS or None)."""
-    from sim.cost import LinearCostModel, ProfileError
+def _cost_model(profile: str | None, kv_tokens: int | None, warnings: list[str], info):
+    """(cost model, KV capacity, profile path or None, the profile's BLAS or None).
+
+    Without --profile, the bundled profile is used only when it was measured on this model
+    and machine; otherwise predicted_s stays empty (a prediction for another model would
+    only mislead). With --profile, the file is used, with a warning if it does not match.
+    """
+    from engine.calibrate import profile_mismatch
+    from sim.cost import LinearCostModel, ProfileError, read_profile
     from sim.profiles import resolve_profile
 
     from .cli import load_cost_model
 
     if profile is None:
+        why = None
         try:
-            resolve_profile(None)
+            why = profile_mismatch(read_profile(resolve_profile(None)), info)
         except ProfileError:
-            note = ("no cost profile: steps.csv's predicted_s is left empty "
-                    "(give --profile FILE from `calibrate` for predictions)")
+            why = "no profile is bundled"
+        if why:
+            note = (f"no cost profile for model {info.name} on this machine ({why}): steps.csv's "
+                    f"predicted_s is left empty (run `calibrate --model {info.name}` and give --profile)")
             warnings.append(note)
             print(f"run-real: note: {note}", file=sys.stderr)
             return LinearCostModel({}), kv_tokens or DEFAULT_KV_TOKENS, None, None
     cost, capacity, path = load_cost_model(profile, kv_tokens)
+    if profile is not None:
+        why = profile_mismatch(cost.meta, info)
+        if why:
+            note = f"profile {path.name} was not measured on this model and machine: {why}"
+            warnings.append(note)
+            print(f"run-real: warning: {note}", file=sys.stderr)
     return cost, capacity, path, cost.meta.get("blas")
 
 

@@ -8,13 +8,23 @@ Features (seconds per unit in the coefficients):
 
 ==============  =====================================================================
 d_pass          1 when the pass has decode rows (dispatch floor of a decode forward)
+d_multi         1 when the pass has 2+ decode rows (BLAS leaves its matrix-vector path:
+                measured here, the second row costs 3x what each later one does)
 d_rows          decode rows
 d_kv            rows x longest context: attention over the left-padded batch cache
-c_join          rows after x longest context, when rows join the batch cache (extend)
-c_leave         rows kept x longest context, when rows leave it (filter)
+d_ctx           longest context: per-pass work that grows with the cache, not the rows
+c_join0         1 when rows join the batch cache (merge / extend: fixed part)
+c_join          rows after x longest context, when rows join (the copy)
+c_leave0        1 when rows leave the batch cache (filter: fixed part)
+c_leave         rows kept x longest context, when rows leave (the copy)
 p_pass          prefill forwards (1 when padded, else one per chunk)
 p_tokens        prefill tokens computed (rows x longest chunk when padded)
 p_attn          sum of chunk x (context + chunk): prompt attention (rows x max when padded)
+p_ctx           sum of chunk contexts: reading (and regrowing) a chunk's cache
+p_done0         chunks that complete their prompt (head and sampling of the first token)
+p_done          tokens of chunks that complete their prompt (the last layer runs in full
+                for them; rows x longest when padded and any row completes)
+p_done_attn     chunk x (context + chunk) of completing chunks (the last layer's attention)
 s_step          1 per step (the scheduler loop's own overhead)
 s_row           decode rows + prefill chunks in the step (bookkeeping per row)
 ==============  =====================================================================
@@ -32,7 +42,8 @@ from typing import Any, Mapping, Sequence
 
 from policies.base import PassShape
 
-PASS_FEATURES = ("d_pass", "d_rows", "d_kv", "c_join", "c_leave", "p_pass", "p_tokens", "p_attn")
+PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "c_join0", "c_join", "c_leave0", "c_leave",
+                 "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
 STEP_FEATURES = ("s_step", "s_row")
 FEATURES = PASS_FEATURES + STEP_FEATURES
 PROFILE_SCHEMA = "schedlab-profile/1"
@@ -49,12 +60,16 @@ def pass_features(s: PassShape) -> dict[str, float]:
         rows = len(ctx)
         longest = max(ctx)
         f["d_pass"] = 1.0
+        f["d_multi"] = 1.0 if rows > 1 else 0.0
         f["d_rows"] = rows
         f["d_kv"] = rows * longest
+        f["d_ctx"] = longest
         if s.joins:
+            f["c_join0"] = 1.0
             f["c_join"] = rows * longest
         if s.leaves:
-            f["c_leave"] = max(rows + s.batch_rows_before - (rows - s.joins) - s.leaves, 0) * longest
+            f["c_leave0"] = 1.0
+            f["c_leave"] = max(s.batch_rows_before + s.joins - s.leaves, 0) * longest
     if s.prefill:
         if s.padded:
             n = max(c for c, _ in s.prefill)
@@ -63,10 +78,19 @@ def pass_features(s: PassShape) -> dict[str, float]:
             f["p_pass"] = 1.0
             f["p_tokens"] = rows * n
             f["p_attn"] = rows * n * (ctx0 + n)
+            f["p_ctx"] = rows * ctx0
+            if any(s.prefill_done):
+                f["p_done0"] = 1.0
+                f["p_done"] = rows * n
+                f["p_done_attn"] = rows * n * (ctx0 + n)
         else:
             f["p_pass"] = len(s.prefill)
             f["p_tokens"] = sum(c for c, _ in s.prefill)
             f["p_attn"] = sum(c * (b + c) for c, b in s.prefill)
+            f["p_ctx"] = sum(b for _, b in s.prefill)
+            f["p_done0"] = float(sum(1 for d in s.prefill_done if d))
+            f["p_done"] = sum(c for (c, _), d in zip(s.prefill, s.prefill_done) if d)
+            f["p_done_attn"] = sum(c * (b + c) for (c, b), d in zip(s.prefill, s.prefill_done) if d)
     return f
 
 
@@ -95,27 +119,36 @@ class LinearCostModel:
         self._s_row = float(c.get("s_row", 0.0))
 
     def pass_seconds(self, s: PassShape) -> float:
-        d_pass, d_rows, d_kv, c_join, c_leave, p_pass, p_tokens, p_attn = self._d
+        (d_pass, d_multi, d_rows, d_kv, d_ctx, c_join0, c_join, c_leave0, c_leave,
+         p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn) = self._d
         t = 0.0
         ctx = s.decode_contexts
         if ctx:
             rows = len(ctx)
-            kv = rows * max(ctx)
-            t += d_pass + d_rows * rows + d_kv * kv
+            longest = max(ctx)
+            kv = rows * longest
+            t += d_pass + d_rows * rows + d_kv * kv + d_ctx * longest
+            if rows > 1:
+                t += d_multi
             if s.joins:
-                t += c_join * kv
+                t += c_join0 + c_join * kv
             if s.leaves:
                 kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
-                t += c_leave * kept * (kv / rows)
+                t += c_leave0 + c_leave * kept * longest
         if s.prefill:
             if s.padded:
                 n = max(c for c, _ in s.prefill)
                 ctx0 = max(b for _, b in s.prefill)
                 rows = len(s.prefill)
-                t += p_pass + p_tokens * rows * n + p_attn * rows * n * (ctx0 + n)
+                t += p_pass + p_tokens * rows * n + p_attn * rows * n * (ctx0 + n) + p_ctx * rows * ctx0
+                if any(s.prefill_done):
+                    t += p_done0 + p_done * rows * n + p_done_attn * rows * n * (ctx0 + n)
             else:
                 for c, b in s.prefill:
-                    t += p_pass + p_tokens * c + p_attn * c * (b + c)
+                    t += p_pass + p_tokens * c + p_attn * c * (b + c) + p_ctx * b
+                for (c, b), d in zip(s.prefill, s.prefill_done):
+                    if d:
+                        t += p_done0 + p_done * c + p_done_attn * c * (b + c)
         return t
 
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
@@ -187,11 +220,14 @@ def fit_linear(
     names: Sequence[str],
     *,
     relative: bool = True,
+    scale_by: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """Fit non-negative coefficients for ``names`` to measured seconds.
 
     ``relative`` weights each sample by 1/seconds, so a 5 ms decode step counts as much as
-    a 2 s prefill (we care about percent error per step, not absolute seconds).
+    a 2 s prefill (we care about percent error per step, not absolute seconds). When the
+    targets are residuals (a part of a pass whose other part is already fitted), give the
+    whole pass's seconds as ``scale_by``: a residual can be near zero or negative.
     """
     import numpy as np
 
@@ -199,7 +235,10 @@ def fit_linear(
         raise ValueError("fit needs one or more (features, seconds) samples")
     a = np.array([[float(r.get(k, 0.0)) for k in names] for r in rows])
     y = np.asarray(seconds, dtype=float)
-    w = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
+    ref = np.asarray(scale_by if scale_by is not None else seconds, dtype=float)
+    if relative and np.any(ref <= 0):
+        raise ValueError("relative fit needs positive seconds")
+    w = 1.0 / ref if relative else np.ones_like(y)
     scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns to unit scale
     x = nnls(a / scale * w[:, None], y * w)
     return {k: float(v / s) for k, v, s in zip(names, x, scale)}

@@ -139,8 +139,12 @@ def run(
     pass_seconds = cost_model.pass_seconds
 
     def replica():
+        # A step starts where the previous one ended (unless the replica sat idle waiting
+        # for an arrival): in a real run the SimPy hops and arrival handling between two
+        # steps belong to a step's measured time, as they do to a user's latency.
+        resume = [None]
         while not state.done:
-            t0 = now()
+            t0 = now() if resume[0] is None else resume[0]
             view.now = t0
             view.step_index = state.step_index
             try:
@@ -162,6 +166,7 @@ def run(
                     wake[0] = env.event()
                     yield wake[0]
                     wake[0] = None
+                    resume[0] = None
                     if not real:
                         clock[0] = env.now
                     continue
@@ -195,6 +200,7 @@ def run(
                         backend.release(r)
             if real:
                 t = now()
+            resume[0] = t
             if record_steps:
                 steps.append(StepRecord(
                     state.step_index, t0, t, predicted, (t - t0) if real else None,

@@ -264,6 +264,7 @@ class ReplicaState:
             ctx = tuple(map(_CTX, rs))
             finishing = list(map(_LEFT, rs)).count(1)
         chunks: list[tuple[int, int]] = []
+        done: list[bool] = []
         for item in p.prefill:
             try:
                 rid, n = item
@@ -278,6 +279,7 @@ class ReplicaState:
             if n > left:
                 raise self._fail(f"prefills {n} tokens of request {rid} which has {left} prompt tokens left")
             chunks.append((n, r._prefilled))
+            done.append(n == left)
         if chunks and (len(chunks) > 1 or decode):
             ids = [rid for rid, _ in p.prefill]
             if len(set(ids)) != len(ids) or (decode and not dset.isdisjoint(ids)):
@@ -287,9 +289,9 @@ class ReplicaState:
             raise self._fail(f"needs {self.kv_used + added} KV tokens but the capacity is {self.kv_capacity}")
         padded = bool(p.padded and chunks)
         if not decode:
-            return PassShape((), tuple(chunks), padded, 0, 0, 0)
+            return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
         leaves = len(batch) - (len(decode) - joins) + finishing
-        return PassShape(ctx, tuple(chunks), padded, len(batch), joins, leaves)
+        return PassShape(ctx, tuple(chunks), padded, len(batch), joins, leaves, tuple(done))
 
     def _check_decode(self, rid, r: RequestState | None) -> int:
         if r is None:

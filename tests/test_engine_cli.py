@@ -43,7 +43,10 @@ def test_run_real_end_to_end(tmp_path):
     assert summary["mode"] == "real" and summary["finished"] == summary["requests"] == 10
     steps = read_csv(out / "steps.csv")
     assert steps and all(float(s["measured_s"]) > 0 for s in steps)
-    assert all(s["predicted_s"] == "" for s in steps)  # no profile bundled or given
+    # the bundled profile was measured on tiny, not micro: no predictions, one note saying so
+    assert all(s["predicted_s"] == "" for s in steps)
+    notes = [ln for ln in proc.stderr.splitlines() if "note:" in ln]
+    assert len(notes) == 1 and "no cost profile for model micro" in notes[0]
     assert abs(sum(float(s["measured_s"]) for s in steps) - sum(float(s["end_s"]) - float(s["start_s"]) for s in steps)) < 1e-6
     tokens = read_csv(out / "tokens.csv")
     assert len(tokens) == summary["total_output_tokens"]
@@ -72,7 +75,8 @@ def test_profile_predictions_and_blas_mismatch_warning(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     warn = [ln for ln in proc.stderr.splitlines() if "warning" in ln]
-    assert len(warn) == 1 and "some-other-blas" in warn[0]
+    assert len(warn) == 2  # not measured on this model; measured under another BLAS
+    assert any("some-other-blas" in w for w in warn) and any("not measured on this model" in w for w in warn)
     steps = read_csv(out / "steps.csv")
     assert all(float(s["predicted_s"]) >= 0.0005 for s in steps) and all(float(s["measured_s"]) > 0 for s in steps)
     meta = json.loads((out / "meta.json").read_text())

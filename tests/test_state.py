@@ -101,6 +101,9 @@ def test_shape_reports_contexts_joins_and_leaves():
 
 def test_cost_model_features_and_prediction_agree():
     """The fast pass_seconds and the feature vector the fit uses are the same function."""
+    from sim.cost import FEATURES
+
+    assert set(KNOWN) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(KNOWN))
     b = Bench([req(i, 50 + 10 * i, 20) for i in range(6)])
     for i in range(3):
@@ -109,14 +112,18 @@ def test_cost_model_features_and_prediction_agree():
     b.prefilling(4, 0)
     shapes = [
         b.state.shape(Pass(decode=("0", "1"))),
+        b.state.shape(Pass(decode=("2",))),
         b.state.shape(Pass(prefill=(("3", 20), ("4", 64)), padded=True)),
         b.state.shape(Pass(prefill=(("3", 20), ("4", 64)))),
         b.state.shape(Pass(decode=("0", "1", "2"), prefill=(("4", 7),))),
     ]
+    b.apply(Plan(passes=(Pass(decode=("0", "1", "2")),)))
+    shapes.append(b.state.shape(Pass(decode=("0", "1"))))  # 2 leaves (parked) the batch
+    assert shapes[-1].leaves == 1 and pass_features(shapes[-1])["c_leave"] > 0
     for s in shapes:
         f = pass_features(s)
         assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN[k] * v for k, v in f.items()), rel=1e-12)
-    padded, unpadded = shapes[1], shapes[2]
+    padded, unpadded = shapes[2], shapes[3]
     assert pass_features(padded)["p_tokens"] == 2 * 64  # rows x longest
     assert pass_features(unpadded)["p_tokens"] == 84
     # one batched forward vs one forward per chunk: padding trades waste for dispatches

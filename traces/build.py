@@ -29,9 +29,10 @@ from .loaders import DATA_DIR, dumps_json, load, load_azure_csv
 from .schema import Trace, TraceError
 from .stats import trace_stats
 
-#: Request rate of mixed.json. PROVISIONAL: it must load the default cost profile to about
-#: 70-80 %; the profile is not measured yet, so the lead tunes this once it is.
-MIXED_RATE_RPS = 1.0
+#: Request rate of mixed.json: loads the default profile (sim/profiles/tiny-cpu.json) to
+#: about 74 % under mlx-default (busy step time / makespan; measured: 0.20 rps -> 70 %,
+#: 0.25 -> 78 %). Its 30 long prompts (3-8k tokens) take ~25 s each to prefill on tiny.
+MIXED_RATE_RPS = 0.23
 #: Request rate of sonnet.json: 100 x (1024 prompt + 128 output) tokens, a moderate load.
 SONNET_RATE_RPS = 0.5
 #: The Mooncake conversation window bundled: its first 10 minutes, [0, 600 s) of timestamps.

@@ -1,0 +1,582 @@
+"""``calibrate``: time real passes over a grid and fit the simulator's cost model.
+
+Every timed pass goes through the same code as a real run: a ``ReplicaState`` checks the
+pass and describes its shape, ``MLXBackend.execute`` runs it (graph build, one
+``mx.eval``, batch-cache copies, bookkeeping), and the state advances. Long contexts are
+set up with ``MLXBackend.prime`` (KV of the right shape without a forward: timing depends
+on shapes, not values), so the grid reaches 4k-token contexts in seconds.
+
+Groups, each fitted apart (decode and prefill terms fitted apart fit best here):
+
+- decode: steady batched decode passes, batch x context grid -> d_pass, d_rows, d_kv
+- join / leave: the first pass of a batch (rows join: extend) and a pass where rows finish
+  (filter) -> c_join, c_leave, on top of the decode terms
+- prefill: one chunk (size x context grid), and padded multi-prompt passes -> p_pass,
+  p_tokens, p_attn
+- step: the real loop (``sim.loop.run`` with the MLX backend on a small trace, several
+  policies): step wall time minus the passes' time -> s_step, s_row
+- mixed: decode rows + a prefill chunk in one pass: never fitted, only checked
+
+A quarter of each group's grid points (seeded draw) is held out of the fit; the fit report
+gives R^2 on the fitted points and median / max absolute % error on the held-out ones.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from policies import make_policy
+from policies.base import Pass, Plan
+from sim.cost import FEATURES, PASS_FEATURES, PROFILE_SCHEMA, LinearCostModel, fit_linear, pass_features, step_features
+from sim.loop import run as run_loop
+from sim.state import ReplicaState
+from traces.schema import Request
+
+from .backend import MLXBackend
+from .models import ModelInfo
+
+DEFAULT_KV_TOKENS = 262_144  # a capacity setting for simulate/run-real, not a measurement
+DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
+JOIN_TERMS = ("c_join0", "c_join")
+LEAVE_TERMS = ("c_leave0", "c_leave")
+PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
+STEP_TERMS = ("s_step", "s_row")
+
+
+@dataclass
+class Grid:
+    name: str
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    decode_reps: int
+    prefill_chunks: tuple[int, ...]
+    prefill_contexts: tuple[int, ...]
+    prefill_reps: int
+    max_attention: int  # cap on chunk x (context + chunk) for the prefill grid
+    padded: tuple[tuple[int, int, int], ...]  # (rows, longest chunk, context)
+    mixed: tuple[tuple[int, int, int, int], ...]  # (decode rows, their context, chunk, chunk context)
+    loop_requests: int
+    loop_policies: tuple[str, ...]
+    rounds: int = 3  # every point is measured once per round; rounds are spread over the run
+    max_decode_kv: int = 10**9  # skip decode points with batch x context above this
+
+
+GRIDS = {
+    "default": Grid(
+        name="default",
+        decode_batches=(1, 2, 3, 4, 8, 16, 32, 64),
+        decode_contexts=(40, 300, 1000, 2500),
+        decode_reps=3,
+        prefill_chunks=(1, 16, 64, 256, 1024, 2048),
+        prefill_contexts=(0, 300, 1000, 2500),
+        prefill_reps=1,
+        max_attention=2048 * 2100,
+        padded=((2, 64, 0), (4, 256, 0), (8, 32, 500), (3, 512, 300), (6, 96, 1000), (2, 1024, 0)),
+        mixed=((4, 256, 128, 0), (16, 512, 256, 0), (8, 1000, 512, 300), (32, 150, 64, 0)),
+        loop_requests=16,
+        loop_policies=("mlx-default", "unified"),
+        rounds=3,
+        max_decode_kv=64 * 1000,
+    ),
+    "quick": Grid(
+        name="quick",
+        decode_batches=(1, 2, 4, 16, 48),
+        decode_contexts=(60, 600, 2100),
+        decode_reps=3,
+        prefill_chunks=(1, 32, 128, 512, 1024),
+        prefill_contexts=(0, 500, 2100),
+        prefill_reps=1,
+        max_attention=1024 * 1600,
+        padded=((2, 64, 0), (4, 256, 0), (8, 64, 300), (3, 512, 0)),
+        mixed=((4, 256, 128, 0), (16, 512, 256, 0), (8, 1000, 64, 500)),
+        loop_requests=12,
+        loop_policies=("mlx-default",),
+        rounds=2,
+        max_decode_kv=48 * 2100,
+    ),
+}
+
+
+@dataclass
+class Sample:
+    group: str
+    label: str
+    features: dict[str, float]
+    seconds: float
+    runs: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "label": self.label, "seconds": self.seconds,
+                "runs": self.runs, "features": {k: v for k, v in self.features.items() if v}}
+
+
+class Rig:
+    """A state machine and the MLX backend, driven pass by pass as the loop drives them."""
+
+    def __init__(self, info: ModelInfo, seed: int = 0):
+        self.backend = MLXBackend(info, seed=seed, warmup=False)
+        self.n = 0
+
+    def scenario(self, specs: Sequence[tuple[int, int]]) -> tuple[ReplicaState, list[str]]:
+        reqs = []
+        for prompt, output in specs:
+            self.n += 1
+            reqs.append(Request(f"cal{self.n}", 0.0, prompt, output))
+        state = ReplicaState(reqs, 10**9, "calibrate")
+        for r in state.accepted:
+            state.arrive(r)
+        for r in state.requests:
+            self.backend.tokens.setdefault(r.id, [])
+        return state, [r.id for r in reqs]
+
+    def admit(self, state: ReplicaState, ids: Iterable[str], prime: int = 0) -> None:
+        ids = list(ids)
+        state.apply_admin(Plan(admit=tuple(ids)), 0.0)
+        if prime:
+            for rid in ids:
+                r = state.by_id[rid]
+                self.backend.prime(r, prime)
+                state.apply_pass(Pass(prefill=((rid, prime),)), 0.0)
+
+    def timed(self, state: ReplicaState, p: Pass) -> tuple[dict[str, float], float]:
+        shape = state.shape(p)
+        dt = self.backend.execute(p, shape, state)
+        for r in state.apply_pass(p, 0.0):
+            self.backend.release(r)
+        state.step_index += 1
+        return pass_features(shape), dt
+
+    def close(self, state: ReplicaState) -> None:
+        for r in state.requests:
+            if r.phase.value != "finished":
+                self.backend.release(r)
+            self.backend.tokens.pop(r.id, None)
+
+
+def merge_rounds(same: Sequence[Sample]) -> Sample:
+    """One sample from the rounds of one grid point: the median over all their runs."""
+    runs = [dt for s in same for dt in s.runs]
+    med = statistics.median(runs)
+    closest = min(same, key=lambda s: abs(s.seconds - med))
+    return Sample(closest.group, closest.label, closest.features, med, runs)
+
+
+def _median_sample(group: str, label: str, runs: list[tuple[dict, float]]) -> Sample:
+    secs = [dt for _, dt in runs]
+    med = statistics.median(secs)
+    feats = min(runs, key=lambda fr: abs(fr[1] - med))[0]  # features of the median run
+    return Sample(group, label, feats, med, secs)
+
+
+# ---------------------------------------------------------------------- measurements
+
+
+def measure_decode(rig: Rig, batch: int, ctx: int, reps: int) -> list[Sample]:
+    """A batch forms (rows join from nothing: merge), decodes ``reps`` steady passes, takes
+    in newcomers (extend), then half its rows finish (filter): one sample of each."""
+    newcomers = max(1, batch // 8)
+    finish_at = reps + 3  # join, reps steady, extend, then the leave pass
+    specs = [(ctx - (i * 37) % max(1, ctx // 4), finish_at if i % 2 == 0 else finish_at + 3)
+             for i in range(batch)]
+    specs += [(max(2, ctx // 2 + 1), finish_at + 3)] * newcomers
+    state, ids = rig.scenario(specs)
+    base, new = ids[:batch], ids[batch:]
+    for rid in ids:
+        rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
+    label = f"B={batch} C={ctx}"
+    join = rig.timed(state, Pass(decode=tuple(base)))  # hand-off: the batch forms (merge)
+    steady = [rig.timed(state, Pass(decode=tuple(base))) for _ in range(reps)]
+    extend = rig.timed(state, Pass(decode=tuple(base + new)))  # newcomers join (extend)
+    leave = rig.timed(state, Pass(decode=tuple(base + new)))  # even base rows finish: filter
+    rig.close(state)
+    return [Sample("join", label + " merge", join[0], join[1], [join[1]]),
+            _median_sample("decode", label, steady),
+            Sample("join", f"{label} +{newcomers}", extend[0], extend[1], [extend[1]]),
+            Sample("leave", label, leave[0], leave[1], [leave[1]])]
+
+
+def measure_prefill(rig: Rig, chunk: int, ctx: int, reps: int, completes: bool = False) -> Sample:
+    """One chunk at a context; ``completes``: it is the prompt's last chunk (yields a token)."""
+    runs = []
+    for _ in range(reps):
+        state, (rid,) = rig.scenario([(ctx + chunk + (0 if completes else 1), 2)])
+        rig.admit(state, [rid], prime=ctx)
+        runs.append(rig.timed(state, Pass(prefill=((rid, chunk),))))
+        rig.close(state)
+    return _median_sample("prefill", f"n={chunk} c={ctx}" + (" done" if completes else ""), runs)
+
+
+def measure_padded(rig: Rig, rows: int, longest: int, ctx: int, reps: int, completes: bool = False) -> Sample:
+    runs = []
+    rng = random.Random(rows * 1_000_003 + longest * 1009 + ctx)  # same shapes in every round
+    for _ in range(reps):
+        chunks = [longest] + [rng.randint(max(1, longest // 4), longest) for _ in range(rows - 1)]
+        ctxs = [ctx] + [rng.choice((0, ctx)) for _ in range(rows - 1)]
+        state, ids = rig.scenario([(c + n + (0 if completes else 1), 2) for n, c in zip(chunks, ctxs)])
+        state.apply_admin(Plan(admit=tuple(ids)), 0.0)
+        for rid, c in zip(ids, ctxs):
+            if c:
+                rig.backend.prime(state.by_id[rid], c)
+                state.apply_pass(Pass(prefill=((rid, c),)), 0.0)
+        runs.append(rig.timed(state, Pass(prefill=tuple(zip(ids, chunks)), padded=True)))
+        rig.close(state)
+    return _median_sample("padded", f"rows={rows} n<={longest} c={ctx}" + (" done" if completes else ""), runs)
+
+
+def measure_mixed(rig: Rig, batch: int, ctx: int, chunk: int, cctx: int, reps: int,
+                  completes: bool = False) -> Sample:
+    state, ids = rig.scenario([(ctx, reps + 4)] * batch + [(cctx + chunk + (0 if completes else 1), 2)] * reps)
+    dec, pre = ids[:batch], ids[batch:]
+    rig.admit(state, dec, prime=ctx - 1)
+    rig.timed(state, Pass(decode=tuple(dec)))  # join first: the mixed passes are steady
+    runs = []
+    for rid in pre:
+        rig.admit(state, [rid], prime=cctx)
+        runs.append(rig.timed(state, Pass(decode=tuple(dec), prefill=((rid, chunk),))))
+    rig.close(state)
+    return _median_sample("mixed", f"B={batch} C={ctx} + n={chunk} c={cctx}" + (" done" if completes else ""), runs)
+
+
+class _StepRecorder:
+    """Wraps the backend in a real loop run: the passes' own time per step."""
+
+    mode = "real"
+
+    def __init__(self, backend: MLXBackend):
+        self.b = backend
+        self.acc = 0.0
+        self.per_step: list[float] = []
+
+    def start(self, state):
+        self.b.start(state)
+
+    def execute(self, p, shape, state):
+        dt = self.b.execute(p, shape, state)
+        self.acc += dt
+        return dt
+
+    def release(self, r):
+        self.b.release(r)
+
+    def finish(self):
+        return self.b.finish()
+
+    def on_step(self, state):
+        self.per_step.append(self.acc)
+        self.acc = 0.0
+
+
+def loop_trace(n: int, seed: int) -> list[Request]:
+    """A small busy trace: chat-sized prompts arriving faster than they are served."""
+    rng = random.Random(seed)
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(8.0)
+        reqs.append(Request(f"loop{seed}-{i}", round(t, 4), rng.randint(16, 192), rng.randint(8, 40)))
+    return reqs
+
+
+def measure_step_overhead(info: ModelInfo, grid: Grid, seed: int) -> list[Sample]:
+    """Step wall time minus pass time in the real loop: planning, state, SimPy, clock."""
+    samples = []
+    for k, name in enumerate(grid.loop_policies):
+        rec = _StepRecorder(MLXBackend(info, seed=seed))
+        reqs = loop_trace(grid.loop_requests, seed + k)
+        res = run_loop(reqs, make_policy(name), LinearCostModel({}), kv_capacity=10**9,
+                       backend=rec, trace_name="calibrate-loop", on_step=rec.on_step)
+        if res.error:
+            raise RuntimeError(res.error)
+        per_step: dict[int, list] = {}
+        for s, _, _, _, p in res.passes:
+            per_step.setdefault(s, []).append(p)
+        for st, passes_s in zip(res.steps, rec.per_step):
+            ps = per_step.get(st.index, [])
+            over = st.measured_s - passes_s
+            feats = step_features(len(ps), sum(len(p.decode) + len(p.prefill) for p in ps))
+            samples.append(Sample("step", f"{name} step {st.index}", feats, over, [over]))
+    return samples
+
+
+# ---------------------------------------------------------------------- fitting
+
+
+def split(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """A quarter of the samples, drawn with a fixed seed, is held out of the fit.
+
+    (Not every fourth in grid order: with four contexts per batch size that would hold out
+    exactly the longest-context column, an extrapolation test rather than a hold-out.)
+    """
+    idx = list(range(len(samples)))
+    random.Random(len(samples)).shuffle(idx)
+    held_idx = set(idx[: len(samples) // 4])
+    fit = [s for i, s in enumerate(samples) if i not in held_idx]
+    held = [s for i, s in enumerate(samples) if i in held_idx]
+    return fit, held
+
+
+def _errors(model: LinearCostModel, samples: Sequence[Sample], predict: Callable[[Sample], float]) -> dict:
+    if not samples:
+        return {"n": 0}
+    errs = [100.0 * (predict(s) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+    abs_e = sorted(abs(e) for e in errs)
+    return {"n": len(errs), "median_abs_pct": statistics.median(abs_e), "max_abs_pct": abs_e[-1],
+            "mean_pct": statistics.fmean(errs)}
+
+
+def _r2(samples: Sequence[Sample], predict: Callable[[Sample], float]) -> float | None:
+    if len(samples) < 2:
+        return None
+    y = [s.seconds for s in samples]
+    mean = statistics.fmean(y)
+    ss_tot = sum((v - mean) ** 2 for v in y)
+    ss_res = sum((s.seconds - predict(s)) ** 2 for s in samples)
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else None
+
+
+def _dot(coef: dict[str, float], feats: dict[str, float], names: Iterable[str]) -> float:
+    return sum(coef.get(k, 0.0) * feats.get(k, 0.0) for k in names)
+
+
+def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]]:
+    """Coefficients for every term, each group fitted apart, plus the fit report."""
+    by = {g: [s for s in samples if s.group == g] for g in ("decode", "join", "leave", "prefill", "padded", "mixed", "step")}
+    coef: dict[str, float] = dict.fromkeys(FEATURES, 0.0)
+    report: dict[str, Any] = {}
+
+    def fit_group(name, group, terms, base=None, relative=True):
+        fit, held = split(group)
+        if not fit:
+            return
+        y = [s.seconds - (base(s) if base else 0.0) for s in fit]
+        got = fit_linear([s.features for s in fit], y, terms, relative=relative,
+                         scale_by=[s.seconds for s in fit] if relative else None)
+        coef.update(got)
+        pred = (lambda s: _dot(coef, s.features, terms) + (base(s) if base else 0.0))
+        report[name] = {"terms": list(terms), "fit": _errors(None, fit, pred), "r2": _r2(fit, pred),
+                        "held_out": _errors(None, held, pred)}
+
+    fit_group("decode", by["decode"], DECODE_TERMS)
+    decode_part = lambda s: _dot(coef, s.features, DECODE_TERMS)  # noqa: E731
+    fit_group("join", by["join"], JOIN_TERMS, base=decode_part)
+    fit_group("leave", by["leave"], LEAVE_TERMS, base=decode_part)
+    fit_group("prefill", by["prefill"] + by["padded"], PREFILL_TERMS)
+    fit_group("step", by["step"], STEP_TERMS, relative=False)
+    # mixed passes: predicted as decode + prefill parts, never fitted
+    model = LinearCostModel(dict(coef))
+    passes = lambda s: _dot(coef, s.features, PASS_FEATURES)  # noqa: E731
+    report["mixed"] = {"held_out": _errors(model, by["mixed"], passes), "r2": _r2(by["mixed"], passes)}
+    # every pass sample, held-out or not, as one number users can quote
+    all_pass = [s for g in ("decode", "join", "leave", "prefill", "padded", "mixed") for s in by[g]]
+    report["all_passes"] = _errors(model, all_pass, passes)
+    held = [s for g in ("decode", "join", "leave") for s in split(by[g])[1]] + split(
+        by["prefill"] + by["padded"])[1] + by["mixed"]
+    report["held_out_passes"] = _errors(model, held, passes)
+    return coef, report
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure the grid on ``info``'s model and return the profile (a JSON-able dict)."""
+    say = progress or (lambda msg: None)
+    t_start = time.perf_counter()
+    rng = random.Random(seed)
+    rig = Rig(info, seed=seed)
+    # warm-up: the first forwards of a process are slow; run one of each kind, untimed
+    for _ in range(2):
+        measure_decode(rig, 4, 64, 2)
+        measure_prefill(rig, 64, 64, 1)
+        measure_padded(rig, 2, 32, 0, 1)
+    jobs: list[tuple[str, Callable[[], list[Sample]]]] = []
+    for b in grid.decode_batches:
+        for c in grid.decode_contexts:
+            if b * c <= grid.max_decode_kv:
+                jobs.append((f"decode B={b} C={c}", lambda b=b, c=c: measure_decode(rig, b, c, grid.decode_reps)))
+    for k, n in enumerate(grid.prefill_chunks):
+        for j, c in enumerate(grid.prefill_contexts):
+            if n * (c + n) <= grid.max_attention:
+                done = (k + j) % 2 == 1  # half the grid completes its prompt, checkerboard
+                jobs.append((f"prefill n={n} c={c}" + (" done" if done else ""),
+                             lambda n=n, c=c, d=done: [measure_prefill(rig, n, c, grid.prefill_reps, d)]))
+    for k, (rows, n, c) in enumerate(grid.padded):
+        jobs.append((f"padded rows={rows} n={n} c={c}" + (" done" if k % 2 else ""),
+                     lambda rows=rows, n=n, c=c, d=bool(k % 2): [measure_padded(rig, rows, n, c, grid.prefill_reps, d)]))
+    for k, (b, c, n, cc) in enumerate(grid.mixed):
+        jobs.append((f"mixed B={b} C={c} n={n} c={cc}" + (" done" if k % 2 else ""),
+                     lambda b=b, c=c, n=n, cc=cc, d=bool(k % 2): [measure_mixed(rig, b, c, n, cc, grid.prefill_reps, d)]))
+    # Every point once per round, each round in a fresh random order: a slow spell of the
+    # machine (steal time, other load) then touches one round of a point, not all of it.
+    per_job: dict[int, list[list[Sample]]] = {i: [] for i in range(len(jobs))}
+    total = len(jobs) * grid.rounds
+    done = 0
+    for rnd in range(grid.rounds):
+        order = list(range(len(jobs)))
+        rng.shuffle(order)
+        for i in order:
+            done += 1
+            say(f"[{done}/{total}] round {rnd + 1}: {jobs[i][0]}")
+            per_job[i].append(jobs[i][1]())
+    samples = [merge_rounds(rounds) for i in range(len(jobs)) for rounds in zip(*per_job[i])]
+    say("real loop: per-step overhead")
+    samples += measure_step_overhead(info, grid, seed)
+    coef, report = fit_profile(samples)
+    meta = info.metadata()
+    return {
+        "schema": PROFILE_SCHEMA,
+        "model": meta["model"],
+        "dtype": meta["dtype"],
+        "parameters": meta["parameters"],
+        "kv_tokens": DEFAULT_KV_TOKENS,
+        "blas": _blas_key(meta.get("blas") or {}),
+        "mlx": meta["mlx"],
+        "mlx_lm": meta["mlx_lm"],
+        "device": meta["device"],
+        "machine": meta["machine"],
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "calibration": {"grid": grid.name, "seed": seed, "samples": len(samples),
+                        "wall_s": round(time.perf_counter() - t_start, 1)},
+        "coefficients": coef,
+        "fit_report": report,
+        "samples": [s.to_json() for s in samples],
+    }
+
+
+def _blas_key(b: dict[str, Any]) -> dict[str, Any]:
+    keep = ("name", "threads", "thread_timeout", "path", "config", "active")
+    return {k: b[k] for k in keep if k in b}
+
+
+def format_report(profile: dict[str, Any]) -> str:
+    rep = profile["fit_report"]
+    lines = [f"calibrated {profile['model']} ({profile['dtype']}, BLAS {profile['blas'].get('name')} "
+             f"x{profile['blas'].get('threads')}) in {profile['calibration']['wall_s']} s, "
+             f"{profile['calibration']['samples']} samples"]
+    lines.append(f"{'group':<10} {'R^2':>7} {'fit med|%|':>11} {'held-out n':>11} {'med |%|':>8} {'max |%|':>8}")
+    for g in ("decode", "join", "leave", "prefill", "step", "mixed"):
+        r = rep.get(g)
+        if not r:
+            continue
+        h = r.get("held_out", {})
+        r2 = r.get("r2")
+        fit_med = r.get("fit", {}).get("median_abs_pct")
+        lines.append(f"{g:<10} {_f(r2, 4):>7} {_f(fit_med, 1):>11} {h.get('n', 0):>11} "
+                     f"{_f(h.get('median_abs_pct'), 1):>8} {_f(h.get('max_abs_pct'), 1):>8}")
+    h = rep["held_out_passes"]
+    lines.append(f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
+                 f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}")
+    lines.append("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in profile["coefficients"].items()))
+    return "\n".join(lines)
+
+
+def _f(v, digits):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
+    """The profile JSON, and its fit report as markdown beside it (same name, .md)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+    path.with_suffix(".md").write_text(report_markdown(profile))
+    return path
+
+
+def report_markdown(profile: dict[str, Any]) -> str:
+    b, m = profile.get("blas", {}), profile.get("machine", {})
+    cal = profile.get("calibration", {})
+    lines = [
+        f"# Cost profile: {profile['model']} ({profile['dtype']})",
+        "",
+        f"Measured by `calibrate` ({cal.get('grid')} grid, {cal.get('samples')} samples, "
+        f"{cal.get('wall_s')} s) on {profile.get('date')}: mlx {profile.get('mlx')}, mlx-lm "
+        f"{profile.get('mlx_lm')}, BLAS {b.get('name')} x{b.get('threads')} threads "
+        f"(thread timeout {b.get('thread_timeout')}), {m.get('processor')} with {m.get('cpu_count')} CPUs, "
+        f"{m.get('platform')}. Coefficients are never typed in: rerun `calibrate` to refresh them.",
+        "",
+        "## Fit",
+        "",
+        "Each group is fitted apart; a quarter of each group's grid points is held out. Errors are",
+        "|predicted - measured| / measured per grid point (the median over its runs).",
+        "",
+        "```",
+        format_report(profile),
+        "```",
+        "",
+        "## Coefficients (seconds per unit; see sim/cost.py for the terms)",
+        "",
+        "| term | value |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v:.4g} |" for k, v in profile["coefficients"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- matching profiles
+
+
+def profile_mismatch(meta: dict[str, Any], info: ModelInfo) -> str | None:
+    """Why a profile was not measured on this model and machine (None when it was)."""
+    here = info.metadata()
+    checks = [
+        ("model", meta.get("model"), here["model"]),
+        ("dtype", meta.get("dtype"), here["dtype"]),
+        ("parameters", meta.get("parameters"), here["parameters"]),
+        ("BLAS", (meta.get("blas") or {}).get("name"), here["blas"].get("name")),
+        ("BLAS threads", (meta.get("blas") or {}).get("threads"), here["blas"].get("threads")),
+        ("CPU count", (meta.get("machine") or {}).get("cpu_count"), here["machine"].get("cpu_count")),
+        ("processor", (meta.get("machine") or {}).get("processor"), here["machine"].get("processor")),
+    ]
+    for what, theirs, ours in checks:
+        if theirs != ours:
+            return f"the profile's {what} is {theirs!r}, here it is {ours!r}"
+    return None
+
+
+def _cache_dir() -> Path:
+    import os
+
+    base = os.environ.get("SCHEDLAB_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "schedlab") / "profiles"
+
+
+def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path,
+                      say: Callable[[str], None]) -> tuple[Path, str | None]:
+    """The profile to simulate with: the one given, else the bundled default when it was
+    measured on this model and machine, else a cached calibration of this model and machine,
+    else a fresh ``--quick`` calibration (written to OUT/profile.json and cached)."""
+    from sim.cost import read_profile
+    from sim.profiles import PROFILE_DIR, resolve_profile
+
+    if profile is not None:
+        path = resolve_profile(profile)
+        why = profile_mismatch(read_profile(path), info)
+        return path, (f"{path.name} may not fit: {why}" if why else None)
+    candidates = sorted(PROFILE_DIR.glob("*.json"))
+    cache = _cache_dir()
+    key = f"{Path(str(info.name)).name}-{info.dtype}-{info.n_params}"
+    cached = cache / f"{key}.json"
+    if cached.is_file():
+        candidates.append(cached)
+    for path in candidates:
+        try:
+            if profile_mismatch(read_profile(path), info) is None:
+                return path, None
+        except Exception:  # a broken cache file: ignore it, calibrate anew
+            continue
+    say("no profile matches this model and machine: calibrating (--quick) first")
+    prof = calibrate(info, GRIDS["quick"], progress=say)
+    path = write_profile(prof, out / "profile.json")
+    try:
+        write_profile(prof, cached)
+    except OSError:
+        pass
+    return path, f"calibrated for {info.name} on this machine (quick grid): {path}"

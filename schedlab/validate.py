@@ -1,0 +1,166 @@
+"""``validate``: run-real and simulate on the same trace, policy, options and profile.
+
+Prints, per policy, simulated vs measured metrics with their error and the cost model's
+per-step error; writes validation.json beside both runs' directories::
+
+    OUT/validation.json  OUT/sim/  OUT/real/ [OUT/real-2/ ...]      (one policy)
+    OUT/validation.json  OUT/<policy>/{validation.json,sim,real}     (--policy all)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .common import fail, make_app, parse_options, run_app
+
+validate_app = make_app(
+    "Run a policy for real (MLX) and in simulation on the same trace and profile, and print "
+    "how far the simulation is from the measurement (metrics and per-step cost-model error).")
+
+
+@validate_app.command()
+def validate(
+    policy: str = typer.Option(..., "--policy", "-p", help="a policy name, several (a,b), or 'all' (the six bundled)"),
+    trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"),
+    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
+    option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="cost profile (default: the bundled one if it matches this model and machine, else calibrate --quick first)"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="simulate with the analytic model of this hardware preset (e.g. cpu-local) instead of a profile"),
+    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV capacity in tokens (default: the profile's)"),
+    seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt ids"),
+    repeat: int = typer.Option(1, "--repeat", help="real runs per policy (reports their spread)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: validate-<trace>)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="only the tables"),
+) -> None:
+    """Validate the simulator against the real engine for POLICY on TRACE."""
+    from engine import blas  # OpenBLAS before mlx
+    from engine.models import check_spec
+    from policies import POLICIES, make_policy
+
+    import traces
+
+    names = list(POLICIES) if policy == "all" else [p.strip() for p in policy.split(",") if p.strip()]
+    if not names:
+        fail("--policy is empty", 2)
+    opts = parse_options(option)
+    policies = {n: make_policy(n, opts) for n in names}  # bad names/options fail here, before any run
+    tr = traces.load(trace, seed=seed)
+    check_spec(model, dtype)
+    if repeat < 1:
+        fail(f"--repeat must be >= 1, got {repeat}", 2)
+    if hardware and profile:
+        fail("give either --profile or --hardware, not both", 2)
+    if kv_tokens is not None and kv_tokens < 1:
+        fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
+    out = out or Path(f"validate-{tr.name}")
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} exists and is not a directory")
+
+    from engine.models import load_model
+
+    info = load_model(model, dtype=dtype)
+    info.check_trace(tr.requests)
+    blas.notify_if_missing()
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(f"validate: {msg}", file=sys.stderr, flush=True)
+
+    out.mkdir(parents=True, exist_ok=True)
+    cost, capacity, cost_meta = _pick_cost(profile, hardware, kv_tokens, info, out, say)
+    real_cost, _, real_meta = (cost, capacity, cost_meta) if not hardware else _pick_cost(
+        profile, None, kv_tokens, info, out, say, required=False)
+
+    from sim.validation import compare, format_table
+
+    results = {}
+    for name, pol in policies.items():
+        pdir = out if len(policies) == 1 else out / name
+        v = validate_one(pol, tr, info, cost, real_cost, capacity, pdir, repeat, seed, cost_meta, say)
+        results[name] = v
+        print(format_table(v))
+        print()
+    if len(results) > 1:
+        summary = {"trace": tr.name, "model": info.name, "cost_model": cost_meta, "policies": {
+            n: {k: v[k] for k in ("median_abs_error_pct", "max_abs_error_pct", "step_error_pct")}
+            for n, v in results.items()}}
+        (out / "validation.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(format_overview(results))
+    print(f"wrote {out}")
+
+
+def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: int, seed: int,
+                 cost_meta: dict, say) -> dict:
+    from engine.backend import MLXBackend
+    from sim import run
+    from sim.metrics import summarize
+    from sim.output import write_run
+    from sim.validation import compare
+
+    meta = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed, "policy_options": pol.options()}
+    say(f"{pol.name}: simulating")
+    sim_res = run(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
+    sim_sum = summarize(sim_res)
+    write_run(pdir / "sim", sim_res, sim_sum, meta=meta)
+    reals, steps = [], []
+    for k in range(repeat):
+        say(f"{pol.name}: real run {k + 1}/{repeat}")
+        res = run(tr.requests, pol, real_cost, kv_capacity=capacity,
+                  backend=MLXBackend(info, seed=seed), trace_name=tr.name)
+        s = summarize(res)
+        write_run(pdir / ("real" if k == 0 else f"real-{k + 1}"), res, s, meta=meta)
+        if res.error:
+            fail(f"{pol.name}: real run stopped: {res.error}")
+        reals.append(s)
+        steps.extend(res.steps)
+    v = compare(sim_sum, reals, policy=pol.name, trace=tr.name, real_steps=steps)
+    v["model"] = info.name
+    v["cost_model"] = cost_meta
+    v["sim_dir"] = "sim"
+    v["real_dirs"] = ["real" if k == 0 else f"real-{k + 1}" for k in range(repeat)]
+    (pdir / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
+    return v
+
+
+def _pick_cost(profile, hardware, kv_tokens, info, out: Path, say, required: bool = True):
+    """(cost model, KV capacity, description) for the simulated side."""
+    from sim.cost import LinearCostModel
+
+    if hardware:
+        from sim.analytic import analytic_from_config, load_hardware
+
+        hw = load_hardware(hardware)
+        bits = 32 if info.dtype == "float32" else 16
+        cost = analytic_from_config(hw, info.config, bits, name=info.name, kv_bits=bits)
+        capacity = kv_tokens or 262144
+        return cost, capacity, {"analytic": cost.meta()}
+    from engine.calibrate import find_or_calibrate
+
+    path, note = find_or_calibrate(profile, info, out, say)
+    if note:
+        print(f"validate: note: {note}", file=sys.stderr)
+    cost = LinearCostModel.from_profile(path)
+    capacity = kv_tokens or int(cost.meta.get("kv_tokens", 262144))
+    return cost, capacity, {"profile": str(path)}
+
+
+def format_overview(results: dict) -> str:
+    lines = [f"{'policy':<18}{'median |err| %':>16}{'max |err| %':>13}{'step p50 %':>12}{'step p90 %':>12}"]
+    for n, v in results.items():
+        se = v["step_error_pct"]
+
+        def f(x):
+            return "-" if x is None else f"{x:.1f}"
+        lines.append(f"{n:<18}{f(v['median_abs_error_pct']):>16}{f(v['max_abs_error_pct']):>13}"
+                     f"{f(se.get('p50')):>12}{f(se.get('p90')):>12}")
+    return "\n".join(lines)
+
+
+def validate_main() -> None:
+    run_app(validate_app, "validate")

@@ -1,0 +1,113 @@
+"""How far a simulation is from real runs of the same policy, trace and profile.
+
+Compares summary metrics (simulated vs measured: error % = (sim - real) / real) and the
+cost model's per-step error over every real step (predicted vs measured seconds). With
+several real runs, the measured value is their median and an error smaller than the
+run-to-run spread is labelled as such. No mlx here: it works on run directories' data.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+# (key in validation.json, path into summary.json, label)
+METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("ttft_ms.p50", ("ttft_ms", "p50"), "TTFT p50 (ms)"),
+    ("ttft_ms.p90", ("ttft_ms", "p90"), "TTFT p90 (ms)"),
+    ("ttft_ms.p99", ("ttft_ms", "p99"), "TTFT p99 (ms)"),
+    ("itl_ms.p50", ("itl_ms", "p50"), "ITL p50 (ms)"),
+    ("itl_ms.p99", ("itl_ms", "p99"), "ITL p99 (ms)"),
+    ("tpot_ms.p50", ("tpot_ms", "p50"), "TPOT p50 (ms)"),
+    ("e2e_ms.p50", ("e2e_ms", "p50"), "E2E p50 (ms)"),
+    ("output_throughput_tok_s", ("output_throughput_tok_s",), "output throughput (tok/s)"),
+    ("makespan_s", ("makespan_s",), "makespan (s)"),
+)
+
+
+def _get(summary: Mapping[str, Any], path: Sequence[str]) -> float | None:
+    v: Any = summary
+    for k in path:
+        if not isinstance(v, Mapping) or k not in v:
+            return None
+        v = v[k]
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def step_errors(steps: Sequence[Any]) -> dict[str, float | None]:
+    """|predicted - measured| / measured over real steps, in %: p50 and p90 (and mean signed)."""
+    errs = []
+    for s in steps:
+        pred, meas = s.predicted_s, s.measured_s
+        if pred is None or meas is None or meas <= 0:
+            continue
+        errs.append(100.0 * (pred - meas) / meas)
+    if not errs:
+        return {"p50": None, "p90": None, "mean_signed": None, "n": 0}
+    a = np.abs(np.asarray(errs))
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "mean_signed": float(np.mean(errs)), "n": len(errs),
+            "total_pct": 100.0 * (sum(s.predicted_s for s in steps if s.predicted_s is not None and s.measured_s)
+                                  - sum(s.measured_s for s in steps if s.predicted_s is not None and s.measured_s))
+                         / max(sum(s.measured_s for s in steps if s.predicted_s is not None and s.measured_s), 1e-12)}
+
+
+def compare(sim: Mapping[str, Any], reals: Sequence[Mapping[str, Any]], *, policy: str, trace: str,
+            real_steps: Sequence[Any] = ()) -> dict[str, Any]:
+    """validation.json for one policy: simulated vs measured metrics and the step error."""
+    if not reals:
+        raise ValueError("compare needs at least one real run")
+    metrics: dict[str, dict[str, Any]] = {}
+    for key, path, label in METRICS:
+        s = _get(sim, path)
+        runs = [v for v in (_get(r, path) for r in reals) if v is not None]
+        row: dict[str, Any] = {"label": label, "sim": s, "real": statistics.median(runs) if runs else None}
+        if s is not None and row["real"]:
+            row["error_pct"] = 100.0 * (s - row["real"]) / row["real"]
+        else:
+            row["error_pct"] = None
+        if len(runs) > 1:
+            lo, hi = min(runs), max(runs)
+            row["real_runs"] = runs
+            row["spread_pct"] = 100.0 * (hi - lo) / row["real"] if row["real"] else None
+            row["within_spread"] = s is not None and lo <= s <= hi
+        metrics[key] = row
+    errs = [abs(r["error_pct"]) for r in metrics.values() if r["error_pct"] is not None]
+    out = {
+        "policy": policy,
+        "trace": trace,
+        "repeats": len(reals),
+        "metrics": metrics,
+        "median_abs_error_pct": float(statistics.median(errs)) if errs else None,
+        "max_abs_error_pct": float(max(errs)) if errs else None,
+        "step_error_pct": step_errors(real_steps),
+    }
+    return out
+
+
+def format_table(v: Mapping[str, Any]) -> str:
+    """The printed table: metric, simulated, measured, error %."""
+    rep = v.get("repeats", 1)
+    head = f"{v['policy']} on {v['trace']}" + (f" ({rep} real runs: measured = median)" if rep > 1 else "")
+    lines = [head, f"{'metric':<28}{'simulated':>12}{'measured':>12}{'error %':>10}" + ("  spread %" if rep > 1 else "")]
+    for key, row in v["metrics"].items():
+        def num(x):
+            return "-" if x is None else (f"{x:.1f}" if abs(x) >= 100 else f"{x:.2f}")
+        err = "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}"
+        line = f"{row['label']:<28}{num(row['sim']):>12}{num(row['real']):>12}{err:>10}"
+        if rep > 1:
+            sp = row.get("spread_pct")
+            sp_s = "-" if sp is None else f"{sp:.1f}"
+            line += f"{sp_s:>10}" + ("  (within run-to-run spread)" if row.get("within_spread") else "")
+        lines.append(line)
+    se = v["step_error_pct"]
+    med, worst = v["median_abs_error_pct"], v["max_abs_error_pct"]
+    med_s = "-" if med is None else f"{med:.1f}"
+    worst_s = "-" if worst is None else f"{worst:.1f}"
+    lines.append(f"median |error| {med_s} %, max {worst_s} %")
+    if se.get("n"):
+        lines.append(f"per-step cost-model error over {se['n']} real steps: median |{se['p50']:.1f}| %, "
+                     f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %")
+    return "\n".join(lines)
