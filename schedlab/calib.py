@@ -36,7 +36,8 @@ def calibrate(
         fail(f"--out {out} is a directory; give a file name")
     if not out.parent.exists():
         fail(f"--out: directory {out.parent} does not exist")
-    from engine.calibrate import GRIDS, calibrate as run_calibration, format_report, write_profile
+    from engine.calibrate import GRIDS, calibrate as run_calibration, write_profile
+    from sim.fit import format_report
     from engine.models import load_model
 
     info = load_model(model, dtype=dtype, seed=model_seed)

@@ -1,0 +1,174 @@
+"""Fitting the linear cost model to measured samples, and its fit report.
+
+Pure numerics (no mlx): ``engine.calibrate`` measures, this module fits. Groups are fitted
+apart (decode and prefill terms fitted apart fit best here); the copy terms (join, leave)
+are fitted on what is left of their passes once the decode terms are known; mixed passes
+are never fitted, only predicted. A quarter of each group's points is held out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from .cost import FEATURES, PASS_FEATURES, LinearCostModel, fit_linear
+
+DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
+JOIN_TERMS = ("c_join0", "c_join")
+LEAVE_TERMS = ("c_leave0", "c_leave")
+PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
+STEP_TERMS = ("s_step", "s_row")
+
+
+@dataclass
+class Sample:
+    group: str
+    label: str
+    features: dict[str, float]
+    seconds: float
+    runs: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "label": self.label, "seconds": self.seconds,
+                "runs": self.runs, "features": {k: v for k, v in self.features.items() if v}}
+
+
+def merge_rounds(same: Sequence[Sample]) -> Sample:
+    """One sample from the rounds of one grid point: the median over all their runs."""
+    runs = [dt for s in same for dt in s.runs]
+    med = statistics.median(runs)
+    closest = min(same, key=lambda s: abs(s.seconds - med))
+    return Sample(closest.group, closest.label, closest.features, med, runs)
+
+
+def split(samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """A quarter of the samples, drawn with a fixed seed, is held out of the fit.
+
+    (Not every fourth in grid order: with four contexts per batch size that would hold out
+    exactly the longest-context column, an extrapolation test rather than a hold-out.)
+    """
+    idx = list(range(len(samples)))
+    random.Random(len(samples)).shuffle(idx)
+    held_idx = set(idx[: len(samples) // 4])
+    fit = [s for i, s in enumerate(samples) if i not in held_idx]
+    held = [s for i, s in enumerate(samples) if i in held_idx]
+    return fit, held
+
+
+def _errors(model: LinearCostModel, samples: Sequence[Sample], predict: Callable[[Sample], float]) -> dict:
+    if not samples:
+        return {"n": 0}
+    errs = [100.0 * (predict(s) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
+    abs_e = sorted(abs(e) for e in errs)
+    return {"n": len(errs), "median_abs_pct": statistics.median(abs_e), "max_abs_pct": abs_e[-1],
+            "mean_pct": statistics.fmean(errs)}
+
+
+def _r2(samples: Sequence[Sample], predict: Callable[[Sample], float]) -> float | None:
+    if len(samples) < 2:
+        return None
+    y = [s.seconds for s in samples]
+    mean = statistics.fmean(y)
+    ss_tot = sum((v - mean) ** 2 for v in y)
+    ss_res = sum((s.seconds - predict(s)) ** 2 for s in samples)
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else None
+
+
+def _dot(coef: dict[str, float], feats: dict[str, float], names: Iterable[str]) -> float:
+    return sum(coef.get(k, 0.0) * feats.get(k, 0.0) for k in names)
+
+
+def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]]:
+    """Coefficients for every term, each group fitted apart, plus the fit report."""
+    by = {g: [s for s in samples if s.group == g] for g in ("decode", "join", "leave", "prefill", "padded", "mixed", "step")}
+    coef: dict[str, float] = dict.fromkeys(FEATURES, 0.0)
+    report: dict[str, Any] = {}
+
+    def fit_group(name, group, terms, base=None, relative=True):
+        fit, held = split(group)
+        if not fit:
+            return
+        y = [s.seconds - (base(s) if base else 0.0) for s in fit]
+        got = fit_linear([s.features for s in fit], y, terms, relative=relative,
+                         scale_by=[s.seconds for s in fit] if relative else None)
+        coef.update(got)
+        pred = (lambda s: _dot(coef, s.features, terms) + (base(s) if base else 0.0))
+        report[name] = {"terms": list(terms), "fit": _errors(None, fit, pred), "r2": _r2(fit, pred),
+                        "held_out": _errors(None, held, pred)}
+
+    fit_group("decode", by["decode"], DECODE_TERMS)
+    decode_part = lambda s: _dot(coef, s.features, DECODE_TERMS)  # noqa: E731
+    fit_group("join", by["join"], JOIN_TERMS, base=decode_part)
+    fit_group("leave", by["leave"], LEAVE_TERMS, base=decode_part)
+    fit_group("prefill", by["prefill"] + by["padded"], PREFILL_TERMS)
+    fit_group("step", by["step"], STEP_TERMS, relative=False)
+    # mixed passes: predicted as decode + prefill parts, never fitted
+    model = LinearCostModel(dict(coef))
+    passes = lambda s: _dot(coef, s.features, PASS_FEATURES)  # noqa: E731
+    report["mixed"] = {"held_out": _errors(model, by["mixed"], passes), "r2": _r2(by["mixed"], passes)}
+    # every pass sample, held-out or not, as one number users can quote
+    all_pass = [s for g in ("decode", "join", "leave", "prefill", "padded", "mixed") for s in by[g]]
+    report["all_passes"] = _errors(model, all_pass, passes)
+    held = [s for g in ("decode", "join", "leave") for s in split(by[g])[1]] + split(
+        by["prefill"] + by["padded"])[1] + by["mixed"]
+    report["held_out_passes"] = _errors(model, held, passes)
+    return coef, report
+
+
+def format_report(profile: dict[str, Any]) -> str:
+    rep = profile["fit_report"]
+    lines = [f"calibrated {profile['model']} ({profile['dtype']}, BLAS {profile['blas'].get('name')} "
+             f"x{profile['blas'].get('threads')}) in {profile['calibration']['wall_s']} s, "
+             f"{profile['calibration']['samples']} samples"]
+    lines.append(f"{'group':<10} {'R^2':>7} {'fit med|%|':>11} {'held-out n':>11} {'med |%|':>8} {'max |%|':>8}")
+    for g in ("decode", "join", "leave", "prefill", "step", "mixed"):
+        r = rep.get(g)
+        if not r:
+            continue
+        h = r.get("held_out", {})
+        r2 = r.get("r2")
+        fit_med = r.get("fit", {}).get("median_abs_pct")
+        lines.append(f"{g:<10} {_f(r2, 4):>7} {_f(fit_med, 1):>11} {h.get('n', 0):>11} "
+                     f"{_f(h.get('median_abs_pct'), 1):>8} {_f(h.get('max_abs_pct'), 1):>8}")
+    h = rep["held_out_passes"]
+    lines.append(f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
+                 f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}")
+    lines.append("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in profile["coefficients"].items()))
+    return "\n".join(lines)
+
+
+def _f(v, digits):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def report_markdown(profile: dict[str, Any]) -> str:
+    b, m = profile.get("blas", {}), profile.get("machine", {})
+    cal = profile.get("calibration", {})
+    lines = [
+        f"# Cost profile: {profile['model']} ({profile['dtype']})",
+        "",
+        f"Measured by `calibrate` ({cal.get('grid')} grid, {cal.get('samples')} samples, "
+        f"{cal.get('wall_s')} s) on {profile.get('date')}: mlx {profile.get('mlx')}, mlx-lm "
+        f"{profile.get('mlx_lm')}, BLAS {b.get('name')} x{b.get('threads')} threads "
+        f"(thread timeout {b.get('thread_timeout')}), {m.get('processor')} with {m.get('cpu_count')} CPUs, "
+        f"{m.get('platform')}. Coefficients are never typed in: rerun `calibrate` to refresh them.",
+        "",
+        "## Fit",
+        "",
+        "Each group is fitted apart; a quarter of each group's grid points is held out. Errors are",
+        "|predicted - measured| / measured per grid point (the median over its runs).",
+        "",
+        "```",
+        format_report(profile),
+        "```",
+        "",
+        "## Coefficients (seconds per unit; see sim/cost.py for the terms)",
+        "",
+        "| term | value |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v:.4g} |" for k, v in profile["coefficients"].items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,186 @@
+"""calibrate's fit, and validate end to end (real MLX, micro model, real traces)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policies.base import PassShape
+from sim.cost import FEATURES, LinearCostModel, pass_features, step_features
+from sim.fit import Sample, fit_profile
+from sim.validation import METRICS, compare
+from simkit import KNOWN
+
+BIN = Path(sys.executable).parent
+
+
+def cli(name, *args, cwd=None):
+    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+# ---------------------------------------------------------------------------- the fit
+
+
+def synthetic_samples(coef: dict[str, float], noise: float, seed: int = 1) -> list[Sample]:
+    """Samples shaped like calibrate's grid, timed by a known linear model (plus noise)."""
+    rng = random.Random(seed)
+    model = LinearCostModel(coef)
+    out: list[Sample] = []
+
+    def add(group, label, shape=None, step=None):
+        if shape is not None:
+            feats, secs = pass_features(shape), model.pass_seconds(shape)
+        else:
+            feats, secs = step_features(*step), model.step_overhead_seconds(*step)
+        secs *= 1 + rng.uniform(-noise, noise)
+        out.append(Sample(group, label, feats, secs, [secs]))
+
+    for b in (1, 2, 3, 4, 8, 16, 32, 64):
+        for c in (40, 300, 1000, 2500):
+            ctx = tuple(c - (i * 37) % max(1, c // 4) for i in range(b))
+            add("decode", f"B={b} C={c}", PassShape(decode_contexts=ctx))
+            add("join", f"B={b} C={c} merge", PassShape(decode_contexts=ctx, joins=b))
+            k = max(1, b // 8)
+            add("join", f"B={b} C={c} +{k}", PassShape(decode_contexts=ctx + (c // 2,) * k,
+                                                       batch_rows_before=b, joins=k))
+            add("leave", f"B={b} C={c}", PassShape(decode_contexts=ctx, batch_rows_before=b,
+                                                   leaves=(b + 1) // 2))
+    for i, n in enumerate((1, 16, 64, 256, 1024, 2048)):
+        for j, c in enumerate((0, 300, 1000, 2500)):
+            done = (i + j) % 2 == 1
+            add("prefill", f"n={n} c={c}", PassShape(prefill=((n, c),), prefill_done=(done,)))
+    for k, (rows, n, c) in enumerate(((2, 64, 0), (4, 256, 0), (8, 32, 500), (3, 512, 300), (6, 96, 1000))):
+        chunks = tuple((max(1, n - 7 * r), c if r % 2 else 0) for r in range(rows))
+        add("padded", f"rows={rows}", PassShape(prefill=chunks, padded=True, prefill_done=(bool(k % 2),) * rows))
+    for b, c, n, cc in ((4, 256, 128, 0), (16, 512, 256, 0), (8, 1000, 512, 300)):
+        add("mixed", f"B={b}", PassShape(decode_contexts=(c,) * b, prefill=((n, cc),), prefill_done=(True,)))
+    for p in (1, 2, 3):
+        for rows in range(1, 40, 3):
+            add("step", f"{p} {rows}", step=(p, rows))
+    return out
+
+
+def test_fit_recovers_known_coefficients():
+    coef, report = fit_profile(synthetic_samples(KNOWN, noise=0.0))
+    for k in FEATURES:
+        assert coef[k] == pytest.approx(KNOWN[k], rel=1e-6, abs=1e-12), k
+    for group in ("decode", "join", "leave", "prefill", "mixed"):
+        assert report[group]["held_out"]["max_abs_pct"] < 1e-6
+    # with 2 % noise: the terms that dominate some samples are recovered, and predictions
+    # of held-out points stay within the noise
+    coef, report = fit_profile(synthetic_samples(KNOWN, noise=0.02))
+    for k in ("d_pass", "c_join", "p_tokens", "s_step"):
+        assert coef[k] == pytest.approx(KNOWN[k], rel=0.15), k
+    assert report["held_out_passes"]["median_abs_pct"] < 2.0
+    assert report["held_out_passes"]["max_abs_pct"] < 6.0
+
+
+def test_compare_errors_and_spread():
+    sim = {"ttft_ms": {"p50": 110.0, "p90": 200.0, "p99": 300.0}, "itl_ms": {"p50": 10.0, "p99": 50.0},
+           "tpot_ms": {"p50": 12.0}, "e2e_ms": {"p50": 900.0}, "output_throughput_tok_s": 95.0,
+           "makespan_s": 10.0}
+    real1 = json.loads(json.dumps(sim))
+    real1["ttft_ms"]["p50"] = 100.0
+    real2 = json.loads(json.dumps(real1))
+    real2["ttft_ms"]["p50"] = 120.0
+    real2["makespan_s"] = 12.0
+    v = compare(sim, [real1, real2], policy="p", trace="t")
+    row = v["metrics"]["ttft_ms.p50"]
+    assert row["real"] == 110.0 and row["error_pct"] == pytest.approx(0.0) and row["within_spread"]
+    assert row["spread_pct"] == pytest.approx(100 * 20 / 110)
+    ms = v["metrics"]["makespan_s"]
+    assert ms["real"] == 11.0 and ms["error_pct"] == pytest.approx(100 * (10 - 11) / 11) and ms["within_spread"]
+    one = compare(sim, [real1], policy="p", trace="t")
+    assert one["metrics"]["ttft_ms.p50"]["error_pct"] == pytest.approx(10.0)
+    assert "within_spread" not in one["metrics"]["ttft_ms.p50"]
+    assert one["median_abs_error_pct"] == pytest.approx(0.0) and one["max_abs_error_pct"] == pytest.approx(10.0)
+
+
+# ---------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def micro_profile(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cal") / "micro.json"
+    proc = cli("calibrate", "--quick", "--model", "micro", "--out", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert "held-out passes" in proc.stdout
+    return out
+
+
+def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path):
+    prof = json.loads(micro_profile.read_text())
+    assert prof["schema"] == "schedlab-profile/1" and prof["model"] == "micro" and prof["dtype"] == "float32"
+    assert set(prof["coefficients"]) == set(FEATURES)
+    assert all(v >= 0 for v in prof["coefficients"].values())
+    assert {"name", "threads"} <= set(prof["blas"]) and prof["machine"]["cpu_count"] and prof["date"]
+    rep = prof["fit_report"]
+    for group in ("decode", "join", "leave", "prefill", "step"):
+        assert rep[group]["held_out"]["n"] >= 1 and rep[group]["r2"] is not None
+    assert rep["mixed"]["held_out"]["n"] >= 1
+    assert len(prof["samples"]) == prof["calibration"]["samples"]
+    assert micro_profile.with_suffix(".md").read_text().startswith("# Cost profile: micro")
+    # simulate takes it as it is
+    proc = cli("simulate", "-p", "unified", "-t", "real-smoke", "--profile", str(micro_profile), "-q")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_profile_mismatch_names_the_difference(micro_profile):
+    import engine  # noqa: F401
+    from engine.calibrate import profile_mismatch
+    from engine.models import load_model
+
+    meta = json.loads(micro_profile.read_text())
+    info = load_model("micro")
+    assert profile_mismatch(meta, info) is None
+    assert "model" in profile_mismatch(dict(meta, model="tiny"), info)
+    assert "BLAS threads" in profile_mismatch(dict(meta, blas=dict(meta["blas"], threads=99)), info)
+
+
+def test_validate_end_to_end(micro_profile, tmp_path):
+    out = tmp_path / "val"
+    proc = cli("validate", "--policy", "prefer-prefill", "--trace", "real-smoke", "--model", "micro",
+               "--profile", str(micro_profile), "--repeat", "2", "--out", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT p50 (ms)" in proc.stdout and "per-step cost-model error" in proc.stdout
+    v = json.loads((out / "validation.json").read_text())
+    assert v["policy"] == "prefer-prefill" and v["trace"] == "real-smoke" and v["repeats"] == 2
+    assert set(v["metrics"]) == {k for k, _, _ in METRICS}
+    sim = json.loads((out / "sim" / "summary.json").read_text())
+    reals = [json.loads((out / d / "summary.json").read_text()) for d in ("real", "real-2")]
+    assert sim["mode"] == "sim" and all(r["mode"] == "real" for r in reals)
+    row = v["metrics"]["makespan_s"]
+    assert row["sim"] == sim["makespan_s"]
+    assert row["real"] == pytest.approx(sorted(r["makespan_s"] for r in reals)[0] / 2 + sorted(
+        r["makespan_s"] for r in reals)[1] / 2)
+    assert row["error_pct"] == pytest.approx(100 * (row["sim"] - row["real"]) / row["real"])
+    for key, r in v["metrics"].items():
+        assert {"sim", "real", "error_pct", "real_runs", "spread_pct", "within_spread"} <= set(r), key
+    errs = [abs(r["error_pct"]) for r in v["metrics"].values()]
+    assert v["max_abs_error_pct"] == pytest.approx(max(errs))
+    se = v["step_error_pct"]
+    assert se["n"] > 0 and 0 <= se["p50"] <= se["p90"]
+    # the plot command reads a validate directory as it is
+    figs = tmp_path / "figs"
+    proc = cli("plot", str(out), "--out", str(figs))
+    assert proc.returncode == 0, proc.stderr
+    assert any(p.name.startswith("validate_") and p.suffix == ".png" for p in figs.iterdir())
+
+
+def test_validate_bad_inputs(micro_profile, tmp_path):
+    for args, frag in (
+        (["--policy", "nope", "--trace", "real-smoke"], "unknown policy"),
+        (["--policy", "static", "--trace", "real-smoke", "--repeat", "0"], "--repeat"),
+        (["--policy", "static", "--trace", "real-smoke", "--model", "huge"], "preset"),
+        (["--policy", "static", "--trace", "real-smoke", "--profile", str(micro_profile), "--hardware", "m4-max"],
+         "either --profile or --hardware"),
+    ):
+        proc = cli("validate", *args, "--out", str(tmp_path / "x"))
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and frag in lines[0], proc.stderr
