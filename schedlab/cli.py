@@ -17,7 +17,7 @@ simulate_app = make_app(
 
 @simulate_app.command()
 def simulate(
-    policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name (see --list) or file.py:Class"),
+    policy: str = typer.Option(..., "--policy", "-p", help="mlx-default, prefer-prefill, static, slots, chunked-prefill, unified, or file.py:Class / module:Class"),
     trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. mixed.json)"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"),

@@ -125,18 +125,20 @@ class _Queue(Sequence):
 class ReplicaView:
     """What ``policy.plan(view)`` reads. Valid for the step it was handed out in."""
 
-    __slots__ = ("_state", "now", "step_index", "cost_model")
+    __slots__ = ("_state", "now", "step_index", "cost_model", "waiting", "prefilling", "decoding",
+                 "kv_capacity")
 
     def __init__(self, state: "ReplicaState", cost_model: CostModel | None):
         self._state = state
         self.cost_model = cost_model
         self.now = 0.0
         self.step_index = 0
+        # the queues are live read-only windows: the same objects for the whole run
+        self.waiting = state.waiting_q
+        self.prefilling = state.prefilling_q
+        self.decoding = state.decoding_q
+        self.kv_capacity = state.kv_capacity
 
-    waiting = property(lambda self: self._state.waiting_q)
-    prefilling = property(lambda self: self._state.prefilling_q)
-    decoding = property(lambda self: self._state.decoding_q)
-    kv_capacity = property(lambda self: self._state.kv_capacity)
     kv_used = property(lambda self: self._state.kv_used)
     kv_reserved = property(lambda self: self._state.kv_reserved)
     more_arrivals = property(lambda self: self._state.arrived < self._state.n_accepted)
