@@ -421,3 +421,28 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path,
     except OSError:
         pass
     return path, f"calibrated for {info.name} on this machine (quick grid): {path}"
+
+
+# ---------------------------------------------------------------------- the analytic model's factors
+
+
+def analytic_bits(info: ModelInfo) -> tuple[int, int]:
+    """(weight bits, KV bits) of the engine's model as the analytic model counts them: the
+    dtype's width, or a quantised checkpoint's ``quantization.bits`` for the weights."""
+    width = 32 if info.dtype == "float32" else 16
+    q = info.config.get("quantization") or info.config.get("quantization_config") or {}
+    bits = q.get("bits") if isinstance(q, dict) else None
+    return (int(bits) if isinstance(bits, int) and not isinstance(bits, bool) else width), width
+
+
+def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
+    """The ``analytic_cpu_local`` profile block: the ``cpu-local`` roofline's factors fitted to
+    calibration samples of ``info``'s model on this machine (``sim.analytic.local.fit_local``:
+    each pass's shape is recovered from its features, a quarter held out as the linear fit
+    does, both the plain three-factor roofline and the one with attention and copy factors).
+    ``samples``: ``Sample`` objects or the profile JSON's sample dicts."""
+    from sim.analytic.local import fit_local
+
+    bits, kv_bits = analytic_bits(info)
+    rows = [s.to_json() if isinstance(s, Sample) else s for s in samples]
+    return fit_local(rows, info.config, name=str(info.name), quant=bits, kv_bits=kv_bits)

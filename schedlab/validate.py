@@ -31,7 +31,7 @@ def validate(
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     profile: Optional[str] = typer.Option(None, "--profile", help="cost profile (default: the bundled one if it matches this model and machine, else calibrate --quick first)"),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="simulate with the analytic model of this hardware preset (e.g. cpu-local) instead of a profile"),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="use the analytic roofline model of this hardware preset instead of a profile, for the simulation and the real runs' predictions (cpu-local: this machine, with factors fitted by calibrate --analytic where a matching profile has them)"),
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV capacity in tokens (default: the profile's)"),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt ids"),
     repeat: int = typer.Option(1, "--repeat", help="real runs per policy (reports their spread)"),
@@ -56,6 +56,12 @@ def validate(
         fail(f"--repeat must be >= 1, got {repeat}", 2)
     if hardware and profile:
         fail("give either --profile or --hardware, not both", 2)
+    if hardware:
+        from sim.analytic import list_hardware
+
+        if hardware.strip().lower() not in list_hardware():
+            fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; "
+                 "cpu-local is this machine)", 2)
     if kv_tokens is not None and kv_tokens < 1:
         fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
     out = out or Path(f"validate-{tr.name}")
@@ -74,8 +80,10 @@ def validate(
 
     out.mkdir(parents=True, exist_ok=True)
     cost, capacity, cost_meta = _pick_cost(profile, hardware, kv_tokens, info, out, say)
-    real_cost, _, real_meta = (cost, capacity, cost_meta) if not hardware else _pick_cost(
-        profile, None, kv_tokens, info, out, say, required=False)
+    # The real runs plan and predict with the same cost model as the simulation: the policy
+    # sees the same estimates on both sides, and steps.csv's predicted_s (the per-step error)
+    # is that model's, analytic with --hardware.
+    real_cost = cost
 
     from sim.validation import compare, format_table
 
@@ -128,26 +136,88 @@ def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: i
     return v
 
 
-def _pick_cost(profile, hardware, kv_tokens, info, out: Path, say, required: bool = True):
-    """(cost model, KV capacity, description) for the simulated side."""
-    from sim.cost import LinearCostModel
+def _pick_cost(profile, hardware, kv_tokens, info, out: Path, say):
+    """(cost model, KV capacity, description) for both sides of the validation.
+
+    Without ``hardware``: the linear model of a measured profile (``find_or_calibrate``).
+    With it: the analytic roofline of the engine's model (its config; the dtype's width for
+    weights and KV) on that hardware preset. On ``cpu-local`` its factors are the ones fitted
+    to this model on this machine where a matching profile has them (``calibrate
+    --analytic``), else fitted now to a matching profile's stored samples, else the priors;
+    one line says which.
+    """
+    from engine.calibrate import DEFAULT_KV_TOKENS
 
     if hardware:
-        from sim.analytic import analytic_from_config, load_hardware
-
-        hw = load_hardware(hardware)
-        bits = 32 if info.dtype == "float32" else 16
-        cost = analytic_from_config(hw, info.config, bits, name=info.name, kv_bits=bits)
-        capacity = kv_tokens or 262144
-        return cost, capacity, {"analytic": cost.meta()}
+        cost, meta = analytic_cost(hardware, info)
+        print(f"validate: note: {meta['factors_note']}", file=sys.stderr)
+        return cost, kv_tokens or DEFAULT_KV_TOKENS, meta
+    from sim.cost import LinearCostModel
     from engine.calibrate import find_or_calibrate
 
     path, note = find_or_calibrate(profile, info, out, say)
     if note:
         print(f"validate: note: {note}", file=sys.stderr)
     cost = LinearCostModel.from_profile(path)
-    capacity = kv_tokens or int(cost.meta.get("kv_tokens", 262144))
-    return cost, capacity, {"profile": str(path)}
+    capacity = kv_tokens or int(cost.meta.get("kv_tokens", DEFAULT_KV_TOKENS))
+    return cost, capacity, {"kind": "linear", "profile": str(path)}
+
+
+def _matching_profiles(info):
+    """Profiles measured on this model and machine: bundled ones, then calibrate's cache."""
+    import os
+
+    from engine.calibrate import profile_mismatch
+    from sim.profiles import bundled_profiles
+
+    cands = list(bundled_profiles())
+    base = os.environ.get("SCHEDLAB_CACHE_DIR")
+    cache = (Path(base) if base else Path.home() / ".cache" / "schedlab") / "profiles"
+    cached = cache / f"{Path(str(info.name)).name}-{info.dtype}-{info.n_params}.json"
+    if cached.is_file():
+        cands.append(cached)
+    for path in cands:
+        try:
+            prof = json.loads(path.read_text())
+            if isinstance(prof, dict) and profile_mismatch(prof, info) is None:
+                yield path, prof
+        except Exception:  # a broken file is no match
+            continue
+
+
+def analytic_cost(hardware: str, info):
+    """(analytic cost model, description) of ``info``'s model on ``hardware``."""
+    from engine.calibrate import analytic_bits
+    from sim.analytic import analytic_from_config, load_hardware
+    from sim.analytic.local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local
+
+    bits, kv_bits = analytic_bits(info)
+    hw = load_hardware(hardware)
+    name = str(info.name)
+    factors, source = "preset", f"{hw.name}'s preset factors ({hw.efficiency.basis}); not measured on this machine"
+    if hw.name == "cpu-local":
+        factors, source = "prior", (f"no profile of {name} measured on this machine: cpu-local's prior factors "
+                                    f"(fit them with calibrate --analytic)")
+        for path, prof in _matching_profiles(info):
+            block = prof.get(BLOCK_KEY)
+            why = block_mismatch(block, name, bits, kv_bits) if block is not None else "none"
+            if block is not None and why is None:
+                hw, _ = efficiency_from_block(block, hw)
+                factors, source = "fitted", f"cpu-local factors fitted for {name} on this machine, from {path}"
+                break
+            if isinstance(prof.get("samples"), list) and prof["samples"]:
+                try:
+                    block = fit_local(prof["samples"], info.config, name=name, quant=bits, kv_bits=kv_bits, hardware=hw)
+                except ValueError:
+                    continue
+                hw, _ = efficiency_from_block(block, hw)
+                factors, source = "fitted-now", (f"cpu-local factors fitted now to the samples of {path} "
+                                                 f"(store them with calibrate --analytic)")
+                break
+    cost = analytic_from_config(hw, info.config, bits, name=name, kv_bits=kv_bits)
+    meta = {"kind": "analytic", "hardware": hw.name, "factors": factors, "factors_note": source,
+            "analytic": cost.meta()}
+    return cost, meta
 
 
 def format_overview(results: dict) -> str:

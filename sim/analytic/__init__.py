@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from .errors import AnalyticError
 from .fit import FitResult, fit_efficiency, refit
+from .local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local, shape_from_sample
 from .hardware import Efficiency, Hardware, list_hardware, load_hardware, measure_cpu
 from .modelspec import ModelSpec, bundled_model_configs, check_quant, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward, kv_capacity_tokens
@@ -26,6 +27,7 @@ __all__ = [
     "AnalyticCostModel", "AnalyticError", "Efficiency", "FitResult", "Forward", "Hardware", "ModelSpec",
     "analytic_from_config", "bundled_model_configs", "fit_efficiency", "kv_capacity_tokens", "list_hardware",
     "load_hardware", "load_model_config", "make_analytic_cost_model", "measure_cpu", "model_spec", "refit",
+    "BLOCK_KEY", "block_mismatch", "efficiency_from_block", "fit_local", "shape_from_sample",
 ]
 
 
@@ -39,13 +41,20 @@ def analytic_from_config(
     kv_bits: int = 16,
     compute_dtype: str | None = None,
     efficiency: Efficiency | None = None,
+    group_size: int = 64,
+    lazy_prefill: bool | None = None,
+    causal_skip: bool | None = None,
 ) -> AnalyticCostModel:
-    """A cost model for any config dict (e.g. the engine's synthetic presets) on ``hw``."""
+    """A cost model for any config dict (e.g. the engine's synthetic presets) on ``hw``.
+
+    ``lazy_prefill`` / ``causal_skip``: see :class:`AnalyticCostModel` (None: by hardware kind).
+    """
     check_quant(quant)
     hardware = hw if isinstance(hw, Hardware) else load_hardware(hw)
     spec = model_spec(config, name or str(config.get("_name_or_path") or config.get("model_type") or "model"))
     return AnalyticCostModel(hardware, spec, quant, kv_bits=kv_bits, style=style, compute_dtype=compute_dtype,
-                             efficiency=efficiency)
+                             efficiency=efficiency, group_size=group_size, lazy_prefill=lazy_prefill,
+                             causal_skip=causal_skip)
 
 
 def make_analytic_cost_model(

@@ -86,7 +86,8 @@ def _as_model(model: Any) -> ModelSpec:
     raise AnalyticError("fit_efficiency needs a model: a ModelSpec, a config dict, a bundled name or a path")
 
 
-def _sample_terms(sample: Any, default_cm: AnalyticCostModel | None) -> tuple[list[tuple[float, float, int]], float, str]:
+def _sample_forwards(sample: Any, default_cm: AnalyticCostModel | None
+                     ) -> tuple[AnalyticCostModel, list[Forward], float, str]:
     if isinstance(sample, tuple) and len(sample) == 2:
         sample = {"shape": sample[0], "seconds": sample[1]}
     if not isinstance(sample, Mapping):
@@ -107,11 +108,40 @@ def _sample_terms(sample: Any, default_cm: AnalyticCostModel | None) -> tuple[li
         raise AnalyticError("each sample needs a 'shape' or 'forwards'")
     if not forwards:
         raise AnalyticError("a sample's pass runs no forward (empty pass)")
-    return [cm.forward_terms(f) for f in forwards], float(seconds), str(sample.get("label", ""))
+    return cm, forwards, float(seconds), str(sample.get("label", ""))
+
+
+def _sample_terms(sample: Any, default_cm: AnalyticCostModel | None) -> tuple[list[tuple[float, float, int]], float, str]:
+    """(per forward: seconds at peak compute, at peak bandwidth, layers), seconds, label."""
+    cm, forwards, seconds, label = _sample_forwards(sample, default_cm)
+    return [cm.forward_terms(f) for f in forwards], seconds, label
 
 
 def _predict(terms, a: float, b: float, o: float) -> float:
+    """The plain three-factor roofline over ``_sample_terms`` terms."""
     return sum(o * L + max(a * C, b * M) for C, M, L in terms)
+
+
+#: every factor fit_efficiency knows, and where an unfitted optional one falls back
+ALL_PARAMS = ("compute", "attention", "decode_attention", "bandwidth", "copy",
+              "overhead_per_layer_s", "copy_overhead_per_layer_s")
+OPTIONAL_PARAMS = ("attention", "decode_attention", "copy", "copy_overhead_per_layer_s")
+_TIE = {"attention": "compute", "decode_attention": "attention", "copy": "bandwidth"}
+_OVERHEADS = ("overhead_per_layer_s", "copy_overhead_per_layer_s")
+# forward_parts order: mm, attn, dattn, mem, copy, copy events x layers, layers
+_PART_PARAM = ("compute", "attention", "decode_attention", "bandwidth", "copy", "copy_overhead_per_layer_s",
+               "overhead_per_layer_s")
+_COMPUTE_PARTS = (0, 1, 2)
+
+
+def _predict_parts(parts: Sequence[tuple[float, ...]], col: Sequence[int], v: Sequence[float]) -> float:
+    """Seconds of one sample from its forwards' parts; ``col[k]``: the value index of part k."""
+    t = 0.0
+    for p in parts:
+        comp = sum(v[col[k]] * p[k] for k in _COMPUTE_PARTS)
+        mem = v[col[3]] * p[3]
+        t += max(comp, mem) + v[col[4]] * p[4] + v[col[5]] * p[5] + v[col[6]] * p[6]
+    return t
 
 
 def fit_efficiency(
@@ -127,6 +157,9 @@ def fit_efficiency(
     engine: str = "",
     source: str = "",
     max_iter: int = 50,
+    optional: Iterable[str] = (),
+    cost_model: AnalyticCostModel | None = None,
+    starts: Sequence[Mapping[str, float]] = (),
 ) -> FitResult:
     """Fit compute/bandwidth efficiency and per-layer overhead to measured samples.
 
@@ -134,9 +167,18 @@ def fit_efficiency(
     PassShape) or ``forwards`` (a list of :class:`Forward`), optionally their own
     ``cost_model`` (an :class:`AnalyticCostModel`, for samples of several models) and a
     ``label``. ``hardware`` (default ``cpu-local``), ``model`` (ModelSpec, config dict,
-    bundled name or path) and ``quant`` build the cost model for samples that bring none.
-    ``fixed``: factors to hold (e.g. ``{"overhead_per_layer_s": 2e-3}``); ``prior``: values for
-    factors the data cannot identify (default: the hardware's current efficiency).
+    bundled name or path) and ``quant`` build the cost model for samples that bring none
+    (or give it whole as ``cost_model``). ``fixed``: factors to hold (e.g.
+    ``{"overhead_per_layer_s": 2e-3}``); ``prior``: values for factors the data cannot
+    identify (default: the hardware's current efficiency).
+
+    ``starts``: further starting points (factor -> value) for the alternation, which finds
+    a local optimum; the one with the least squared relative error wins.
+
+    ``optional``: optional factors to fit as well (``attention``, ``decode_attention``,
+    ``copy``, ``copy_overhead_per_layer_s``; see ``hardware.Efficiency``). One not asked
+    for keeps the prior's value, or, where the prior has none, falls back as the model does
+    (attention to compute, decode attention to attention, copy to bandwidth, copy overhead 0).
     """
     import numpy as np
 
@@ -145,88 +187,183 @@ def fit_efficiency(
     samples = list(samples)
     if not samples:
         raise AnalyticError("fit_efficiency needs at least one sample")
-    default_cm = None
-    if model is not None:
+    optional = tuple(optional)
+    for k in optional:
+        if k not in OPTIONAL_PARAMS:
+            raise AnalyticError(f"unknown optional efficiency factor '{k}' (optional: {', '.join(OPTIONAL_PARAMS)})")
+    default_cm = cost_model
+    if default_cm is None and model is not None:
         hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware or "cpu-local")
         default_cm = AnalyticCostModel(hw, _as_model(model), quant, kv_bits=kv_bits, style=style)
-    elif isinstance(hardware, Hardware) and any(not (isinstance(s, Mapping) and "cost_model" in s) for s in samples):
+    elif default_cm is None and isinstance(hardware, Hardware) and any(
+            not (isinstance(s, Mapping) and "cost_model" in s) for s in samples):
         raise AnalyticError("fit_efficiency needs model= for samples without their own cost model")
-    rows = [_sample_terms(s, default_cm) for s in samples]
+    rows = []
+    for smp in samples:
+        cm, forwards, secs, label = _sample_forwards(smp, default_cm)
+        rows.append(([cm.forward_parts(f) for f in forwards], secs, label))
     fixed = dict(fixed or {})
     for k in fixed:
-        if k not in PARAMS:
-            raise AnalyticError(f"unknown efficiency factor '{k}' (factors: {', '.join(PARAMS)})")
+        if k not in ALL_PARAMS:
+            raise AnalyticError(f"unknown efficiency factor '{k}' (factors: {', '.join(ALL_PARAMS)})")
     if prior is None:
         cm0 = default_cm or next((s.get("cost_model") for s in samples if isinstance(s, Mapping) and s.get("cost_model")), None)
         prior = cm0.applied if cm0 is not None else DEFAULT_EFFICIENCY["cpu"]
-    a = 1.0 / fixed.get("compute", prior.compute)
-    b = 1.0 / fixed.get("bandwidth", prior.bandwidth)
-    o = fixed.get("overhead_per_layer_s", prior.overhead_per_layer_s)
+
+    # Each factor is free, held (fixed, or the prior's value) or tied to another (an optional
+    # factor neither asked for nor set in the prior). Values: 1/e for efficiencies, seconds
+    # for overheads.
+    def prior_value(name: str) -> float | None:
+        v = getattr(prior, name)
+        if name in _OVERHEADS:
+            return float(v) if (v or name == "overhead_per_layer_s") else None
+        return None if v is None else 1.0 / float(v)
+
+    status: dict[str, str] = {}
+    value: dict[str, float] = {}
+
+    def root(name: str) -> str:
+        """The factor whose value ``name`` takes: itself, or the one it is tied to."""
+        while status.get(name) == "tied":
+            name = _TIE[name]
+        return name
+
+    for name in ALL_PARAMS:
+        if name in fixed:
+            status[name] = "fixed"
+            value[name] = float(fixed[name]) if name in _OVERHEADS else 1.0 / float(fixed[name])
+        elif name in PARAMS or name in optional:
+            status[name] = "free"
+            pv = prior_value(name)
+            if pv is None:  # start where the fallback stands
+                pv = 0.0 if name in _OVERHEADS else value[root(_TIE[name])]
+            value[name] = pv
+        else:
+            pv = prior_value(name)
+            if pv is not None:
+                status[name], value[name] = "held", pv
+            elif name in _TIE:
+                status[name] = "tied"
+            else:  # copy overhead: 0
+                status[name], value[name] = "held", 0.0
+
+    def _start_of_fitted(name: str) -> str:
+        """Where an unidentified optional factor falls back: the first fitted or held one."""
+        name = _TIE[name]
+        while name in _TIE and (status[name] == "tied" or (status[name] == "free" and name not in free_names)):
+            name = _TIE[name]
+        return name
+
+    roots = [n for n in ALL_PARAMS if status[n] != "tied"]
+    ridx = {n: i for i, n in enumerate(roots)}
+    col = [ridx[root(n)] for n in _PART_PARAM]  # value index of each forward part
+    is_eff = np.array([n not in _OVERHEADS for n in roots])
     y = np.array([t for _, t, _ in rows])
     w = 1.0 / y
-    notes: list[str] = []
-    fitted: tuple[str, ...] = ()
-    prev = None
-    it = 0
-    for it in range(1, max_iter + 1):
-        side = [[a * C >= b * M for C, M, _ in terms] for terms, _, _ in rows]
-        key = tuple(tuple(s) for s in side)
-        if key == prev:
-            break
-        prev = key
-        X = np.zeros((len(rows), 3))
-        base = np.zeros(len(rows))
-        for i, (terms, _, _) in enumerate(rows):
-            for (C, M, L), comp in zip(terms, side[i]):
-                if comp:
-                    X[i, 0] += C
-                    base[i] += C
-                else:
-                    X[i, 1] += M
-                    base[i] += M
-                X[i, 2] += L
-        # free columns: not fixed, and present in the data
-        free = []
-        for j, name in enumerate(PARAMS):
-            if name in fixed or not X[:, j].any():
+
+    def alternate(v: "np.ndarray") -> tuple["np.ndarray", list[str], list[str], int]:
+        """Classify each forward with the current values, solve, repeat until no forward moves."""
+        notes: list[str] = []
+        free_names: list[str] = []
+        prev = None
+        it = 0
+        for it in range(1, max_iter + 1):
+            side = [[sum(v[col[k]] * p[k] for k in _COMPUTE_PARTS) >= v[col[3]] * p[3] for p in parts]
+                    for parts, _, _ in rows]
+            key = tuple(tuple(s) for s in side)
+            if key == prev:
+                break
+            prev = key
+            X = np.zeros((len(rows), len(roots)))
+            for i, (parts, _, _) in enumerate(rows):
+                for p, comp in zip(parts, side[i]):
+                    for k in (_COMPUTE_PARTS if comp else (3,)):
+                        X[i, col[k]] += p[k]
+                    for k in (4, 5, 6):
+                        X[i, col[k]] += p[k]
+            free = [j for j, n in enumerate(roots) if status[n] == "free" and X[:, j].any()]
+            # collinear bandwidth/overhead (one bytes-per-layer ratio in every memory-bound row)
+            jb, jo = ridx["bandwidth"], ridx["overhead_per_layer_s"]
+            if jb in free and jo in free:
+                sub = X[:, [jb, jo]] * w[:, None]
+                sv = np.linalg.svd(sub / np.maximum(np.abs(sub).max(axis=0), 1e-300), compute_uv=False)
+                if sv[-1] < 1e-3 * sv[0]:
+                    free.remove(jo)
+                    v[jo] = prior.overhead_per_layer_s
+                    msg = "overhead_per_layer_s not identified (collinear with bandwidth): prior kept"
+                    if msg not in notes:
+                        notes.append(msg)
+            # any other degeneracy: drop optional factors, last first, until the rest is identified
+            while len(free) > 1:
+                sub = X[:, free] * w[:, None]
+                sv = np.linalg.svd(sub / np.maximum(np.abs(sub).max(axis=0), 1e-300), compute_uv=False)
+                if sv[-1] >= 1e-6 * sv[0]:
+                    break
+                drop = next((j for j in reversed(free) if roots[j] in OPTIONAL_PARAMS), None)
+                if drop is None:
+                    break
+                free.remove(drop)
+                msg = f"{roots[drop]} not identified (collinear with other factors): prior kept"
+                if msg not in notes:
+                    notes.append(msg)
+            # efficiencies enter as 1 + u (u >= 0 keeps them <= 1): move the 1s and held values right
+            rhs = y - X[:, is_eff].sum(axis=1)
+            for j in range(len(roots)):
+                if j not in free:
+                    rhs = rhs - X[:, j] * (v[j] - 1.0 if is_eff[j] else v[j])
+            if free:
+                sol = nnls(X[:, free] * w[:, None], rhs * w)
+                for j, u in zip(free, sol):
+                    v[j] = (1.0 + float(u)) if is_eff[j] else float(u)
+            free_names = [roots[j] for j in free]
+        return v, free_names, notes, it
+
+    def sse(v: "np.ndarray") -> float:
+        return float(sum(((_predict_parts(parts, col, v) - t) / t) ** 2 for parts, t, _ in rows))
+
+    v0 = np.array([value[n] for n in roots], dtype=float)
+    best = alternate(v0.copy())
+    for st in starts:  # other starting points (the alternation finds a local optimum)
+        vs = v0.copy()
+        for n, x in (st.items() if isinstance(st, Mapping) else ()):
+            if n not in ridx or status[n] != "free":
                 continue
-            free.append(j)
-        # collinear bandwidth/overhead (one bytes-per-layer ratio in every memory-bound row)
-        if 1 in free and 2 in free:
-            sub = X[:, [1, 2]] * w[:, None]
-            sv = np.linalg.svd(sub / np.maximum(np.abs(sub).max(axis=0), 1e-300), compute_uv=False)
-            if sv[-1] < 1e-3 * sv[0]:
-                free.remove(2)
-                o = prior.overhead_per_layer_s
-                if "overhead_per_layer_s not identified (collinear with bandwidth): prior kept" not in notes:
-                    notes.append("overhead_per_layer_s not identified (collinear with bandwidth): prior kept")
-        # move the held factors to the left-hand side
-        rhs = y - base
-        held = {0: a - 1.0, 1: b - 1.0, 2: o}
-        for j in range(3):
-            if j not in free:
-                rhs = rhs - X[:, j] * held[j]
-        if free:
-            sol = nnls(X[:, free] * w[:, None], rhs * w)
-            for j, v in zip(free, sol):
-                if j == 0:
-                    a = 1.0 + float(v)
-                elif j == 1:
-                    b = 1.0 + float(v)
-                else:
-                    o = float(v)
-        fitted = tuple(PARAMS[j] for j in free)
-    for j, name in enumerate(PARAMS):
-        if name not in fitted and name not in fixed:
-            msg = f"{name} not identified by these samples: prior {getattr(prior, name):g} kept"
-            if not any(n.startswith(name) for n in notes):
+            vs[ridx[n]] = float(x) if n in _OVERHEADS else 1.0 / float(x)
+        cand = alternate(vs)
+        if sse(cand[0]) < sse(best[0]) - 1e-12:
+            best = cand
+    v, free_names, notes, it = best
+    for n in roots:  # an optional factor asked for but not identified falls back as the model does
+        if n in OPTIONAL_PARAMS and status[n] == "free" and n not in free_names and prior_value(n) is None:
+            if n in _TIE:
+                v[ridx[n]] = v[ridx[_start_of_fitted(n)]]
+            else:
+                v[ridx[n]] = 0.0
+    fitted = tuple(n for n in ALL_PARAMS if n in free_names)
+    for name in ALL_PARAMS:
+        if (name in PARAMS or name in optional) and name not in fitted and name not in fixed:
+            pv = getattr(prior, name)
+            msg = f"{name} not identified by these samples: prior {pv if pv is not None else 'unset'} kept"
+            if not any(n.startswith(name + " ") for n in notes):
                 notes.append(msg)
-    eff = Efficiency(compute=1.0 / a, bandwidth=1.0 / b, overhead_per_layer_s=o,
+
+    def final(name: str) -> float | None:
+        if status[name] == "tied" or (name in OPTIONAL_PARAMS and name not in fitted and name not in fixed
+                                      and prior_value(name) is None):
+            return None
+        x = float(v[ridx[name]])
+        return x if name in _OVERHEADS else 1.0 / x
+
+    copy_ovh = final("copy_overhead_per_layer_s")
+    eff = Efficiency(compute=final("compute"), bandwidth=final("bandwidth"),
+                     overhead_per_layer_s=final("overhead_per_layer_s"),
                      step_overhead_s=prior.step_overhead_s, basis="fitted", engine=engine or prior.engine,
-                     source=source or f"fit_efficiency on {len(rows)} samples")
+                     source=source or f"fit_efficiency on {len(rows)} samples",
+                     attention=final("attention"), decode_attention=final("decode_attention"),
+                     copy=final("copy"), copy_overhead_per_layer_s=copy_ovh or 0.0)
     residuals = []
-    for terms, t, label in rows:
-        pred = _predict(terms, a, b, o)
+    for parts, t, label in rows:
+        pred = _predict_parts(parts, col, v)
         residuals.append({"label": label, "measured_s": t, "predicted_s": pred, "rel": pred / t - 1.0})
     return FitResult(efficiency=eff, fitted=fitted, residuals=residuals, iterations=it, notes=notes)
 

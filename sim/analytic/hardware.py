@@ -33,6 +33,10 @@ _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float3
                   "float": "fp32", "float8": "fp8"}
 
 
+#: optional efficiency factors (fractions of a peak; None: fall back to a main factor)
+OPTIONAL_FACTORS = ("attention", "decode_attention", "copy")
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak a real engine reaches, and its per-forward floor.
@@ -41,6 +45,17 @@ class Efficiency:
     bandwidth: achieved / peak bytes/s on memory-bound forwards (decode).
     overhead_per_layer_s: fixed seconds per layer per forward (kernel launches, dispatch).
     step_overhead_s: seconds per scheduler step outside forwards (0: not modelled).
+
+    Optional factors (None / 0: the plain roofline, as every published-figure fit uses):
+
+    attention: achieved / peak FLOP/s on the attention scores of prefill chunks (None: the
+      compute factor). Where attention is not a fused kernel running at the matmul rate
+      (MLX on CPU: scores, mask, softmax and exp materialised), it is far slower.
+    decode_attention: the same for decode rows' attention (one query per row; None: the
+      attention factor).
+    copy: achieved / peak bytes/s of the batch-cache copies (joins and leaves; None: the
+      bandwidth factor).
+    copy_overhead_per_layer_s: fixed seconds per layer per copy event (a join or a leave).
     """
 
     compute: float
@@ -54,13 +69,19 @@ class Efficiency:
     #: ones): a mapping with compute, bandwidth, overhead_per_layer_s (+ basis, source)
     moe: Mapping[str, Any] | None = field(default=None, compare=False)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    attention: float | None = None
+    decode_attention: float | None = None
+    copy: float | None = None
+    copy_overhead_per_layer_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("compute", "bandwidth"):
+        for key in ("compute", "bandwidth") + OPTIONAL_FACTORS:
             v = getattr(self, key)
+            if v is None and key in OPTIONAL_FACTORS:
+                continue
             if not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise AnalyticError(f"efficiency {key} must be in (0, 1], got {v!r}")
-        for key in ("overhead_per_layer_s", "step_overhead_s"):
+        for key in ("overhead_per_layer_s", "step_overhead_s", "copy_overhead_per_layer_s"):
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or v < 0 or v != v:
                 raise AnalyticError(f"efficiency {key} must be >= 0, got {v!r}")
@@ -81,10 +102,30 @@ class Efficiency:
                        overhead_per_layer_s=float(m["overhead_per_layer_s"]),
                        basis=str(m.get("basis", self.basis)), source=str(m.get("source", self.source)), moe=None)
 
+    @property
+    def attention_factor(self) -> float:
+        """The factor applied to prefill attention FLOPs."""
+        return self.compute if self.attention is None else self.attention
+
+    @property
+    def decode_attention_factor(self) -> float:
+        """The factor applied to decode rows' attention FLOPs."""
+        return self.attention_factor if self.decode_attention is None else self.decode_attention
+
+    @property
+    def copy_factor(self) -> float:
+        """The factor applied to batch-cache copy bytes."""
+        return self.bandwidth if self.copy is None else self.copy
+
     def to_dict(self) -> dict[str, Any]:
         d = {"compute": self.compute, "bandwidth": self.bandwidth,
              "overhead_per_layer_s": self.overhead_per_layer_s, "step_overhead_s": self.step_overhead_s,
              "basis": self.basis, "engine": self.engine, "source": self.source}
+        for key in OPTIONAL_FACTORS:  # only when set: the presets' blocks stay as they are
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.copy_overhead_per_layer_s:
+            d["copy_overhead_per_layer_s"] = self.copy_overhead_per_layer_s
         if self.moe:
             d["moe"] = dict(self.moe)
         d.update(self.extra)
@@ -92,14 +133,17 @@ class Efficiency:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Efficiency":
-        known = {"compute", "bandwidth", "overhead_per_layer_s", "step_overhead_s", "basis", "engine", "source", "moe"}
+        known = {"compute", "bandwidth", "overhead_per_layer_s", "step_overhead_s", "basis", "engine", "source", "moe",
+                 "copy_overhead_per_layer_s", *OPTIONAL_FACTORS}
         try:
+            opt = {k: (None if d.get(k) is None else float(d[k])) for k in OPTIONAL_FACTORS}
             return cls(compute=float(d["compute"]), bandwidth=float(d["bandwidth"]),
                        overhead_per_layer_s=float(d.get("overhead_per_layer_s", 0.0)),
                        step_overhead_s=float(d.get("step_overhead_s", 0.0)),
                        basis=str(d.get("basis", "default")), engine=str(d.get("engine", "")),
                        source=str(d.get("source", "")), moe=dict(d["moe"]) if d.get("moe") else None,
-                       extra={k: v for k, v in d.items() if k not in known})
+                       extra={k: v for k, v in d.items() if k not in known},
+                       copy_overhead_per_layer_s=float(d.get("copy_overhead_per_layer_s", 0.0)), **opt)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AnalyticError(f"bad efficiency block: {exc}") from None
 
@@ -108,14 +152,18 @@ class Efficiency:
 DEFAULT_EFFICIENCY = {
     "apple-gpu": Efficiency(0.5, 0.7, 1e-4, basis="default", source="placeholder until refit"),
     "nvidia-gpu": Efficiency(0.5, 0.7, 5e-5, basis="default", source="placeholder until refit"),
-    # A probe of the real MLX engine on the 2-core development machine (float32 tiny and small
-    # presets, OpenBLAS; 16 forwards: prefill 16-1024 tokens, decode 1-8 rows at 64-1024
-    # context; medians of 5) fitted with fit_efficiency: rms 33%, max 50% on a loaded machine.
-    # MLX's CPU attention runs far below its GEMM rate, which one compute factor cannot
-    # capture: fit your own with fit_efficiency(samples) from calibrate runs.
-    "cpu": Efficiency(0.31, 0.59, 1.7e-3, basis="default", engine="mlx (CPU, OpenBLAS)",
-                      source="fit_efficiency on 16 MLX forwards (tiny/small presets, fp32) on a 2-core dev machine, "
-                             "rms residual 33%: a rough prior; fit yours from measured samples"),
+    # Fitted by sim.analytic.local.fit_local to the bundled tiny-cpu profile's calibration
+    # samples (112 passes of the engine's float32 `tiny` preset through MLX on CPU with 2-thread
+    # OpenBLAS, 2-core Xeon VM; fractions of its measured 229 GFLOP/s numpy GEMM and 16.9 GB/s
+    # copy): median |error| 7.8 % over all 151 passes, 9.0 % held out. MLX's CPU attention
+    # (scores, mask, softmax materialised) runs at ~3 % of the GEMM peak, decode attention at
+    # ~1.5 %; batch-cache copies at ~23 % of the copy rate plus ~0.5 ms per layer per copy.
+    # bandwidth = 1.0 is a bound, not a measurement: tiny's 21 MB of weights sit in the L3, so
+    # no pass streamed weights from DRAM. Fit yours: calibrate --analytic.
+    "cpu": Efficiency(0.111, 1.0, 1.59e-3, step_overhead_s=2.1e-4, basis="default", engine="mlx (CPU, OpenBLAS)",
+                      source="fit_local on the bundled tiny-cpu profile's calibration passes (2-core VM): a prior; "
+                             "fit yours with calibrate --analytic",
+                      attention=0.0332, decode_attention=0.0151, copy=0.23, copy_overhead_per_layer_s=4.85e-4),
 }
 
 

@@ -9,6 +9,16 @@ The larger of the compute and the memory term wins **per forward**, not per pass
 phase: a forward is one pass over the weights, so its arithmetic and its traffic overlap;
 two forwards run one after the other.
 
+Optional factors (``hardware.Efficiency``; unset in every published-figure fit, where the
+line above is the whole model) split the compute term and add the batch-cache copies::
+
+    seconds = o * layers + max(matmul FLOPs / (P e_c) + attention FLOPs / (P e_attn), bytes / (W e_b))
+              + copy bytes / (W e_copy) + o_copy * layers * copy events
+
+``e_attn`` is ``decode_attention`` for a decode forward, ``attention`` for a prefill chunk
+(each defaults to the one before it, then to e_c). ``e_copy`` defaults to e_b and o_copy to
+0. The copies sit outside the max in every case: the engine evaluates them on their own.
+
 Which forwards a pass is made of follows the policy API (``policies.base.Pass``), in the
 default ``style="mlx"``: the decode rows are one batched forward; each prefill chunk is its
 own forward, unless the pass is ``padded``, when all chunks are one right-padded forward
@@ -34,6 +44,17 @@ Bytes of a forward::
       mlx-lm keeps), each chunk's cached context
   + KV written: one token per decode row, n per chunk
   + (``mlx``) rows joining or leaving the batch cache copy it: 2 x rows x longest x KV bytes
+      (a leave that keeps no row copies nothing), charged outside the max (see above)
+
+On hardware of kind ``cpu`` (``cpu-local``: MLX's CPU backend, measured) two defaults change,
+both switchable (``lazy_prefill``, ``causal_skip``):
+
+- attention scores are counted in full, n x (b + n) per chunk, not causally: MLX's CPU
+  attention materialises every score and masks (mask="causal" costs what no mask costs);
+- prefill is lazy in the ``mlx`` style: a chunk that does not complete its prompt computes
+  no head row, and its last layer only its keys and values (no query, attention output or
+  MLP); a padded forward is lazy when none of its rows completes. A PassShape without
+  ``prefill_done`` counts as completing (the full cost).
 
 Efficiencies are the preset's fitted factors (``hardware.Efficiency``, see
 ``sim/hardware/EFFICIENCY.md``); a mixture-of-experts model uses the preset's ``moe`` factors.
@@ -65,10 +86,13 @@ class Forward(NamedTuple):
 
     tokens: float  # tokens computed (rows x longest when padded)
     head_rows: float  # rows whose logits are computed
-    attn_qk: float  # sum over query tokens of the keys each attends to
+    attn_qk: float  # sum over query tokens of the keys each attends to (summed over layers / layers)
     kv_read: float  # KV tokens read
     kv_write: float  # KV tokens written
-    extra_bytes: float = 0.0  # other traffic (batch-cache copies)
+    extra_bytes: float = 0.0  # batch-cache copies (a separate evaluation: outside the roofline's max)
+    copies: float = 0.0  # copy events (joins, leaves) that go with this forward
+    decode: bool = False  # decode rows: their attention is decode attention
+    partial_tokens: float = 0.0  # tokens whose last layer computes only its keys and values (lazy)
 
 
 class AnalyticCostModel:
@@ -87,6 +111,8 @@ class AnalyticCostModel:
         group_size: int = DEFAULT_GROUP_SIZE,
         peak_scale: float = 1.0,
         bpw: float | None = None,
+        lazy_prefill: bool | None = None,
+        causal_skip: bool | None = None,
     ) -> None:
         if style not in STYLES:
             raise AnalyticError(f"unknown roofline style '{style}' (choose: {', '.join(STYLES)})")
@@ -100,6 +126,11 @@ class AnalyticCostModel:
         self.compute_dtype = compute_dtype or hardware.default_compute
         self.efficiency = efficiency or hardware.efficiency
         self.group_size = group_size
+        cpu = hardware.kind == "cpu"
+        # MLX on CPU (the only CPU engine here) evaluates prefill lazily and computes every
+        # query x key score of a chunk (mask="causal" costs what no mask costs: measured)
+        self.lazy_prefill = bool(style == "mlx" and cpu) if lazy_prefill is None else bool(lazy_prefill)
+        self.causal_skip = (not cpu) if causal_skip is None else bool(causal_skip)
         m = model
         if bits is not None:
             check_quant(bits)
@@ -112,6 +143,9 @@ class AnalyticCostModel:
         self._flops_per_token = 2.0 * m.active_matmul_params()
         self._flops_per_head_row = 2.0 * m.vocab * m.hidden
         self._flops_per_qk = 4.0 * m.layers * m.heads * m.head_dim
+        # a lazy chunk's last layer projects keys and values only
+        self._partial_saving = max(0.0, 2.0 * (m.active_matmul_params() / m.layers - m.hidden * m.kv_dim))
+        self._partial_qk = (m.layers - 1) / m.layers
         self._head_bytes = m.head_params * self.bytes_per_weight
         self._dense_bytes = m.dense_layers * (m.attn_params + m.dense_mlp_params) * self.bytes_per_weight
         self._moe_fixed_bytes = m.moe_layers * (m.attn_params + m.shared_params) * self.bytes_per_weight
@@ -122,8 +156,12 @@ class AnalyticCostModel:
         self.efficiency = eff
         self.applied = applied = eff.for_model(self.model.is_moe)  # MoE models: the moe block
         self._rate = self.peak * applied.compute
+        self._rate_attn = self.peak * applied.attention_factor
+        self._rate_dattn = self.peak * applied.decode_attention_factor
         self._bw = self.hardware.bandwidth * applied.bandwidth
+        self._bw_copy = self.hardware.bandwidth * applied.copy_factor
         self._ovh = applied.overhead_per_layer_s * self.model.layers
+        self._copy_ovh = applied.copy_overhead_per_layer_s * self.model.layers
 
     def with_efficiency(self, eff: Efficiency) -> "AnalyticCostModel":
         clone = object.__new__(AnalyticCostModel)
@@ -138,19 +176,48 @@ class AnalyticCostModel:
             b += self._moe_fixed_bytes + self.model.distinct_experts(tokens) * self._expert_bytes
         return b
 
+    def matmul_flops(self, f: Forward) -> float:
+        """Weight matmuls and the head (no attention)."""
+        return (f.tokens * self._flops_per_token - f.partial_tokens * self._partial_saving
+                + f.head_rows * self._flops_per_head_row)
+
+    def attention_flops(self, f: Forward) -> float:
+        return f.attn_qk * self._flops_per_qk
+
     def flops(self, f: Forward) -> float:
-        return f.tokens * self._flops_per_token + f.head_rows * self._flops_per_head_row + f.attn_qk * self._flops_per_qk
+        return self.matmul_flops(f) + self.attention_flops(f)
 
     def bytes(self, f: Forward) -> float:
-        return (self.weight_bytes_read(f.tokens) + (f.kv_read + f.kv_write) * self.kv_bytes_per_token
-                + f.extra_bytes)
+        """The forward's own traffic: weights and KV (not the batch-cache copies)."""
+        return self.weight_bytes_read(f.tokens) + (f.kv_read + f.kv_write) * self.kv_bytes_per_token
+
+    def forward_parts(self, f: Forward) -> tuple[float, float, float, float, float, float, int]:
+        """Seconds at unit efficiency: (matmul at peak, prefill attention at peak, decode
+        attention at peak, own bytes at peak bandwidth, copy bytes at peak bandwidth,
+        copy events x layers, layers). ``forward_seconds`` is, with the factors e and o::
+
+            o L + max(mm / e_c + attn / e_attn + dattn / e_dattn, mem / e_b) + copy / e_copy + o_copy copies L
+        """
+        attn = self.attention_flops(f) / self.peak
+        layers = self.model.layers
+        return (self.matmul_flops(f) / self.peak, 0.0 if f.decode else attn, attn if f.decode else 0.0,
+                self.bytes(f) / self.hardware.bandwidth, f.extra_bytes / self.hardware.bandwidth,
+                f.copies * layers, layers)
 
     def forward_terms(self, f: Forward) -> tuple[float, float, int]:
-        """(seconds at peak compute, seconds at peak bandwidth, layers) at unit efficiency."""
-        return self.flops(f) / self.peak, self.bytes(f) / self.hardware.bandwidth, self.model.layers
+        """(seconds at peak compute, seconds at peak bandwidth incl. copies, layers) at unit efficiency."""
+        return (self.flops(f) / self.peak, (self.bytes(f) + f.extra_bytes) / self.hardware.bandwidth,
+                self.model.layers)
 
     def forward_seconds(self, f: Forward) -> float:
-        return self._ovh + max(self.flops(f) / self._rate, self.bytes(f) / self._bw)
+        c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (self._rate_dattn if f.decode else self._rate_attn)
+        m = self.bytes(f) / self._bw
+        return (self._ovh + (c if c > m else m) + f.extra_bytes / self._bw_copy
+                + f.copies * self._copy_ovh)
+
+    def _qk(self, n: float, b: float) -> float:
+        """Query x key pairs of a chunk of n after b cached."""
+        return n * b + n * (n + 1) / 2.0 if self.causal_skip else n * (b + n)
 
     def forwards(self, s: PassShape) -> Iterator[Forward]:
         """The forwards a pass runs (see the module docstring)."""
@@ -172,13 +239,13 @@ class AnalyticCostModel:
                     b = max(x for _, x in chunks)
                     r = len(chunks)
                     tokens += r * n
-                    qk += r * (n * b + n * (n + 1) / 2.0)
+                    qk += r * self._qk(n, b)
                     rd += r * b
                     wr += r * n
                 else:
                     for n, b in chunks:
                         tokens += n
-                        qk += n * b + n * (n + 1) / 2.0
+                        qk += self._qk(n, b)
                         rd += b
                         wr += n
                 head += len(chunks)
@@ -188,31 +255,42 @@ class AnalyticCostModel:
         if ctx:
             rows = len(ctx)
             longest = max(ctx)
-            extra = 0.0
+            extra = copies = 0.0
             if s.joins:  # extend: the batch cache is rebuilt with the new rows
                 extra += 2.0 * rows * longest * self.kv_bytes_per_token
-            if s.leaves:  # filter: the kept rows are copied
+                copies += 1
+            if s.leaves:  # filter: the kept rows are copied (nothing when none is kept)
                 kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
-                extra += 2.0 * kept * longest * self.kv_bytes_per_token
-            yield Forward(rows, rows, rows * longest, rows * (longest - 1), rows, extra)
+                if kept:
+                    extra += 2.0 * kept * longest * self.kv_bytes_per_token
+                    copies += 1
+            yield Forward(rows, rows, rows * longest, rows * (longest - 1), rows, extra, copies, True)
         if chunks:
+            done = s.prefill_done or (True,) * len(chunks)  # unknown: completing (the full cost)
+            lazy = self.lazy_prefill
             if s.padded:
                 n = max(c for c, _ in chunks)
                 b = max(x for _, x in chunks)
                 r = len(chunks)
-                yield Forward(r * n, r, r * (n * b + n * (n + 1) / 2.0), r * b, r * n)
+                n_done = sum(1 for d in done if d)
+                partial = lazy and not n_done
+                qk = r * self._qk(n, b) * (self._partial_qk if partial else 1.0)
+                yield Forward(r * n, n_done if lazy else r, qk, r * b, r * n,
+                              partial_tokens=r * n if partial else 0.0)
             else:
-                for n, b in chunks:
-                    yield Forward(n, 1, n * b + n * (n + 1) / 2.0, b, n)
+                for (n, b), d in zip(chunks, done):
+                    partial = lazy and not d
+                    yield Forward(n, 0 if partial else 1, self._qk(n, b) * (self._partial_qk if partial else 1.0),
+                                  b, n, partial_tokens=n if partial else 0.0)
 
     # ------------------------------------------------------------------ CostModel protocol
-    def _seconds(self, tokens: float, head: float, qk: float, kv: float, extra: float = 0.0) -> float:
-        """One forward's seconds (kv: KV tokens read + written). The hot path of pass_seconds."""
-        flops = tokens * self._flops_per_token + head * self._flops_per_head_row + qk * self._flops_per_qk
-        b = self._dense_bytes + self._head_bytes + kv * self.kv_bytes_per_token + extra
+    def _seconds(self, tokens: float, head: float, qk: float, kv: float, partial: float = 0.0) -> float:
+        """One prefill forward's seconds (kv: KV tokens read + written). The hot path of pass_seconds."""
+        c = ((tokens * self._flops_per_token - partial * self._partial_saving + head * self._flops_per_head_row)
+             / self._rate + qk * self._flops_per_qk / self._rate_attn)
+        b = self._dense_bytes + self._head_bytes + kv * self.kv_bytes_per_token
         if self._expert_bytes:
             b += self._moe_fixed_bytes + self.model.distinct_experts(tokens) * self._expert_bytes
-        c = flops / self._rate
         m = b / self._bw
         return self._ovh + (c if c > m else m)
 
@@ -225,24 +303,41 @@ class AnalyticCostModel:
         if ctx:
             rows = len(ctx)
             longest = max(ctx)
-            extra = 0.0
+            c = (rows * (self._flops_per_token + self._flops_per_head_row) / self._rate
+                 + rows * longest * self._flops_per_qk / self._rate_dattn)
+            b = self._dense_bytes + self._head_bytes + rows * longest * self.kv_bytes_per_token
+            if self._expert_bytes:
+                b += self._moe_fixed_bytes + self.model.distinct_experts(rows) * self._expert_bytes
+            m = b / self._bw
+            t += self._ovh + (c if c > m else m)
             if shape.joins:
-                extra += 2.0 * rows * longest * self.kv_bytes_per_token
+                t += 2.0 * rows * longest * self.kv_bytes_per_token / self._bw_copy + self._copy_ovh
             if shape.leaves:
                 kept = shape.batch_rows_before + shape.joins - shape.leaves
                 if kept > 0:
-                    extra += 2.0 * kept * longest * self.kv_bytes_per_token
-            t += self._seconds(rows, rows, rows * longest, rows * longest, extra)
+                    t += 2.0 * kept * longest * self.kv_bytes_per_token / self._bw_copy + self._copy_ovh
         chunks = shape.prefill
         if chunks:
+            done = shape.prefill_done
+            lazy = self.lazy_prefill
+            causal = self.causal_skip
             if shape.padded:
                 n = max(c for c, _ in chunks)
                 b = max(x for _, x in chunks)
                 r = len(chunks)
-                t += self._seconds(r * n, r, r * (n * b + n * (n + 1) / 2.0), r * (b + n))
+                n_done = sum(1 for d in done if d) if done else r
+                partial = lazy and not n_done
+                qk = r * (n * b + n * (n + 1) / 2.0 if causal else n * (b + n))
+                if partial:
+                    qk *= self._partial_qk
+                t += self._seconds(r * n, n_done if lazy else r, qk, r * (b + n), r * n if partial else 0.0)
             else:
-                for n, b in chunks:
-                    t += self._seconds(n, 1, n * b + n * (n + 1) / 2.0, b + n)
+                for i, (n, b) in enumerate(chunks):
+                    qk = n * b + n * (n + 1) / 2.0 if causal else n * (b + n)
+                    if lazy and done and not done[i]:
+                        t += self._seconds(n, 0, qk * self._partial_qk, b + n, n)
+                    else:
+                        t += self._seconds(n, 1, qk, b + n)
         return t
 
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
@@ -251,18 +346,23 @@ class AnalyticCostModel:
     # ------------------------------------------------------------------ introspection
     def bound(self, f: Forward) -> str:
         """'compute' or 'memory': which term wins this forward."""
-        return "compute" if self.flops(f) / self._rate >= self.bytes(f) / self._bw else "memory"
+        c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (self._rate_dattn if f.decode else self._rate_attn)
+        return "compute" if c >= self.bytes(f) / self._bw else "memory"
 
     def meta(self) -> dict[str, Any]:
         m = self.model
+        applied = {k: v for k, v in self.applied.to_dict().items()
+                   if k in ("compute", "bandwidth", "overhead_per_layer_s", "basis", "source", "attention",
+                            "decode_attention", "copy", "copy_overhead_per_layer_s")}
         return {
             "cost_model": "analytic-roofline",
             "style": self.style,
             **self.hardware.summary(),
             "efficiency": self.efficiency.to_dict(),
-            "efficiency_applied": {k: v for k, v in self.applied.to_dict().items()
-                                   if k in ("compute", "bandwidth", "overhead_per_layer_s", "basis", "source")},
+            "efficiency_applied": applied,
             "compute_dtype": self.compute_dtype,
+            "lazy_prefill": self.lazy_prefill,
+            "causal_skip": self.causal_skip,
             "model": m.summary(),
             "quant_bits": self.bits if self.bits is not None else m.native_bits,
             "bits_per_weight": self.bytes_per_weight * 8,
