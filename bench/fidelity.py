@@ -44,13 +44,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
     ap.add_argument("--keep", default=None, help="keep the run directories here")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="calibrate (default grid) first and validate against that fresh profile: this "
+                         "machine's speed drifts by tens of %% over an hour, so a profile measured minutes "
+                         "before the runs separates the cost model's error from the machine's drift")
     args = ap.parse_args()
 
     info = load_model(args.model)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fidelity-"))
-    path, note = find_or_calibrate(args.profile, info, work, lambda m: print(m, flush=True))
-    if note:
-        print("note:", note)
+    if args.calibrate:
+        from engine.calibrate import GRIDS, calibrate, write_profile
+
+        print("calibrating (default grid) ...", flush=True)
+        path = write_profile(calibrate(info, GRIDS["default"]), work / "profile.json")
+    else:
+        path, note = find_or_calibrate(args.profile, info, work, lambda m: print(m, flush=True))
+        if note:
+            print("note:", note)
     cost = LinearCostModel.from_profile(path)
     capacity = int(cost.meta.get("kv_tokens", 262144))
     results: dict = {}
@@ -69,6 +79,7 @@ def main() -> None:
                 "worst_metric": max(v["metrics"], key=lambda k: abs(v["metrics"][k]["error_pct"] or 0)),
                 "step_error_pct": v["step_error_pct"],
                 "real_spread_pct_median": statistics.median(spreads) if spreads else None,
+                "machine_speed": v.get("machine_speed"),
                 "within_spread": sum(1 for r in v["metrics"].values() if r.get("within_spread")),
                 "metrics": {k: {"sim": r["sim"], "real": r["real"], "error_pct": r["error_pct"],
                                 "spread_pct": r.get("spread_pct")} for k, r in v["metrics"].items()},
@@ -76,12 +87,14 @@ def main() -> None:
             r = results[tname][pname]
             print(f"{tname:11s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
                   f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step p50 "
-                  f"{r['step_error_pct']['p50']:5.1f}%  real spread {r['real_spread_pct_median'] or 0:5.1f}%",
+                  f"{r['step_error_pct']['p50']:5.1f}%  real spread {r['real_spread_pct_median'] or 0:5.1f}%  "
+                  f"machine speed {_speed(r['machine_speed'])}",
                   flush=True)
     out = {
         "benchmark": "fidelity",
         "model": args.model,
         "profile": path.name,
+        "profile_calibrated_now": bool(args.calibrate),
         "repeat": args.repeat,
         "target": {"median_abs_error_pct": 3.0, "max_abs_error_pct": 10.0},
         "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
@@ -96,6 +109,13 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _speed(speed: dict | None) -> str:
+    """'1.31x/1.28x': the profile's reference passes before/after the real runs, vs calibration."""
+    if not speed:
+        return "-"
+    return "/".join(f"{speed[w]['ratio']:.2f}x" if speed.get(w) else "-" for w in ("before", "after"))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,7 +79,9 @@ GRIDS = {
         mixed=((4, 256, 128, 0), (16, 512, 256, 0), (8, 1000, 512, 300), (32, 150, 64, 0)),
         loop_requests=16,
         loop_policies=("mlx-default", "unified"),
-        rounds=3,
+        # 5 rounds: on a 2-core VM whose speed drifts by +-30 % between spells (seen here,
+        # with no steal time reported), a median over 3 rounds still caught a slow spell
+        rounds=5,
         max_decode_kv=64 * 1000,
     ),
     "quick": Grid(
@@ -361,6 +364,71 @@ def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+# ---------------------------------------------------------------------- the machine's speed now
+
+
+_DECODE_LABEL = re.compile(r"^B=(\d+) C=(\d+)$")
+_PREFILL_LABEL = re.compile(r"^n=(\d+) c=(\d+)( done)?$")
+
+
+def speed_points(profile: dict[str, Any], per_kind: int = 3) -> list[tuple[str, tuple, float]]:
+    """A few of the profile's own grid points to time again: steady decode batches of a few
+    rows at short context, and single prefill chunks of tens to hundreds of tokens, the passes
+    a short real run is made of. (kind, arguments, seconds in the profile)."""
+    dec, pre = [], []
+    for smp in profile.get("samples") or []:
+        label, secs = str(smp.get("label", "")), smp.get("seconds")
+        if not isinstance(secs, (int, float)) or secs <= 0:
+            continue
+        m = _DECODE_LABEL.match(label)
+        if smp.get("group") == "decode" and m and 2 <= int(m[1]) <= 16 and int(m[2]) <= 700:
+            dec.append(("decode", (int(m[1]), int(m[2])), float(secs)))
+        m = _PREFILL_LABEL.match(label)
+        if smp.get("group") == "prefill" and m and 16 <= int(m[1]) <= 512 and int(m[2]) <= 600:
+            pre.append(("prefill", (int(m[1]), int(m[2]), bool(m[3])), float(secs)))
+
+    def spread(xs):  # smallest, middle, largest: not all of one size
+        xs = sorted(xs, key=lambda x: x[2])
+        if len(xs) <= per_kind:
+            return xs
+        return [xs[round(i * (len(xs) - 1) / (per_kind - 1))] for i in range(per_kind)]
+
+    return spread(dec) + spread(pre)
+
+
+def speed_check(info: ModelInfo, profile: dict[str, Any], rounds: int = 3, seed: int = 0) -> dict[str, Any] | None:
+    """How fast this machine runs the profile's passes *now*: a few of its grid points timed
+    again (``speed_points``, each the median over ``rounds`` spread runs) against the seconds
+    the profile stored. ``ratio`` > 1: the machine is slower now than when it was calibrated.
+
+    A shared machine's speed drifts (a 2-core VM here ran the same passes 1.3x slower than 20
+    minutes earlier, with nothing else running): a validation error of that size is the
+    machine, not the cost model. None when the profile has no such points. A few seconds."""
+    points = speed_points(profile)
+    if not points:
+        return None
+    t0 = time.perf_counter()
+    rig = Rig(info, seed=seed)
+    measure_decode(rig, 4, 64, 2)  # warm-up, untimed
+    measure_prefill(rig, 64, 0, 1)
+    runs: list[list[float]] = [[] for _ in points]
+    for _ in range(rounds):
+        for i, (kind, args, _) in enumerate(points):
+            if kind == "decode":
+                smp = next(x for x in measure_decode(rig, args[0], args[1], 3) if x.group == "decode")
+            else:
+                smp = measure_prefill(rig, args[0], args[1], 1, args[2])
+            runs[i].append(smp.seconds)
+    ratios = [(kind, statistics.median(r) / secs) for (kind, _, secs), r in zip(points, runs)]
+
+    def med(kind=None):
+        xs = [x for k, x in ratios if kind is None or k == kind]
+        return round(statistics.median(xs), 4) if xs else None
+
+    return {"ratio": med(), "decode": med("decode"), "prefill": med("prefill"), "points": len(points),
+            "rounds": rounds, "wall_s": round(time.perf_counter() - t0, 2)}
+
+
 # ---------------------------------------------------------------------- matching profiles
 
 
@@ -375,6 +443,10 @@ def profile_mismatch(meta: dict[str, Any], info: ModelInfo) -> str | None:
         ("BLAS threads", (meta.get("blas") or {}).get("threads"), here["blas"].get("threads")),
         ("CPU count", (meta.get("machine") or {}).get("cpu_count"), here["machine"].get("cpu_count")),
         ("processor", (meta.get("machine") or {}).get("processor"), here["machine"].get("processor")),
+        # the same core count and architecture can be another CPU (a Xeon and an EPYC VM ran the
+        # same passes 1.6x apart here), and OpenBLAS picks its kernels by CPU
+        ("CPU model", (meta.get("machine") or {}).get("cpu_model"), here["machine"].get("cpu_model")),
+        ("BLAS build", (meta.get("blas") or {}).get("config"), here["blas"].get("config")),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

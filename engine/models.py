@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 from . import blas as _blas  # (OpenBLAS before mlx)
 from .errors import EngineError
+from sim.analytic.hardware import cpu_model
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -92,7 +93,7 @@ class ModelInfo:
             "device": str(mx.default_device()),
             "blas": _blas.info(),
             "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                        "cpu_count": _cpu_count()},
+                        "cpu_model": cpu_model(), "cpu_count": _cpu_count()},
         }
 
     def check_trace(self, requests: Sequence[Any]) -> None:

@@ -235,6 +235,8 @@ class PolicyBase:
             kwargs[key] = _coerce(cls.name, key, raw, fields[key].default)
         try:
             return cls(**kwargs)
+        except OptionError:
+            raise
         except (TypeError, ValueError) as exc:
             raise OptionError(f"policy '{cls.name}': {exc}") from None
 

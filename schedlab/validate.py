@@ -96,7 +96,8 @@ def validate(
         print()
     if len(results) > 1:
         summary = {"trace": tr.name, "model": info.name, "cost_model": cost_meta, "policies": {
-            n: {k: v[k] for k in ("median_abs_error_pct", "max_abs_error_pct", "step_error_pct")}
+            n: {k: v[k] for k in ("median_abs_error_pct", "max_abs_error_pct", "step_error_pct", "machine_speed")
+                if k in v}
             for n, v in results.items()}}
         (out / "validation.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(format_overview(results))
@@ -106,6 +107,7 @@ def validate(
 def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: int, seed: int,
                  cost_meta: dict, say) -> dict:
     from engine.backend import MLXBackend
+    from engine.calibrate import speed_check
     from sim import run
     from sim.metrics import summarize
     from sim.output import write_run
@@ -116,6 +118,11 @@ def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: i
     sim_res = run(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
     sim_sum = summarize(sim_res)
     write_run(pdir / "sim", sim_res, sim_sum, meta=meta)
+    speed_ref = _speed_reference(cost_meta)
+    speed = {}
+    if speed_ref is not None:
+        say(f"{pol.name}: timing the profile's reference passes (the machine's speed now)")
+        speed["before"] = speed_check(info, speed_ref, seed=seed)
     reals, steps = [], []
     for k in range(repeat):
         say(f"{pol.name}: real run {k + 1}/{repeat}")
@@ -127,13 +134,29 @@ def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: i
             fail(f"{pol.name}: real run stopped: {res.error}")
         reals.append(s)
         steps.extend(res.steps)
+    if speed_ref is not None:
+        speed["after"] = speed_check(info, speed_ref, seed=seed)
     v = compare(sim_sum, reals, policy=pol.name, trace=tr.name, real_steps=steps)
+    if speed_ref is not None:
+        v["machine_speed"] = speed
     v["model"] = info.name
     v["cost_model"] = cost_meta
     v["sim_dir"] = "sim"
     v["real_dirs"] = ["real" if k == 0 else f"real-{k + 1}" for k in range(repeat)]
     (pdir / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
     return v
+
+
+def _speed_reference(cost_meta: dict) -> dict | None:
+    """The measured profile the speed check times against (None for an analytic model)."""
+    path = cost_meta.get("profile")
+    if cost_meta.get("kind") == "analytic" or not path:
+        return None
+    try:
+        prof = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return prof if isinstance(prof, dict) and prof.get("samples") else None
 
 
 def _pick_cost(profile, hardware, kv_tokens, info, out: Path, say):

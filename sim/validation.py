@@ -110,4 +110,25 @@ def format_table(v: Mapping[str, Any]) -> str:
     if se.get("n"):
         lines.append(f"per-step cost-model error over {se['n']} real steps: median |{se['p50']:.1f}| %, "
                      f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %")
+    speed = speed_line(v.get("machine_speed"))
+    if speed:
+        lines.append(speed)
     return "\n".join(lines)
+
+
+def speed_line(speed: Mapping[str, Any] | None) -> str | None:
+    """One line on the machine's speed around the real runs against its calibration."""
+    if not speed:
+        return None
+    got = {w: r["ratio"] for w in ("before", "after")
+           if isinstance(r := speed.get(w), Mapping) and r.get("ratio")}
+    if not got:
+        return None
+    line = ("machine speed: the profile's reference passes ran at "
+            + " and ".join(f"{x:.2f}x ({w} the real runs)" for w, x in got.items()) + " their calibrated time")
+    worst = max(got.values(), key=lambda x: abs(x - 1.0))
+    if abs(worst - 1.0) >= 0.05:
+        line += (f": this machine ran up to {100 * abs(worst - 1.0):.0f} % {'slower' if worst > 1 else 'faster'} "
+                 "than when the profile was measured; errors of that size are the machine, not the cost "
+                 "model (recalibrate to follow it)")
+    return line

@@ -140,6 +140,10 @@ def test_profile_mismatch_names_the_difference(micro_profile):
     assert profile_mismatch(meta, info) is None
     assert "model" in profile_mismatch(dict(meta, model="tiny"), info)
     assert "BLAS threads" in profile_mismatch(dict(meta, blas=dict(meta["blas"], threads=99)), info)
+    # same core count and architecture, another CPU (or BLAS kernel): not this machine
+    assert meta["machine"]["cpu_model"]
+    assert "CPU model" in profile_mismatch(dict(meta, machine=dict(meta["machine"], cpu_model="Other CPU")), info)
+    assert "BLAS build" in profile_mismatch(dict(meta, blas=dict(meta["blas"], config="OpenBLAS 0.3.21 Haswell")), info)
 
 
 def test_validate_end_to_end(micro_profile, tmp_path):
@@ -165,6 +169,11 @@ def test_validate_end_to_end(micro_profile, tmp_path):
     assert v["max_abs_error_pct"] == pytest.approx(max(errs))
     se = v["step_error_pct"]
     assert se["n"] > 0 and 0 <= se["p50"] <= se["p90"]
+    # the machine's speed, before and after the real runs, against the profile it was timed with
+    for when in ("before", "after"):
+        sp = v["machine_speed"][when]
+        assert sp["points"] >= 2 and sp["ratio"] > 0 and sp["decode"] > 0 and sp["prefill"] > 0
+    assert "machine speed: the profile's reference passes ran at" in proc.stdout
     # the plot command reads a validate directory as it is
     figs = tmp_path / "figs"
     proc = cli("plot", str(out), "--out", str(figs))
@@ -184,3 +193,27 @@ def test_validate_bad_inputs(micro_profile, tmp_path):
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and frag in lines[0], proc.stderr
+
+
+def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
+    from engine.calibrate import speed_points
+    from sim.validation import speed_line
+
+    samples = [{"group": "decode", "label": f"B={b} C={c}", "seconds": 0.001 * b + 1e-6 * c}
+               for b in (1, 2, 4, 16, 64) for c in (40, 600, 2500)]
+    samples += [{"group": "prefill", "label": f"n={n} c={c}" + (" done" if d else ""), "seconds": 1e-4 * n}
+                for n, c, d in ((1, 0, False), (16, 0, True), (64, 300, False), (256, 0, True), (2048, 0, False))]
+    samples += [{"group": "join", "label": "B=4 C=40 merge", "seconds": 0.01}]
+    pts = speed_points({"samples": samples})
+    dec = [a for k, a, _ in pts if k == "decode"]
+    pre = [a for k, a, _ in pts if k == "prefill"]
+    # a few rows at short context; chunks of tens to hundreds of tokens; never another group
+    assert len(dec) == 3 and all(2 <= b <= 16 and c <= 700 for b, c in dec)
+    assert (2, 40) in dec and (16, 600) in dec  # the smallest and the largest, not all alike
+    assert pre == [(16, 0, True), (64, 300, False), (256, 0, True)]
+    assert speed_points({"samples": []}) == [] and speed_points({}) == []
+    line = speed_line({"before": {"ratio": 1.31}, "after": {"ratio": 1.02}})
+    assert "1.31x (before the real runs) and 1.02x (after the real runs)" in line and "31 % slower" in line
+    assert "20 % faster" in speed_line({"before": {"ratio": 0.8}, "after": None})
+    assert "not the cost model" not in speed_line({"before": {"ratio": 1.01}, "after": {"ratio": 0.98}})
+    assert speed_line(None) is None and speed_line({"before": None}) is None

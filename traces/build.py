@@ -30,9 +30,9 @@ from .schema import Trace, TraceError
 from .stats import trace_stats
 
 #: Request rate of mixed.json: loads the default profile (sim/profiles/tiny-cpu.json) to
-#: about 74 % under mlx-default (busy step time / makespan; measured: 0.20 rps -> 70 %,
-#: 0.25 -> 78 %). Its 30 long prompts (3-8k tokens) take ~25 s each to prefill on tiny.
-MIXED_RATE_RPS = 0.23
+#: about 74 % under mlx-default (busy step time / makespan; measured: 0.35 rps -> 65 %,
+#: 0.45 -> 74 %, 0.5 -> 78 %). Its 30 long prompts (3-8k tokens) take ~10 s each to prefill on tiny.
+MIXED_RATE_RPS = 0.45
 #: Request rate of sonnet.json: 100 x (1024 prompt + 128 output) tokens, a moderate load.
 SONNET_RATE_RPS = 0.5
 #: The Mooncake conversation window bundled: its first 10 minutes, [0, 600 s) of timestamps.

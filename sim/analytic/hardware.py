@@ -274,7 +274,8 @@ def cache_dir_default() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "schedlab"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what platform knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith(("model name", "hardware", "cpu model")):
@@ -308,7 +309,7 @@ def _memory_bytes() -> float:
 def machine_key() -> str:
     import numpy as np
 
-    return f"{platform.node()}|{platform.system()}|{platform.machine()}|{_cpu_model()}|{_cpu_count()} cpus|numpy {np.__version__}"
+    return f"{platform.node()}|{platform.system()}|{platform.machine()}|{cpu_model()}|{_cpu_count()} cpus|numpy {np.__version__}"
 
 
 def _measure(gemm_sizes: tuple[int, ...] = (1024, 1536), copy_mb: int = 128, repeats: int = 4) -> dict[str, Any]:
