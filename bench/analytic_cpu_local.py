@@ -129,6 +129,10 @@ def run_validate(policy: str, trace: str, model: str, repeat: int, out: Path, ha
                         "spread_pct": r.get("spread_pct")} for k, r in v["metrics"].items()},
         "cost_model": {k: v["cost_model"].get(k) for k in ("kind", "profile", "hardware", "factors", "factors_note")
                        if k in v["cost_model"]},
+        "machine_speed": v.get("machine_speed"),
+        "drift_adjusted": {k: (v.get("drift_adjusted") or {}).get(k)
+                           for k in ("speed_factor", "median_abs_error_pct", "max_abs_error_pct", "step_error_pct")}
+        if v.get("drift_adjusted") else None,
         "note": note.strip(),
         "wall_s": round(wall, 1),
         "load_before": before,
@@ -145,14 +149,18 @@ def summarize(rows: list[dict]) -> dict:
         xs = [r["step_error_pct"][key] for r in rows if r.get("step_error_pct", {}).get(key) is not None]
         return statistics.median(xs) if xs else None
 
+    adj = [r["drift_adjusted"]["median_abs_error_pct"] for r in rows
+           if r.get("drift_adjusted") and r["drift_adjusted"].get("median_abs_error_pct") is not None]
     return {"policies": len(rows), "median_of_median_abs_error_pct": med("median_abs_error_pct"),
+            "drift_adjusted_median_of_median_abs_error_pct": statistics.median(adj) if adj else None,
             "median_of_max_abs_error_pct": med("max_abs_error_pct"), "median_step_p50_pct": med_step("p50"),
             "median_step_p90_pct": med_step("p90"), "median_step_total_pct": med_step("total_pct")}
 
 
 def table(result: dict) -> str:
     L = ["| trace | policy | linear median / max |err| % | analytic median / max |err| % | "
-         "linear step p50 / p90 % | analytic step p50 / p90 % |", "|---|---|---:|---:|---:|---:|"]
+         "linear step p50 / p90 % | analytic step p50 / p90 % | drift-adjusted median |err| % linear / analytic |",
+         "|---|---|---:|---:|---:|---:|---:|"]
 
     def f(x):
         return "-" if x is None else f"{x:.1f}"
@@ -161,12 +169,14 @@ def table(result: dict) -> str:
         for pol, r in pols.items():
             lin, ana = r["linear"], r["analytic"]
             if "error" in lin or "error" in ana:
-                L.append(f"| {trace} | {pol} | {lin.get('error', '')} | {ana.get('error', '')} | | |")
+                L.append(f"| {trace} | {pol} | {lin.get('error', '')} | {ana.get('error', '')} | | | |")
                 continue
             L.append(f"| {trace} | {pol} | {f(lin['median_abs_error_pct'])} / {f(lin['max_abs_error_pct'])} | "
                      f"{f(ana['median_abs_error_pct'])} / {f(ana['max_abs_error_pct'])} | "
                      f"{f(lin['step_error_pct']['p50'])} / {f(lin['step_error_pct']['p90'])} | "
-                     f"{f(ana['step_error_pct']['p50'])} / {f(ana['step_error_pct']['p90'])} |")
+                     f"{f(ana['step_error_pct']['p50'])} / {f(ana['step_error_pct']['p90'])} | "
+                     f"{f((lin.get('drift_adjusted') or {}).get('median_abs_error_pct'))} / "
+                     f"{f((ana.get('drift_adjusted') or {}).get('median_abs_error_pct'))} |")
     return "\n".join(L)
 
 

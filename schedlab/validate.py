@@ -139,6 +139,9 @@ def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: i
     v = compare(sim_sum, reals, policy=pol.name, trace=tr.name, real_steps=steps)
     if speed_ref is not None:
         v["machine_speed"] = speed
+        adj = drift_adjusted(pol, tr, cost, capacity, speed, reals, steps)
+        if adj is not None:
+            v["drift_adjusted"] = adj
     v["model"] = info.name
     v["cost_model"] = cost_meta
     v["sim_dir"] = "sim"
@@ -147,10 +150,32 @@ def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: i
     return v
 
 
+def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: list) -> dict | None:
+    """The simulation again with every pass scaled by the machine's measured speed during the
+    real runs (the mean of the before/after ratios), compared with the same real runs: how far
+    the model is once the machine's drift is taken out. Reported beside the plain comparison,
+    never instead of it."""
+    from sim import run
+    from sim.cost import ScaledCostModel
+    from sim.metrics import summarize
+    from sim.validation import compare
+
+    ratios = [r["ratio"] for r in (speed.get("before"), speed.get("after")) if r and r.get("ratio")]
+    if not ratios:
+        return None
+    factor = sum(ratios) / len(ratios)
+    res = run(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
+    scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
+    c = compare(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
+    return {"speed_factor": factor, "median_abs_error_pct": c["median_abs_error_pct"],
+            "max_abs_error_pct": c["max_abs_error_pct"], "step_error_pct": c["step_error_pct"],
+            "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
+
+
 def _speed_reference(cost_meta: dict) -> dict | None:
     """The measured profile the speed check times against (None for an analytic model)."""
-    path = cost_meta.get("profile")
-    if cost_meta.get("kind") == "analytic" or not path:
+    path = cost_meta.get("profile")  # analytic: only cpu-local factors fitted to a profile name one
+    if not path:
         return None
     try:
         prof = json.loads(Path(path).read_text())
@@ -218,6 +243,7 @@ def analytic_cost(hardware: str, info):
     hw = load_hardware(hardware)
     name = str(info.name)
     factors, source = "preset", f"{hw.name}'s preset factors ({hw.efficiency.basis}); not measured on this machine"
+    fitted_from = None
     if hw.name == "cpu-local":
         factors, source = "prior", (f"no profile of {name} measured on this machine: cpu-local's prior factors "
                                     f"(fit them with calibrate --analytic)")
@@ -227,6 +253,7 @@ def analytic_cost(hardware: str, info):
             if block is not None and why is None:
                 hw, _ = efficiency_from_block(block, hw)
                 factors, source = "fitted", f"cpu-local factors fitted for {name} on this machine, from {path}"
+                fitted_from = path
                 break
             if isinstance(prof.get("samples"), list) and prof["samples"]:
                 try:
@@ -236,10 +263,13 @@ def analytic_cost(hardware: str, info):
                 hw, _ = efficiency_from_block(block, hw)
                 factors, source = "fitted-now", (f"cpu-local factors fitted now to the samples of {path} "
                                                  f"(store them with calibrate --analytic)")
+                fitted_from = path
                 break
     cost = analytic_from_config(hw, info.config, bits, name=name, kv_bits=kv_bits)
     meta = {"kind": "analytic", "hardware": hw.name, "factors": factors, "factors_note": source,
             "analytic": cost.meta()}
+    if fitted_from is not None:  # the profile whose passes the factors were fitted to
+        meta["profile"] = str(fitted_from)
     return cost, meta
 
 

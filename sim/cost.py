@@ -165,6 +165,24 @@ class LinearCostModel:
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+class ScaledCostModel:
+    """Another cost model with every second multiplied by ``factor``: the same machine running
+    faster or slower as a whole (``validate``'s drift-adjusted simulation uses the measured
+    speed of the machine during the real runs). Implements ``policies.base.CostModel``."""
+
+    def __init__(self, base: Any, factor: float):
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor must be a positive number, got {factor!r}")
+        self.base, self.factor = base, float(factor)
+        self.meta = getattr(base, "meta", {})
+
+    def pass_seconds(self, s: PassShape) -> float:
+        return self.factor * self.base.pass_seconds(s)
+
+    def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
+        return self.factor * self.base.step_overhead_seconds(n_passes, n_rows)
+
+
 def read_profile(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():

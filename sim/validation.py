@@ -113,6 +113,11 @@ def format_table(v: Mapping[str, Any]) -> str:
     speed = speed_line(v.get("machine_speed"))
     if speed:
         lines.append(speed)
+    adj = v.get("drift_adjusted")
+    if adj and adj.get("median_abs_error_pct") is not None:
+        lines.append(f"drift-adjusted (the simulation with every pass x{adj['speed_factor']:.2f}, the machine's "
+                     f"measured speed): median |error| {adj['median_abs_error_pct']:.1f} %, max "
+                     f"{adj['max_abs_error_pct']:.1f} %, step median |{adj['step_error_pct']['p50']:.1f}| %")
     return "\n".join(lines)
 
 

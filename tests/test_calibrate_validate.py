@@ -174,6 +174,12 @@ def test_validate_end_to_end(micro_profile, tmp_path):
         sp = v["machine_speed"][when]
         assert sp["points"] >= 2 and sp["ratio"] > 0 and sp["decode"] > 0 and sp["prefill"] > 0
     assert "machine speed: the profile's reference passes ran at" in proc.stdout
+    # ... and the simulation again at that speed, against the same real runs
+    adj = v["drift_adjusted"]
+    ms = v["machine_speed"]
+    assert adj["speed_factor"] == pytest.approx((ms["before"]["ratio"] + ms["after"]["ratio"]) / 2)
+    assert set(adj["error_pct"]) == set(v["metrics"]) and adj["max_abs_error_pct"] >= adj["median_abs_error_pct"]
+    assert "drift-adjusted (the simulation with every pass" in proc.stdout
     # the plot command reads a validate directory as it is
     figs = tmp_path / "figs"
     proc = cli("plot", str(out), "--out", str(figs))
@@ -217,3 +223,25 @@ def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
     assert "20 % faster" in speed_line({"before": {"ratio": 0.8}, "after": None})
     assert "not the cost model" not in speed_line({"before": {"ratio": 1.01}, "after": {"ratio": 0.98}})
     assert speed_line(None) is None and speed_line({"before": None}) is None
+
+
+def test_a_scaled_cost_model_scales_every_second_and_the_whole_schedule():
+    from policies import make_policy
+    from sim import run
+    from sim.cost import ScaledCostModel
+    from simkit import cost_model, req
+
+    base = cost_model()
+    shape = PassShape(decode_contexts=(100, 80), prefill=((64, 0),), prefill_done=(True,), joins=1)
+    twice = ScaledCostModel(base, 2.0)
+    assert twice.pass_seconds(shape) == pytest.approx(2 * base.pass_seconds(shape))
+    assert twice.step_overhead_seconds(2, 5) == pytest.approx(2 * base.step_overhead_seconds(2, 5))
+    # every request there at 0 s: the same plans, each step twice as long
+    reqs = [req(i, 40 + 17 * i, 5 + i) for i in range(6)]
+    a = run(reqs, make_policy("chunked-prefill"), base, kv_capacity=10**6)
+    b = run(reqs, make_policy("chunked-prefill"), twice, kv_capacity=10**6)
+    assert len(a.steps) == len(b.steps)
+    assert b.steps[-1].end_s == pytest.approx(2 * a.steps[-1].end_s)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            ScaledCostModel(base, bad)
