@@ -59,10 +59,9 @@ def pass_level(model: str) -> dict:
     from engine.models import preset_config
     from sim.analytic import fit_efficiency
     from sim.analytic.hardware import DEFAULT_EFFICIENCY, Efficiency, load_hardware
-    from sim.analytic.local import PASS_GROUPS, _errors, fit_local, shape_from_sample
+    from sim.analytic.local import PASS_GROUPS, _errors, fit_local, shape_from_sample, split_passes
     from sim.analytic.modelspec import model_spec
     from sim.analytic.roofline import AnalyticCostModel
-    from sim.fit import split
     from sim.profiles import bundled_profiles
 
     prof = next((json.loads(p.read_text()) for p in bundled_profiles()
@@ -78,14 +77,7 @@ def pass_level(model: str) -> dict:
     old = AnalyticCostModel(hw, spec, 32, kv_bits=32, lazy_prefill=False, causal_skip=True,
                             efficiency=Efficiency(p0.compute, p0.bandwidth, p0.overhead_per_layer_s))
     by = {g: [(s, shape_from_sample(s)) for s in prof["samples"] if s["group"] == g] for g in PASS_GROUPS}
-    fit_part, held = [], []
-    for g in ("decode", "join", "leave"):
-        a, b = split(by[g])
-        fit_part += a
-        held += b
-    a, b = split(by["prefill"] + by["padded"])
-    fit_part += a
-    held += b + by["mixed"]
+    fit_part, held = split_passes(by)
     res = fit_efficiency([(sh, s["seconds"]) for s, sh in fit_part], cost_model=old,
                          starts=({"bandwidth": 1.0}, {"bandwidth": 0.05, "overhead_per_layer_s": 1e-4}))
     cm = old.with_efficiency(res.efficiency)

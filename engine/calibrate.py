@@ -461,25 +461,32 @@ def _cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "schedlab") / "profiles"
 
 
+def cached_profile_path(info: ModelInfo) -> Path:
+    """Where ``find_or_calibrate`` caches its calibration of this model (one per model)."""
+    return _cache_dir() / f"{Path(str(info.name)).name}-{info.dtype}-{info.n_params}.json"
+
+
+def candidate_profiles(info: ModelInfo) -> list[Path]:
+    """The bundled profiles, then this model's cached calibration when there is one."""
+    from sim.profiles import bundled_profiles
+
+    cached = cached_profile_path(info)
+    return bundled_profiles() + ([cached] if cached.is_file() else [])
+
+
 def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path,
                       say: Callable[[str], None]) -> tuple[Path, str | None]:
     """The profile to simulate with: the one given, else the bundled default when it was
     measured on this model and machine, else a cached calibration of this model and machine,
     else a fresh ``--quick`` calibration (written to OUT/profile.json and cached)."""
     from sim.cost import read_profile
-    from sim.profiles import PROFILE_DIR, resolve_profile
+    from sim.profiles import resolve_profile
 
     if profile is not None:
         path = resolve_profile(profile)
         why = profile_mismatch(read_profile(path), info)
         return path, (f"{path.name} may not fit: {why}" if why else None)
-    candidates = sorted(PROFILE_DIR.glob("*.json"))
-    cache = _cache_dir()
-    key = f"{Path(str(info.name)).name}-{info.dtype}-{info.n_params}"
-    cached = cache / f"{key}.json"
-    if cached.is_file():
-        candidates.append(cached)
-    for path in candidates:
+    for path in candidate_profiles(info):
         try:
             if profile_mismatch(read_profile(path), info) is None:
                 return path, None
@@ -489,7 +496,7 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path,
     prof = calibrate(info, GRIDS["quick"], progress=say)
     path = write_profile(prof, out / "profile.json")
     try:
-        write_profile(prof, cached)
+        write_profile(prof, cached_profile_path(info))
     except OSError:
         pass
     return path, f"calibrated for {info.name} on this machine (quick grid): {path}"

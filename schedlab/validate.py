@@ -213,18 +213,9 @@ def _pick_cost(profile, hardware, kv_tokens, info, out: Path, say):
 
 def _matching_profiles(info):
     """Profiles measured on this model and machine: bundled ones, then calibrate's cache."""
-    import os
+    from engine.calibrate import candidate_profiles, profile_mismatch
 
-    from engine.calibrate import profile_mismatch
-    from sim.profiles import bundled_profiles
-
-    cands = list(bundled_profiles())
-    base = os.environ.get("SCHEDLAB_CACHE_DIR")
-    cache = (Path(base) if base else Path.home() / ".cache" / "schedlab") / "profiles"
-    cached = cache / f"{Path(str(info.name)).name}-{info.dtype}-{info.n_params}.json"
-    if cached.is_file():
-        cands.append(cached)
-    for path in cands:
+    for path in candidate_profiles(info):
         try:
             prof = json.loads(path.read_text())
             if isinstance(prof, dict) and profile_mismatch(prof, info) is None:

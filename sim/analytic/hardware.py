@@ -152,16 +152,18 @@ class Efficiency:
 DEFAULT_EFFICIENCY = {
     "apple-gpu": Efficiency(0.5, 0.7, 1e-4, basis="default", source="placeholder until refit"),
     "nvidia-gpu": Efficiency(0.5, 0.7, 5e-5, basis="default", source="placeholder until refit"),
-    # Fitted by sim.analytic.local.fit_local to the bundled tiny-cpu profile's calibration
-    # samples (112 passes of the engine's float32 `tiny` preset through MLX on CPU with 2-thread
-    # OpenBLAS, 2-core Xeon VM; fractions of its measured 229 GFLOP/s numpy GEMM and 16.9 GB/s
-    # copy): median |error| 7.8 % over all 151 passes, 9.0 % held out. MLX's CPU attention
+    # Fitted by sim.analytic.local.fit_local to the calibration samples of the tiny-cpu profile
+    # as first bundled (112 passes of the engine's float32 `tiny` preset through MLX on CPU with
+    # 2-thread OpenBLAS, 2-core Xeon VM; fractions of its measured 229 GFLOP/s numpy GEMM and
+    # 16.9 GB/s copy): median |error| 7.8 % over all 151 passes, 9.0 % held out. The profile
+    # bundled now (a 2-core EPYC VM) carries its own fit in its analytic_cpu_local block, which
+    # validate --hardware cpu-local uses on that machine; this prior serves everywhere else. MLX's CPU attention
     # (scores, mask, softmax materialised) runs at ~3 % of the GEMM peak, decode attention at
     # ~1.5 %; batch-cache copies at ~23 % of the copy rate plus ~0.5 ms per layer per copy.
     # bandwidth = 1.0 is a bound, not a measurement: tiny's 21 MB of weights sit in the L3, so
     # no pass streamed weights from DRAM. Fit yours: calibrate --analytic.
     "cpu": Efficiency(0.111, 1.0, 1.59e-3, step_overhead_s=2.1e-4, basis="default", engine="mlx (CPU, OpenBLAS)",
-                      source="fit_local on the bundled tiny-cpu profile's calibration passes (2-core VM): a prior; "
+                      source="fit_local on a tiny-cpu profile's calibration passes (2-core Xeon VM): a prior; "
                              "fit yours with calibrate --analytic",
                       attention=0.0332, decode_attention=0.0151, copy=0.23, copy_overhead_per_layer_s=4.85e-4),
 }

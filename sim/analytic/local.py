@@ -121,6 +121,22 @@ def _errors(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
             "mean_pct": statistics.fmean(errs)}
 
 
+def split_passes(by: Mapping[str, Sequence[Any]]) -> tuple[list[Any], list[Any]]:
+    """(fitted, held out) passes by group, as the linear fit splits them (``sim.fit.split``):
+    a quarter of each decode/join/leave group and of the prefill + padded chunks held out;
+    mixed passes never fitted, only predicted."""
+    from ..fit import split
+
+    fit_part: list[Any] = []
+    held: list[Any] = []
+    for g in ("decode", "join", "leave"):
+        a, b = split(list(by[g]))
+        fit_part += a
+        held += b
+    a, b = split(list(by["prefill"]) + list(by["padded"]))
+    return fit_part + a, held + b + list(by["mixed"])
+
+
 def fit_local(
     samples: Iterable[Any],
     config: Mapping[str, Any],
@@ -159,15 +175,7 @@ def fit_local(
             skipped += 1
             continue
         by[group].append((s, shape))
-    fit_part: list[tuple[Any, PassShape]] = []
-    held: list[tuple[Any, PassShape]] = []
-    for g in ("decode", "join", "leave"):
-        a, b = split(by[g])
-        fit_part += a
-        held += b
-    a, b = split(by["prefill"] + by["padded"])
-    fit_part += a
-    held += b + by["mixed"]  # mixed passes: never fitted, only predicted
+    fit_part, held = split_passes(by)
     if len(fit_part) < 4:
         raise AnalyticError(f"the analytic fit needs at least 4 pass samples it can read, got {len(fit_part)}"
                             f" ({skipped} skipped)")
