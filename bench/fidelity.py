@@ -70,7 +70,7 @@ def main() -> None:
         results[tname] = {}
         for pname in args.policies.split(","):
             pol = make_policy(pname)
-            v = validate_one(pol, tr, info, cost, cost, capacity, work / tname / pname, args.repeat, 0,
+            v = validate_one(pol, tr, info, cost, capacity, work / tname / pname, args.repeat, 0,
                              {"profile": str(path)}, lambda m: print(f"{tname}: {m}", flush=True))
             spreads = [r["spread_pct"] for r in v["metrics"].values() if r.get("spread_pct") is not None]
             results[tname][pname] = {

@@ -80,17 +80,13 @@ def validate(
 
     out.mkdir(parents=True, exist_ok=True)
     cost, capacity, cost_meta = _pick_cost(profile, hardware, kv_tokens, info, out, say)
-    # The real runs plan and predict with the same cost model as the simulation: the policy
-    # sees the same estimates on both sides, and steps.csv's predicted_s (the per-step error)
-    # is that model's, analytic with --hardware.
-    real_cost = cost
 
     from sim.validation import compare, format_table
 
     results = {}
     for name, pol in policies.items():
         pdir = out if len(policies) == 1 else out / name
-        v = validate_one(pol, tr, info, cost, real_cost, capacity, pdir, repeat, seed, cost_meta, say)
+        v = validate_one(pol, tr, info, cost, capacity, pdir, repeat, seed, cost_meta, say)
         results[name] = v
         print(format_table(v))
         print()
@@ -104,8 +100,11 @@ def validate(
     print(f"wrote {out}")
 
 
-def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: int, seed: int,
+def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: int,
                  cost_meta: dict, say) -> dict:
+    """One policy: the simulation and ``repeat`` real runs. The real runs plan and predict with
+    the same cost model as the simulation: the policy sees the same estimates on both sides, and
+    steps.csv's predicted_s (the per-step error) is that model's, analytic with --hardware."""
     from engine.backend import MLXBackend
     from engine.calibrate import speed_check
     from sim import run
@@ -126,7 +125,7 @@ def validate_one(pol, tr, info, cost, real_cost, capacity, pdir: Path, repeat: i
     reals, steps = [], []
     for k in range(repeat):
         say(f"{pol.name}: real run {k + 1}/{repeat}")
-        res = run(tr.requests, pol, real_cost, kv_capacity=capacity,
+        res = run(tr.requests, pol, cost, kv_capacity=capacity,
                   backend=MLXBackend(info, seed=seed), trace_name=tr.name)
         s = summarize(res)
         write_run(pdir / ("real" if k == 0 else f"real-{k + 1}"), res, s, meta=meta)
