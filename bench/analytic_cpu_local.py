@@ -1,7 +1,7 @@
 """The analytic roofline on this CPU against the real engine, next to the calibrated profile.
 
 Issue 6's "check it where we can": on ``cpu-local`` with the engine's ``tiny`` model, how
-well does the analytic model (``sim/analytic``, factors fitted to this machine's calibration
+well does the analytic model (``analysis/analytic``, factors fitted to this machine's calibration
 samples) predict run-real, compared with the calibrated linear profile?
 
 Two levels, both written to one JSON:
@@ -57,11 +57,11 @@ def pass_level(model: str) -> dict:
     """Pass errors of the linear profile and of the roofline fitted to the same samples."""
     import engine  # noqa: F401  (OpenBLAS before anything else)
     from engine.models import preset_config
-    from sim.analytic import fit_efficiency
-    from sim.analytic.hardware import DEFAULT_EFFICIENCY, Efficiency, load_hardware
-    from sim.analytic.local import PASS_GROUPS, _errors, fit_local, shape_from_sample, split_passes
-    from sim.analytic.modelspec import model_spec
-    from sim.analytic.roofline import AnalyticCostModel
+    from analysis.analytic import fit_efficiency
+    from analysis.analytic.hardware import DEFAULT_EFFICIENCY, Efficiency, load_hardware
+    from analysis.analytic.local import PASS_GROUPS, _errors, fit_local, shape_from_sample, split_passes
+    from analysis.analytic.modelspec import model_spec
+    from analysis.analytic.roofline import AnalyticCostModel
     from sim.profiles import bundled_profiles
 
     prof = next((json.loads(p.read_text()) for p in bundled_profiles()

@@ -48,7 +48,7 @@ def main() -> None:
     cost = LinearCostModel.from_profile(profile)
     capacity = int(cost.meta.get("kv_tokens", 262144))
     tr = traces.load(args.trace)
-    from sim.analytic import make_analytic_cost_model
+    from analysis.analytic import make_analytic_cost_model
 
     h100, h100_cap, _ = make_analytic_cost_model("h100-sxm", "llama-3.1-8b", 16)
     scenarios = {

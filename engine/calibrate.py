@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 from policies import make_policy
 from policies.base import Pass, Plan
 from sim.cost import PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
-from sim.fit import Sample, fit_profile, merge_rounds, report_markdown
+from analysis.fit import Sample, fit_profile, merge_rounds, report_markdown
 from sim.loop import run as run_loop
 from sim.state import ReplicaState
 from traces.schema import Request
@@ -516,11 +516,11 @@ def analytic_bits(info: ModelInfo) -> tuple[int, int]:
 
 def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
     """The ``analytic_cpu_local`` profile block: the ``cpu-local`` roofline's factors fitted to
-    calibration samples of ``info``'s model on this machine (``sim.analytic.local.fit_local``:
+    calibration samples of ``info``'s model on this machine (``analysis.analytic.local.fit_local``:
     each pass's shape is recovered from its features, a quarter held out as the linear fit
     does, both the plain three-factor roofline and the one with attention and copy factors).
     ``samples``: ``Sample`` objects or the profile JSON's sample dicts."""
-    from sim.analytic.local import fit_local
+    from analysis.analytic.local import fit_local
 
     bits, kv_bits = analytic_bits(info)
     rows = [s.to_json() if isinstance(s, Sample) else s for s in samples]

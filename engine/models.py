@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from . import blas as _blas  # (OpenBLAS before mlx)
 from .errors import EngineError
-from sim.analytic.hardware import cpu_model
+from analysis.analytic.hardware import cpu_model
 
 DTYPES = ("float32", "float16", "bfloat16")
 

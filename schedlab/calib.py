@@ -45,7 +45,7 @@ def calibrate(
     if from_profile is not None and not from_profile.is_file():
         fail(f"--from-profile {from_profile}: no such file")
     from engine.calibrate import GRIDS, calibrate as run_calibration, write_profile
-    from sim.fit import format_report
+    from analysis.fit import format_report
     from engine.models import load_model
 
     info = load_model(model, dtype=dtype, seed=model_seed)
@@ -131,7 +131,7 @@ def format_analytic(block: dict) -> str:
 def analytic_markdown(block: dict) -> str:
     """The analytic fit's section of the profile's markdown report."""
     L = ["## Analytic roofline on cpu-local", "",
-         f"Factors of `sim/analytic`'s roofline fitted to this profile's samples (`calibrate --analytic`): peak "
+         f"Factors of `analysis/analytic`'s roofline fitted to this profile's samples (`calibrate --analytic`): peak "
          f"{block['peak_gflops']:.0f} GFLOP/s fp32 and {block['bandwidth_gbs']:.1f} GB/s as measured on "
          f"`{block['machine']}`; {block['samples']['fitted']} passes fitted, {block['samples']['held_out']} held out "
          f"(mixed passes only predicted), {block['samples']['skipped']} skipped.", "",

@@ -63,7 +63,7 @@ def pick_cost_model(profile, kv_tokens, hardware, model_config, quant):
         fail("--hardware and --model-config go together", 2)
     if profile is not None:
         fail("give either --profile or --hardware/--model-config, not both", 2)
-    from sim.analytic import make_analytic_cost_model
+    from analysis.analytic import make_analytic_cost_model
 
     cost, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
     if kv_tokens is not None:

@@ -57,7 +57,7 @@ def validate(
     if hardware and profile:
         fail("give either --profile or --hardware, not both", 2)
     if hardware:
-        from sim.analytic import list_hardware
+        from analysis.analytic import list_hardware
 
         if hardware.strip().lower() not in list_hardware():
             fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; "
@@ -81,7 +81,7 @@ def validate(
     out.mkdir(parents=True, exist_ok=True)
     cost, capacity, cost_meta = _pick_cost(profile, hardware, kv_tokens, info, out, say)
 
-    from sim.validation import compare, format_table
+    from analysis.validation import compare, format_table
 
     results = {}
     for name, pol in policies.items():
@@ -110,7 +110,7 @@ def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: i
     from sim import run
     from sim.metrics import summarize
     from sim.output import write_run
-    from sim.validation import compare
+    from analysis.validation import compare
 
     meta = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed, "policy_options": pol.options()}
     say(f"{pol.name}: simulating")
@@ -157,7 +157,7 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
     from sim import run
     from sim.cost import ScaledCostModel
     from sim.metrics import summarize
-    from sim.validation import compare
+    from analysis.validation import compare
 
     ratios = [r["ratio"] for r in (speed.get("before"), speed.get("after")) if r and r.get("ratio")]
     if not ratios:
@@ -226,8 +226,8 @@ def _matching_profiles(info):
 def analytic_cost(hardware: str, info):
     """(analytic cost model, description) of ``info``'s model on ``hardware``."""
     from engine.calibrate import analytic_bits
-    from sim.analytic import analytic_from_config, load_hardware
-    from sim.analytic.local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local
+    from analysis.analytic import analytic_from_config, load_hardware
+    from analysis.analytic.local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local
 
     bits, kv_bits = analytic_bits(info)
     hw = load_hardware(hardware)

@@ -40,7 +40,7 @@ def plot(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Draw figures for RUN_DIR ... and print the files written."""
-    from sim.plots import RunDirError, parse_window, plot_all
+    from analysis.plots import RunDirError, parse_window, plot_all
 
     formats = _formats(fmt)
     if lanes < 1:
@@ -107,8 +107,8 @@ def sweep(
     import traces
     from policies import make_policy
     from sim.metrics import SLO_KEYS
-    from sim.sweep import default_workers, format_table, max_sustained_rate, plot_sweep, rescale, write_results
-    from sim.sweep import sweep as run_sweep
+    from analysis.sweep import default_workers, format_table, max_sustained_rate, plot_sweep, rescale, write_results
+    from analysis.sweep import sweep as run_sweep
 
     from .cli import load_cost_model
 
@@ -138,7 +138,7 @@ def sweep(
 
     n_jobs = len(pols) * len(rate_list)
     n_workers = workers or default_workers(n_jobs)
-    def started(jobs: int, used: int) -> None:  # after the workers exist (see sim.sweep._parallel)
+    def started(jobs: int, used: int) -> None:  # after the workers exist (see analysis.sweep._parallel)
         if not quiet:
             print(f"sweep: {len(pols)} policies x {len(rate_list)} rates = {jobs} simulations of "
                   f"{tr.name} ({len(tr)} requests) on {used} worker(s)", file=sys.stderr, flush=True)

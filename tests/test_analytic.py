@@ -13,12 +13,12 @@ import pytest
 from policies import make_policy
 from policies.base import CostModel, PassShape
 from sim import run
-from sim.analytic import (AnalyticError, Efficiency, analytic_from_config, fit_efficiency,
+from analysis.analytic import (AnalyticError, Efficiency, analytic_from_config, fit_efficiency,
                           kv_capacity_tokens, load_hardware, load_model_config,
                           make_analytic_cost_model, model_spec)
-from sim.analytic.fit import load_benchmarks, point_model, predict_point, refit
-from sim.analytic.hardware import BENCHMARKS_FILE, HARDWARE_FILE, read_hardware_file
-from sim.analytic.modelspec import bundled_model_configs, bits_per_weight
+from analysis.analytic.fit import load_benchmarks, point_model, predict_point, refit
+from analysis.analytic.hardware import BENCHMARKS_FILE, HARDWARE_FILE, read_hardware_file
+from analysis.analytic.modelspec import bundled_model_configs, bits_per_weight
 from sim.cost import ProfileError
 from traces.schema import Request
 
@@ -413,7 +413,7 @@ def test_cpu_local_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_the_analytic_model_never_imports_mlx():
-    code = ("import sys; from sim.analytic import make_analytic_cost_model; "
+    code = ("import sys; from analysis.analytic import make_analytic_cost_model; "
             "from policies.base import PassShape; "
             "c, kv, m = make_analytic_cost_model('m3-ultra', 'qwen3-235b-a22b', 4); "
             "c.pass_seconds(PassShape(decode_contexts=(10,))); "

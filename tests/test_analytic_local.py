@@ -16,11 +16,11 @@ import pytest
 from policies import make_policy
 from policies.base import PassShape
 from sim import run
-from sim.analytic import AnalyticError, Efficiency, analytic_from_config, fit_efficiency
-from sim.analytic.hardware import DEFAULT_EFFICIENCY, Hardware, read_hardware_file
-from sim.analytic.local import BLOCK_KEY, efficiency_from_block, fit_local, shape_from_sample
+from analysis.analytic import AnalyticError, Efficiency, analytic_from_config, fit_efficiency
+from analysis.analytic.hardware import DEFAULT_EFFICIENCY, Hardware, read_hardware_file
+from analysis.analytic.local import BLOCK_KEY, efficiency_from_block, fit_local, shape_from_sample
 from sim.cost import pass_features
-from sim.validation import METRICS
+from analysis.validation import METRICS
 from traces.schema import Request
 
 BIN = Path(sys.executable).parent
@@ -236,7 +236,7 @@ def micro():
 def _profile_for(info, samples, block=None):
     """A profile as calibrate writes it (linear fit and report included) around ``samples``."""
     from engine.calibrate import _blas_key
-    from sim.fit import Sample, fit_profile
+    from analysis.fit import Sample, fit_profile
 
     meta = info.metadata()
     coef, report = fit_profile([Sample(s["group"], s["label"], s["features"], s["seconds"], s["runs"])

@@ -12,8 +12,8 @@ import pytest
 
 from policies.base import PassShape
 from sim.cost import FEATURES, LinearCostModel, pass_features, step_features
-from sim.fit import Sample, fit_profile
-from sim.validation import METRICS, compare
+from analysis.fit import Sample, fit_profile
+from analysis.validation import METRICS, compare
 from simkit import KNOWN
 
 BIN = Path(sys.executable).parent
@@ -203,7 +203,7 @@ def test_validate_bad_inputs(micro_profile, tmp_path):
 
 def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
     from engine.calibrate import speed_points
-    from sim.validation import speed_line
+    from analysis.validation import speed_line
 
     samples = [{"group": "decode", "label": f"B={b} C={c}", "seconds": 0.001 * b + 1e-6 * c}
                for b in (1, 2, 4, 16, 64) for c in (40, 600, 2500)]

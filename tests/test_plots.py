@@ -23,7 +23,7 @@ from policies import make_policy
 from sim import run, summarize
 from sim.cost import LinearCostModel
 from sim.output import write_run
-from sim import plots
+from analysis import plots
 from traces.schema import Request
 
 COEFFS = {"d_pass": 0.02, "d_rows": 0.001, "d_kv": 1e-6, "p_pass": 0.01, "p_tokens": 2e-4,

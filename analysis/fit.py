@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .cost import FEATURES, PASS_FEATURES, LinearCostModel, fit_linear
+from sim.cost import FEATURES, PASS_FEATURES, LinearCostModel, fit_linear
 
 DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
 JOIN_TERMS = ("c_join0", "c_join")

@@ -1,4 +1,4 @@
-"""``python -m sim.analytic refit | table``: maintain the efficiency fits, print the presets."""
+"""``python -m analysis.analytic refit | table``: maintain the efficiency fits, print the presets."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{e.basis}{' from ' + e.extra['from'] if 'from' in e.extra else ''}")
             return 0
     except AnalyticError as exc:
-        print(f"sim.analytic: error: {exc}", file=sys.stderr)
+        print(f"analysis.analytic: error: {exc}", file=sys.stderr)
         return 1
-    print(f"usage: python -m sim.analytic [refit [--dry-run] | table [--measure]] (got {cmd!r})", file=sys.stderr)
+    print(f"usage: python -m analysis.analytic [refit [--dry-run] | table [--measure]] (got {cmd!r})", file=sys.stderr)
     return 2
 
 

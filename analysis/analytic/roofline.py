@@ -57,7 +57,7 @@ both switchable (``lazy_prefill``, ``causal_skip``):
   ``prefill_done`` counts as completing (the full cost).
 
 Efficiencies are the preset's fitted factors (``hardware.Efficiency``, see
-``sim/hardware/EFFICIENCY.md``); a mixture-of-experts model uses the preset's ``moe`` factors.
+``analysis/hardware/EFFICIENCY.md``); a mixture-of-experts model uses the preset's ``moe`` factors.
 
 Weight bytes follow the quantisation (``bits``): mlx affine quantisation stores a 16-bit scale
 and bias per group of 64 weights, so 4 bits -> 4.5 bits/weight, 8 -> 8.5; 16 is plain

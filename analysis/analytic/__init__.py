@@ -2,8 +2,8 @@
 
 No measurement needed: the seconds of a pass follow from its FLOPs and bytes against the
 chip's peak rate and bandwidth, scaled by efficiencies fitted to published single-request
-figures (``sim/hardware/benchmarks.json``). See :mod:`sim.analytic.roofline` for the
-formulas, :mod:`sim.analytic.hardware` for the presets and :mod:`sim.analytic.fit` for the
+figures (``analysis/hardware/benchmarks.json``). See :mod:`analysis.analytic.roofline` for the
+formulas, :mod:`analysis.analytic.hardware` for the presets and :mod:`analysis.analytic.fit` for the
 fits. Imports no ``mlx``.
 
 Entry point for the CLI::

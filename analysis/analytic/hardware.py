@@ -1,8 +1,8 @@
-"""Hardware presets (``sim/hardware/hardware.json``) and the measured ``cpu-local`` preset.
+"""Hardware presets (``analysis/hardware/hardware.json``) and the measured ``cpu-local`` preset.
 
 A preset gives memory (GB), memory bandwidth (GB/s) and peak TFLOP/s by dtype, each with the
 ids of its sources, plus an ``efficiency`` block (see :class:`Efficiency`) written by
-``python -m sim.analytic refit`` from published single-request benchmarks.
+``python -m analysis.analytic refit`` from published single-request benchmarks.
 
 ``cpu-local`` is measured on first use: numpy float32 GEMM GFLOP/s (numpy's own BLAS) and a
 large-array copy for bandwidth (bytes read + written per second). The result is cached in the
@@ -152,7 +152,7 @@ class Efficiency:
 DEFAULT_EFFICIENCY = {
     "apple-gpu": Efficiency(0.5, 0.7, 1e-4, basis="default", source="placeholder until refit"),
     "nvidia-gpu": Efficiency(0.5, 0.7, 5e-5, basis="default", source="placeholder until refit"),
-    # Fitted by sim.analytic.local.fit_local to the calibration samples of the tiny-cpu profile
+    # Fitted by analysis.analytic.local.fit_local to the calibration samples of the tiny-cpu profile
     # as first bundled (112 passes of the engine's float32 `tiny` preset through MLX on CPU with
     # 2-thread OpenBLAS, 2-core Xeon VM; fractions of its measured 229 GFLOP/s numpy GEMM and
     # 16.9 GB/s copy): median |error| 7.8 % over all 151 passes, 9.0 % held out. The profile

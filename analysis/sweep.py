@@ -93,8 +93,8 @@ def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, flo
     """Simulate one (policy, rate); any failure becomes the row's ``error`` (one line)."""
     from policies import make_policy
 
-    from .loop import run
-    from .metrics import summarize
+    from sim.loop import run
+    from sim.metrics import summarize
 
     try:
         tr = rescale(trace, job.rate)

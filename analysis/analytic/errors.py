@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..cost import ProfileError
+from sim.cost import ProfileError
 
 
 class AnalyticError(ProfileError):

@@ -12,7 +12,7 @@ skipped and counted.
 
 :func:`fit_local` then fits the roofline's factors to those samples, the same way the
 linear model is fitted: a quarter of each group held out (the same seeded draw,
-``sim.fit.split``), mixed passes only predicted, and the per-step overhead taken from the
+``analysis.fit.split``), mixed passes only predicted, and the per-step overhead taken from the
 real loop's ``step`` samples (their median). It fits two models side by side and reports
 both:
 
@@ -59,7 +59,7 @@ def _close(a: float, b: float) -> bool:
 def shape_from_sample(sample: Any) -> PassShape | None:
     """The pass shape a calibration sample timed, recovered from its features (None when the
     sample is not a pass, or its features do not pin a shape down)."""
-    from ..cost import pass_features
+    from sim.cost import pass_features
 
     group = _get(sample, "group")
     f = dict(_get(sample, "features") or {})
@@ -112,7 +112,7 @@ def shape_from_sample(sample: Any) -> PassShape | None:
 
 
 def _errors(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
-    """pairs: (predicted, measured) -> n, median/max |error| %, mean error % (sim.fit's keys)."""
+    """pairs: (predicted, measured) -> n, median/max |error| %, mean error % (analysis.fit's keys)."""
     if not pairs:
         return {"n": 0}
     errs = [100.0 * (p - m) / m for p, m in pairs]
@@ -122,10 +122,10 @@ def _errors(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
 
 
 def split_passes(by: Mapping[str, Sequence[Any]]) -> tuple[list[Any], list[Any]]:
-    """(fitted, held out) passes by group, as the linear fit splits them (``sim.fit.split``):
+    """(fitted, held out) passes by group, as the linear fit splits them (``analysis.fit.split``):
     a quarter of each decode/join/leave group and of the prefill + padded chunks held out;
     mixed passes never fitted, only predicted."""
-    from ..fit import split
+    from analysis.fit import split
 
     fit_part: list[Any] = []
     held: list[Any] = []
@@ -149,12 +149,12 @@ def fit_local(
 ) -> dict[str, Any]:
     """The ``analytic_cpu_local`` block: fitted factors for ``config``'s model on this CPU.
 
-    ``samples``: calibration samples (profile JSON dicts or ``sim.fit.Sample``), with the
+    ``samples``: calibration samples (profile JSON dicts or ``analysis.fit.Sample``), with the
     ``step`` group for the per-step overhead. ``hardware``: the measured ``cpu-local``
     preset (default: measured now or from the cache). Raises ``AnalyticError`` (one line)
     when fewer than four pass samples can be used.
     """
-    from ..fit import split
+    from analysis.fit import split
 
     hw = hardware or load_hardware(CPU_LOCAL)
     spec = model_spec(config, name)
