@@ -36,26 +36,9 @@ DEFAULT_ATTAINMENT = 0.9
 
 def rescale(trace, rps: float):
     """The trace with arrival times scaled so its mean rate is ``rps`` (first arrival at 0)."""
-    try:
-        from traces import to_rate
-    except ImportError:  # pragma: no cover - older traces package
-        to_rate = _to_rate
+    from traces import to_rate
+
     return to_rate(trace, rps)
-
-
-def _to_rate(trace, rps: float):
-    from dataclasses import replace
-
-    from traces.schema import Trace, TraceError
-
-    reqs = trace.requests
-    span = reqs[-1].arrival_s - reqs[0].arrival_s if reqs else 0.0
-    if len(reqs) < 2 or span <= 0:
-        raise TraceError(f"{trace.name}: cannot set a rate: it needs at least two requests arriving at different times")
-    k = rps / ((len(reqs) - 1) / span)
-    t0 = reqs[0].arrival_s
-    return Trace(trace.name, trace.description,
-                 [replace(r, arrival_s=(r.arrival_s - t0) / k) for r in reqs])
 
 
 @dataclass(frozen=True)

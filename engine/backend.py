@@ -66,6 +66,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 
 from policies.base import Pass, PassShape, Phase  # noqa: E402
+from sim.clock import WallClock  # noqa: E402
+from sim.state import RequestState  # noqa: E402
+from traces.schema import Request  # noqa: E402
 
 # ------------------------------------------------------------------------- caches
 
@@ -119,7 +122,7 @@ class EngineStateError(RuntimeError):
 
 
 class MLXBackend:
-    """Executes passes on an mlx-lm model. ``mode == "real"``: the loop uses wall time."""
+    """Executes passes on an mlx-lm model and returns their measured seconds (wall clock)."""
 
     mode = "real"
 
@@ -146,15 +149,20 @@ class MLXBackend:
                       "copy_s": 0.0, "execute_s": 0.0, "warmup_s": 0.0, "preemptions": 0}
 
     # ------------------------------------------------------------------ protocol
-    def start(self, state) -> None:
-        """Check the trace against the model, make prompt ids, warm up (before the clock)."""
-        self.info.check_trace(state.accepted)
-        for r in state.requests:
-            self.tokens.setdefault(r.id, [])
+    def make_clock(self) -> WallClock:
+        return WallClock()
+
+    def start(self, state, requests=None) -> None:
+        """Check the known requests against the model and warm up (before the clock starts)."""
+        requests = list(requests or ())
+        self.info.check_trace(requests)
         if self.warmup:
             t0 = time.perf_counter()
-            self._warm_up(state)
+            self._warm_up(max((r.prompt_tokens for r in requests), default=64))
             self.stats["warmup_s"] = time.perf_counter() - t0
+
+    def step_overhead(self, predicted_s: float) -> float:
+        return 0.0  # the scheduler's own time is in the wall clock already
 
     def execute(self, p: Pass, shape: PassShape, state) -> float:
         t0 = time.perf_counter()
@@ -234,7 +242,7 @@ class MLXBackend:
         cache is laid out as a real prefill leaves it (mlx-lm's ``KVCache``: 256-slot
         steps, ``offset`` = n). The caller advances the state machine by the same chunk.
         """
-        if n < 1 or n >= r._target:
+        if n < 1 or n >= r.prefill_target:
             raise ValueError("prime() fills 1 .. target-1 tokens (the last one needs a real pass)")
         self._ids(r)
         caches = self._own_cache(r.id)
@@ -306,7 +314,7 @@ class MLXBackend:
         seq = self._seq.get(r.id)
         if seq is None:
             seq = prompt_ids(self.seed, r.id, r.prompt_tokens, self.vocab, r.prefix_ids)
-            seq += self.tokens[r.id]
+            seq += self.tokens.setdefault(r.id, [])
             self._seq[r.id] = seq
         return seq
 
@@ -409,7 +417,7 @@ class MLXBackend:
         h = self._hidden(x, caches)
         self._kv[rid] = start + n
         tok = None
-        if start + n == r._target:  # the prompt is in: this pass yields a token
+        if start + n == r.prefill_target:  # the prompt is in: this pass yields a token
             tok = self._sample(self._head(h[:, -1, :]), [rid])
         return [rid], tok, _cache_arrays(caches)
 
@@ -442,7 +450,7 @@ class MLXBackend:
             self._kv[rid] = s + n
             arrays += _cache_arrays(own)
         done = [i for i, (rid, n, s) in enumerate(zip(rids, ns, starts))
-                if s + n == by_id[rid]._target]
+                if s + n == by_id[rid].prefill_target]
         tok = None
         if done:
             sel = h[mx.array(done), mx.array([ns[i] - 1 for i in done])]
@@ -450,19 +458,14 @@ class MLXBackend:
         return [rids[i] for i in done], tok, arrays
 
     # ------------------------------------------------------------------ warm-up
-    def _warm_up(self, state) -> None:
+    def _warm_up(self, longest: int) -> None:
         """Throwaway passes of representative shapes: allocation and first-call costs."""
-        longest = max((r.prompt_tokens for r in state.accepted), default=64)
         chunk = int(min(max(longest, 16), 1024))
         vocab = self.vocab
         rng = np.random.default_rng(12345)
 
-        class _Fake:
-            def __init__(self, rid, prompt, output):
-                self.id, self.prompt_tokens, self.output_tokens = rid, prompt, output
-                self._target, self.prefilled, self.generated = prompt, 0, 0
-                self.phase = Phase.PREFILLING
-                self.prefix_ids = None
+        def _Fake(rid, prompt, output):  # a request of its own, never seen by the state machine
+            return RequestState(Request(rid, 0.0, prompt, output), -1)
 
         saved = (self._batch, self._rows)
         self._batch, self._rows = None, []

@@ -185,12 +185,3 @@ def notify_if_missing(stream=None) -> bool:
     _hinted = True
     print(HINT, file=stream or sys.stderr)
     return True
-
-
-def summary_line() -> str:
-    i = info()
-    if i["name"] == "accelerate":
-        return "BLAS: Accelerate (macOS)"
-    if not i.get("path"):
-        return "BLAS: reference (bundled with mlx, 1 thread)"
-    return f"BLAS: {i['name']} {i['path']} ({i['threads']} threads)"

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from policies import make_policy
 from policies.base import Pass, Plan
-from sim.cost import PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
+from sim.cost import DEFAULT_KV_TOKENS, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
 from analysis.fit import Sample, fit_profile, merge_rounds, report_markdown
 from sim.loop import run as run_loop
 from sim.state import ReplicaState
@@ -44,7 +44,6 @@ from traces.schema import Request
 from .backend import MLXBackend
 from .models import ModelInfo
 
-DEFAULT_KV_TOKENS = 262_144  # a capacity setting for simulate/run-real, not a measurement
 
 
 @dataclass
@@ -225,26 +224,18 @@ def measure_mixed(rig: Rig, batch: int, ctx: int, chunk: int, cctx: int, reps: i
 class _StepRecorder:
     """Wraps the backend in a real loop run: the passes' own time per step."""
 
-    mode = "real"
-
     def __init__(self, backend: MLXBackend):
         self.b = backend
         self.acc = 0.0
         self.per_step: list[float] = []
 
-    def start(self, state):
-        self.b.start(state)
+    def __getattr__(self, name):  # everything else is the backend's
+        return getattr(self.b, name)
 
     def execute(self, p, shape, state):
         dt = self.b.execute(p, shape, state)
         self.acc += dt
         return dt
-
-    def release(self, r):
-        self.b.release(r)
-
-    def finish(self):
-        return self.b.finish()
 
     def on_step(self, state):
         self.per_step.append(self.acc)
@@ -474,18 +465,18 @@ def candidate_profiles(info: ModelInfo) -> list[Path]:
     return bundled_profiles() + ([cached] if cached.is_file() else [])
 
 
-def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path,
+def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
                       say: Callable[[str], None]) -> tuple[Path, str | None]:
     """The profile to simulate with: the one given, else the bundled default when it was
     measured on this model and machine, else a cached calibration of this model and machine,
-    else a fresh ``--quick`` calibration (written to OUT/profile.json and cached)."""
+    else a fresh ``--quick`` calibration (cached, and written to OUT/profile.json with ``out``)."""
     from sim.cost import read_profile
     from sim.profiles import resolve_profile
 
     if profile is not None:
         path = resolve_profile(profile)
         why = profile_mismatch(read_profile(path), info)
-        return path, (f"{path.name} may not fit: {why}" if why else None)
+        return path, (f"{path.name} was not measured on this model and machine: {why}" if why else None)
     for path in candidate_profiles(info):
         try:
             if profile_mismatch(read_profile(path), info) is None:
@@ -494,11 +485,16 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path,
             continue
     say("no profile matches this model and machine: calibrating (--quick) first")
     prof = calibrate(info, GRIDS["quick"], progress=say)
-    path = write_profile(prof, out / "profile.json")
+    path = None
     try:
-        write_profile(prof, cached_profile_path(info))
+        path = write_profile(prof, cached_profile_path(info))
     except OSError:
-        pass
+        if out is None:
+            import tempfile
+
+            out = Path(tempfile.mkdtemp(prefix="schedlab-profile-"))
+    if out is not None:
+        path = write_profile(prof, Path(out) / "profile.json")
     return path, f"calibrated for {info.name} on this machine (quick grid): {path}"
 
 

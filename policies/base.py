@@ -3,7 +3,7 @@
 A policy is any object with ``name`` and ``plan(view) -> Plan``. The same object runs in
 the simulator and on the real MLX engine; nothing here knows which.
 
-Vocabulary (shared/DESIGN.md):
+Vocabulary (the words the code uses):
 
 - request: one trace row. Its phase is ``waiting`` (arrived, not admitted), ``prefilling``
   (admitted, prompt not yet wholly in the KV cache: it may hold 0 tokens so far),
@@ -85,14 +85,6 @@ class Pass(_PassFields):
             prefill = tuple(tuple(c) if isinstance(c, list) else c for c in prefill)
         return tuple.__new__(cls, (decode, prefill, padded))
 
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(n for _, n in self.prefill)
-
 
 class _PlanFields(NamedTuple):
     admit: tuple[str, ...]
@@ -113,10 +105,6 @@ class Plan(_PlanFields):
         if type(passes) is not tuple:
             passes = tuple(passes)
         return tuple.__new__(cls, (admit, preempt, passes))
-
-    @property
-    def idle(self) -> bool:
-        return not self.admit and not self.preempt and all(p.empty for p in self.passes)
 
 
 class PassShape(NamedTuple):
@@ -243,10 +231,6 @@ class PolicyBase:
     def options(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def describe(self) -> str:
-        opts = ", ".join(f"{k}={v}" for k, v in self.options().items())
-        return f"{self.name}({opts})"
-
 
 def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
     if not isinstance(raw, str):
@@ -318,19 +302,14 @@ def fifo_chunks(
     requests: Iterable[RequestView],
     budget: int,
     *,
-    leave_last: bool = False,
     max_chunk: int | None = None,
 ) -> list[tuple[str, int]]:
-    """Fill a token budget with prefill chunks taken in order.
-
-    ``leave_last``: stop one token short of the prompt's end (mlx-lm's hand-off: the last
-    prompt token is decoded, not prefilled). ``max_chunk``: cap any one chunk.
-    """
+    """Fill a token budget with prefill chunks taken in order; ``max_chunk`` caps any one chunk."""
     chunks: list[tuple[str, int]] = []
     for r in requests:
         if budget <= 0:
             break
-        todo = r.remaining_prompt - (1 if leave_last else 0)
+        todo = r.remaining_prompt
         if max_chunk is not None:
             todo = min(todo, max_chunk)
         n = min(todo, budget)
@@ -338,10 +317,3 @@ def fifo_chunks(
             chunks.append((r.id, n))
             budget -= n
     return chunks
-
-
-def iter_limit(seq: Iterable[RequestView], n: int) -> Iterator[RequestView]:
-    for i, r in enumerate(seq):
-        if i >= n:
-            return
-        yield r

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Pass, Plan, SchedulerView
+from .base import Plan, SchedulerView
 from .mlx_default import MlxDefault
 
 

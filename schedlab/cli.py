@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from .common import fail, make_app, parse_kv_floats, parse_options, run_app
+from .common import make_app, parse_options, parse_slo, pick_cost_model, policy_options, report_problems, run_app
 
 simulate_app = make_app(
     "Simulate a scheduling policy over a trace with a calibrated cost model and print the "
@@ -39,74 +38,17 @@ def simulate(
     import traces
 
     pol = make_policy(policy, parse_options(option))
+    slos = parse_slo(slo)
     tr = traces.load(trace, seed=seed)
     cost, capacity, cost_meta = pick_cost_model(profile, kv_tokens, hardware, model_config, quant)
-    slos = parse_kv_floats(slo, "SLO")
     result = run(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
     summary = summarize(result, slo=slos or None)
     if out is not None:
         write_run(out, result, summary, meta={**cost_meta, "kv_tokens": capacity,
-                                              "seed": seed, "policy_options": _options(pol)})
+                                              "seed": seed, "policy_options": policy_options(pol)})
     if not quiet:
         print(format_summary(summary))
-    report_problems(result, summary)
-
-
-def pick_cost_model(profile, kv_tokens, hardware, model_config, quant):
-    """A measured profile (default), or the analytic model of --hardware/--model-config."""
-    if hardware is None and model_config is None:
-        if quant is not None:
-            fail("--quant goes with --hardware and --model-config", 2)
-        cost, capacity, path = load_cost_model(profile, kv_tokens)
-        return cost, capacity, {"profile": str(path)}
-    if not (hardware and model_config):
-        fail("--hardware and --model-config go together", 2)
-    if profile is not None:
-        fail("give either --profile or --hardware/--model-config, not both", 2)
-    from analysis.analytic import make_analytic_cost_model
-
-    cost, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
-    if kv_tokens is not None:
-        if kv_tokens < 1:
-            fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
-        capacity = kv_tokens
-    return cost, capacity, {"analytic": meta}
-
-
-def load_cost_model(profile: str | None, kv_tokens: int | None):
-    from sim.cost import LinearCostModel
-    from sim.profiles import resolve_profile
-
-    path = resolve_profile(profile)
-    cost = LinearCostModel.from_profile(path)
-    capacity = kv_tokens if kv_tokens is not None else int(cost.meta.get("kv_tokens", 262144))
-    if capacity < 1:
-        fail(f"--kv-tokens must be >= 1, got {capacity}", 2)
-    return cost, capacity, path
-
-
-def _options(pol) -> dict:
-    get = getattr(pol, "options", None)
-    return get() if callable(get) else {}
-
-
-def report_problems(result, summary) -> None:
-    """Rejected requests and aborted runs: one line each, non-zero exit (the rest is kept)."""
-    import sys
-
-    lines = []
-    if result.rejected:
-        shown = ", ".join(f"{r.id} ({r.kv_footprint})" for r, _ in result.rejected[:5])
-        more = f" and {len(result.rejected) - 5} more" if len(result.rejected) > 5 else ""
-        lines.append(f"{len(result.rejected)} request(s) rejected: their prompt + output exceeds "
-                     f"the KV capacity of {result.rejected[0][1].split('capacity is ')[-1]} tokens: "
-                     f"{shown}{more}; the other requests ran")
-    if result.error:
-        lines.append(result.error)
-    for line in lines:
-        print(f"{Path(sys.argv[0]).name}: error: {line}", file=sys.stderr)
-    if lines:
-        raise typer.Exit(1)
+    report_problems(result)
 
 
 def simulate_main() -> None:

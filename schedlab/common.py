@@ -1,11 +1,12 @@
-"""Shared CLI plumbing: one-line errors, ``-o key=value`` options, defaults."""
+"""Everything the commands share: one-line errors, ``-o key=value`` options, ``--slo``, the cost
+model and KV capacity a run uses, and the closing report of rejected requests and aborted runs."""
 
 from __future__ import annotations
 
-import os
+import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import NoReturn
 
 import typer
 
@@ -116,30 +117,81 @@ def parse_options(pairs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def parse_kv_floats(text: str | None, what: str) -> dict[str, float]:
-    """``ttft_ms=500,tpot_ms=50`` -> dict of floats."""
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``--slo ttft_ms=500,tpot_ms=50`` -> {key: limit}; the same check for every command."""
+    from sim.metrics import SLO_KEYS
+
     out: dict[str, float] = {}
     if not text:
         return out
     for item in text.split(","):
+        item = item.strip()
         if "=" not in item:
-            fail(f"{what} '{item}' is not key=value", 2)
-        k, v = item.split("=", 1)
+            fail(f"SLO '{item}' is not key=value (keys: {', '.join(SLO_KEYS)})", 2)
+        k, v = (x.strip() for x in item.split("=", 1))
+        if k not in SLO_KEYS:
+            fail(f"unknown SLO key {k!r} (use {', '.join(SLO_KEYS)})", 2)
         try:
-            out[k.strip()] = float(v)
+            limit = float(v)
         except ValueError:
-            fail(f"{what} {k.strip()}={v!r} is not a number", 2)
+            fail(f"SLO {k}={v!r} is not a number", 2)
+        if not math.isfinite(limit) or limit <= 0:
+            fail(f"SLO {k}={v!r} must be a finite number > 0", 2)
+        out[k] = limit
     return out
 
 
-def default_profile_path() -> Path:
-    from sim.profiles import default_profile
-
-    return default_profile()
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def check_kv_tokens(kv_tokens: int | None) -> None:
+    if kv_tokens is not None and kv_tokens < 1:
+        fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
 
 
-Callback = Callable[..., Any]
+def policy_options(pol) -> dict:
+    get = getattr(pol, "options", None)
+    return get() if callable(get) else {}
+
+
+def load_cost_model(profile: str | Path | None, kv_tokens: int | None):
+    """(linear cost model, KV capacity, profile path): ``profile``, else the bundled default."""
+    from sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
+    from sim.profiles import resolve_profile
+
+    check_kv_tokens(kv_tokens)
+    path = resolve_profile(profile)
+    cost = LinearCostModel.from_profile(path)
+    capacity = kv_tokens if kv_tokens is not None else int(cost.meta.get("kv_tokens", DEFAULT_KV_TOKENS))
+    return cost, capacity, path
+
+
+def pick_cost_model(profile, kv_tokens, hardware, model_config, quant):
+    """A measured profile (default), or the analytic model of --hardware/--model-config."""
+    if hardware is None and model_config is None:
+        if quant is not None:
+            fail("--quant goes with --hardware and --model-config", 2)
+        cost, capacity, path = load_cost_model(profile, kv_tokens)
+        return cost, capacity, {"profile": str(path)}
+    if not (hardware and model_config):
+        fail("--hardware and --model-config go together", 2)
+    if profile is not None:
+        fail("give either --profile or --hardware/--model-config, not both", 2)
+    check_kv_tokens(kv_tokens)
+    from analysis.analytic import make_analytic_cost_model
+
+    cost, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
+    return cost, (kv_tokens if kv_tokens is not None else capacity), {"analytic": meta}
+
+
+def report_problems(result) -> None:
+    """Rejected requests and aborted runs: one line each, non-zero exit (the rest is kept)."""
+    lines = []
+    if result.rejected:
+        shown = ", ".join(f"{r.id} ({r.kv_footprint})" for r, _ in result.rejected[:5])
+        more = f" and {len(result.rejected) - 5} more" if len(result.rejected) > 5 else ""
+        lines.append(f"{len(result.rejected)} request(s) rejected: their prompt + output exceeds "
+                     f"the KV capacity of {result.kv_capacity} tokens: {shown}{more}; the other requests ran")
+    if result.error:
+        lines.append(result.error)
+    for line in lines:
+        print(f"{Path(sys.argv[0]).name}: error: {line}", file=sys.stderr)
+    if lines:
+        raise typer.Exit(1)

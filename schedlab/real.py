@@ -2,8 +2,10 @@
 
 The policy, the request state machine, the metrics and the run directory are those of
 ``simulate``; only the backend (``engine.backend.MLXBackend``) and the clock (wall time)
-differ. steps.csv holds each step's measured seconds and, when a cost profile is
-available, the profile's predicted seconds for the same step.
+differ. The policy sees the same cost model as in ``simulate`` and ``validate``: the given
+profile, else one measured on this model and machine (bundled or cached), else a quick
+calibration made first (``--no-calibrate``: the bundled default profile, with a warning).
+steps.csv holds each step's measured seconds and that model's predicted seconds.
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ from typing import List, Optional
 
 import typer
 
-from .common import fail, make_app, parse_kv_floats, parse_options, run_app
+from .common import (check_kv_tokens, load_cost_model, make_app, parse_options, parse_slo, policy_options,
+                     report_problems, run_app)
 
 real_app = make_app(
     "Run a scheduling policy over a trace on a real MLX model (CPU or Metal) and print the "
     "`vllm bench serve` summary, with measured and predicted step times.")
-
-DEFAULT_KV_TOKENS = 262144
-
 
 @real_app.command()
 def run_real(
@@ -30,8 +30,9 @@ def run_real(
     model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON for predicted_s (default: the bundled one, if any)"),
-    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help=f"KV cache capacity in tokens (default: the profile's, else {DEFAULT_KV_TOKENS})"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: one measured on this model and machine, else calibrate --quick first)"),
+    no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
+    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt token ids"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
@@ -49,12 +50,11 @@ def run_real(
     import traces
 
     pol = make_policy(policy, parse_options(option))
+    slos = parse_slo(slo)
     tr = traces.load(trace, seed=seed)
-    slos = parse_kv_floats(slo, "SLO")
     check_spec(model, dtype)
     sampler = parse_sampling(sampling)
-    if kv_tokens is not None and kv_tokens < 1:
-        fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
+    check_kv_tokens(kv_tokens)
 
     warnings: list[str] = []
     if profile is not None:
@@ -63,9 +63,8 @@ def run_real(
         resolve_profile(profile)  # a bad --profile fails before the model loads
     info = load_model(model, dtype=dtype, seed=model_seed)
     info.check_trace(tr.requests)
-    cost, capacity, profile_path, profile_blas = _cost_model(profile, kv_tokens, warnings, info)
-    engine_blas = blas.info()
-    mismatch = _blas_mismatch(profile_blas, engine_blas)
+    cost, capacity, profile_path = _cost_model(profile, kv_tokens, no_calibrate, warnings, info, quiet)
+    mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
     if mismatch:
         warnings.append(mismatch)
         print(f"run-real: warning: {mismatch}", file=sys.stderr)
@@ -75,61 +74,59 @@ def run_real(
     from sim.metrics import format_summary, summarize
     from sim.output import write_run
 
-    from .cli import report_problems
-
     backend = MLXBackend(info, sampling=sampler, seed=seed)
     result = run(tr.requests, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
                  on_step=_progress(tr, quiet))
-    if profile_path is None:
-        # no profile: no prediction (an empty cell), not a zero one
-        result.steps[:] = [s._replace(predicted_s=None) for s in result.steps]
     summary = summarize(result, slo=slos or None)
     if out is not None:
-        get = getattr(pol, "options", None)
         write_run(out, result, summary, meta={
-            "profile": str(profile_path) if profile_path else None,
-            "kv_tokens": capacity, "seed": seed, "model_seed": model_seed,
-            "policy_options": get() if callable(get) else {},
-            "warnings": warnings,
+            "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "model_seed": model_seed,
+            "policy_options": policy_options(pol), "warnings": warnings,
         })
     if not quiet:
         print(format_summary(summary))
-    report_problems(result, summary)
+    report_problems(result)
 
 
-def _cost_model(profile: str | None, kv_tokens: int | None, warnings: list[str], info):
-    """(cost model, KV capacity, profile path or None, the profile's BLAS or None).
+def _cost_model(profile: str | None, kv_tokens: int | None, no_calibrate: bool, warnings: list[str],
+                info, quiet: bool):
+    """(cost model, KV capacity, profile path): the one the policy sees and steps are predicted with.
 
-    Without --profile, the bundled profile is used only when it was measured on this model
-    and machine; otherwise predicted_s stays empty (a prediction for another model would
-    only mislead). With --profile, the file is used, with a warning if it does not match.
+    ``--profile``: that file (a warning when it was measured elsewhere). Otherwise one measured
+    on this model and machine (bundled, or calibrate's cache), else a quick calibration now
+    (cached for the next run), as ``validate`` does; with ``--no-calibrate`` the bundled default
+    profile, which ``simulate`` uses, with a warning that its predictions are for another setup.
     """
-    from engine.calibrate import profile_mismatch
-    from sim.cost import LinearCostModel, ProfileError, read_profile
+    from engine.calibrate import candidate_profiles, find_or_calibrate, profile_mismatch
+    from sim.cost import read_profile
     from sim.profiles import resolve_profile
 
-    from .cli import load_cost_model
+    def note(kind: str, text: str) -> None:
+        warnings.append(text)
+        print(f"run-real: {kind}: {text}", file=sys.stderr)
 
-    if profile is None:
-        why = None
-        try:
-            why = profile_mismatch(read_profile(resolve_profile(None)), info)
-        except ProfileError:
-            why = "no profile is bundled"
+    if profile is None and no_calibrate:
+        matching = []
+        for p in candidate_profiles(info):
+            try:
+                if profile_mismatch(read_profile(p), info) is None:
+                    matching.append(p)
+            except Exception:  # a broken cache file is no match
+                continue
+        path = matching[0] if matching else resolve_profile(None)
+        if not matching:
+            note("warning", f"no cost profile for model {info.name} on this machine: the policy plans and "
+                            f"steps.csv's predicted_s come from the bundled {path.name} (measured elsewhere)")
+    else:
+        def say(msg: str) -> None:
+            if not quiet:
+                print(f"run-real: {msg}", file=sys.stderr, flush=True)
+
+        path, why = find_or_calibrate(profile, info, None, say)
         if why:
-            note = (f"no cost profile for model {info.name} on this machine ({why}): steps.csv's "
-                    f"predicted_s is left empty (run `calibrate --model {info.name}` and give --profile)")
-            warnings.append(note)
-            print(f"run-real: note: {note}", file=sys.stderr)
-            return LinearCostModel({}), kv_tokens or DEFAULT_KV_TOKENS, None, None
-    cost, capacity, path = load_cost_model(profile, kv_tokens)
-    if profile is not None:
-        why = profile_mismatch(cost.meta, info)
-        if why:
-            note = f"profile {path.name} was not measured on this model and machine: {why}"
-            warnings.append(note)
-            print(f"run-real: warning: {note}", file=sys.stderr)
-    return cost, capacity, path, cost.meta.get("blas")
+            note("note" if profile is None else "warning", why)
+    cost, capacity, path = load_cost_model(path, kv_tokens)
+    return cost, capacity, path
 
 
 def _blas_mismatch(profile_blas, engine_blas) -> str | None:

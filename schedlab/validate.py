@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import fail, make_app, parse_options, run_app
+from .common import check_kv_tokens, fail, make_app, parse_options, run_app
 
 validate_app = make_app(
     "Run a policy for real (MLX) and in simulation on the same trace and profile, and print "
@@ -62,8 +62,7 @@ def validate(
         if hardware.strip().lower() not in list_hardware():
             fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; "
                  "cpu-local is this machine)", 2)
-    if kv_tokens is not None and kv_tokens < 1:
-        fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
+    check_kv_tokens(kv_tokens)
     out = out or Path(f"validate-{tr.name}")
     if out.exists() and not out.is_dir():
         fail(f"--out {out} exists and is not a directory")
@@ -81,7 +80,7 @@ def validate(
     out.mkdir(parents=True, exist_ok=True)
     cost, capacity, cost_meta = _pick_cost(profile, hardware, kv_tokens, info, out, say)
 
-    from analysis.validation import compare, format_table
+    from analysis.validation import format_table
 
     results = {}
     for name, pol in policies.items():
@@ -193,7 +192,7 @@ def _pick_cost(profile, hardware, kv_tokens, info, out: Path, say):
     --analytic``), else fitted now to a matching profile's stored samples, else the priors;
     one line says which.
     """
-    from engine.calibrate import DEFAULT_KV_TOKENS
+    from sim.cost import DEFAULT_KV_TOKENS
 
     if hardware:
         cost, meta = analytic_cost(hardware, info)

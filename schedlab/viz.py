@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import Interrupted, fail, make_app, parse_kv_floats, parse_options, run_app
+from .common import Interrupted, fail, load_cost_model, make_app, parse_options, parse_slo, run_app
 
 plot_app = make_app(
     "Draw figures from run directories (simulate --out DIR) and validation directories "
@@ -106,11 +106,8 @@ def sweep(
 
     import traces
     from policies import make_policy
-    from sim.metrics import SLO_KEYS
     from analysis.sweep import default_workers, format_table, max_sustained_rate, plot_sweep, rescale, write_results
     from analysis.sweep import sweep as run_sweep
-
-    from .cli import load_cost_model
 
     pols = list(dict.fromkeys(p.strip() for p in policy.split(",") if p.strip()))
     if not pols:
@@ -118,10 +115,7 @@ def sweep(
     rate_list = _rates(rates)
     formats = _formats(fmt)
     opts = parse_options(option)
-    slos = parse_kv_floats(slo, "SLO")
-    unknown = [k for k in slos if k not in SLO_KEYS]
-    if unknown:
-        fail(f"unknown SLO key {unknown[0]!r} (use {', '.join(SLO_KEYS)})", 2)
+    slos = parse_slo(slo)
     if not 0 < attainment <= 1:
         fail(f"--attainment must be in (0, 1], got {attainment:g}", 2)
     if workers is not None and workers < 1:

@@ -1,14 +1,19 @@
-"""The SimPy simulator: replica loop, request state machine, cost models, metrics.
+"""The simulator core: the replica loop, clocks, arrival sources, the request state machine,
+the backend protocol and ``SimBackend``, the cost model, metrics and run outputs.
 
 Never imports mlx: a simulation runs where MLX is absent.
 """
 
+from .backend import Backend, SimBackend
+from .clock import SimClock, WallClock
 from .cost import LinearCostModel, ProfileError
-from .loop import Backend, PolicyError, RunResult, SimBackend, run
+from .loop import PolicyError, RunResult, run
+from .sources import ArrivalSource, TraceSource
 from .metrics import format_summary, summarize
 from .state import PlanError, ReplicaState, RequestState
 
 __all__ = [
+    "ArrivalSource", "SimClock", "TraceSource", "WallClock",
     "Backend", "LinearCostModel", "PlanError", "PolicyError", "ProfileError", "ReplicaState",
     "RequestState", "RunResult", "SimBackend", "format_summary", "run", "summarize",
 ]

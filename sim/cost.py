@@ -47,6 +47,7 @@ PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "c_join0", "c_j
 STEP_FEATURES = ("s_step", "s_row")
 FEATURES = PASS_FEATURES + STEP_FEATURES
 PROFILE_SCHEMA = "schedlab-profile/1"
+DEFAULT_KV_TOKENS = 262_144  # KV capacity when neither --kv-tokens nor the profile gives one (a setting, not a measurement)
 
 
 class ProfileError(ValueError):
@@ -159,10 +160,6 @@ class LinearCostModel:
     def from_profile(cls, path: str | Path) -> "LinearCostModel":
         data = read_profile(path)
         return cls(dict(data["coefficients"]), meta={k: v for k, v in data.items() if k != "coefficients"})
-
-    def to_profile(self, path: str | Path, **meta: Any) -> None:
-        data = {"schema": PROFILE_SCHEMA, **self.meta, **meta, "coefficients": self.coefficients}
-        Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 class ScaledCostModel:

@@ -1,4 +1,4 @@
-"""Metrics with the definitions of ``vllm bench serve`` (shared/DESIGN.md).
+"""Metrics with the definitions of ``vllm bench serve`` (vllm/benchmarks/serve.py).
 
 TTFT = first token - arrival. TPOT = (last - first) / (output - 1), over requests with more
 than one output token. ITL = every gap between consecutive tokens of a request, pooled.

@@ -39,7 +39,7 @@ class RequestState:
 
     __slots__ = (
         "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index",
-        "_phase", "_prefilled", "_target", "_left", "_ctx",
+        "_phase", "_prefilled", "_target", "_left", "_ctx", "_reserved",
         "admitted_s", "first_token_s", "finish_s", "token_times", "preemptions",
     )
 
@@ -55,6 +55,7 @@ class RequestState:
         self._target = req.prompt_tokens  # prompt, or prompt + generated after preemption
         self._left = req.output_tokens  # output tokens still to produce
         self._ctx = 1  # what a decode row of it would attend to: its KV + the new token
+        self._reserved = 0  # KV tokens reserved for it at admission
         self.admitted_s: float | None = None
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
@@ -64,6 +65,9 @@ class RequestState:
     # read-only to policies; attrgetter keeps the getters in C (the simulator's hot path)
     phase = property(attrgetter("_phase"))
     prefilled = property(attrgetter("_prefilled"))
+    # what prefilling puts into the KV cache: the prompt, or prompt + output so far after a
+    # preemption (recompute); the pass that completes it yields a token
+    prefill_target = property(attrgetter("_target"))
 
     @property
     def generated(self) -> int:
@@ -141,7 +145,7 @@ class ReplicaView:
 
     kv_used = property(lambda self: self._state.kv_used)
     kv_reserved = property(lambda self: self._state.kv_reserved)
-    more_arrivals = property(lambda self: self._state.arrived < self._state.n_accepted)
+    more_arrivals = property(lambda self: self._state.open)
 
     def request(self, rid: str) -> RequestState:
         return self._state.by_id[rid]
@@ -151,21 +155,22 @@ class ReplicaView:
 
 
 class ReplicaState:
-    def __init__(self, requests: Sequence[Request], kv_capacity: int, policy_name: str):
+    """Every request's phase and progress on one replica; applies and checks plans.
+
+    Requests are registered as they arrive (``receive``); those that can never fit in the
+    KV cache are refused on arrival, like a server's 400, and listed in ``rejected``.
+    ``open`` stays true while the arrival source may still send requests.
+    """
+
+    def __init__(self, requests: Sequence[Request] = (), kv_capacity: int = 0, policy_name: str = "policy"):
         self.policy_name = policy_name
         self.kv_capacity = int(kv_capacity)
-        self.requests: list[RequestState] = [RequestState(r, i) for i, r in enumerate(requests)]
-        self.by_id: dict[str, RequestState] = {r.id: r for r in self.requests}
-        # Requests that can never fit are refused up front, like a server's 400.
+        self.requests: list[RequestState] = []
+        self.by_id: dict[str, RequestState] = {}
         self.rejected: list[tuple[RequestState, str]] = []
-        for r in self.requests:
-            if r.kv_footprint > self.kv_capacity:
-                self.rejected.append((r, (
-                    f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
-                    f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}")))
-        rejected_ids = {r.id for r, _ in self.rejected}
-        self.accepted: list[RequestState] = [r for r in self.requests if r.id not in rejected_ids]
-        self.n_accepted = len(self.accepted)
+        self.accepted: list[RequestState] = []
+        self.n_accepted = 0
+        self.open = True
         self.arrived = 0
         self.waiting: dict[str, RequestState] = {}
         self.prefilling: dict[str, RequestState] = {}
@@ -179,19 +184,52 @@ class ReplicaState:
         # Rows of the engine's batched decode cache (see PassShape): mirrors what the
         # MLX backend does, so predicted copies match real ones.
         self.batch: set[str] = set()
+        for req in requests:  # known up front (a caller drives arrivals with ``arrive``)
+            self.register(req)
 
     # ------------------------------------------------------------------ lifecycle
+    def register(self, req: Request) -> RequestState | None:
+        """Track a new request; ``None`` when it can never fit (it is listed in ``rejected``)."""
+        if req.id in self.by_id:
+            raise ValueError(f"request id {req.id!r} is already in use on this replica")
+        r = RequestState(req, len(self.requests))
+        self.requests.append(r)
+        self.by_id[r.id] = r
+        if r.kv_footprint > self.kv_capacity:
+            self.rejected.append((r, (
+                f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
+                f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}")))
+            return None
+        self.accepted.append(r)
+        self.n_accepted += 1
+        return r
+
+    def receive(self, req: Request) -> RequestState | None:
+        """A request arrives: register it and, unless rejected, put it in the waiting queue."""
+        r = self.register(req)
+        if r is not None:
+            self.arrive(r)
+        return r
+
     def arrive(self, r: RequestState) -> None:
         self.waiting[r.id] = r
         self.arrived += 1
 
     @property
     def done(self) -> bool:
-        return self.finished == self.n_accepted
+        return not self.open and self.finished == self.n_accepted
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.prefilling or self.decoding)
+    def stop(self, rid: str) -> None:
+        """The request's next token (produced by the pass now running) is its last: EOS.
+
+        Called by a backend during ``execute``, before the state applies the pass. Its
+        output becomes the tokens it produced; its KV reservation is freed at finish as usual.
+        """
+        r = self.by_id[rid]
+        if r._phase is FINISHED or r._left <= 1:
+            return
+        r.output_tokens = r.output_tokens - r._left + 1
+        r._left = 1
 
     def _fail(self, msg: str) -> PlanError:
         return PlanError(f"policy '{self.policy_name}' step {self.step_index}: {msg}")
@@ -217,7 +255,8 @@ class ReplicaState:
                 raise self._fail(f"preempts request {rid} which is {r._phase.value}")
             # Recompute: its KV is dropped; re-admitted, it prefills prompt + output so far.
             self.kv_used -= r.kv_tokens
-            self.kv_reserved -= r.kv_footprint
+            self.kv_reserved -= r._reserved
+            r._reserved = 0
             r._target = r.prompt_tokens + r.generated
             r._prefilled = 0
             r._ctx = 1
@@ -237,7 +276,8 @@ class ReplicaState:
             if r.admitted_s is None:
                 r.admitted_s = now
             self.prefilling[rid] = r
-            self.kv_reserved += r.kv_footprint
+            r._reserved = r.kv_footprint
+            self.kv_reserved += r._reserved
         return preempted
 
     # ------------------------------------------------------------------ passes
@@ -346,7 +386,8 @@ class ReplicaState:
                 r._ctx = r._prefilled + 1
         for r in done:
             self.kv_used -= r.prompt_tokens + r.output_tokens - 1
-            self.kv_reserved -= r.kv_footprint
+            self.kv_reserved -= r._reserved
+            r._reserved = 0
             del decoding[r.id]
             self.batch.discard(r.id)
             r._phase = FINISHED

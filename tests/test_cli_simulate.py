@@ -135,9 +135,19 @@ def test_bad_inputs_are_one_line_errors(tmp_path, profile):
         (["-p", "static", "-t", "mixed", "--kv-tokens", "0"] + prof, ["--kv-tokens"]),
         (["-p", "static", "-t", "mixed", "--frobnicate"] + prof, ["No such option"]),
         (["-p", "static"] + prof, ["Missing option"]),
+        # --slo is checked alike by every command: a misspelt key or a NaN limit would
+        # otherwise fail or pass every request silently
+        (["-p", "static", "-t", "mixed", "--slo", "ttft=1e9"] + prof, ["unknown SLO key 'ttft'"]),
+        (["-p", "static", "-t", "mixed", "--slo", "ttft_ms=nan"] + prof, ["ttft_ms", "finite number > 0"]),
+        (["-p", "static", "-t", "mixed", "--slo", "tpot_ms=-5"] + prof, ["tpot_ms", "finite number > 0"]),
+        (["-p", "static", "-t", "mixed", "--slo", "e2e_ms"] + prof, ["not key=value"]),
     ]
     for args, frags in cases:
         assert_one_line_error(cli("simulate", *args), *frags)
+    # run-real and sweep read --slo with the same check, before any work
+    assert_one_line_error(cli("run-real", "-p", "static", "-t", "real-smoke", "--slo", "ttft=1"), "unknown SLO key 'ttft'")
+    assert_one_line_error(cli("sweep", "-p", "static", "-t", "mixed", "--rates", "1", "--slo", "ttft_ms=inf"),
+                          "finite number > 0")
 
 
 def test_impossible_plan_and_crashing_policy(tmp_path, profile):

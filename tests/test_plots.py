@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from policies import make_policy
-from sim import run, summarize
+from sim import WallClock, run, summarize
 from sim.cost import LinearCostModel
 from sim.output import write_run
 from analysis import plots
@@ -246,11 +246,19 @@ class SleepBackend:
     def __init__(self, cost):
         self.cost = cost
 
-    def start(self, state):
+    def make_clock(self):
+        return WallClock()
+
+    def start(self, state, requests):
         pass
 
+    def step_overhead(self, predicted_s):
+        return 0.0
+
     def execute(self, p, shape, state):
+        t = time.perf_counter()
         time.sleep(self.cost.pass_seconds(shape))
+        return time.perf_counter() - t
 
     def release(self, r):
         pass

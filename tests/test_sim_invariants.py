@@ -8,7 +8,7 @@ import pytest
 import traces
 from policies import POLICIES, make_policy
 from sim import run, summarize
-from sim.loop import SimBackend
+from sim.backend import SimBackend
 from simkit import cost_model
 
 CAPACITY = 262_144

@@ -52,7 +52,6 @@ COPIES = {  # bundled name -> path under the source directory
 MOONCAKE_SOURCE = "mooncake_fast25/mooncake_fast25_conversation.jsonl"
 MOONCAKE_WINDOW = "mooncake_conv_10min.jsonl"
 SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json", "real-mixed.json")
-ALL_FILES = tuple(COPIES) + (MOONCAKE_WINDOW,) + SYNTHETIC + ("README.md",)
 
 
 def synthetic_traces(conv: Trace, mixed_rate: float = MIXED_RATE_RPS,

@@ -321,7 +321,3 @@ def check_quant(bits: int | float | None) -> None:
     if isinstance(bits, bool) or bits not in QUANT_BITS + FLOAT_BITS:
         allowed = ", ".join(str(b) for b in QUANT_BITS + FLOAT_BITS)
         raise AnalyticError(f"--quant must be one of {allowed} bits, got {bits}")
-
-
-def fmt_params(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

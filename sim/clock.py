@@ -1,0 +1,70 @@
+"""Clocks: what turns a backend's seconds into time on the replica's timeline.
+
+Both run a SimPy environment (arrivals are SimPy processes) and offer the same four calls:
+
+- ``now()``: the current time on this clock;
+- ``advance(seconds)``: a step or pass took ``seconds`` (as the backend reported);
+- ``sync(next_arrival_s)``: after a step, the SimPy event the replica must wait on before
+  planning again (so that arrivals due by now are delivered first), or ``None``;
+- ``woke()``: the replica was idle and an arrival woke it.
+
+``SimClock`` jumps: time is the sum of predicted seconds. Between arrivals nothing else can
+happen, so the replica runs ahead of ``env.now`` and hands control to SimPy only when an
+arrival is due (same events, far fewer hops). ``WallClock`` is real time: a
+``simpy.rt.RealtimeEnvironment`` fires arrivals at their wall-clock times, the backend's
+seconds have already passed when it returns, and after every step SimPy's clock is moved
+up to the wall clock so the scheduler's own overhead counts as it does for a user.
+"""
+
+from __future__ import annotations
+
+import time
+
+import simpy
+import simpy.rt
+
+
+class SimClock:
+    """Simulated time: the sum of the seconds the backend returned."""
+
+    def __init__(self) -> None:
+        self.env = simpy.Environment()
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    def sync(self, next_arrival_s: float | None):
+        t = self.t
+        env = self.env
+        if next_arrival_s is not None and next_arrival_s <= t and t > env.now:
+            return env.timeout(t - env.now)
+        return None
+
+    def woke(self) -> None:
+        self.t = self.env.now
+
+
+class WallClock:
+    """Wall time: arrivals fire in real time and every step takes what it takes."""
+
+    def __init__(self) -> None:
+        self.env = simpy.rt.RealtimeEnvironment(factor=1.0, strict=False)
+
+    def now(self) -> float:
+        env = self.env
+        return env.env_start + (time.monotonic() - env.real_start)
+
+    def advance(self, seconds: float) -> None:
+        pass  # the seconds have passed on the wall already
+
+    def sync(self, next_arrival_s: float | None):
+        t = self.now()
+        env = self.env
+        return env.timeout(t - env.now) if t > env.now else None
+
+    def woke(self) -> None:
+        pass

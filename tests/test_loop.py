@@ -1,0 +1,150 @@
+"""The loop itself: a backend that owns time, a clock, arrival sources.
+
+A fake backend returning fixed seconds drives ``run()`` with the bundled ``unified`` policy,
+and every timestamp is checked against a hand-worked schedule: whatever the loop does with
+the seconds a backend returns (overhead, pass order, idle waiting, arrivals during a step)
+shows up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from policies import make_policy
+from sim import SimClock, run
+from sim.cost import LinearCostModel
+from traces.schema import Request
+
+DECODE_S, PREFILL_S = 0.25, 1.0  # exact in binary: the expected times are exact too
+
+
+class FixedBackend:
+    """Every pass with a prefill chunk takes 1 s, a decode-only pass 0.25 s; no step overhead."""
+
+    mode = "fake"
+
+    def __init__(self, stop_at=None):
+        self.stop_at = stop_at or {}  # request id -> output count after which it hits EOS
+        self.calls = []
+
+    def make_clock(self):
+        return SimClock()
+
+    def start(self, state, requests):
+        self.known = None if requests is None else [r.id for r in requests]
+
+    def step_overhead(self, predicted_s):
+        return 0.0
+
+    def execute(self, p, shape, state):
+        self.calls.append(p)
+        for rid in p.decode:
+            r = state.by_id[rid]
+            if self.stop_at.get(rid) == r.generated + 1:
+                state.stop(rid)
+        return PREFILL_S if p.prefill else DECODE_S
+
+    def release(self, r):
+        pass
+
+    def finish(self):
+        return {"fake": True}
+
+
+def cost():
+    return LinearCostModel({"d_pass": 0.001, "p_pass": 0.002, "s_step": 0.0005})
+
+
+def test_fixed_seconds_give_every_timestamp():
+    reqs = [Request("A", 0.0, 10, 3), Request("B", 0.5, 5, 2), Request("C", 10.0, 4, 1)]
+    backend = FixedBackend()
+    res = run(reqs, make_policy("unified"), cost(), kv_capacity=1000, backend=backend)
+    assert res.error is None and res.mode == "fake" and res.meta == {"fake": True}
+    assert backend.known == ["A", "B", "C"]
+    by = {r.id: r for r in res.requests}
+    # step 0 [0, 1]: prefill A -> A's first token. B arrives at 0.5, during it.
+    # step 1 [1, 2]: decode A + prefill B (one unified pass) -> A's 2nd, B's 1st.
+    # step 2 [2, 2.25]: decode A, B -> both finish. Idle until C arrives at 10.
+    # step 3 [10, 11]: prefill C -> its only token.
+    assert by["A"].token_times == [1.0, 2.0, 2.25]
+    assert by["B"].token_times == [2.0, 2.25]
+    assert by["C"].token_times == [11.0]
+    assert [(r.admitted_s, r.first_token_s, r.finish_s) for r in res.requests] == [
+        (0.0, 1.0, 2.25), (1.0, 2.0, 2.25), (10.0, 11.0, 11.0)]
+    assert [(s.index, s.start_s, s.end_s, s.measured_s) for s in res.steps] == [
+        (0, 0.0, 1.0, 1.0), (1, 1.0, 2.0, 1.0), (2, 2.0, 2.25, 0.25), (3, 10.0, 11.0, 1.0)]
+    # the cost model's prediction is logged beside every measured step
+    cm = cost()
+    assert [round(s.predicted_s, 9) for s in res.steps] == [
+        round(0.0005 + 0.002, 9), round(0.0005 + 0.001 + 0.002, 9), round(0.0005 + 0.001, 9), round(0.0005 + 0.002, 9)]
+    assert cm.step_overhead_seconds(1, 1) == 0.0005
+    assert [(st, k, t0, t1) for st, k, t0, t1, _ in res.passes] == [
+        (0, 0, 0.0, 1.0), (1, 0, 1.0, 2.0), (2, 0, 2.0, 2.25), (3, 0, 10.0, 11.0)]
+
+
+def test_the_sim_backend_is_the_same_loop_with_predicted_seconds():
+    reqs = [Request("A", 0.0, 10, 3), Request("B", 0.5, 5, 2)]
+    res = run(reqs, make_policy("unified"), cost(), kv_capacity=1000)
+    assert res.mode == "sim" and all(s.measured_s is None for s in res.steps)
+    # overhead, then the pass: 0.0005 + 0.002 for a prefill-only step
+    assert res.requests[0].token_times[0] == 0.0005 + 0.002
+    for s in res.steps:  # back to back, each as long as predicted
+        assert abs((s.end_s - s.start_s) - s.predicted_s) < 1e-12
+
+
+class OneAtATime:
+    """A closed-loop client with concurrency 1: the next request is sent when one finishes."""
+
+    requests = None  # nothing is known up front
+
+    def __init__(self, reqs):
+        self.reqs = list(reqs)
+        self.sent = 0
+        self.finish_t = None
+        self.done = None
+
+    def process(self, env, deliver):
+        for r in self.reqs:
+            if self.finish_t is not None and self.finish_t > env.now:
+                yield env.timeout(self.finish_t - env.now)
+            self.finish_t = None
+            self.done = env.event()
+            self.sent += 1
+            deliver(replace(r, arrival_s=env.now))
+            yield self.done
+
+    def next_arrival_s(self):
+        return self.finish_t if self.sent < len(self.reqs) else None
+
+    def finished(self, r, t):
+        self.finish_t = t
+        self.done.succeed()
+
+
+def test_an_arrival_source_feeds_the_same_loop():
+    reqs = [Request("A", 0.0, 10, 3), Request("B", 0.0, 5, 2)]
+    backend = FixedBackend()
+    res = run(OneAtATime(reqs), make_policy("unified"), cost(), kv_capacity=1000, backend=backend)
+    assert backend.known is None and res.error is None
+    by = {r.id: r for r in res.requests}
+    assert by["A"].token_times == [1.0, 1.25, 1.5]
+    assert by["B"].arrival_s == 1.5 and by["B"].token_times == [2.5, 2.75]
+
+
+def test_a_backend_can_end_a_request_at_eos_and_the_kv_is_returned():
+    reqs = [Request("A", 0.0, 10, 5), Request("B", 0.0, 6, 4)]
+    seen = []
+    res = run(reqs, make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend({"A": 2}),
+              on_step=lambda st: seen.append((st.kv_used, st.kv_reserved)))
+    by = {r.id: r for r in res.requests}
+    assert by["A"].output_tokens == 2 and len(by["A"].token_times) == 2
+    assert by["B"].output_tokens == 4 and len(by["B"].token_times) == 4
+    assert seen[-1] == (0, 0) and all(used <= reserved for used, reserved in seen)
+
+
+def test_requests_too_big_are_refused_on_arrival_and_the_rest_run():
+    reqs = [Request("ok", 0.0, 10, 3), Request("huge", 0.1, 900, 200), Request("ok2", 0.2, 5, 2)]
+    res = run(reqs, make_policy("unified"), cost(), kv_capacity=100, backend=FixedBackend())
+    assert [r.id for r, _ in res.rejected] == ["huge"] and res.kv_capacity == 100
+    assert "capacity is 100" in res.rejected[0][1]
+    assert {r.id for r in res.requests if r.finish_s is not None} == {"ok", "ok2"}
