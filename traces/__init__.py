@@ -1,12 +1,15 @@
-"""Traces: the schema, loaders (JSON, Azure 2023 CSV, Mooncake JSONL), transforms, bundled files.
+"""Traces: the schema, loaders (JSON, Azure 2023 CSV, Mooncake JSONL), text and
+tokenizers, transforms, bundled files.
 
     import traces
     tr = traces.load("mixed")                       # bundled, by bare name, from any directory
     tr = traces.load("azure2023_conv.csv")          # the Azure 2023 conversation hour
     tr = traces.load("my_trace.jsonl", seed=3)      # Mooncake JSONL, tick jitter seeded by 3
+    tr = traces.load("chats.json", tokenizer=tok)   # requests given as text, counted by tok
     tr = traces.to_rate(traces.window(tr, 0, 600), 2.0)
 
-Importing this package is light: no sim, engine, mlx, numpy or pandas.
+Importing this package is light: no sim, engine, mlx, numpy, pandas or tokenizer library
+(a tokenizer is any object with ``encode``; see :mod:`traces.text`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from .loaders import (DATA_DIR, MOONCAKE_TICK_S, bundled_names, dumps_json, is_q
                       load, load_azure_csv, load_json, load_mooncake_jsonl, parse_azure_timestamp, resolve,
                       save_json)
 from .schema import Request, Trace, TraceError, request_from_json, validate_requests
+from .text import Tokenizer, prompt_ids, require_counts, tokenize
 from .stats import trace_stats
 from .transforms import head, mean_rate, scale_lengths, scale_rate, thin, to_rate, window
 
@@ -22,4 +26,4 @@ __all__ = ["Request", "Trace", "TraceError", "load", "load_json", "load_azure_cs
            "resolve", "bundled_names", "request_from_json", "validate_requests", "DATA_DIR",
            "MOONCAKE_TICK_S", "jitter_ticks", "is_quantised", "parse_azure_timestamp", "dumps_json",
            "save_json", "trace_stats", "mean_rate", "scale_rate", "to_rate", "scale_lengths", "window",
-           "head", "thin"]
+           "head", "thin", "Tokenizer", "tokenize", "prompt_ids", "require_counts"]
