@@ -213,7 +213,7 @@ def test_transforms_keep_text_and_scaling_drops_it(tmp_path, tok):
 
 
 def test_importing_traces_stays_light():
-    code = ("import sys, traces, traces.text; "
+    code = ("import sys, traces, traces.datasets, traces.text; "
             "bad = [m for m in ('mlx', 'tokenizers', 'transformers', 'numpy', 'sim', 'engine') "
             "if m in sys.modules]; assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

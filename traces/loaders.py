@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from . import datasets
 from .schema import Request, Trace, TraceError, request_from_json, validate_requests
 from .text import require_counts, tokenize
 
@@ -363,22 +364,37 @@ def resolve(spec: str | Path) -> Path:
     if p.exists():
         raise TraceError(f"{spec}: not a regular file")
     names = ", ".join(bundled_names()) or "none"
-    raise TraceError(f"trace not found: {spec} (not a file, nor a bundled trace: {names})")
+    raise TraceError(f"trace not found: {spec} (not a file, nor a bundled trace: {names}; "
+                     f"nor a dataset: {', '.join(n + ':key=value,...' for n in datasets.NAMES)})")
+
+
+def _is_dataset(spec: str | Path) -> bool:
+    """A dataset spec that no file claims: ``random``, ``random:...``, ``sonnet:...``
+    (a bare ``sonnet`` is the bundled sonnet.json; a local file of the spec's name wins)."""
+    text = str(spec).strip()
+    if datasets.dataset_name(text) is None or Path(text).exists():
+        return False
+    return ":" in text or not any((DATA_DIR / f"{text}{ext}").is_file() for ext in EXTENSIONS)
 
 
 def load(spec: str | Path, seed: int = 0, tokenizer: Any = None, recount: bool = False,
          **options: Any) -> Trace:
-    """Load a trace file, or a bundled trace by bare name, dispatching on the extension.
+    """Load a trace file, a bundled trace by bare name (dispatching on the extension), or
+    build a dataset (``random:...``, ``sonnet:...``; see :mod:`traces.datasets`).
 
-    ``seed`` drives any randomness of the loader (Mooncake tick jitter);
+    ``seed`` drives any randomness of the loader (Mooncake tick jitter, datasets);
     ``options`` go to the format's loader (``drop_invalid`` for CSV; ``tick_s``, ``jitter``
     for JSONL). ``tokenizer`` (see :class:`traces.text.Tokenizer`) counts the prompt tokens
     of requests given as text without a count (with ``recount``, of every request with
-    text). The trace returned has every ``prompt_tokens``: a
+    text) and builds sonnet prompts. The trace returned has every ``prompt_tokens``: a
     request with text and no count, and no tokenizer, is a TraceError saying how to count.
     Every problem is a one-line TraceError.
     """
     try:
+        if _is_dataset(spec):
+            if options:
+                raise TraceError(f"{spec}: option(s) {', '.join(sorted(options))} do not apply to datasets")
+            return require_counts(datasets.from_spec(str(spec), seed=seed, tokenizer=tokenizer))
         trace = _load_file(spec, seed, options)
         if tokenizer is not None:
             trace = tokenize(trace, tokenizer, recount=recount)
