@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -39,8 +40,8 @@ class ChatML:
         return self.encode(text) if self.as_ids else text
 
 
-@pytest.fixture(scope="module")
-def bpe() -> Tokenizer:
+def make_bpe() -> Tokenizer:
+    """A byte-level BPE trained on the sonnet lines (500 tokens, ChatML's special tokens)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -49,6 +50,16 @@ def bpe() -> Tokenizer:
     tok.train_from_iterator(LINES, trainer=trainer)
     assert tok.get_vocab_size() > 300
     return tok
+
+
+def make_chat_bpe() -> ChatML:
+    """For ``python -m traces.build --sonnet-tokenizer test_datasets:make_chat_bpe``."""
+    return ChatML(make_bpe())
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    return make_bpe()
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +302,28 @@ def test_spec_parsing_and_options():
         traces.load("random:n=3", drop_invalid=True)
     with pytest.raises(TraceError, match="not found"):
         traces.load("randomish:n=3")
+
+
+# ---------------------------------------------------------------------------------------
+# python -m traces.build --sonnet-tokenizer
+
+
+def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
+    from traces import build as tbuild
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    out = tmp_path / "data"
+    assert tbuild.main(["--out", str(out), "--synthetic-only", "--sonnet-tokenizer",
+                        "test_datasets:make_chat_bpe"]) == 0
+    tr = traces.load(str(out / "sonnet.json"))  # counted: loads without a tokenizer
+    tok = make_chat_bpe()
+    assert len(tr) == tbuild.SONNET_PARAMS["n"] and tr.requests[0].messages
+    assert all(r.prompt_tokens == 1024 == _n(tok, r) and r.output_tokens == 128 for r in tr.requests)
+    assert (out / "sonnet.txt").read_bytes() == SONNET_FILE.read_bytes()
+    # without the tokenizer the bundled token-count sonnet.json is rebuilt as shipped
+    plain = tmp_path / "plain"
+    assert tbuild.main(["--out", str(plain), "--synthetic-only"]) == 0
+    assert (plain / "sonnet.json").read_bytes() == (SONNET_FILE.parent / "sonnet.json").read_bytes()
+    assert tbuild.main(["--out", str(tmp_path / "x"), "--synthetic-only", "--sonnet-tokenizer", "nope"]) == 1
+    assert tbuild.main(["--out", str(tmp_path / "x"), "--synthetic-only", "--sonnet-tokenizer",
+                        "no_such_module:f"]) == 1
