@@ -319,6 +319,8 @@ def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
     tok = make_chat_bpe()
     assert len(tr) == tbuild.SONNET_PARAMS["n"] and tr.requests[0].messages
     assert all(r.prompt_tokens == 1024 == _n(tok, r) and r.output_tokens == 128 for r in tr.requests)
+    shipped = traces.load("sonnet")  # the same requests and arrivals, with text
+    assert [(r.id, r.arrival_s) for r in tr.requests] == [(r.id, r.arrival_s) for r in shipped.requests]
     assert (out / "sonnet.txt").read_bytes() == SONNET_FILE.read_bytes()
     # without the tokenizer the bundled token-count sonnet.json is rebuilt as shipped
     plain = tmp_path / "plain"

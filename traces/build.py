@@ -16,8 +16,8 @@ README.md is rendered with the statistics of every bundled trace.
 
 sonnet.json: with a tokenizer (``SONNET_TOKENIZER`` below, or ``--sonnet-tokenizer
 MODULE:CALLABLE``, a callable returning a :class:`traces.text.Tokenizer`) it is built from
-the sonnet dataset, text and exact token counts; without one it holds token counts only
-(1024 prompt / 128 output tokens, Poisson arrivals, no text).
+the sonnet dataset: text and exact token counts, with the same ids, lengths and arrivals as
+without one, when it holds token counts only (1024 prompt / 128 output tokens, no text).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from . import datasets, generate
@@ -63,7 +64,7 @@ SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json"
 VENDORED = ("sonnet.txt",)
 ALL_FILES = tuple(COPIES) + (MOONCAKE_WINDOW,) + SYNTHETIC + VENDORED + ("README.md",)
 #: sonnet.json's dataset parameters when it is built with a tokenizer (vLLM's prefix_len
-#: default; the 1024/128 lengths and the rate of the token-count sonnet.json).
+#: default; the requests, lengths and arrivals of the token-count sonnet.json).
 SONNET_PARAMS = {"n": 100, "input_len": 1024, "output_len": 128, "prefix_len": 200}
 #: ``MODULE:CALLABLE`` returning the tokenizer that builds sonnet.json from the sonnet
 #: dataset, or None: sonnet.json then holds token counts only. Set it to the real model's
@@ -85,10 +86,11 @@ def load_tokenizer(spec: str):
 
 def synthetic_traces(conv: Trace, mixed_rate: float = MIXED_RATE_RPS,
                      sonnet_rate: float = SONNET_RATE_RPS, sonnet_tokenizer=None) -> dict[str, Trace]:
-    if sonnet_tokenizer is None:
-        sonnet = generate.sonnet(rate=sonnet_rate, seed=SEED)
-    else:
-        sonnet = datasets.sonnet_dataset(sonnet_tokenizer, rate=sonnet_rate, seed=SEED, **SONNET_PARAMS)
+    sonnet = generate.sonnet(rate=sonnet_rate, seed=SEED)
+    if sonnet_tokenizer is not None:  # the same ids, lengths and arrivals, with text
+        text = datasets.sonnet_dataset(sonnet_tokenizer, rate=sonnet_rate, seed=SEED, **SONNET_PARAMS)
+        sonnet = Trace(sonnet.name, f"{text.description}; arrival times those of the token-count sonnet.json",
+                       [replace(t, arrival_s=r.arrival_s) for r, t in zip(sonnet.requests, text.requests)])
     return {
         "mixed.json": generate.mixed(conv, rate=mixed_rate, seed=SEED),
         "long-context.json": generate.long_context(seed=SEED),
@@ -139,6 +141,8 @@ def build(out: Path, source: Path | None, mixed_rate: float = MIXED_RATE_RPS,
     conv = load_azure_csv(conv_csv)
     tokenizer = load_tokenizer(sonnet_tokenizer) if sonnet_tokenizer else None
     traces = synthetic_traces(conv, mixed_rate, sonnet_rate, tokenizer)
+    if tokenizer is not None:
+        traces["sonnet.json"].description += f" (--sonnet-tokenizer {sonnet_tokenizer})"
     for name, tr in traces.items():
         (out / name).write_text(dumps_json(tr), encoding="utf-8")
         written.append(out / name)
