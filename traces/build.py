@@ -10,21 +10,29 @@ Sources (``--source``, default /work/shared/traces): azure2023/azure2023_{conv,c
 mooncake_fast25/mooncake_fast25_conversation.jsonl with their license files. The Azure hours
 and licenses are copied verbatim; the Mooncake window is the source's lines, verbatim, whose
 timestamp falls in MOONCAKE_WINDOW_MS; the synthetic traces come from :mod:`traces.generate`
-(mixed.json samples lengths from the Azure conversation hour); README.md is rendered with
-the statistics of every bundled trace.
+(mixed.json samples lengths from the Azure conversation hour); sonnet.txt (vLLM's copy of
+Shakespeare's sonnets) is vendored: kept as it is in traces/data and copied to --out;
+README.md is rendered with the statistics of every bundled trace.
+
+sonnet.json: with a tokenizer (``SONNET_TOKENIZER`` below, or ``--sonnet-tokenizer
+MODULE:CALLABLE``, a callable returning a :class:`traces.text.Tokenizer`) it is built from
+the sonnet dataset: text and exact token counts, with the same ids, lengths and arrivals as
+without one, when it holds token counts only (1024 prompt / 128 output tokens, no text).
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import importlib
 import json
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from . import generate
+from . import datasets, generate
 from .loaders import DATA_DIR, dumps_json, load, load_azure_csv
 from .schema import Trace, TraceError
 from .stats import trace_stats
@@ -52,14 +60,41 @@ COPIES = {  # bundled name -> path under the source directory
 MOONCAKE_SOURCE = "mooncake_fast25/mooncake_fast25_conversation.jsonl"
 MOONCAKE_WINDOW = "mooncake_conv_10min.jsonl"
 SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json", "real-mixed.json")
+#: Shipped as they are (not generated, no source directory needed): copied to --out.
+VENDORED = ("sonnet.txt",)
+ALL_FILES = tuple(COPIES) + (MOONCAKE_WINDOW,) + SYNTHETIC + VENDORED + ("README.md",)
+#: sonnet.json's dataset parameters when it is built with a tokenizer (vLLM's prefix_len
+#: default; the requests, lengths and arrivals of the token-count sonnet.json).
+SONNET_PARAMS = {"n": 100, "input_len": 1024, "output_len": 128, "prefix_len": 200}
+#: ``MODULE:CALLABLE`` returning the tokenizer that builds sonnet.json from the sonnet
+#: dataset, or None: sonnet.json then holds token counts only. Set it to the real model's
+#: tokenizer once the project has one, and rebuild.
+SONNET_TOKENIZER: str | None = None
+
+
+def load_tokenizer(spec: str):
+    """``MODULE:CALLABLE`` -> the tokenizer the callable returns; one-line TraceError."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise TraceError(f"tokenizer spec must be MODULE:CALLABLE, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+        return factory()
+    except Exception as exc:  # noqa: BLE001 - any failure to make it is the user's to fix
+        raise TraceError(f"cannot make the tokenizer {spec}: {type(exc).__name__}: {exc}") from None
 
 
 def synthetic_traces(conv: Trace, mixed_rate: float = MIXED_RATE_RPS,
-                     sonnet_rate: float = SONNET_RATE_RPS) -> dict[str, Trace]:
+                     sonnet_rate: float = SONNET_RATE_RPS, sonnet_tokenizer=None) -> dict[str, Trace]:
+    sonnet = generate.sonnet(rate=sonnet_rate, seed=SEED)
+    if sonnet_tokenizer is not None:  # the same ids, lengths and arrivals, with text
+        text = datasets.sonnet_dataset(sonnet_tokenizer, rate=sonnet_rate, seed=SEED, **SONNET_PARAMS)
+        sonnet = Trace(sonnet.name, f"{text.description}; arrival times those of the token-count sonnet.json",
+                       [replace(t, arrival_s=r.arrival_s) for r, t in zip(sonnet.requests, text.requests)])
     return {
         "mixed.json": generate.mixed(conv, rate=mixed_rate, seed=SEED),
         "long-context.json": generate.long_context(seed=SEED),
-        "sonnet.json": generate.sonnet(rate=sonnet_rate, seed=SEED),
+        "sonnet.json": sonnet,
         "real-smoke.json": generate.real_smoke(seed=SEED),
         "real-mixed.json": generate.real_mixed(seed=SEED),
     }
@@ -75,11 +110,19 @@ def mooncake_window(source_jsonl: Path, start_ms: float, end_ms: float) -> bytes
 
 
 def build(out: Path, source: Path | None, mixed_rate: float = MIXED_RATE_RPS,
-          sonnet_rate: float = SONNET_RATE_RPS) -> list[Path]:
+          sonnet_rate: float = SONNET_RATE_RPS, sonnet_tokenizer: str | None = SONNET_TOKENIZER) -> list[Path]:
     """Write the bundled files into ``out``; with ``source`` None only the synthetic traces
-    (mixed.json then samples the bundled Azure conversation hour). Returns the files written."""
+    (mixed.json then samples the bundled Azure conversation hour) and the vendored files.
+    Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    for name in VENDORED:
+        src = DATA_DIR / name
+        if not src.is_file():
+            raise TraceError(f"vendored file missing: {src}")
+        if (out / name).resolve() != src.resolve():
+            shutil.copyfile(src, out / name)
+        written.append(out / name)
     if source is not None:
         for name, rel in COPIES.items():
             src = source / rel
@@ -96,7 +139,10 @@ def build(out: Path, source: Path | None, mixed_rate: float = MIXED_RATE_RPS,
     else:
         conv_csv = DATA_DIR / "azure2023_conv.csv"
     conv = load_azure_csv(conv_csv)
-    traces = synthetic_traces(conv, mixed_rate, sonnet_rate)
+    tokenizer = load_tokenizer(sonnet_tokenizer) if sonnet_tokenizer else None
+    traces = synthetic_traces(conv, mixed_rate, sonnet_rate, tokenizer)
+    if tokenizer is not None:
+        traces["sonnet.json"].description += f" (--sonnet-tokenizer {sonnet_tokenizer})"
     for name, tr in traces.items():
         (out / name).write_text(dumps_json(tr), encoding="utf-8")
         written.append(out / name)
@@ -116,6 +162,17 @@ def render_readme(data: Path, mixed_rate: float, sonnet_rate: float) -> str:
     order = list(SYNTHETIC) + ["azure2023_conv.csv", "azure2023_code.csv", MOONCAKE_WINDOW]
     rows = "\n".join(_stats_row(f"`{n}`", load(data / n, seed=SEED)) for n in order)
     w0, w1 = (x // 1000 for x in MOONCAKE_WINDOW_MS)
+    sonnet = load(data / "sonnet.json", seed=SEED)
+    if any(r.has_text for r in sonnet.requests):
+        sonnet_note = ("Built from the `sonnet` dataset (below) with prefix_len\n"
+                       f"  {SONNET_PARAMS['prefix_len']}: chat prompts of Shakespeare's lines, counted "
+                       "with the tokenizer\n  named in the file's description.")
+    else:
+        sonnet_note = ("Token counts only, no text: the\n"
+                       "  project has no real tokenizer yet, and a sonnet prompt's length in tokens "
+                       "depends on\n  one. `python -m traces.build --sonnet-tokenizer MODULE:CALLABLE` "
+                       "(or `SONNET_TOKENIZER`\n  in `traces/build.py`) rebuilds it from the `sonnet` "
+                       "dataset, with text and that\n  tokenizer's exact counts.")
     return f"""# Bundled traces
 
 Generated by `python -m traces.build` (do not edit by hand: change `traces/build.py` or
@@ -147,12 +204,18 @@ long-context, `s###` sonnet; the number is the position in arrival order):
   arrive while others decode.
 - `long-context.json`: 4 long prompts (8k-16k tokens, outputs 128-512) arriving within the
   first second, and 8 short chat requests (prompts 64-512, outputs 32-128) arriving over 0.1-10 s.
-- `sonnet.json`: 100 requests of 1024 prompt / 128 output tokens (vLLM's sonnet benchmark
-  shape), Poisson arrivals at {sonnet_rate:g} req/s (`SONNET_RATE_RPS`).
+- `sonnet.json` (`--trace sonnet`): 100 requests of 1024 prompt / 128 output tokens (the
+  lengths a vLLM sonnet run asks for with `--sonnet-input-len 1024 --sonnet-output-len
+  128`), Poisson arrivals at {sonnet_rate:g} req/s (`SONNET_RATE_RPS`). {sonnet_note}
 - `real-smoke.json`: 10 small requests for real MLX runs with a tiny model (prompts 16-256,
   outputs 8-48): two at 0 s, the rest over 0.2-3 s, arriving while others decode.
 - `real-mixed.json`: 28 requests for real runs, Poisson at 1.5 req/s: 23 short (prompts
   32-256, outputs 16-64) and 5 long (prompts 1000-2000, outputs 16-48) overlapping them.
+
+Vendored:
+
+- `sonnet.txt`: the first 37 of Shakespeare's sonnets, 518 lines, as vLLM ships them
+  (`benchmarks/sonnet.txt`), unchanged: the text of the `sonnet` dataset.
 
 Real, copied verbatim from the sources below:
 
@@ -165,8 +228,27 @@ Real, copied verbatim from the sources below:
   loader re-bases them and jitters each arrival uniformly within its 3 s tick with the load
   seed (`traces.load("mooncake_conv_10min", seed=0)`; `simulate --seed N` varies it).
 
+## Datasets: `random:...` and `sonnet:...`
+
+`vllm bench serve`'s two synthetic datasets are built on demand, from any directory, by
+`traces.load(SPEC, seed=N)` (so `simulate --trace SPEC --seed N`), SPEC being `random` or
+`NAME:key=value,...`, e.g.
+`random:n=200,input_len=512,output_len=128,range_ratio=0.5,prefix_len=0,rate=2` and
+`sonnet:n=100,input_len=1024,output_len=128,prefix_len=200,rate=4` (keys `n`, `input_len`,
+`output_len`, `prefix_len`, `rate` (req/s, `inf`: all at t=0), `burstiness` (gamma shape of
+the gaps, 1: Poisson), and for `random` `range_ratio`; defaults are vLLM's). A bare `sonnet`
+is `sonnet.json` above (a file wins over a dataset of the same name); `sonnet:` is the dataset
+with its defaults. `random` is token counts only; `sonnet` builds chat prompts from
+`sonnet.txt` cut to exactly `input_len` tokens, so it needs the model's tokenizer (vLLM's
+needs one too; `traces.load(SPEC, tokenizer=...)`): without one it is a one-line error. The
+details, and where they differ from vLLM, are in `traces/datasets.py`.
+
 ## Sources and licenses
 
+- Shakespeare's sonnets (1609), public domain. `sonnet.txt` is vLLM's `benchmarks/sonnet.txt`
+  (vllm-project/vllm, Apache-2.0; the text itself is in the public domain) as vLLM added it
+  in commit 45b6ef65 (2024-03-27), git blob 34c444e8, LF line endings; the same text is in
+  vLLM's main at e5fd201a.
 - Azure LLM inference trace 2023: Azure/AzurePublicDataset, `data/AzureLLMInferenceTrace_conv.csv`
   and `data/AzureLLMInferenceTrace_code.csv` (commit {AZURE_COMMIT}). License: CC-BY-4.0,
   `LICENSE_AzurePublicDataset.txt`. `mixed.json` is derived from the conversation hour.
@@ -206,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"mixed.json request rate (default {MIXED_RATE_RPS:g} req/s)")
     ap.add_argument("--sonnet-rate", type=_positive_float, default=SONNET_RATE_RPS,
                     help=f"sonnet.json request rate (default {SONNET_RATE_RPS:g} req/s)")
+    ap.add_argument("--sonnet-tokenizer", default=SONNET_TOKENIZER, metavar="MODULE:CALLABLE",
+                    help="build sonnet.json from the sonnet dataset with this tokenizer "
+                         f"(default: {SONNET_TOKENIZER or 'none: token counts only'})")
     ap.add_argument("--synthetic-only", action="store_true",
                     help="write only the generated traces (needs no source)")
     ap.add_argument("--check", action="store_true",
@@ -217,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TraceError(f"source directory not found: {source} (give --source DIR, or --synthetic-only)")
         if args.check:
             with tempfile.TemporaryDirectory() as tmp:
-                files = build(Path(tmp), source, args.mixed_rate, args.sonnet_rate)
+                files = build(Path(tmp), source, args.mixed_rate, args.sonnet_rate, args.sonnet_tokenizer)
                 stale = [f.name for f in files
                          if not (args.out / f.name).is_file() or not filecmp.cmp(f, args.out / f.name, shallow=False)]
             if stale:
@@ -225,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"{len(files)} files in {args.out} are current")
             return 0
-        files = build(args.out, source, args.mixed_rate, args.sonnet_rate)
+        files = build(args.out, source, args.mixed_rate, args.sonnet_rate, args.sonnet_tokenizer)
     except (TraceError, OSError) as exc:
         print(f"traces.build: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1

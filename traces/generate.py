@@ -35,6 +35,14 @@ class _Rng:
     def exponential(self, rate: float) -> float:
         return -math.log(1.0 - self._r.random()) / rate
 
+    def gamma(self, shape: float, scale: float) -> float:
+        """Gamma(shape, scale); shape 1 is the exponential above, drawn the same way.
+        (``random.gammavariate`` is built on ``random()`` too; its algorithm has been the
+        same in CPython for decades, but unlike ``random()`` it is not promised.)"""
+        if shape == 1.0:
+            return self.exponential(1.0 / scale)
+        return self._r.gammavariate(shape, scale)
+
     def pick(self, items: Sequence):
         return items[self.integer(0, len(items) - 1)]
 

@@ -31,10 +31,13 @@ import json
 import math
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from . import datasets
 from .schema import Request, Trace, TraceError, request_from_json, validate_requests
+from .text import require_counts, tokenize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 EXTENSIONS = (".json", ".csv", ".jsonl")
@@ -81,7 +84,7 @@ def _rebase(reqs: list[Request]) -> list[Request]:
     t0 = min(r.arrival_s for r in reqs)
     if t0 == 0.0:
         return reqs
-    return [Request(r.id, r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.prefix_ids) for r in reqs]
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -89,7 +92,10 @@ def _rebase(reqs: list[Request]) -> list[Request]:
 
 
 def load_json(path: str | Path) -> Trace:
-    """A schedlab JSON trace (``{"name", "description", "requests": [...]}``)."""
+    """A schedlab JSON trace (``{"name", "description", "requests": [...]}``).
+
+    Requests given as text without ``prompt_tokens`` are kept uncounted here (see
+    :func:`traces.text.tokenize`); :func:`load` counts them or refuses them."""
     p = Path(path)
     text = _read_text(p)
     try:
@@ -358,36 +364,63 @@ def resolve(spec: str | Path) -> Path:
     if p.exists():
         raise TraceError(f"{spec}: not a regular file")
     names = ", ".join(bundled_names()) or "none"
-    raise TraceError(f"trace not found: {spec} (not a file, nor a bundled trace: {names})")
+    raise TraceError(f"trace not found: {spec} (not a file, nor a bundled trace: {names}; "
+                     f"nor a dataset: {', '.join(n + ':key=value,...' for n in datasets.NAMES)})")
 
 
-def load(spec: str | Path, seed: int = 0, **options: Any) -> Trace:
-    """Load a trace file, or a bundled trace by bare name, dispatching on the extension.
+def _is_dataset(spec: str | Path) -> bool:
+    """A dataset spec that no file claims: ``random``, ``random:...``, ``sonnet:...``
+    (a bare ``sonnet`` is the bundled sonnet.json; a local file of the spec's name wins)."""
+    text = str(spec).strip()
+    if datasets.dataset_name(text) is None or Path(text).exists():
+        return False
+    return ":" in text or not any((DATA_DIR / f"{text}{ext}").is_file() for ext in EXTENSIONS)
 
-    ``seed`` drives any randomness of the loader (Mooncake tick jitter); ``options`` go to
-    the format's loader (``drop_invalid`` for CSV; ``tick_s``, ``jitter`` for JSONL).
+
+def load(spec: str | Path, seed: int = 0, tokenizer: Any = None, recount: bool = False,
+         **options: Any) -> Trace:
+    """Load a trace file, a bundled trace by bare name (dispatching on the extension), or
+    build a dataset (``random:...``, ``sonnet:...``; see :mod:`traces.datasets`).
+
+    ``seed`` drives any randomness of the loader (Mooncake tick jitter, datasets);
+    ``options`` go to the format's loader (``drop_invalid`` for CSV; ``tick_s``, ``jitter``
+    for JSONL). ``tokenizer`` (see :class:`traces.text.Tokenizer`) counts the prompt tokens
+    of requests given as text without a count (with ``recount``, of every request with
+    text) and builds sonnet prompts. The trace returned has every ``prompt_tokens``: a
+    request with text and no count, and no tokenizer, is a TraceError saying how to count.
     Every problem is a one-line TraceError.
     """
     try:
-        path = resolve(spec)
-        ext = path.suffix.lower()
-        if ext == ".json":
-            loader, allowed = (lambda: load_json(path)), set()
-        elif ext == ".csv":
-            loader, allowed = (lambda: load_azure_csv(path, **options)), {"drop_invalid"}
-        elif ext == ".jsonl":
-            loader, allowed = (lambda: load_mooncake_jsonl(path, seed=seed, **options)), {"tick_s", "jitter"}
-        else:
-            raise TraceError(f"{path}: unknown trace format {ext or '(no extension)'!r}: "
-                             f"expected .json, .csv (Azure 2023) or .jsonl (Mooncake)")
-        bad = sorted(set(options) - allowed)
-        if bad:
-            raise TraceError(f"{path}: option(s) {', '.join(bad)} do not apply to {ext} traces")
-        return loader()
+        if _is_dataset(spec):
+            if options:
+                raise TraceError(f"{spec}: option(s) {', '.join(sorted(options))} do not apply to datasets")
+            return require_counts(datasets.from_spec(str(spec), seed=seed, tokenizer=tokenizer))
+        trace = _load_file(spec, seed, options)
+        if tokenizer is not None:
+            trace = tokenize(trace, tokenizer, recount=recount)
+        return require_counts(trace)
     except TraceError as exc:
         raise TraceError(_one_line(str(exc))) from None
     except (OSError, RecursionError, MemoryError) as exc:  # e.g. a file that vanished mid-read
         raise TraceError(_one_line(f"cannot read trace {spec}: {exc}")) from None
+
+
+def _load_file(spec: str | Path, seed: int, options: dict[str, Any]) -> Trace:
+    path = resolve(spec)
+    ext = path.suffix.lower()
+    if ext == ".json":
+        loader, allowed = (lambda: load_json(path)), set()
+    elif ext == ".csv":
+        loader, allowed = (lambda: load_azure_csv(path, **options)), {"drop_invalid"}
+    elif ext == ".jsonl":
+        loader, allowed = (lambda: load_mooncake_jsonl(path, seed=seed, **options)), {"tick_s", "jitter"}
+    else:
+        raise TraceError(f"{path}: unknown trace format {ext or '(no extension)'!r}: "
+                         f"expected .json, .csv (Azure 2023) or .jsonl (Mooncake)")
+    bad = sorted(set(options) - allowed)
+    if bad:
+        raise TraceError(f"{path}: option(s) {', '.join(bad)} do not apply to {ext} traces")
+    return loader()
 
 
 def _one_line(msg: str) -> str:

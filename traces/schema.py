@@ -1,13 +1,24 @@
-"""The trace schema: requests with arrival times and token counts.
+"""The trace schema: requests with arrival times, token counts and, optionally, text.
 
 JSON form::
 
     {"name": "...", "description": "...",
      "requests": [{"id": "r0", "arrival_s": 0.0, "prompt_tokens": 128,
-                   "output_tokens": 64, "prefix_ids": [1, 2]}, ...]}
+                   "output_tokens": 64, "prefix_ids": [1, 2]},
+                  {"id": "r1", "arrival_s": 0.5, "prompt": "Once upon a time",
+                   "output_tokens": 32},
+                  {"id": "r2", "arrival_s": 0.7, "output_tokens": 64, "prompt_tokens": 41,
+                   "messages": [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Why is the sky blue?"}]}, ...]}
 
 ``id`` may be a string or an integer (kept as its string); ``prefix_ids`` is optional
-(Mooncake's 512-token prefix block hashes).
+(Mooncake's 512-token prefix block hashes). ``output_tokens`` is the request's max_tokens.
+
+A request's prompt is a token count (``prompt_tokens``), text (``prompt``: one string, or
+``messages``: a chat, a list of ``{"role", "content"}`` objects), or both. A request with
+text and no ``prompt_tokens`` is *uncounted*: the simulator needs the count, so such a trace
+must be tokenized (:func:`traces.text.tokenize`, or ``traces.load(..., tokenizer=...)``)
+before it is run. ``prompt`` and ``messages`` exclude each other.
 """
 
 from __future__ import annotations
@@ -16,6 +27,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+#: Chat roles a message may have (OpenAI's chat roles; chat templates know these).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 class TraceError(ValueError):
     """A trace that cannot be used; the message is one line for the user."""
@@ -23,21 +37,40 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
+    """One request. ``prompt_tokens`` is None only for a request that carries text
+    (``prompt`` or ``messages``) not yet counted with a tokenizer. ``messages`` is a tuple
+    of ``(role, content)`` pairs (hashable, like the rest); :meth:`chat` gives the list of
+    ``{"role", "content"}`` dicts that chat templates take."""
+
     id: str
     arrival_s: float
-    prompt_tokens: int
+    prompt_tokens: int | None
     output_tokens: int
     prefix_ids: tuple[int, ...] | None = None
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+
+    @property
+    def has_text(self) -> bool:
+        return self.prompt is not None or self.messages is not None
+
+    def chat(self) -> list[dict[str, str]] | None:
+        """The messages as ``[{"role": ..., "content": ...}, ...]``, or None."""
+        if self.messages is None:
+            return None
+        return [{"role": role, "content": content} for role, content in self.messages]
 
     def to_json(self) -> dict[str, Any]:
-        row: dict[str, Any] = {
-            "id": self.id,
-            "arrival_s": self.arrival_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-        }
+        row: dict[str, Any] = {"id": self.id, "arrival_s": self.arrival_s}
+        if self.prompt_tokens is not None:
+            row["prompt_tokens"] = self.prompt_tokens
+        row["output_tokens"] = self.output_tokens
         if self.prefix_ids is not None:
             row["prefix_ids"] = list(self.prefix_ids)
+        if self.prompt is not None:
+            row["prompt"] = self.prompt
+        if self.messages is not None:
+            row["messages"] = self.chat()
         return row
 
 
@@ -55,6 +88,11 @@ class Trace:
     def __len__(self) -> int:
         return len(self.requests)
 
+    @property
+    def uncounted(self) -> list[Request]:
+        """Requests with text but no ``prompt_tokens`` (they need a tokenizer)."""
+        return [r for r in self.requests if r.prompt_tokens is None]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -71,12 +109,48 @@ def _int_field(row: dict, key: str, where: str) -> int:
     return int(value)
 
 
+def messages_from_json(value: Any, at: str) -> tuple[tuple[str, str], ...]:
+    """``[{"role": ..., "content": ...}, ...]`` -> ``((role, content), ...)``; a one-line
+    TraceError for anything else (not a non-empty list, an item not an object, a missing,
+    extra or non-string field, an unknown role)."""
+    if not isinstance(value, list) or not value:
+        raise TraceError(f"{at}: 'messages' must be a non-empty list of "
+                         f"{{\"role\", \"content\"}} objects, got {_short(value)}")
+    out = []
+    for i, m in enumerate(value):
+        where = f"{at}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise TraceError(f"{where}: expected a {{\"role\", \"content\"}} object, got {_short(m)}")
+        missing = [k for k in ("role", "content") if k not in m]
+        if missing:
+            raise TraceError(f"{where}: missing {', '.join(repr(k) for k in missing)}")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise TraceError(f"{where}: unsupported field(s) {', '.join(map(repr, extra))} "
+                             f"(a message is {{\"role\", \"content\"}})")
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise TraceError(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {_short(role)}")
+        if not isinstance(content, str):
+            raise TraceError(f"{where}: 'content' must be a string, got {_short(content)}")
+        out.append((role, content))
+    if not any(content for _, content in out):
+        raise TraceError(f"{at}: empty prompt (every message's content is empty)")
+    return tuple(out)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: its repr, cut to 40 characters, on one line."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def request_from_json(row: Any, index: int, where: str) -> Request:
     """One request from its JSON object; every problem is a one-line TraceError."""
     at = f"{where}: request #{index}"
     if not isinstance(row, dict):
         raise TraceError(f"{at}: expected an object, got {type(row).__name__}")
-    missing = [k for k in ("id", "arrival_s", "prompt_tokens", "output_tokens") if k not in row]
+    missing = [k for k in ("id", "arrival_s", "output_tokens") if k not in row]
     if missing:
         raise TraceError(f"{at}: missing field(s) {', '.join(missing)}")
     rid = row["id"]
@@ -93,25 +167,47 @@ def request_from_json(row: Any, index: int, where: str) -> Request:
         ):
             raise TraceError(f"{at}: 'prefix_ids' must be a list of integers")
         prefix = tuple(prefix)
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if prompt is not None and messages is not None:
+        raise TraceError(f"{at}: give either 'prompt' or 'messages', not both")
+    if "prompt_tokens" not in row and prompt is None and messages is None:
+        raise TraceError(f"{at}: no prompt: give 'prompt_tokens' (a count), 'prompt' (text) "
+                         f"or 'messages' (a chat)")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TraceError(f"{at}: 'prompt' must be a string, got {_short(prompt)}")
+        if not prompt:
+            raise TraceError(f"{at}: empty prompt ('prompt' is \"\")")
+    if messages is not None:
+        messages = messages_from_json(messages, at)
+    counted = row.get("prompt_tokens") is not None or (prompt is None and messages is None)
     return Request(
         id=str(rid),
         arrival_s=float(arrival),
-        prompt_tokens=_int_field(row, "prompt_tokens", at),
+        prompt_tokens=_int_field(row, "prompt_tokens", at) if counted else None,
         output_tokens=_int_field(row, "output_tokens", at),
         prefix_ids=prefix,
+        prompt=prompt,
+        messages=messages,
     )
 
 
 def validate_requests(requests: Iterable[Request], where: str = "trace") -> None:
-    """Reject what can never be served: empty prompts, zero outputs, negative times, dup ids."""
+    """Reject what can never be served: empty prompts, zero outputs, negative times, dup ids,
+    a request with neither a count nor text, one with both ``prompt`` and ``messages``."""
     seen: set[str] = set()
     for r in requests:
         at = f"{where}: request {r.id}"
         if r.id in seen:
             raise TraceError(f"{at}: duplicate id")
         seen.add(r.id)
-        if r.prompt_tokens < 1:
-            raise TraceError(f"{at}: empty prompt (prompt_tokens={r.prompt_tokens})")
+        if r.prompt is not None and r.messages is not None:
+            raise TraceError(f"{at}: give either 'prompt' or 'messages', not both")
+        if r.prompt_tokens is None:
+            if not r.has_text:
+                raise TraceError(f"{at}: no prompt: neither prompt_tokens nor text")
+        elif r.prompt_tokens < 1:
+            raise TraceError(f"{at}: empty prompt: prompt_tokens must be >= 1, got {r.prompt_tokens}")
         if r.output_tokens < 1:
             raise TraceError(f"{at}: output_tokens must be >= 1, got {r.output_tokens}")
         if not (r.arrival_s >= 0 and math.isfinite(r.arrival_s)):

@@ -23,7 +23,9 @@ def percentile(values: Sequence[float], q: float) -> float:
 def trace_stats(trace: Trace) -> dict[str, float]:
     """Requests, duration (first to last arrival), mean rate ((n-1)/duration), token
     percentiles and totals."""
-    reqs = trace.requests
+    from .text import require_counts
+
+    reqs = require_counts(trace).requests
     n = len(reqs)
     duration = reqs[-1].arrival_s - reqs[0].arrival_s if n else 0.0
     prompts = [r.prompt_tokens for r in reqs]
@@ -41,4 +43,5 @@ def trace_stats(trace: Trace) -> dict[str, float]:
         "prompt_tokens": sum(prompts),
         "output_tokens": sum(outputs),
         "with_prefix_ids": sum(r.prefix_ids is not None for r in reqs),
+        "with_text": sum(r.has_text for r in reqs),
     }

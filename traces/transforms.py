@@ -79,12 +79,18 @@ def scale_lengths(trace: Trace, prompt: float = 1.0, output: float = 1.0) -> Tra
     """Multiply prompt and/or output token counts, rounding half up, never below 1.
 
     When the prompt is scaled, ``prefix_ids`` (hashes of the original prompt's 512-token
-    blocks) no longer describe it and are dropped.
+    blocks) and the prompt's text no longer describe it and are dropped. A request with
+    text but no count must be counted first (:func:`traces.text.tokenize`).
     """
     fp = _positive(prompt, "prompt length factor")
     fo = _positive(output, "output length factor")
-    reqs = [replace(r, prompt_tokens=_scaled(r.prompt_tokens, fp), output_tokens=_scaled(r.output_tokens, fo),
-                    prefix_ids=r.prefix_ids if fp == 1.0 else None)
+    if fp != 1.0 and trace.uncounted:
+        raise TraceError(f"{trace.name}: request {trace.uncounted[0].id} has text but no prompt_tokens: "
+                         f"count the trace's tokens before scaling its prompts")
+    reqs = [r if fp == 1.0 and fo == 1.0 else
+            replace(r, output_tokens=_scaled(r.output_tokens, fo)) if fp == 1.0 else
+            replace(r, prompt_tokens=_scaled(r.prompt_tokens, fp), output_tokens=_scaled(r.output_tokens, fo),
+                    prefix_ids=None, prompt=None, messages=None)
             for r in trace.requests]
     return _derive(trace, reqs, f"lengths x{fp:g} prompt, x{fo:g} output")
 
