@@ -62,7 +62,6 @@ MOONCAKE_WINDOW = "mooncake_conv_10min.jsonl"
 SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json", "real-mixed.json")
 #: Shipped as they are (not generated, no source directory needed): copied to --out.
 VENDORED = ("sonnet.txt",)
-ALL_FILES = tuple(COPIES) + (MOONCAKE_WINDOW,) + SYNTHETIC + VENDORED + ("README.md",)
 #: sonnet.json's dataset parameters when it is built with a tokenizer (vLLM's prefix_len
 #: default; the requests, lengths and arrivals of the token-count sonnet.json).
 SONNET_PARAMS = {"n": 100, "input_len": 1024, "output_len": 128, "prefix_len": 200}
