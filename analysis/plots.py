@@ -1,8 +1,8 @@
 """Figures from run directories: latency CDFs, decode rates, step timelines, validation.
 
 A run directory is what ``simulate --out DIR`` writes (sim/output.py): summary.json,
-requests.csv, tokens.csv, steps.csv and passes.csv (meta.json is not needed here; a
-directory without passes.csv still plots, see below). A validation directory holds
+requests.csv, tokens.parquet, steps.parquet and passes.parquet (meta.json is not needed here;
+a directory without passes.parquet still plots, see below). A validation directory holds
 validation.json plus ``sim/`` and ``real/`` run directories.
 
 Every ``plot_*`` function draws one figure, saves it in each requested format and returns
@@ -15,13 +15,12 @@ draws. Nothing here imports mlx.
 
 What the step timeline can and cannot show
 ------------------------------------------
-With passes.csv (one row per request per pass: ``step,pass,request_id,kind,tokens,
+With passes.parquet (one row per request per pass: ``step,pass,request_id,kind,tokens,
 start_s,end_s``, kind ``decode`` or ``prefill``) the timeline is exact: every prefill chunk
 and decode row is drawn over its pass, and pass boundaries show as thin gaps.
 
-Without it (run directories written before passes.csv existed) the timeline falls back to
-steps.csv and tokens.csv. steps.csv has, per step, its start and end and how many decode
-rows and prefill tokens it ran, but not which requests. tokens.csv has the time of every
+Without it the timeline falls back to steps.parquet and tokens.parquet. The steps table has, per step, its start and end and how many decode
+rows and prefill tokens it ran, but not which requests. The tokens table has the time of every
 output token, which is the end of the pass that produced it. From those two files (the
 "tokens" view):
 
@@ -47,7 +46,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-RUN_FILES = ("summary.json", "requests.csv", "tokens.csv", "steps.csv")
+RUN_FILES = ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet")
 REQUEST_COLUMNS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",
                    "finish_s", "ttft_ms", "decode_rate_tok_s", "status")
 TOKEN_COLUMNS = ("request_id", "token_index", "time_s")
@@ -81,7 +80,7 @@ class RunData:
     requests: Any  # pandas.DataFrame, id as str
     tokens: Any  # pandas.DataFrame
     steps: Any  # pandas.DataFrame
-    passes: Any | None = None  # pandas.DataFrame when passes.csv exists
+    passes: Any | None = None  # pandas.DataFrame when passes.parquet exists
     label: str = ""
 
     @property
@@ -142,18 +141,26 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _read_csv(path: Path, columns: Sequence[str], numeric: Sequence[str], *, str_cols=(), required=()):
-    """A CSV with the given columns; numeric columns coerced; ``required`` ones must be complete."""
+    """A CSV or Parquet table with the given columns; numeric columns coerced; ``required``
+    ones must be complete."""
     import pandas as pd
 
     try:
-        df = pd.read_csv(path, dtype={c: str for c in str_cols}, keep_default_na=False,
-                         na_values=[""], encoding="utf-8")
+        if path.suffix == ".parquet":
+            df = pd.read_parquet(path)
+            for c in str_cols:
+                if c in df.columns:
+                    df[c] = df[c].astype(object)
+        else:
+            df = pd.read_csv(path, dtype={c: str for c in str_cols}, keep_default_na=False,
+                             na_values=[""], encoding="utf-8")
     except UnicodeDecodeError:
         raise RunDirError(f"{path}: not a UTF-8 text file") from None
     except pd.errors.EmptyDataError:
         raise RunDirError(f"{path}: empty file (expected a header line: {','.join(columns)})") from None
     except (pd.errors.ParserError, ValueError) as exc:
-        raise RunDirError(f"{path}: cannot parse as CSV: {' '.join(str(exc).split())}") from None
+        what = "Parquet" if path.suffix == ".parquet" else "CSV"
+        raise RunDirError(f"{path}: cannot parse as {what}: {' '.join(str(exc).split())}") from None
     except OSError as exc:
         raise RunDirError(f"cannot read {path}: {exc.strerror}") from None
     missing = [c for c in columns if c not in df.columns]
@@ -211,24 +218,24 @@ def load_run(path: str | Path) -> RunData:
     if requests["id"].duplicated().any():
         dup = requests["id"][requests["id"].duplicated()].iloc[0]
         raise RunDirError(f"{p / 'requests.csv'}: duplicate request id {dup}")
-    tokens = _read_csv(p / "tokens.csv", TOKEN_COLUMNS, ("token_index", "time_s"),
+    tokens = _read_csv(p / "tokens.parquet", TOKEN_COLUMNS, ("token_index", "time_s"),
                        str_cols=("request_id",), required=("token_index", "time_s"))
-    steps = _read_csv(p / "steps.csv", STEP_COLUMNS,
+    steps = _read_csv(p / "steps.parquet", STEP_COLUMNS,
                       ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
                        "prefill_tokens", "passes"),
                       required=("start_s", "end_s", "decode_rows", "prefill_tokens", "passes"))
     unknown = set(tokens["request_id"]) - set(requests["id"])
     if unknown:
-        raise RunDirError(f"{p / 'tokens.csv'}: request id {sorted(unknown)[0]} is not in requests.csv")
+        raise RunDirError(f"{p / 'tokens.parquet'}: request id {sorted(unknown)[0]} is not in requests.csv")
     passes = None
-    if (p / "passes.csv").is_file():
-        passes = _read_csv(p / "passes.csv", PASS_COLUMNS,
+    if (p / "passes.parquet").is_file():
+        passes = _read_csv(p / "passes.parquet", PASS_COLUMNS,
                            ("step", "pass", "tokens", "start_s", "end_s"),
                            str_cols=("request_id", "kind"),
                            required=("step", "pass", "tokens", "start_s", "end_s"))
         kinds = set(passes["kind"]) - {"decode", "prefill"}
         if kinds:
-            raise RunDirError(f"{p / 'passes.csv'}: kind must be decode or prefill, got {sorted(kinds)[0]!r}")
+            raise RunDirError(f"{p / 'passes.parquet'}: kind must be decode or prefill, got {sorted(kinds)[0]!r}")
     return RunData(path=p, summary=summary, requests=requests, tokens=tokens, steps=steps,
                    passes=passes, label=f"{summary['policy']} ({summary['mode']})")
 
@@ -498,7 +505,7 @@ def parse_window(text: str | None) -> tuple[float, float] | None:
 
 
 def token_segments(run: RunData, ids: Sequence[str]) -> list[tuple[str, str, float, float]]:
-    """(request id, kind, start, end) per output token of ``ids``, from tokens.csv + steps.csv.
+    """(request id, kind, start, end) per output token of ``ids``, from the tokens and steps tables.
 
     kind is ``first`` (the pass that completed the prompt or handed it off) or ``decode``.
     ``end`` is the token's time (exact). ``start`` is the latest known pass boundary before
@@ -658,12 +665,12 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
         wait_label = "queued: arrived, in no pass yet"
         prefill_label = "prefill chunk (one pass)"
         decode_label = "decode row (one pass)"
-        how = "exact, from passes.csv"
+        how = "exact, from passes.parquet"
     else:
         wait_label = "waiting or prefilling (not recorded per request)"
         prefill_label = "pass that completed the prompt: first token"
         decode_label = "decode: ends at the token, starts at the last known pass boundary"
-        how = "from tokens.csv: token times exact, prefill chunks not recorded"
+        how = "from tokens.parquet: token times exact, prefill chunks not recorded"
     handles = [Patch(color=WAIT_COLOR, label=wait_label), Patch(color=PREFILL_COLOR, label=prefill_label),
                Patch(color=DECODE_COLOR, label=decode_label),
                Line2D([], [], color="black", marker="|", linestyle="none", markersize=8, label="arrival"),
@@ -698,7 +705,7 @@ def step_time_errors(real: RunData):
     s = real.steps
     ok = s["measured_s"].notna() & (s["measured_s"] > 0) & s["predicted_s"].notna()
     if not ok.any():
-        raise RunDirError(f"{real.path / 'steps.csv'}: no step has measured_s (not a real run)")
+        raise RunDirError(f"{real.path / 'steps.parquet'}: no step has measured_s (not a real run)")
     s = s[ok]
     return s["predicted_s"].to_numpy(float), s["measured_s"].to_numpy(float), step_kinds(s)
 

@@ -5,7 +5,7 @@ The policy, the request state machine, the metrics and the run directory are tho
 differ. The policy sees the same cost model as in ``simulate`` and ``validate``: the given
 profile, else one measured on this model and machine (bundled or cached), else a quick
 calibration made first (``--no-calibrate``: the bundled default profile, with a warning).
-steps.csv holds each step's measured seconds and that model's predicted seconds.
+steps.parquet holds each step's measured seconds and that model's predicted seconds.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run_real(
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt token ids"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, tokens.csv, steps.csv, meta.json here"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens/passes.parquet, meta.json here"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors and warnings"),
 ) -> None:
@@ -116,7 +116,7 @@ def _cost_model(profile: str | None, kv_tokens: int | None, no_calibrate: bool, 
         path = matching[0] if matching else resolve_profile(None)
         if not matching:
             note("warning", f"no cost profile for model {info.name} on this machine: the policy plans and "
-                            f"steps.csv's predicted_s come from the bundled {path.name} (measured elsewhere)")
+                            f"steps.parquet's predicted_s come from the bundled {path.name} (measured elsewhere)")
     else:
         def say(msg: str) -> None:
             if not quiet:

@@ -103,7 +103,7 @@ def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: i
                  cost_meta: dict, say) -> dict:
     """One policy: the simulation and ``repeat`` real runs. The real runs plan and predict with
     the same cost model as the simulation: the policy sees the same estimates on both sides, and
-    steps.csv's predicted_s (the per-step error) is that model's, analytic with --hardware."""
+    steps.parquet's predicted_s (the per-step error) is that model's, analytic with --hardware."""
     from engine.backend import MLXBackend
     from engine.calibrate import speed_check
     from sim import run

@@ -1,10 +1,17 @@
-"""Run directories: summary.json, requests.csv, tokens.csv, steps.csv, passes.csv, meta.json.
+"""Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, passes.parquet, meta.json.
 
-passes.csv has one row per request per pass (step, pass index, request id, kind
-decode|prefill, tokens, start_s, end_s): what every forward held, for timelines.
+- requests.csv: one row per request (times, TTFT/TPOT/E2E, status);
+- steps.parquet: one row per scheduler step (start, end, predicted and measured seconds, rows);
+- tokens.parquet: one row per output token (``request_id, token_index, time_s``);
+- passes.parquet: one row per request per pass (``step, pass, request_id, kind, tokens,
+  start_s, end_s``; kind ``decode`` or ``prefill``): what every forward held, for timelines.
+
+The per-step and per-event tables are Parquet (pyarrow; ``pandas.read_parquet`` reads them): an hour of
+Azure traffic is millions of rows, ~350 MB as CSV and minutes to write, ~10x smaller and
+written in a fraction of a second as columns. Request ids are dictionary-encoded.
 
 Everything but meta.json (wall time, versions, command) is a pure function of the inputs,
-so the same trace, policy, profile and seed give byte-identical files.
+so the same trace, policy, profile and seed give identical files.
 """
 
 from __future__ import annotations
@@ -13,8 +20,12 @@ import csv
 import json
 import platform
 import sys
+from itertools import chain
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Mapping
+
+import numpy as np
 
 from .metrics import request_rows
 
@@ -56,25 +67,9 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
                 w.writerow([r.id, _cell(r.arrival_s), r.prompt_tokens, r.output_tokens]
                            + [""] * 6 + [status])
 
-    with open(out / "tokens.csv", "w", newline="") as f:
-        f.write("request_id,token_index,time_s\n")
-        for r in result.requests:
-            rid = r.id
-            f.writelines(f"{rid},{i},{t!r}\n" for i, t in enumerate(r.token_times))
-
-    with open(out / "steps.csv", "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(STEP_COLUMNS)
-        for s in result.steps:
-            w.writerow([s.index, _cell(s.start_s), _cell(s.end_s), _cell(s.predicted_s),
-                        _cell(s.measured_s), s.decode_rows, s.prefill_tokens, s.passes, s.kv_tokens])
-
-    with open(out / "passes.csv", "w", newline="") as f:
-        f.write("step,pass,request_id,kind,tokens,start_s,end_s\n")
-        for step, k, t0, t1, p in result.passes:
-            tail = f",{t0!r},{t1!r}\n"
-            f.writelines(f"{step},{k},{rid},decode,1{tail}" for rid in p.decode)
-            f.writelines(f"{step},{k},{rid},prefill,{n}{tail}" for rid, n in p.prefill)
+    write_steps(out / "steps.parquet", result.steps)
+    write_tokens(out / "tokens.parquet", result.requests)
+    write_passes(out / "passes.parquet", result.requests, result.passes)
 
     info = {
         "wall_s": result.wall_s,
@@ -86,3 +81,85 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     }
     (out / "meta.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
     return out
+
+
+def write_steps(path: Path, steps) -> None:
+    """steps.parquet: one row per step; measured_s is null in a simulation."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = len(steps)
+    cols = list(zip(*steps)) if n else [()] * len(STEP_COLUMNS)
+    types = (np.int64, np.float64, np.float64, np.float64, None, np.int32, np.int64, np.int16, np.int64)
+    data = {}
+    for name, col, dt in zip(STEP_COLUMNS, cols, types):
+        if dt is None:  # measured_s: None in a simulation
+            data[name] = pa.array(col, type=pa.float64(), from_pandas=True)
+        else:
+            data[name] = np.fromiter(col, dtype=dt, count=n)
+    pq.write_table(pa.table(data), path, compression="zstd")
+
+
+def _ids(requests):
+    import pyarrow as pa
+
+    return pa.array([r.id for r in requests], type=pa.string())
+
+
+def write_tokens(path: Path, requests) -> None:
+    """tokens.parquet from every request's token times, built as columns (no per-row Python)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    counts = np.fromiter(map(len, map(_TOKEN_TIMES, requests)), dtype=np.int64, count=len(requests))
+    total = int(counts.sum())
+    times = np.fromiter(chain.from_iterable(map(_TOKEN_TIMES, requests)), dtype=np.float64, count=total)
+    owner = np.repeat(np.arange(len(requests), dtype=np.int32), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    index = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+    table = pa.table({
+        "request_id": pa.DictionaryArray.from_arrays(pa.array(owner), _ids(requests)),
+        "token_index": index,
+        "time_s": times,
+    })
+    pq.write_table(table, path, compression="zstd")
+
+
+def write_passes(path: Path, requests, passes) -> None:
+    """passes.parquet: per pass, its decode rows then its prefill chunks, as columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pos = {r.id: i for i, r in enumerate(requests)}
+    n = len(passes)
+    dec = [p.decode for *_, p in passes]
+    pre = [p.prefill for *_, p in passes]
+    nd = np.fromiter(map(len, dec), dtype=np.int64, count=n)
+    npf = np.fromiter(map(len, pre), dtype=np.int64, count=n)
+    d_owner = np.fromiter(map(pos.__getitem__, chain.from_iterable(dec)), dtype=np.int32, count=int(nd.sum()))
+    chunks = list(chain.from_iterable(pre))
+    p_owner = np.fromiter(map(pos.__getitem__, map(_FIRST, chunks)), dtype=np.int32, count=len(chunks))
+    p_tokens = np.fromiter(map(_SECOND, chunks), dtype=np.int32, count=len(chunks))
+    seq = np.arange(n)
+    # decode rows first within each pass (a stable sort on the pass keeps that order)
+    which = np.concatenate([np.repeat(seq, nd), np.repeat(seq, npf)])
+    order = np.argsort(which, kind="stable")
+    which = which[order]
+    cols = [np.fromiter(map(itemgetter(k), passes), dtype=dt, count=n)
+            for k, dt in ((0, np.int64), (1, np.int32), (2, np.float64), (3, np.float64))]
+    kind = np.concatenate([np.zeros(len(d_owner), np.int8), np.ones(len(p_owner), np.int8)])[order]
+    table = pa.table({
+        "step": cols[0][which],
+        "pass": cols[1][which],
+        "request_id": pa.DictionaryArray.from_arrays(
+            pa.array(np.concatenate([d_owner, p_owner])[order]), _ids(requests)),
+        "kind": pa.DictionaryArray.from_arrays(pa.array(kind), pa.array(["decode", "prefill"])),
+        "tokens": np.concatenate([np.ones(len(d_owner), np.int32), p_tokens])[order],
+        "start_s": cols[2][which],
+        "end_s": cols[3][which],
+    })
+    pq.write_table(table, path, compression="zstd")
+
+
+_TOKEN_TIMES = attrgetter("token_times")
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)

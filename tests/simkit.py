@@ -59,3 +59,19 @@ class Bench:
     def plan(self, policy) -> Plan:
         self.view.now = self.t
         return policy.plan(self.view)
+
+
+def read_table(path) -> list[dict]:
+    """Rows of a run directory's table (requests.csv, or a Parquet table such as
+    tokens.parquet) as dicts of plain values; a missing value is ''."""
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix != ".parquet":
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    import pandas as pd
+
+    df = pd.read_parquet(path).astype(object)
+    return df.where(df.notna(), "").to_dict("records")

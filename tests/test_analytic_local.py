@@ -3,7 +3,6 @@ cpu-local's factors to calibration samples, and validate --hardware cpu-local en
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import random
@@ -22,6 +21,8 @@ from analysis.analytic.local import BLOCK_KEY, efficiency_from_block, fit_local,
 from sim.cost import pass_features
 from analysis.validation import METRICS
 from traces.schema import Request
+
+from simkit import read_table
 
 BIN = Path(sys.executable).parent
 
@@ -332,11 +333,9 @@ def test_validate_hardware_cpu_local_end_to_end(tmp_path):
     finally:
         del os.environ["SCHEDLAB_CACHE_DIR"]
     res = run(reqs, make_policy("mlx-default"), cm, kv_capacity=262144, trace_name="tiny-trace")
-    with (out / "sim" / "steps.csv").open() as fh:
-        sim_pred = [float(r["predicted_s"]) for r in csv.DictReader(fh)]
+    sim_pred = [float(r["predicted_s"]) for r in read_table(out / "sim" / "steps.parquet")]
     assert sim_pred == pytest.approx([s.predicted_s for s in res.steps], rel=1e-9)
     # ...and the real run's first step (the same plan at t = 0) was predicted by it too
-    with (out / "real" / "steps.csv").open() as fh:
-        real_rows = list(csv.DictReader(fh))
+    real_rows = read_table(out / "real" / "steps.parquet")
     assert float(real_rows[0]["predicted_s"]) == pytest.approx(res.steps[0].predicted_s, rel=1e-9)
     assert all(math.isfinite(float(r["measured_s"])) for r in real_rows)

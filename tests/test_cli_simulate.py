@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from simkit import KNOWN
+from simkit import KNOWN, read_table
 
 BIN = Path(sys.executable).parent
 
@@ -49,10 +48,6 @@ def test_summary_for_a_bundled_trace_from_any_directory(tmp_path, profile):
     assert "Successful requests:                     300" in out
 
 
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
 
 def test_out_dir_files_and_their_agreement(tmp_path, profile):
     out = tmp_path / "run"
@@ -68,13 +63,13 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
     assert set(summary["decode_rate_tok_s"]) == {"min", "p50", "max"}
     assert summary["mode"] == "sim" and summary["policy"] == "chunked-prefill"
 
-    reqs = read_csv(out / "requests.csv")
+    reqs = read_table(out / "requests.csv")
     assert list(reqs[0]) == ["id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
                              "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status"]
     assert len(reqs) == summary["requests"] == summary["finished"]
-    tokens = read_csv(out / "tokens.csv")
+    tokens = read_table(out / "tokens.parquet")
     assert len(tokens) == sum(int(r["output_tokens"]) for r in reqs)
-    # requests.csv agrees with tokens.csv: first and last token times, TTFT
+    # requests.csv agrees with tokens.parquet: first and last token times, TTFT
     by_req: dict[str, list[float]] = {}
     for t in tokens:
         by_req.setdefault(t["request_id"], []).append(float(t["time_s"]))
@@ -82,14 +77,14 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
         times = by_req[r["id"]]
         assert float(r["first_token_s"]) == times[0] and float(r["finish_s"]) == times[-1]
         assert float(r["ttft_ms"]) == pytest.approx((times[0] - float(r["arrival_s"])) * 1e3)
-    steps = read_csv(out / "steps.csv")
+    steps = read_table(out / "steps.parquet")
     assert list(steps[0]) == ["step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
                               "prefill_tokens", "passes", "kv_tokens"]
     assert all(s["measured_s"] == "" for s in steps)  # nothing is measured in a simulation
     assert sum(int(s["prefill_tokens"]) for s in steps) == sum(int(r["prompt_tokens"]) for r in reqs)
     for s in steps:  # in simulation a step lasts exactly what was predicted
         assert float(s["end_s"]) - float(s["start_s"]) == pytest.approx(float(s["predicted_s"]), abs=1e-9)
-    passes = read_csv(out / "passes.csv")
+    passes = read_table(out / "passes.parquet")
     prefilled: dict[str, int] = {}
     token_times = {(t["request_id"], float(t["time_s"])) for t in tokens}
     for p in passes:
@@ -110,7 +105,7 @@ def test_same_seed_byte_identical_other_seed_differs(tmp_path, profile):
         return out
 
     a, b, c = go(1, "a"), go(1, "b"), go(2, "c")
-    for f in ("summary.json", "requests.csv", "tokens.csv", "steps.csv"):
+    for f in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet"):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
     assert (a / "requests.csv").read_bytes() != (c / "requests.csv").read_bytes()
 
@@ -188,7 +183,7 @@ def test_prompt_larger_than_kv_capacity_loses_no_other_request(tmp_path, profile
                "--kv-tokens", "1000", "--out", str(out))
     assert_one_line_error(proc, "1 request(s) rejected", "huge", "the other requests ran")
     assert "Successful requests:                     2" in proc.stdout
-    status = {r["id"]: r["status"] for r in read_csv(out / "requests.csv")}
+    status = {r["id"]: r["status"] for r in read_table(out / "requests.csv")}
     assert status == {"small1": "finished", "huge": "rejected", "small2": "finished"}
 
 

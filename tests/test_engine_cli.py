@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -10,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from simkit import read_table
+
 BIN = Path(sys.executable).parent
 
 
 def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "run-real"), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def assert_one_line_error(proc, *fragments):
@@ -37,11 +34,11 @@ def test_run_real_end_to_end(tmp_path):
                "-o", "prefill_step_size=128", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "Serving Benchmark Result" in proc.stdout and "real (MLX)" in proc.stdout
-    for name in ("summary.json", "requests.csv", "tokens.csv", "steps.csv", "meta.json"):
+    for name in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet", "meta.json"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mode"] == "real" and summary["finished"] == summary["requests"] == 10
-    steps = read_csv(out / "steps.csv")
+    steps = read_table(out / "steps.parquet")
     assert steps and all(float(s["measured_s"]) > 0 for s in steps)
     # the bundled profile was measured on tiny, not micro: run-real calibrates micro first (or
     # finds this session's cached calibration), so every step has a prediction beside it
@@ -49,7 +46,7 @@ def test_run_real_end_to_end(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert Path(meta["profile"]).is_file() and json.loads(Path(meta["profile"]).read_text())["model"] == "micro"
     assert abs(sum(float(s["measured_s"]) for s in steps) - sum(float(s["end_s"]) - float(s["start_s"]) for s in steps)) < 1e-6
-    tokens = read_csv(out / "tokens.csv")
+    tokens = read_table(out / "tokens.parquet")
     assert len(tokens) == summary["total_output_tokens"]
     meta = json.loads((out / "meta.json").read_text())
     assert meta["model"] == "micro" and meta["parameters"] > 0 and meta["dtype"] == "float32"
@@ -59,7 +56,7 @@ def test_run_real_end_to_end(tmp_path):
     assert meta["engine"]["joins"] == meta["engine"]["leaves"] == 10
     assert meta["policy_options"]["prefill_step_size"] == 128
     # tokens come at wall-clock times after their arrivals, in order
-    reqs = {r["id"]: r for r in read_csv(out / "requests.csv")}
+    reqs = {r["id"]: r for r in read_table(out / "requests.csv")}
     for r in reqs.values():
         assert float(r["first_token_s"]) > float(r["arrival_s"]) and float(r["finish_s"]) >= float(r["first_token_s"])
 
@@ -78,7 +75,7 @@ def test_profile_predictions_and_blas_mismatch_warning(tmp_path):
     warn = [ln for ln in proc.stderr.splitlines() if "warning" in ln]
     assert len(warn) == 2  # not measured on this model; measured under another BLAS
     assert any("some-other-blas" in w for w in warn) and any("not measured on this model" in w for w in warn)
-    steps = read_csv(out / "steps.csv")
+    steps = read_table(out / "steps.parquet")
     assert all(float(s["predicted_s"]) >= 0.0005 for s in steps) and all(float(s["measured_s"]) > 0 for s in steps)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["kv_tokens"] == 100000 and any("some-other-blas" in w for w in meta["warnings"])

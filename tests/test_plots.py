@@ -8,7 +8,6 @@ The cost coefficients are made up for the tests and mean nothing about any machi
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from policies import make_policy
@@ -24,6 +24,7 @@ from sim import WallClock, run, summarize
 from sim.cost import LinearCostModel
 from sim.output import write_run
 from analysis import plots
+from simkit import read_table
 from traces.schema import Request
 
 COEFFS = {"d_pass": 0.02, "d_rows": 0.001, "d_kv": 1e-6, "p_pass": 0.01, "p_tokens": 2e-4,
@@ -160,12 +161,12 @@ def test_decode_rate_bars_are_the_requests_rates_sorted_with_the_summary_median(
 
 
 def without_passes(path: Path, tmp_path: Path) -> Path:
-    """A copy of a run directory as older runs were written: no passes.csv."""
+    """A copy of a run directory without passes.parquet (the timeline falls back to tokens)."""
     import shutil
 
     d = tmp_path / f"{path.name}-nopasses"
     shutil.copytree(path, d)
-    (d / "passes.csv").unlink()
+    (d / "passes.parquet").unlink()
     return d
 
 
@@ -207,10 +208,9 @@ def test_timeline_window_selects_requests_alive_in_it(runs, tmp_path):
     assert set(d["lanes"]) >= {"q5", "q6"} and "q0" not in d["lanes"]
 
 
-def test_timeline_uses_passes_csv_when_present(runs, tmp_path):
+def test_timeline_uses_passes_when_present(runs, tmp_path):
     path, result = runs["cp"]
-    with open(path / "passes.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(path / "passes.parquet")
     # what the timeline will draw agrees with the run: every token ends a pass holding its
     # request, and each request's prefill chunks add up to its prompt (no preemption here)
     ends = {(r["request_id"], float(r["end_s"])) for r in rows}
@@ -226,11 +226,14 @@ def test_timeline_uses_passes_csv_when_present(runs, tmp_path):
     assert sorted(d["segments"]) == want
 
 
-def test_bad_passes_csv_kind_is_an_error(tmp_path):
+def test_bad_passes_kind_is_an_error(tmp_path):
+    import pandas as pd
+
     out = tmp_path / "run"
     simulate_to(out, "chunked-prefill", make_requests()[:3])
-    text = (out / "passes.csv").read_text().replace(",decode,", ",dekode,", 1)
-    (out / "passes.csv").write_text(text)
+    df = pd.read_parquet(out / "passes.parquet")
+    df["kind"] = df["kind"].astype(str).str.replace("decode", "dekode", n=1)
+    df.to_parquet(out / "passes.parquet")
     with pytest.raises(plots.RunDirError, match="kind must be decode or prefill"):
         plots.load_run(out)
 
@@ -366,7 +369,7 @@ def _break(tmp_path, runs, name, fn):
 @pytest.mark.parametrize("case, expect", [
     ("missing", "no such directory"),
     ("file", "is not a run directory"),
-    ("no_tokens", "missing tokens.csv"),
+    ("no_tokens", "missing tokens.parquet"),
     ("bad_json", "summary.json: invalid JSON"),
     ("bad_number", "column time_s has a non-numeric value"),
     ("binary", "requests.csv"),
@@ -383,16 +386,16 @@ def test_cli_bad_input_is_one_line(runs, tmp_path, case, expect):
         f.write_text("{}")
         args = [f]
     elif case == "no_tokens":
-        args = [_break(tmp_path, runs, case, lambda d: (d / "tokens.csv").unlink())]
+        args = [_break(tmp_path, runs, case, lambda d: (d / "tokens.parquet").unlink())]
     elif case == "bad_json":
         args = [_break(tmp_path, runs, case, lambda d: (d / "summary.json").write_text('{"policy": '))]
     elif case == "bad_number":
-        args = [_break(tmp_path, runs, case, lambda d: (d / "tokens.csv").write_text(
-            "request_id,token_index,time_s\nq0,0,soon\n"))]
+        args = [_break(tmp_path, runs, case, lambda d: pd.DataFrame(
+            {"request_id": ["q0"], "token_index": [0], "time_s": ["soon"]}).to_parquet(d / "tokens.parquet"))]
     elif case == "binary":
         args = [_break(tmp_path, runs, case, lambda d: (d / "requests.csv").write_bytes(b"\xff\xfe\x00garbage\x00" * 50))]
     elif case == "no_column":
-        args = [_break(tmp_path, runs, case, lambda d: (d / "steps.csv").write_text("step,start_s\n0,0.0\n"))]
+        args = [_break(tmp_path, runs, case, lambda d: pd.DataFrame({"step": [0], "start_s": [0.0]}).to_parquet(d / "steps.parquet"))]
     elif case == "window":
         args = [runs["pp"][0], "--window", "3-4"]
     elif case == "format":
