@@ -90,21 +90,32 @@ class _PlanFields(NamedTuple):
     admit: tuple[str, ...]
     preempt: tuple[str, ...]
     passes: tuple[Pass, ...]
+    repeat: int
 
 
 class Plan(_PlanFields):
-    """What one scheduler step does: admissions, preemptions, then passes in order."""
+    """What one scheduler step does: admissions, preemptions, then passes in order.
+
+    ``repeat``: the policy's promise that, for a plan of one decode-only pass, it would plan
+    the very same pass again in each of up to ``repeat`` following steps, as long as no request
+    arrives, none of the pass's rows finishes or is about to (its last token), and the step
+    moved no request between queues (a hand-off from prefilling to decoding). The loop may
+    then run those steps without asking (vLLM's multi-step scheduling does the same); it asks
+    again at the first arrival, at the step that finishes a row, and after ``repeat`` steps.
+    A policy whose decisions read the clock or per-step token counts beyond that leaves it 0.
+    """
 
     __slots__ = ()
 
-    def __new__(cls, admit: Sequence[str] = (), preempt: Sequence[str] = (), passes: Sequence[Pass] = ()):
+    def __new__(cls, admit: Sequence[str] = (), preempt: Sequence[str] = (), passes: Sequence[Pass] = (),
+                repeat: int = 0):
         if type(admit) is not tuple:
             admit = tuple(admit)
         if type(preempt) is not tuple:
             preempt = tuple(preempt)
         if type(passes) is not tuple:
             passes = tuple(passes)
-        return tuple.__new__(cls, (admit, preempt, passes))
+        return tuple.__new__(cls, (admit, preempt, passes, repeat))
 
 
 class PassShape(NamedTuple):
@@ -195,6 +206,16 @@ class Policy(Protocol):
 
 
 # ---------------------------------------------------------------- helpers for policies
+
+#: ``Plan.repeat`` for "the same decode pass until something changes" (the loop bounds it).
+UNTIL_CHANGE = 1 << 30
+
+
+def decode_plan(rows: tuple[str, ...], admit: Sequence[str] = ()) -> Plan:
+    """One decode pass over ``rows``. With no admission it repeats until something changes:
+    for the bundled policies a decode-only plan depends only on the queues' members, the KV
+    budget and whether a row is about to finish, and none of those moves in between."""
+    return Plan(admit=admit, passes=(Pass(decode=rows),), repeat=0 if admit else UNTIL_CHANGE)
 
 
 class OptionError(ValueError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, fifo_chunks, require_positive
+from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, decode_plan, fifo_chunks, require_positive
 
 
 @dataclass
@@ -36,6 +36,8 @@ class ChunkedPrefill(PolicyBase):
         if len(queue) > 1:
             cap = self.long_prefill_threshold or max(1, self.budget // 2)
         chunks = fifo_chunks(queue, self.budget, max_chunk=cap)
+        if not chunks and not admitted and view.decoding:
+            return decode_plan(view.decoding.ids())
         passes = []
         if chunks:
             passes.append(Pass(prefill=tuple(chunks)))

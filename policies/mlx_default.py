@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import (
-    Pass, Plan, PolicyBase, RequestView, SchedulerView, admit_fifo, count_finishing, require_positive,
+    Pass, Plan, PolicyBase, RequestView, SchedulerView, admit_fifo, count_finishing, decode_plan, require_positive,
 )
 
 
@@ -70,6 +70,8 @@ class MlxDefault(PolicyBase):
             passes.append(Pass(decode=rows))
         batch_after = len(rows) - count_finishing(view.decoding) - count_finishing(handoffs)
         admit, prefill = self.prompt_step(view, batch_after)
+        if prefill is None and rows and not admit:
+            return decode_plan(rows)
         if prefill is not None:
             passes.append(prefill)
         return Plan(admit=tuple(admit), passes=tuple(passes))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, require_positive
+from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, decode_plan, require_positive
 
 
 @dataclass
@@ -24,6 +24,8 @@ class Slots(PolicyBase):
         active = len(view.prefilling) + len(view.decoding)
         admitted = admit_fifo(view, self.n_slots - active)
         chunks = tuple((r.id, r.remaining_prompt) for r in list(view.prefilling) + admitted)
+        if not chunks and view.decoding:
+            return decode_plan(view.decoding.ids())
         passes = []
         if chunks:
             passes.append(Pass(prefill=chunks))

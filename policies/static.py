@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, require_positive
+from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, decode_plan, require_positive
 
 
 @dataclass
@@ -22,6 +22,8 @@ class Static(PolicyBase):
         require_positive(self.name, batch_size=self.batch_size)
 
     def plan(self, view: SchedulerView) -> Plan:
+        if view.decoding and not view.prefilling:
+            return decode_plan(view.decoding.ids())
         if view.prefilling or view.decoding:
             passes = []
             if view.prefilling:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, fifo_chunks, require_positive
+from .base import Pass, Plan, PolicyBase, SchedulerView, admit_fifo, decode_plan, fifo_chunks, require_positive
 
 
 @dataclass
@@ -42,6 +42,8 @@ class Unified(PolicyBase):
         chunks = fifo_chunks(running + admitted, budget)
         if not decode and not chunks:
             return Plan(admit=tuple(r.id for r in admitted))
+        if not chunks and not admitted:
+            return decode_plan(decode)
         return Plan(
             admit=tuple(r.id for r in admitted),
             passes=(Pass(decode=decode, prefill=tuple(chunks)),),

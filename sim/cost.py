@@ -155,6 +155,20 @@ class LinearCostModel:
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
         return self._s_step + self._s_row * n_rows
 
+    def decode_run_seconds(self, s: PassShape, k: int) -> list[float]:
+        """``pass_seconds`` of the ``k`` decode passes that follow ``s`` over the same rows, each
+        context one longer each time, nothing joining or leaving: the same terms in the same
+        order, so a run of steps costs exactly what planning them one by one would."""
+        d_pass, d_multi, d_rows, d_kv, d_ctx = self._d[:5]
+        rows = len(s.decode_contexts)
+        base = d_pass + d_rows * rows  # evaluated first in pass_seconds as well
+        multi = d_multi if rows > 1 else None
+        first = max(s.decode_contexts) + 1
+        out = [base + d_kv * (rows * longest) + d_ctx * longest for longest in range(first, first + k)]
+        if multi is not None:
+            out = [t + multi for t in out]
+        return out
+
     # ------------------------------------------------------------------ profiles
     @classmethod
     def from_profile(cls, path: str | Path) -> "LinearCostModel":

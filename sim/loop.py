@@ -12,6 +12,7 @@ is logged beside every step either way, so a real run shows how far the predicti
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -22,6 +23,9 @@ from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
 from .sources import ArrivalSource, TraceSource
 from .state import PlanError, ReplicaState, ReplicaView, RequestState
+
+
+_TOKENS_LEFT = attrgetter("tokens_left")
 
 
 class PolicyError(RuntimeError):
@@ -40,6 +44,41 @@ class StepRecord(NamedTuple):
     kv_tokens: int
 
 
+class _Columns(Sequence):
+    """A log kept as one list per field (a simulated hour has millions of steps and passes:
+    columns are cheap to append to and to write out); reads as a sequence of records."""
+
+    fields: tuple[str, ...] = ()
+    record = staticmethod(lambda *row: row)
+
+    def __init__(self) -> None:
+        self.columns = tuple([] for _ in self.fields)
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.record(*row) for row in zip(*(c[i] for c in self.columns))]
+        return self.record(*(c[i] for c in self.columns))
+
+    def __iter__(self):
+        return map(self.record, *self.columns)
+
+
+class StepLog(_Columns):
+    """Every step: ``StepRecord`` rows; ``columns`` in ``StepRecord``'s field order."""
+
+    fields = StepRecord._fields
+    record = StepRecord
+
+
+class PassLog(_Columns):
+    """Every pass: ``(step, index in step, start_s, end_s, Pass)`` rows."""
+
+    fields = ("step", "pass", "start_s", "end_s", "passes")
+
+
 @dataclass
 class RunResult:
     policy: str
@@ -47,9 +86,9 @@ class RunResult:
     trace: str
     requests: list[RequestState]
     rejected: list[tuple[RequestState, str]]
-    steps: list[StepRecord]
+    steps: StepLog
     wall_s: float
-    passes: list[tuple[int, int, float, float, Pass]] = field(default_factory=list)  # step, index, start, end
+    passes: PassLog = field(default_factory=PassLog)  # (step, index in step, start, end, Pass)
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # set when the run stopped early (the rest is kept)
     kv_capacity: int = 0
@@ -78,8 +117,10 @@ def run(
     env = clock.env
     policy_name = getattr(policy, "name", type(policy).__name__)
     state = ReplicaState((), kv_capacity, policy_name)
-    steps: list[StepRecord] = []
-    pass_log: list[tuple[int, int, float, float, Pass]] = []
+    steps = StepLog()
+    pass_log = PassLog()
+    s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps.columns
+    p_step, p_k, p_start, p_end, p_pass = pass_log.columns
     wall0 = time.perf_counter()
     backend.start(state, source.requests)  # warm-up happens before the clock starts
 
@@ -104,6 +145,53 @@ def run(
     measured = getattr(backend, "cost_model", None) is not cost_model
     next_arrival = source.next_arrival_s
     finished = source.finished
+    # Plan.repeat runs in bulk where the backend can say their seconds at once (and no
+    # callback wants to see every step)
+    repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None else None
+
+    def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
+        """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
+        decode pass until a row is about to finish, a request arrives, or ``repeat`` runs out.
+        Every step is recorded (and timed) as if it had been planned on its own."""
+        nxt = next_arrival()
+        k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)
+        if k <= 0 or (nxt is not None and nxt <= t_end):
+            return t_end
+        rows = len(p.decode)
+        predicted_overhead = overhead(1, rows)
+        advance = backend.step_overhead(predicted_overhead)
+        seconds = repeat_decode(shape, k)
+        starts, pass_starts, ends = [], [], []
+        t = t_end
+        for s in seconds:
+            starts.append(t)
+            clock.advance(advance)
+            pass_starts.append(clock.now())
+            clock.advance(s)
+            t = clock.now()
+            ends.append(t)
+            if nxt is not None and t >= nxt:
+                break  # an arrival is due: the policy plans the next step
+        m = len(ends)
+        if record_steps:
+            index = range(state.step_index, state.step_index + m)
+            kv0 = state.kv_used
+            s_index.extend(index)
+            s_start.extend(starts)
+            s_end.extend(ends)
+            s_pred.extend([predicted_overhead + s for s in seconds[:m]])
+            s_meas.extend([None] * m)
+            s_rows.extend([rows] * m)
+            s_ptoks.extend([0] * m)
+            s_passes.extend([1] * m)
+            s_kv.extend(range(kv0 + rows, kv0 + rows * (m + 1), rows))
+            p_step.extend(index)
+            p_k.extend([0] * m)
+            p_start.extend(pass_starts)
+            p_end.extend(ends)
+            p_pass.extend([p] * m)
+        state.repeat_decode(p, ends)
+        return t
 
     def replica():
         nonlocal wake
@@ -145,6 +233,8 @@ def run(
             predicted = overhead(len(passes), n_rows)
             clock.advance(backend.step_overhead(predicted))  # planning comes first
             rows = ptoks = 0
+            ended = False
+            prefilling = len(state.prefilling)
             for k, p in enumerate(passes):
                 shape = state.shape(p)
                 t_pass = clock.now()
@@ -156,18 +246,34 @@ def run(
                 if p.prefill:
                     ptoks += shape.prefill_tokens
                 if record_steps:
-                    pass_log.append((state.step_index, k, t_pass, t, p))
+                    p_step.append(state.step_index)
+                    p_k.append(k)
+                    p_start.append(t_pass)
+                    p_end.append(t)
+                    p_pass.append(p)
                 for r in state.apply_pass(p, t):
+                    ended = True
                     backend.release(r)
                     finished(r, t)
             t_end = clock.now()
             if record_steps:
-                steps.append(StepRecord(
-                    state.step_index, t0, t_end, predicted, (t_end - t0) if measured else None,
-                    rows, ptoks, len(passes), state.kv_used))
+                s_index.append(state.step_index)
+                s_start.append(t0)
+                s_end.append(t_end)
+                s_pred.append(predicted)
+                s_meas.append((t_end - t0) if measured else None)
+                s_rows.append(rows)
+                s_ptoks.append(ptoks)
+                s_passes.append(len(passes))
+                s_kv.append(state.kv_used)
             state.step_index += 1
             if on_step is not None:
                 on_step(state)
+            if plan.repeat and repeat_decode is not None and not ended and len(passes) == 1 \
+                    and not passes[0].prefill and len(state.prefilling) == prefilling:
+                # (no row finished and none was handed off from prefilling: the queues are
+                # as the policy saw them)
+                t_end = run_repeats(plan.repeat, passes[0], shape, t_end)
             ev = clock.sync(next_arrival())
             if ev is not None:
                 yield ev

@@ -67,7 +67,7 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
                 w.writerow([r.id, _cell(r.arrival_s), r.prompt_tokens, r.output_tokens]
                            + [""] * 6 + [status])
 
-    write_steps(out / "steps.parquet", result.steps)
+    write_steps(out / "steps.parquet", result.steps.columns)
     write_tokens(out / "tokens.parquet", result.requests)
     write_passes(out / "passes.parquet", result.requests, result.passes)
 
@@ -83,13 +83,12 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     return out
 
 
-def write_steps(path: Path, steps) -> None:
-    """steps.parquet: one row per step; measured_s is null in a simulation."""
+def write_steps(path: Path, cols) -> None:
+    """steps.parquet from the step log's columns; measured_s is null in a simulation."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    n = len(steps)
-    cols = list(zip(*steps)) if n else [()] * len(STEP_COLUMNS)
+    n = len(cols[0])
     types = (np.int64, np.float64, np.float64, np.float64, None, np.int32, np.int64, np.int16, np.int64)
     data = {}
     for name, col, dt in zip(STEP_COLUMNS, cols, types):
@@ -132,8 +131,9 @@ def write_passes(path: Path, requests, passes) -> None:
 
     pos = {r.id: i for i, r in enumerate(requests)}
     n = len(passes)
-    dec = [p.decode for *_, p in passes]
-    pre = [p.prefill for *_, p in passes]
+    step_col, k_col, start_col, end_col, pass_col = passes.columns
+    dec = [p.decode for p in pass_col]
+    pre = [p.prefill for p in pass_col]
     nd = np.fromiter(map(len, dec), dtype=np.int64, count=n)
     npf = np.fromiter(map(len, pre), dtype=np.int64, count=n)
     d_owner = np.fromiter(map(pos.__getitem__, chain.from_iterable(dec)), dtype=np.int32, count=int(nd.sum()))
@@ -145,8 +145,8 @@ def write_passes(path: Path, requests, passes) -> None:
     which = np.concatenate([np.repeat(seq, nd), np.repeat(seq, npf)])
     order = np.argsort(which, kind="stable")
     which = which[order]
-    cols = [np.fromiter(map(itemgetter(k), passes), dtype=dt, count=n)
-            for k, dt in ((0, np.int64), (1, np.int32), (2, np.float64), (3, np.float64))]
+    cols = [np.fromiter(c, dtype=dt, count=n)
+            for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))]
     kind = np.concatenate([np.zeros(len(d_owner), np.int8), np.ones(len(p_owner), np.int8)])[order]
     table = pa.table({
         "step": cols[0][which],

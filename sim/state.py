@@ -335,6 +335,18 @@ class ReplicaState:
         leaves = len(batch) - (len(decode) - joins) + finishing
         return PassShape(ctx, tuple(chunks), padded, len(batch), joins, leaves, tuple(done))
 
+    def repeat_decode(self, p: Pass, times: Sequence[float]) -> None:
+        """Apply the same decode pass again, once per time in ``times`` (each a pass end), to
+        rows that all stay decoding through it (``Plan.repeat``: the loop has checked that none
+        finishes); one step each."""
+        m = len(times)
+        for r in map(self.by_id.__getitem__, p.decode):
+            r.token_times.extend(times)
+            r._left -= m
+            r._ctx += m
+        self.kv_used += len(p.decode) * m
+        self.step_index += m
+
     def _check_decode(self, rid, r: RequestState | None) -> int:
         if r is None:
             raise self._fail(f"decodes unknown request {rid!r}")
