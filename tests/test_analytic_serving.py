@@ -347,3 +347,28 @@ def test_the_serving_model_is_not_slower_on_the_hot_path(a100):
     shapes = [PassShape(decode_contexts=tuple(rng.randint(100, 4000) for _ in range(rng.randint(1, 128))),
                         prefill=((rng.randint(1, 512), rng.randint(0, 3000)),)) for _ in range(500)]
     assert _interpreter_events(a100, shapes) <= _interpreter_events(old, shapes)  # ~34 vs ~40 per pass
+
+
+def test_the_recorded_h100_check_is_what_the_vllm_engine_gives(tmp_path):
+    """bench/results/gpu_h100_check.json (real H100 passes, bench/gpu_check.py) is today's model's, and
+    the README quotes it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "check.json"
+    assert mod.main(["--no-fit", "--out", str(out)]) == 0
+    now = json.loads(out.read_text())
+    rec = json.loads((REPO / "bench" / "results" / "gpu_h100_check.json").read_text())
+    assert rec["cost_model"]["engine"] == now["cost_model"]["engine"] == "vllm"
+    for variant, kinds in now["summary"].items():
+        for kind, st in kinds.items():
+            r = rec["summary"][variant][kind]
+            assert r["worst_pass"] == st["worst_pass"] and r["n"] == st["n"], (variant, kind)
+            for k in ("median_abs_err", "worst_abs_err", "median_ratio"):
+                assert r[k] == pytest.approx(st[k], rel=1e-9), (variant, kind, k)
+    readme = (REPO / "README.md").read_text()
+    for kind in ("prefill", "decode"):
+        s = rec["summary"]["fused_graph"][kind]
+        assert f"**{100 * s['median_abs_err']:.1f} % / {100 * s['worst_abs_err']:.1f} %**" in readme, kind
