@@ -3,8 +3,8 @@
 Reads what ``bench/gpu_kernels.py`` measured on a real GPU (``bench/results/gpu_h100_passes.json``:
 Llama-3.1-8B-shaped forward passes, bf16, PyTorch with cuBLAS GEMMs and FlashAttention-2) and
 predicts every pass with whatever ``analysis.analytic`` is importable when this runs
-(``make_analytic_cost_model(hardware, model_config, quant)``, default ``h100-sxm``,
-``llama-3.1-8b``, 16 bits), so that a refit of the presets can be re-checked by running it
+(``make_analytic_cost_model(hardware, model_config, quant, engine=engine)``, default ``h100-sxm``,
+``llama-3.1-8b``, 16 bits, the preset's default engine: ``vllm`` on NVIDIA presets), so that a refit of the presets can be re-checked by running it
 again. Per pass: measured ms (each variant), predicted ms, ratio predicted / measured,
 |error| = |ratio - 1|, which roofline term binds, the pass at unit efficiency (datasheet peaks,
 and the machine's measured ceilings) and the fraction of peak the real pass reached. Summary:
@@ -16,7 +16,7 @@ Variants (see ``bench/gpu_kernels.py``): ``fused_graph`` (the default primary: f
 element-wise ops and CUDA graphs, the closest to a vLLM-class engine), ``graph``, ``eager``.
 
     PYTHONPATH=$PWD python bench/gpu_check.py [--measured bench/results/gpu_h100_passes.json]
-        [--hardware h100-sxm] [--model-config llama-3.1-8b] [--quant 16] [--variant fused_graph]
+        [--hardware h100-sxm] [--model-config llama-3.1-8b] [--quant 16] [--engine vllm|llama.cpp] [--variant fused_graph]
         [--out bench/results/gpu_h100_check.json]
 """
 
@@ -112,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", default="h100-sxm")
     ap.add_argument("--model-config", default="llama-3.1-8b")
     ap.add_argument("--quant", type=int, default=16)
+    ap.add_argument("--engine", default=None, help="whose factors (vllm, llama.cpp, mlx-lm; default: the preset's)")
     ap.add_argument("--variant", default="fused_graph", choices=VARIANTS, help="the primary measured variant")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_h100_check.json"))
     ap.add_argument("--no-fit", action="store_true")
     args = ap.parse_args(argv)
 
     meas = json.loads(Path(args.measured).read_text())
-    cost, _kv, meta = make_analytic_cost_model(args.hardware, args.model_config, args.quant)
+    cost, _kv, meta = make_analytic_cost_model(args.hardware, args.model_config, args.quant, engine=args.engine)
     peak, bw = cost.peak, cost.hardware.bandwidth
     ceil = meas.get("ceilings", {})
     m_peak = ceil.get("gemm_bf16", {}).get("tflops_median", 0.0) * 1e12
@@ -161,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                               "copy_tbps_read_plus_write": ceil.get("copy", {}).get("tbps_read_plus_write_median")},
         "cost_model": {"hardware": args.hardware, "model_config": args.model_config, "quant": args.quant,
                        "git": git_rev(), "peak_tflops": peak / 1e12, "bandwidth_tbps": bw / 1e12,
-                       "efficiency_applied": meta.get("efficiency_applied"), "style": meta.get("style"),
+                       "engine": cost.hardware.engine or meta.get("engine"),
+                       "efficiency_applied": meta.get("efficiency_applied") or meta.get("serving_efficiency"),
+                       "style": meta.get("style"),
                        "step_overhead_s": cost.efficiency.step_overhead_s},
         "primary_variant": args.variant,
         "summary": summary,
@@ -172,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
     v = args.variant
-    eff = meta.get("efficiency_applied", {})
-    print(f"{args.hardware} (e_c {eff.get('compute')}, e_b {eff.get('bandwidth')}, "
+    eff = meta.get("efficiency_applied") or meta.get("serving_efficiency") or {}
+    print(f"{args.hardware}, engine {cost.hardware.engine or '-'} (e_c {eff.get('compute')}, e_b {eff.get('bandwidth')}, "
           f"o {eff.get('overhead_per_layer_s')} s/layer) vs {meas.get('env', {}).get('gpu')}; measured = {v}")
     print(f"{'pass':26s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s} {'eager':>8s} {'roofline':>8s} {'bound':>7s}")
     for r in rows:

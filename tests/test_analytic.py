@@ -13,7 +13,7 @@ import pytest
 from policies import make_policy
 from policies.base import CostModel, PassShape
 from sim import run
-from analysis.analytic import (AnalyticError, Efficiency, analytic_from_config, fit_efficiency,
+from analysis.analytic import (AnalyticError, Efficiency, analytic_from_config, engine_kind, fit_efficiency,
                           kv_capacity_tokens, load_hardware, load_model_config,
                           make_analytic_cost_model, model_spec)
 from analysis.analytic.fit import load_benchmarks, point_model, predict_point, refit
@@ -116,8 +116,8 @@ def test_bad_configs_are_one_line_errors(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def h100_8b():
-    return make_analytic_cost_model("h100-sxm", "llama-3.1-8b", 16)[0]
+def h100_8b():  # the plain roofline (the published-figure fit's engine); the vllm engine: test_analytic_serving.py
+    return make_analytic_cost_model("h100-sxm", "llama-3.1-8b", 16, engine="llama.cpp")[0]
 
 
 def test_it_is_a_cost_model(h100_8b):
@@ -181,7 +181,7 @@ def test_a_mixed_pass_costs_at_least_each_of_its_parts(style):
 
 
 def test_pass_seconds_is_the_sum_of_its_forwards():
-    cm = make_analytic_cost_model("l40s", "qwen3-30b-a3b", 8)[0]
+    cm = make_analytic_cost_model("l40s", "qwen3-30b-a3b", 8, engine="llama.cpp")[0]
     rng = random.Random(3)
     for _ in range(300):
         s = PassShape(decode_contexts=tuple(rng.randint(1, 5000) for _ in range(rng.randint(0, 8))),
@@ -258,7 +258,8 @@ def test_predictions_of_the_fitted_figures_are_within_the_reported_residuals(fit
     bench = load_benchmarks()
     presets = read_hardware_file()["presets"]
     for name in fits:
-        hw = load_hardware(name)  # the stored efficiency, as a user gets it
+        # the stored efficiency, as a user of that engine gets it (NVIDIA presets default to vllm)
+        hw = load_hardware(name, engine=engine_kind(presets[name]["efficiency"]["engine"]))
         bound = presets[name]["efficiency"]["fit"]["max_abs_residual"]
         points = [p for p in bench["points"] if p["hardware"] == name and p.get("role", "fit") == "fit"]
         assert points
@@ -353,7 +354,7 @@ def test_weights_that_do_not_fit_are_a_one_line_error():
 
 @pytest.mark.parametrize("args,fragment", [
     (("m9", "qwen3-4b", 4), "unknown hardware 'm9' (presets: a100-40gb-sxm"),
-    (("m4-max", "qwen9", 4), "unknown model config 'qwen9' (bundled: llama-3.1-8b"),
+    (("m4-max", "qwen9", 4), "unknown model config 'qwen9' (bundled: llama-2-7b, llama-3.1-8b"),
     (("m4-max", "qwen3-4b", 7), "--quant must be one of"),
 ])
 def test_unknown_names_list_the_choices(args, fragment):

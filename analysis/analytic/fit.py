@@ -489,7 +489,8 @@ def _bare_hardware(name: str) -> Hardware:
     data = read_hardware_file()
     if name not in data["presets"]:
         raise AnalyticError(f"benchmarks name an unknown preset '{name}'")
-    return hardware_from_preset(name, {k: v for k, v in data["presets"][name].items() if k != "efficiency"})
+    return hardware_from_preset(name, {k: v for k, v in data["presets"][name].items()
+                                       if k not in ("efficiency", "engines", "default_engine")})
 
 
 def fit_preset(name: str, bench: Mapping[str, Any], done: Mapping[str, PresetFit] | None = None) -> PresetFit:
@@ -612,13 +613,17 @@ def presets_report(data: Mapping[str, Any]) -> str:
          "are dense (no 2:4 sparsity); the compute column is the dtype the roofline uses (fp16 tensor rate on",
          "NVIDIA; on Apple GPUs fp16 runs at the fp32 rate). Figures marked * are derived or uncertain: see",
          "the note beside them in `hardware.json`. `cpu-local` is measured on first use and cached.", "",
-         "| preset | name | memory GB | bandwidth GB/s | peak TFLOP/s (compute dtype) | efficiency basis |",
-         "|---|---|---:|---:|---:|---|"]
+         "Efficiencies belong to an engine: *default engine* is the one `--hardware` uses (`vllm`: a GPU serving",
+         "engine, factors fitted to serving kernels, `SERVING.md`); *published fit* is the `mlx-lm` / `llama.cpp`",
+         "fit to single-request figures (`EFFICIENCY.md`), available as `engine=\"llama.cpp\"` / `\"mlx-lm\"`.",
+         "One GPU per replica: tensor parallelism is not modelled.", "",
+         "| preset | name | memory GB | bandwidth GB/s | peak TFLOP/s (compute dtype) | default engine | published fit (engine, basis) |",
+         "|---|---|---:|---:|---:|---|---|"]
     presets = data["presets"]
     for name in sorted(presets):
         p = presets[name]
         if name == "cpu-local":
-            L.append(f"| {name} | {p['name']} | measured | measured | measured (fp32) | prior: fit yours |")
+            L.append(f"| {name} | {p['name']} | measured | measured | measured (fp32) | mlx (CPU) | prior: fit yours |")
             continue
         dt = p["default_compute"]
         peak = p["peak_tflops"][dt]
@@ -629,8 +634,16 @@ def presets_report(data: Mapping[str, Any]) -> str:
 
         eff = p.get("efficiency", {})
         basis = eff.get("basis", "default") + (f" from {eff['from']}" if eff.get("from") else "")
+        pub = str(eff.get("engine", "")).split(" ")[0] or "-"
+        default = p.get("default_engine")
+        if default and default in (p.get("engines") or {}):
+            blk = p["engines"][default]
+            default = f"{default} ({blk.get('basis', '')}{' from ' + blk['from'] if blk.get('from') else ''})"
+        else:
+            default = f"{pub} (published fit)"
         L.append(f"| {name} | {p['name']} | {p['memory_gb']['value']:g}{mark(p['memory_gb'])} | "
-                 f"{p['bandwidth_gbs']['value']:g}{mark(p['bandwidth_gbs'])} | {peak['value']:g}{mark(peak)} ({dt}) | {basis} |")
+                 f"{p['bandwidth_gbs']['value']:g}{mark(p['bandwidth_gbs'])} | {peak['value']:g}{mark(peak)} ({dt}) | "
+                 f"{default} | {pub}, {basis} |")
     L += ["", "## Sources of each figure", ""]
     for name in sorted(presets):
         p = presets[name]
@@ -663,7 +676,8 @@ def efficiency_report(results: Mapping[str, PresetFit], bench: Mapping[str, Any]
          "known not to describe); their residual is published tok/s / predicted tok/s - 1, the same sign convention.", "",
          "The factors belong to the engine that produced the figures: MLX for the M4 family, llama.cpp (May 2024",
          "builds) for the other chips. On H100/A100/L40S llama.cpp reaches only ~20-30% of peak FLOP/s in a",
-         "512-token prefill, far from vLLM / TensorRT-LLM, so those presets are conservative for such engines.",
+         "512-token prefill, far from vLLM / TensorRT-LLM: the NVIDIA presets therefore default to the `vllm`",
+         "engine, fitted to serving kernels (`SERVING.md`); these factors stay available as `engine=\"llama.cpp\"`.",
          "Refit with your own measurements (`fit_efficiency`) when you can.", "",
          "| preset | engine | compute | bandwidth | overhead/layer | MoE compute / bw / overhead | fit points | max abs residual | rms | held-out (70B) max abs |",
          "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]

@@ -181,6 +181,10 @@ class Hardware:
     efficiency: Efficiency
     family: str = ""
     info: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    #: the engine whose factors apply (``vllm``, ``mlx-lm``, ``llama.cpp``: see analysis.analytic.serving)
+    engine: str = ""
+    #: the ``vllm`` engine's factors (a ServingEfficiency) when ``engine == "vllm"``
+    serving: Any = field(default=None, compare=False, repr=False)
 
     def peak(self, dtype: str | None = None) -> float:
         d = _DTYPE_ALIASES.get((dtype or self.default_compute).lower(), (dtype or self.default_compute).lower())
@@ -191,8 +195,13 @@ class Hardware:
     def with_efficiency(self, eff: Efficiency) -> "Hardware":
         return replace(self, efficiency=eff)
 
+    def engines(self) -> list[str]:
+        """The engines this preset has factors for."""
+        return preset_engines(self.info)
+
     def summary(self) -> dict[str, Any]:
-        return {"hardware": self.name, "hardware_title": self.title, "memory_gb": self.memory_bytes / 1e9,
+        return {"hardware": self.name, "hardware_title": self.title, "engine": self.engine,
+                "memory_gb": self.memory_bytes / 1e9,
                 "bandwidth_gbs": self.bandwidth / 1e9,
                 "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
                 "compute_dtype": self.default_compute, "efficiency": self.efficiency.to_dict()}
@@ -226,7 +235,31 @@ def _value(preset: Mapping[str, Any], key: str, name: str) -> float:
     return float(v)
 
 
-def hardware_from_preset(name: str, preset: Mapping[str, Any]) -> Hardware:
+def _published_engine(preset: Mapping[str, Any]) -> str:
+    """The engine kind of a preset's published-figure ``efficiency`` block ('' when unknown)."""
+    from .serving import engine_kind
+
+    eff = preset.get("efficiency") or {}
+    try:
+        return engine_kind(str(eff.get("engine", "")))
+    except AnalyticError:
+        return ""
+
+
+def preset_engines(preset: Mapping[str, Any]) -> list[str]:
+    """Engines a preset has factors for: its published-figure block's, then ``engines``' keys."""
+    out = []
+    pub = _published_engine(preset)
+    if pub:
+        out.append(pub)
+    for k in (preset.get("engines") or {}):
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def hardware_from_preset(name: str, preset: Mapping[str, Any], engine: str | None = None) -> Hardware:
+    """A preset as a Hardware; ``engine``: whose factors (default: the preset's ``default_engine``)."""
     peaks = {}
     for dtype, fig in (preset.get("peak_tflops") or {}).items():
         v = fig.get("value") if isinstance(fig, Mapping) else fig
@@ -237,15 +270,37 @@ def hardware_from_preset(name: str, preset: Mapping[str, Any]) -> Hardware:
     kind = str(preset.get("kind", "nvidia-gpu"))
     eff_block = preset.get("efficiency")
     eff = Efficiency.from_dict(eff_block) if eff_block else DEFAULT_EFFICIENCY.get(kind, DEFAULT_EFFICIENCY["nvidia-gpu"])
+    serving = None
+    chosen = _published_engine(preset) if eff_block else ""
+    want = engine if engine is not None else preset.get("default_engine")
+    if want:
+        from .serving import ENGINES, ServingEfficiency
+
+        want = str(want).strip().lower()
+        if want not in ENGINES:
+            raise AnalyticError(f"unknown engine '{want}' (engines: {', '.join(ENGINES)})")
+        blocks = preset.get("engines") or {}
+        if want in blocks:
+            serving = ServingEfficiency.from_dict(blocks[want])
+            eff = serving.plain()
+            chosen = want
+        elif want != chosen:
+            have = ", ".join(preset_engines(preset)) or "none"
+            raise AnalyticError(f"hardware preset {name} has no factors for engine '{want}' (has: {have})")
     return Hardware(name=name, title=str(preset.get("name", name)), kind=kind,
                     memory_bytes=_value(preset, "memory_gb", name) * 1e9,
                     bandwidth=_value(preset, "bandwidth_gbs", name) * 1e9, peak_flops=peaks,
                     default_compute=str(preset.get("default_compute", "fp16")), efficiency=eff,
-                    family=str(preset.get("family", "")), info=dict(preset))
+                    family=str(preset.get("family", "")), info=dict(preset), engine=chosen, serving=serving)
 
 
-def load_hardware(name: str, *, cache_dir: str | Path | None = None, remeasure: bool = False) -> Hardware:
-    """A preset by name (case-insensitive); ``cpu-local`` is measured (and cached)."""
+def load_hardware(name: str, *, cache_dir: str | Path | None = None, remeasure: bool = False,
+                  engine: str | None = None) -> Hardware:
+    """A preset by name (case-insensitive); ``cpu-local`` is measured (and cached).
+
+    ``engine``: whose factors to use (``vllm``, ``mlx-lm``, ``llama.cpp``); default the
+    preset's ``default_engine`` (``vllm`` on NVIDIA GPUs), else its published-figure fit's.
+    """
     data = read_hardware_file()
     presets = data["presets"]
     key = str(name).strip().lower()
@@ -262,7 +317,7 @@ def load_hardware(name: str, *, cache_dir: str | Path | None = None, remeasure: 
         preset["peak_tflops"] = {"fp32": {"value": m["gemm_gflops"] / 1e3, "sources": src,
                                           "note": f"numpy float32 matmul, n={m['gemm_n']}, best of {m['repeats']}"}}
         preset["measurement"] = m
-    return hardware_from_preset(key, preset)
+    return hardware_from_preset(key, preset, engine)
 
 
 # ---------------------------------------------------------------------- cpu-local

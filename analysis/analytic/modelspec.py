@@ -24,7 +24,8 @@ attention_bias, mlp_bias     biases (Qwen2 has q/k/v biases by model type)
 kv_lora_rank, q_lora_rank    DeepSeek multi-head latent attention (compressed KV cache)
 ===========================  ===========================================================
 
-Every MLP is gated (gate, up, down: 3 x H x width), as in all the families above. Norms
+Every MLP is gated (gate, up, down: 3 x H x width), as in all the families above, except
+``model_type: phi`` (Phi-2: fc1 and fc2 with biases, 2 x H x width). Norms
 (2 per layer, the final one, Qwen3's per-head q/k norms) are counted in the totals and stay
 16-bit under quantisation; they are too small to matter to time.
 """
@@ -241,7 +242,11 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     inter = _int(cfg, "intermediate_size") or 4 * h
     n_exp = (_int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts") or 0)
     top_k = _int(cfg, "num_experts_per_tok") or (_int(cfg, "top_k") or 0)
-    gated_mlp = lambda width: 3 * h * width + (2 * width + h if mlp_bias else 0)  # noqa: E731
+    # gated (gate, up, down) everywhere but Phi's plain fc1/fc2 MLP (with biases)
+    if mtype == "phi":
+        gated_mlp = lambda width: 2 * h * width + width + h  # noqa: E731
+    else:
+        gated_mlp = lambda width: 3 * h * width + (2 * width + h if mlp_bias else 0)  # noqa: E731
     dense_mlp = gated_mlp(inter)
     expert = shared = 0
     moe_layers = 0

@@ -93,6 +93,10 @@ class Forward(NamedTuple):
     copies: float = 0.0  # copy events (joins, leaves) that go with this forward
     decode: bool = False  # decode rows: their attention is decode attention
     partial_tokens: float = 0.0  # tokens whose last layer computes only its keys and values (lazy)
+    # the vllm engine's one forward per pass (analysis.analytic.serving) keeps what its kernels need:
+    rows: int = 0  # decode rows
+    decode_kv: float = 0.0  # KV tokens the decode rows read, summed
+    chunks: tuple = ()  # (tokens, cached) of each prefill chunk
 
 
 class AnalyticCostModel:
