@@ -13,7 +13,7 @@ The protocol (``engine.MLXBackend`` implements it for real forward passes):
 - ``release(request)``: free a request's KV (finished or preempted);
 - ``finish() -> dict``: once after the run; metadata for summary.json.
 
-Optional: ``repeat_decode(shape, k) -> [seconds]``, the seconds of the ``k`` decode passes that
+Optional: ``repeat_decode(shape, k) -> iterator of seconds``, of the ``k`` decode passes that
 follow a decode pass of ``shape`` over the same rows (a ``Plan.repeat`` run). A backend that has
 it lets the loop run such steps in bulk; one that does not (a real engine must compute every
 token) runs them one by one, still without asking the policy.
@@ -21,7 +21,7 @@ token) runs them one by one, still without asking the policy.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 from policies.base import CostModel, Pass, PassShape
 
@@ -62,13 +62,13 @@ class SimBackend:
     def step_overhead(self, predicted_s: float) -> float:
         return predicted_s
 
-    def repeat_decode(self, shape: PassShape, k: int) -> list[float]:
+    def repeat_decode(self, shape: PassShape, k: int) -> Iterator[float]:
         run = getattr(self.cost_model, "decode_run_seconds", None)
         if run is not None:
             return run(shape, k)
         rows = len(shape.decode_contexts)
-        return [self.cost_model.pass_seconds(PassShape(tuple(c + j for c in shape.decode_contexts), (), False, rows))
-                for j in range(1, k + 1)]
+        return (self.cost_model.pass_seconds(PassShape(tuple(c + j for c in shape.decode_contexts), (), False, rows))
+                for j in range(1, k + 1))
 
     def release(self, r) -> None:
         pass

@@ -38,7 +38,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from policies.base import PassShape
 
@@ -55,48 +55,25 @@ class ProfileError(ValueError):
 
 
 def pass_features(s: PassShape) -> dict[str, float]:
-    f = dict.fromkeys(PASS_FEATURES, 0.0)
-    ctx = s.decode_contexts
-    if ctx:
-        rows = len(ctx)
-        longest = max(ctx)
-        f["d_pass"] = 1.0
-        f["d_multi"] = 1.0 if rows > 1 else 0.0
-        f["d_rows"] = rows
-        f["d_kv"] = rows * longest
-        f["d_ctx"] = longest
-        if s.joins:
-            f["c_join0"] = 1.0
-            f["c_join"] = rows * longest
-        if s.leaves:
-            f["c_leave0"] = 1.0
-            f["c_leave"] = max(s.batch_rows_before + s.joins - s.leaves, 0) * longest
-    if s.prefill:
-        if s.padded:
-            n = max(c for c, _ in s.prefill)
-            ctx0 = max(b for _, b in s.prefill)
-            rows = len(s.prefill)
-            f["p_pass"] = 1.0
-            f["p_tokens"] = rows * n
-            f["p_attn"] = rows * n * (ctx0 + n)
-            f["p_ctx"] = rows * ctx0
-            if any(s.prefill_done):
-                f["p_done0"] = 1.0
-                f["p_done"] = rows * n
-                f["p_done_attn"] = rows * n * (ctx0 + n)
-        else:
-            f["p_pass"] = len(s.prefill)
-            f["p_tokens"] = sum(c for c, _ in s.prefill)
-            f["p_attn"] = sum(c * (b + c) for c, b in s.prefill)
-            f["p_ctx"] = sum(b for _, b in s.prefill)
-            f["p_done0"] = float(sum(1 for d in s.prefill_done if d))
-            f["p_done"] = sum(c for (c, _), d in zip(s.prefill, s.prefill_done) if d)
-            f["p_done_attn"] = sum(c * (b + c) for (c, b), d in zip(s.prefill, s.prefill_done) if d)
-    return f
+    """Each term's feature value for pass ``s``. There is one cost formula,
+    ``LinearCostModel.pass_seconds``: with a coefficient of 1 on one term and 0 on the others
+    it returns exactly that term's feature (the model is linear), so the fit and the
+    prediction cannot disagree."""
+    return {k: m.pass_seconds(s) for k, m in _unit_models().items()}
 
 
 def step_features(n_passes: int, n_rows: int) -> dict[str, float]:
-    return {"s_step": 1.0, "s_row": float(n_rows)}
+    """The step-overhead terms' features, from ``step_overhead_seconds`` in the same way."""
+    return {k: _unit_models(STEP_FEATURES)[k].step_overhead_seconds(n_passes, n_rows) for k in STEP_FEATURES}
+
+
+_UNIT: dict[tuple[str, ...], dict[str, "LinearCostModel"]] = {}
+
+
+def _unit_models(keys: tuple[str, ...] = PASS_FEATURES) -> dict[str, "LinearCostModel"]:
+    if keys not in _UNIT:
+        _UNIT[keys] = {k: LinearCostModel({k: 1.0}) for k in keys}
+    return _UNIT[keys]
 
 
 @dataclass
@@ -155,18 +132,19 @@ class LinearCostModel:
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
         return self._s_step + self._s_row * n_rows
 
-    def decode_run_seconds(self, s: PassShape, k: int) -> list[float]:
+    def decode_run_seconds(self, s: PassShape, k: int) -> Iterator[float]:
         """``pass_seconds`` of the ``k`` decode passes that follow ``s`` over the same rows, each
         context one longer each time, nothing joining or leaving: the same terms in the same
-        order, so a run of steps costs exactly what planning them one by one would."""
+        order, so a run of steps costs exactly what planning them one by one would. Lazy: the
+        loop stops taking them at the first arrival."""
         d_pass, d_multi, d_rows, d_kv, d_ctx = self._d[:5]
         rows = len(s.decode_contexts)
         base = d_pass + d_rows * rows  # evaluated first in pass_seconds as well
         multi = d_multi if rows > 1 else None
         first = max(s.decode_contexts) + 1
-        out = [base + d_kv * (rows * longest) + d_ctx * longest for longest in range(first, first + k)]
+        out = (base + d_kv * (rows * longest) + d_ctx * longest for longest in range(first, first + k))
         if multi is not None:
-            out = [t + multi for t in out]
+            out = (t + multi for t in out)
         return out
 
     # ------------------------------------------------------------------ profiles

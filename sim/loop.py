@@ -160,10 +160,10 @@ def run(
         rows = len(p.decode)
         predicted_overhead = overhead(1, rows)
         advance = backend.step_overhead(predicted_overhead)
-        seconds = repeat_decode(shape, k)
-        starts, pass_starts, ends = [], [], []
+        seconds, starts, pass_starts, ends = [], [], [], []
         t = t_end
-        for s in seconds:
+        for s in repeat_decode(shape, k):
+            seconds.append(s)
             starts.append(t)
             clock.advance(advance)
             pass_starts.append(clock.now())
@@ -179,7 +179,7 @@ def run(
             s_index.extend(index)
             s_start.extend(starts)
             s_end.extend(ends)
-            s_pred.extend([predicted_overhead + s for s in seconds[:m]])
+            s_pred.extend([predicted_overhead + s for s in seconds])
             s_meas.extend([None] * m)
             s_rows.extend([rows] * m)
             s_ptoks.extend([0] * m)

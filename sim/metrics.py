@@ -9,6 +9,7 @@ Percentiles are numpy's linear interpolation, as vLLM computes them.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -47,12 +48,25 @@ def request_rows(requests) -> list[dict[str, Any]]:
     return rows
 
 
+def _gaps(token_times: Sequence[Sequence[float]]) -> np.ndarray:
+    """Every gap between consecutive tokens of each request, pooled in request order (one
+    diff over all times at once, the gaps across two requests dropped)."""
+    counts = np.fromiter(map(len, token_times), dtype=np.int64, count=len(token_times))
+    times = np.fromiter(chain.from_iterable(token_times), dtype=np.float64, count=int(counts.sum()))
+    if times.size < 2:
+        return np.empty(0)
+    keep = np.ones(times.size - 1, dtype=bool)
+    ends = np.cumsum(counts)[:-1]  # index of each request's first token after the first request
+    keep[ends[(ends > 0) & (ends < times.size)] - 1] = False
+    return np.diff(times)[keep]
+
+
 def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None) -> dict[str, Any]:
     """summary.json for a run (see issue: keys as `vllm bench serve --save-result`)."""
     percentiles = tuple(percentiles)
     rows = request_rows(result.requests)
     finished = [r for r in result.requests if r.finish_s is not None]
-    itl = np.concatenate([np.diff(np.asarray(r.token_times)) for r in finished]) if finished else np.array([])
+    itl = _gaps([r.token_times for r in finished])
     arrivals = [r.arrival_s for r in result.requests]
     start = min(arrivals) if arrivals else 0.0
     end = max((r.finish_s for r in finished), default=start)

@@ -21,7 +21,7 @@ import json
 import platform
 import sys
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -93,7 +93,8 @@ def write_steps(path: Path, cols) -> None:
     data = {}
     for name, col, dt in zip(STEP_COLUMNS, cols, types):
         if dt is None:  # measured_s: None in a simulation
-            data[name] = pa.array(col, type=pa.float64(), from_pandas=True)
+            data[name] = (pa.array(col, type=pa.float64()) if any(v is not None for v in col)
+                          else pa.nulls(n, pa.float64()))
         else:
             data[name] = np.fromiter(col, dtype=dt, count=n)
     pq.write_table(pa.table(data), path, compression="zstd")
@@ -125,41 +126,53 @@ def write_tokens(path: Path, requests) -> None:
 
 
 def write_passes(path: Path, requests, passes) -> None:
-    """passes.parquet: per pass, its decode rows then its prefill chunks, as columns."""
+    """passes.parquet: per pass, its decode rows then its prefill chunks, as columns.
+
+    A ``Plan.repeat`` run logs the same Pass object many times in a row: its rows are looked
+    up once per run of identical passes and repeated with numpy."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pos = {r.id: i for i, r in enumerate(requests)}
-    n = len(passes)
     step_col, k_col, start_col, end_col, pass_col = passes.columns
-    dec = [p.decode for p in pass_col]
-    pre = [p.prefill for p in pass_col]
-    nd = np.fromiter(map(len, dec), dtype=np.int64, count=n)
-    npf = np.fromiter(map(len, pre), dtype=np.int64, count=n)
-    d_owner = np.fromiter(map(pos.__getitem__, chain.from_iterable(dec)), dtype=np.int32, count=int(nd.sum()))
-    chunks = list(chain.from_iterable(pre))
-    p_owner = np.fromiter(map(pos.__getitem__, map(_FIRST, chunks)), dtype=np.int32, count=len(chunks))
-    p_tokens = np.fromiter(map(_SECOND, chunks), dtype=np.int32, count=len(chunks))
-    seq = np.arange(n)
-    # decode rows first within each pass (a stable sort on the pass keeps that order)
-    which = np.concatenate([np.repeat(seq, nd), np.repeat(seq, npf)])
-    order = np.argsort(which, kind="stable")
-    which = which[order]
-    cols = [np.fromiter(c, dtype=dt, count=n)
+    n = len(pass_col)
+    # runs of the same Pass object: (pass, first index, count)
+    runs: list[list] = []
+    prev = None
+    for p in pass_col:
+        if p is prev:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+            prev = p
+    owner_parts, kind_parts, tokens_parts, which_parts = [], [], [], []
+    first = 0
+    for p, count in runs:
+        ids = [rid for rid in p.decode] + [rid for rid, _ in p.prefill]
+        width = len(ids)
+        if width:
+            owner_parts.append(np.tile(np.fromiter(map(pos.__getitem__, ids), np.int32, width), count))
+            kind_parts.append(np.tile(np.repeat(np.array([0, 1], np.int8), (len(p.decode), len(p.prefill))), count))
+            tokens_parts.append(np.tile(np.array([1] * len(p.decode) + [t for _, t in p.prefill], np.int32), count))
+            which_parts.append(np.repeat(np.arange(first, first + count), width))
+        first += count
+
+    def cat(parts, dtype):
+        return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+    which = cat(which_parts, np.int64)
+    cols = [np.fromiter(c, dtype=dt, count=n)[which]
             for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))]
-    kind = np.concatenate([np.zeros(len(d_owner), np.int8), np.ones(len(p_owner), np.int8)])[order]
     table = pa.table({
-        "step": cols[0][which],
-        "pass": cols[1][which],
-        "request_id": pa.DictionaryArray.from_arrays(
-            pa.array(np.concatenate([d_owner, p_owner])[order]), _ids(requests)),
-        "kind": pa.DictionaryArray.from_arrays(pa.array(kind), pa.array(["decode", "prefill"])),
-        "tokens": np.concatenate([np.ones(len(d_owner), np.int32), p_tokens])[order],
-        "start_s": cols[2][which],
-        "end_s": cols[3][which],
+        "step": cols[0],
+        "pass": cols[1],
+        "request_id": pa.DictionaryArray.from_arrays(pa.array(cat(owner_parts, np.int32)), _ids(requests)),
+        "kind": pa.DictionaryArray.from_arrays(pa.array(cat(kind_parts, np.int8)), pa.array(["decode", "prefill"])),
+        "tokens": cat(tokens_parts, np.int32),
+        "start_s": cols[2],
+        "end_s": cols[3],
     })
     pq.write_table(table, path, compression="zstd")
 
 
 _TOKEN_TIMES = attrgetter("token_times")
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)

@@ -148,3 +148,38 @@ def test_requests_too_big_are_refused_on_arrival_and_the_rest_run():
     assert [r.id for r, _ in res.rejected] == ["huge"] and res.kv_capacity == 100
     assert "capacity is 100" in res.rejected[0][1]
     assert {r.id for r in res.requests if r.finish_s is not None} == {"ok", "ok2"}
+
+
+def test_repeated_decode_steps_in_bulk_equal_planning_every_step():
+    """Plan.repeat lets the loop run a policy's repeated decode steps in bulk; the bundled
+    profile's model and a real trace give the very same times as asking the policy every
+    step (an on_step callback turns the bulk path off)."""
+    import traces
+    from policies import POLICIES
+    from sim.profiles import resolve_profile
+
+    cm = LinearCostModel.from_profile(resolve_profile(None))
+    tr = traces.load("mooncake_conv_10min").requests[:150]
+    for name in POLICIES:
+        pol = make_policy(name)
+        calls = []
+        counted = type("Counted", (), {"name": name, "plan": lambda self, v: calls.append(1) or pol.plan(v)})()
+        bulk = run(tr, counted, cm, kv_capacity=200_000)
+        assert len(calls) < len(bulk.steps) / 2, name  # most steps ran without asking
+        steps_seen = []
+        one_by_one = run(tr, make_policy(name), cm, kv_capacity=200_000, on_step=lambda st: steps_seen.append(1))
+        assert [r.token_times for r in bulk.requests] == [r.token_times for r in one_by_one.requests], name
+        assert list(bulk.steps) == list(one_by_one.steps), name
+        assert list(bulk.passes) == list(one_by_one.passes), name
+        assert len(steps_seen) == len(one_by_one.steps)
+
+
+def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
+    from policies.base import PassShape
+    from sim.profiles import resolve_profile
+
+    cm = LinearCostModel.from_profile(resolve_profile(None))
+    for ctx in [(5,), (100, 37, 2048), (1, 1)]:
+        shape = PassShape(ctx, (), False, len(ctx), 0, 0)
+        want = [cm.pass_seconds(PassShape(tuple(c + j for c in ctx), (), False, len(ctx))) for j in range(1, 40)]
+        assert list(cm.decode_run_seconds(shape, 39)) == want
