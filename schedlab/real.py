@@ -27,8 +27,8 @@ DEFAULT_KV_TOKENS = 262144
 def run_real(
     policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
     trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"),
-    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
+    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small, smollm2-135m), a llama .gguf file or a local mlx-lm checkpoint directory"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized (keep a quantized model's packed weights) or auto"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON for predicted_s (default: the bundled one, if any)"),
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help=f"KV cache capacity in tokens (default: the profile's, else {DEFAULT_KV_TOKENS})"),
