@@ -464,3 +464,36 @@ def test_smollm2_quantized_export_round_trip(tmp_path):
     prompt = q.tokenizer.encode("The capital of France is")  # short: quantized matmuls are slow on CPU
     ref_toks, _ = mlx_lm_greedy(out, prompt, 3)
     assert reference_tokens(q, prompt, 3) == ref_toks
+
+
+def test_sentencepiece_gguf_tokenizer_matches_sentencepiece():
+    """A GGUF 'llama' (SentencePiece BPE, byte fallback) tokenizer, built from the pieces,
+    scores and types as llama.cpp's converter stores them, encodes as sentencepiece does."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    from engine.tokenizer import TextTokenizer
+
+    corpus = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=proto, vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2,
+                                   # Llama's settings: no normalization, whitespace kept
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1
+             for i in range(n)]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    tok = TextTokenizer.from_gguf(meta, source="test")
+    assert tok.add_bos_token and tok.eos_token_ids == [2]
+    texts = ["Hello world", "the scheduler runs the policy, unchanged", "prefill 2048 tokens: 3.14 s",
+             "Ünïcödé — ✓ 日本", "  two  spaces\nand a line", "mlx-default"]
+    for text in texts:
+        want = sp.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == want, text
+        assert tok.encode(text) == [1] + want
+        assert tok.decode(want) == sp.decode(want)
+    assert any(sp.is_byte(i) for i in sp.encode("日本"))  # byte fallback was exercised
