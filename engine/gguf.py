@@ -184,12 +184,29 @@ class _Reader:
         raise EngineError(f"{self.what} is not a valid GGUF file (unknown metadata value type {t})")
 
 
+_HEADERS: dict[tuple[str, int, int], GGUFHeader] = {}
+
+
 def read_header(path: str | Path) -> GGUFHeader:
-    """Parse a GGUF file's header; one-line EngineError for anything that is not valid GGUF."""
+    """Parse a GGUF file's header; one-line EngineError for anything that is not valid GGUF.
+
+    Cached per (path, size, mtime): the CLI checks a spec before loading it.
+    """
     path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise EngineError(f"model {path} cannot be read: {exc.strerror or exc}") from None
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HEADERS:
+        _HEADERS.clear()  # one file at a time is what the CLI needs
+        _HEADERS[key] = _read_header(path, st.st_size)
+    return _HEADERS[key]
+
+
+def _read_header(path: Path, size: int) -> GGUFHeader:
     what = f"model {path}"
     try:
-        size = path.stat().st_size
         with open(path, "rb") as fh:
             magic = fh.read(4)
             if magic != b"GGUF":
@@ -289,7 +306,8 @@ def check_header(header: GGUFHeader) -> None:
     unknown = [n for n in header.tensors if mlx_name(n) is None]
     if unknown:
         raise EngineError(f"{what}: tensor {unknown[0]} has no counterpart in the llama model "
-                          f"({len(unknown)} such tensors; mixture-of-experts and other variants are not supported)")
+                          f"({len(unknown)} unmapped tensor{'s' if len(unknown) > 1 else ''}; mixture-of-experts "
+                          "and other llama variants are not supported)")
     meta = header.metadata
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
         if not isinstance(meta.get(f"llama.{key}"), int):

@@ -405,8 +405,11 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
         kind, name, used_seed = "checkpoint", str(path), None
         from .tokenizer import TextTokenizer
 
-        tokenizer = TextTokenizer.from_dir(path, eos_token_ids=config.get("eos_token_id"))
         source = {"kind": "checkpoint", "format": "mlx-lm", "dir": str(path)}
+        try:  # a tokenizer is optional here: a broken one is recorded, not fatal
+            tokenizer = TextTokenizer.from_dir(path, eos_token_ids=config.get("eos_token_id"))
+        except EngineError as exc:
+            tokenizer, source["tokenizer_error"] = None, str(exc)
     else:
         model, config = _build_preset(spec, seed)
         kind, name, used_seed = "preset", spec, seed

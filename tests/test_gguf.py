@@ -222,6 +222,9 @@ def test_llama_gguf_loads_as_the_model_it_was_written_from(micro, micro_gguf):
         assert reference_tokens(info, ids, 12) != reference_tokens(micro, ids, 12)
     finally:
         info.model.model.layers[0].self_attn.rope.traditional = True
+    half = load_model(str(micro_gguf), dtype="bfloat16")
+    assert half.model.model.layers[1].mlp.down_proj.weight.dtype == mx.bfloat16 and half.metadata()["dtype"] == "bfloat16"
+    assert load_model(str(micro_gguf), dtype="auto").dtype == ("float32" if mx.default_device() == mx.cpu else "quantized")
     meta = info.metadata()
     src = meta["source"]
     assert src["format"] == "gguf" and src["file"] == str(micro_gguf) and src["size_bytes"] == micro_gguf.stat().st_size
@@ -260,6 +263,13 @@ def test_micro_gguf_export_runs_in_mlx_lm_like_our_engine(micro_gguf, tmp_path):
     back = load_model(str(out))
     assert back.kind == "checkpoint" and back.tokenizer is not None and back.eos_token_ids == (2,)
     assert back.tokenizer.apply_chat_template(QUESTION, tokenize=True) == prompt
+    # a checkpoint's tokenizer is optional: none, or a broken one, still loads the model
+    (out / "tokenizer.json").write_text("{not json")
+    broken = load_model(str(out))
+    assert broken.tokenizer is None and "tokenizer.json could not be read" in broken.metadata()["source"]["tokenizer_error"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+    assert load_model(str(out)).tokenizer is None
 
 
 # ---------------------------------------------------------------------- bad input (no wheel needed)
