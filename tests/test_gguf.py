@@ -232,6 +232,33 @@ def test_llama_gguf_loads_as_the_model_it_was_written_from(micro, micro_gguf):
     assert meta["dtype"] == "float32" and meta["eos_token_ids"] == [2] and meta["bos_token_id"] == 1
 
 
+def test_untied_head_and_attention_biases(tmp_path):
+    """output.weight -> lm_head (tie_word_embeddings false); q/k/v/o biases (permuted like
+    the weights for Q and K): the GGUF still gives the original model's tokens."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models import llama
+
+    from engine.models import _init_random, preset_config
+
+    cfg = dict(preset_config("micro"), tie_word_embeddings=False, attention_bias=True)
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    _init_random(model, 3)
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    biases = [(k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.5)
+              for i, (k, v) in enumerate(tree_flatten(model.parameters())) if k.endswith(".bias")]
+    assert len(biases) == 4 * cfg["num_hidden_layers"]
+    model.update(tree_unflatten(biases))
+    original = SimpleNamespace(model=model, config=cfg, n_layers=cfg["num_hidden_layers"])
+    path = write_llama_gguf(original, tmp_path / "untied.gguf", tokenizer=False)
+    info = load_model(str(path))
+    assert info.config["tie_word_embeddings"] is False and info.config["attention_bias"] is True
+    assert info.tokenizer is None and info.fast_head
+    ids = prompt_ids(0, "u", 90, cfg["vocab_size"])
+    assert reference_tokens(info, ids, 12) == reference_tokens(original, ids, 12)
+
+
 def test_tokenizer_from_gguf_metadata(micro_gguf):
     info = load_model(str(micro_gguf))
     tok = info.tokenizer
@@ -371,10 +398,8 @@ def test_cli_bad_gguf_is_one_line(micro, tmp_path):
 
 
 def test_export_cli_and_console_script(micro_gguf, tmp_path):
-    import tomllib
-
-    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["export-mlx"] == "schedlab.export:export_main"
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '\nexport-mlx = "schedlab.export:export_main"\n' in pyproject  # the console script
     out = tmp_path / "ckpt"
     proc = export_cli(str(micro_gguf), str(out), "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
