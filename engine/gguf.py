@@ -453,8 +453,9 @@ def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeade
                 continue
             base = k[: -len(".weight")] if k.endswith(".weight") else None
             if base in bits:
-                v = mx.dequantize(v, weights[base + ".scales"], weights[base + ".biases"],
-                                  group_size=GROUP, bits=bits[base])
+                # in float32, as llama.cpp dequantizes (and 6x faster than MLX's float16 path on CPU)
+                v = mx.dequantize(v, weights[base + ".scales"].astype(mx.float32),
+                                  weights[base + ".biases"].astype(mx.float32), group_size=GROUP, bits=bits[base])
             out[k] = v.astype(compute)
         weights = out
     try:
