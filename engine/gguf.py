@@ -38,7 +38,6 @@ import importlib.metadata
 import importlib.util
 import json
 import mmap
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -561,9 +560,5 @@ def gguf_source(path: Path, header: GGUFHeader, preset: dict[str, Any] | None = 
                tensor_types=dict(sorted(header.types.items())),
                name=header.metadata.get("general.name"))
     return src
-
-
-def is_gguf_spec(spec: str) -> bool:
-    return spec.lower().endswith(".gguf") or spec in GGUF_PRESETS
 
 

@@ -41,7 +41,8 @@ from analysis.analytic.hardware import cpu_model
 
 DTYPES = ("float32", "float16", "bfloat16")
 # "quantized": keep a quantized model's packed weights (GGUF files, quantized checkpoints);
-# activations are then float16. "auto": quantized on a GPU, float32 on CPU.
+# its other tensors stay as stored (activations follow them: float32 for llama.cpp's GGUF
+# files, whose norms are F32). "auto": quantized on a GPU, float32 on CPU.
 ALL_DTYPES = DTYPES + ("quantized", "auto")
 
 PRESETS: dict[str, dict[str, Any]] = {

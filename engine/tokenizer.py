@@ -38,7 +38,6 @@ PRE_TOKENIZERS = {
     "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2,
     "codeshell": _DIGITS_GPT2, "command-r": _DIGITS_GPT2,
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
-    "pixtral": None,  # listed so the error names it: not supported
 }
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -266,7 +265,7 @@ def _from_gguf(meta: dict[str, Any], source: str) -> TextTokenizer | None:
         pre_name = meta.get("tokenizer.ggml.pre", "default") or "default"
         pre = PRE_TOKENIZERS.get(pre_name)
         if pre is None:
-            known = sorted(k for k, v in PRE_TOKENIZERS.items() if v)
+            known = sorted(PRE_TOKENIZERS)
             raise EngineError(f"{where}GGUF pre-tokenizer '{pre_name}' is not supported (supported: {', '.join(known)})")
         tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=(pre == _LLAMA3)))
         if pre == _GPT2:
