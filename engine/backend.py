@@ -252,7 +252,7 @@ class MLXBackend:
         heads = cfg.get("num_attention_heads")
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        dtype = getattr(mx, self.info.dtype)
+        dtype = getattr(mx, self.info.activation_dtype)
         slots = -(-n // KVCache.step) * KVCache.step
         shape = (1, kv_heads, slots, head_dim)
         arrays = []

