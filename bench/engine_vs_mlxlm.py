@@ -64,7 +64,7 @@ def metrics(arrivals: dict, times: dict, outputs: dict) -> dict:
 
 
 def run_ours(info, requests) -> tuple[dict, dict]:
-    backend = MLXBackend(info)
+    backend = MLXBackend(info, ignore_eos=True)  # both engines run every request to its max_tokens
     res = run(requests, MlxDefault(), LinearCostModel({}), kv_capacity=10**9, backend=backend,
               trace_name="bench", record_steps=False)
     if res.error:

@@ -42,7 +42,7 @@ class Driver:
         self.state = ReplicaState(requests, 10_000_000, "bench")
         for r in self.state.accepted:
             self.state.arrive(r)
-        self.backend = MLXBackend(info, warmup=False)
+        self.backend = MLXBackend(info, warmup=False, ignore_eos=True)
         self.backend.start(self.state)
 
     def apply(self, plan: Plan) -> list[float]:

@@ -47,8 +47,13 @@ is logged (``finish()`` reports ``copy_s``). Joins, parks and finishes happen in
 decode pass that causes them, as ``PassShape.joins``/``leaves`` charge them; a preemption's
 filter happens in ``release``, at the start of the step that preempts.
 
-Outputs run to the trace's output length (EOS is ignored). Every request's generated
-token ids are kept in ``backend.tokens[rid]``.
+Prompts: a request that carries text (a prompt or chat messages) is fed the model
+tokenizer's ids for it (``traces.prompt_ids``; the trace was counted with the same tokenizer);
+a request with only a token count gets seeded synthetic ids (``sampling.prompt_ids``).
+
+Outputs stop at the request's ``output_tokens`` (its max_tokens) or, unless ``ignore_eos``, at
+the model's EOS token (the backend tells the state machine with ``state.stop``). Every
+request's generated token ids are kept in ``backend.tokens[rid]``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
+from .errors import EngineError
 from .models import ModelInfo
 from .sampling import Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 
@@ -127,13 +133,16 @@ class MLXBackend:
     mode = "real"
 
     def __init__(self, model_info: ModelInfo, sampling: Any = "greedy", seed: int = 0,
-                 *, warmup: bool = True, check: bool = True):
+                 *, warmup: bool = True, check: bool = True, ignore_eos: bool = False):
         self.info = model_info
         self.model = model_info.model
         self.sampling = parse_sampling(sampling)
         self.seed = int(seed)
         self.warmup = warmup
         self.check = check
+        self.ignore_eos = ignore_eos
+        self.eos = frozenset(() if ignore_eos else (model_info.eos_token_ids or ()))
+        self.stopped: set[str] = set()  # requests that ended at EOS
         self.vocab = model_info.vocab_size
         self.n_layers = model_info.n_layers
         self._hidden = model_info.hidden
@@ -176,8 +185,6 @@ class MLXBackend:
             decode = self._decode_graph(p.decode, by_id)
             targets.append(decode[0])
             targets.extend(_cache_arrays(self._batch))
-            finishing = [rid for rid in p.decode
-                         if by_id[rid].generated + 1 >= by_id[rid].output_tokens]
         chunks = []
         if p.prefill:
             if p.padded and len(p.prefill) > 1:
@@ -193,13 +200,15 @@ class MLXBackend:
             toks = decode[0].tolist()
             for rid, t in zip(self._rows, toks):
                 self._kv[rid] += 1
-                self._emit(rid, t)
+                self._emit(rid, t, state)
             self.stats["decode_rows"] += len(self._rows)
             self.stats["forwards"] += 1
+            finishing = [rid for rid in p.decode  # at max_tokens, or stopped at EOS just now
+                         if by_id[rid].generated + 1 >= by_id[rid].output_tokens]
         for rids, tok, _ in chunks:
             if tok is not None:
                 for rid, t in zip(rids, tok.tolist()):
-                    self._emit(rid, t)
+                    self._emit(rid, t, state)
         self.stats["forwards"] += (1 if p.padded and len(p.prefill) > 1 else len(p.prefill))
         self.stats["prefill_tokens"] += shape.prefill_tokens
         self.stats["padded_prefill_tokens"] += shape.padded_prefill_tokens
@@ -228,6 +237,9 @@ class MLXBackend:
         meta["engine"] = {
             "sampling": self.sampling.describe(),
             "prompt_seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "eos_token_ids": sorted(self.eos),
+            "stopped_at_eos": len(self.stopped),
             "one_eval_per_pass": True,
             "head_on_needed_positions_only": self.info.fast_head,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
@@ -286,9 +298,13 @@ class MLXBackend:
         raise KeyError(f"the engine holds no KV for request {rid}")
 
     # ------------------------------------------------------------------ bookkeeping
-    def _emit(self, rid: str, token: int) -> None:
-        self._seq[rid].append(int(token))
-        self.tokens[rid].append(int(token))
+    def _emit(self, rid: str, token: int, state=None) -> None:
+        token = int(token)
+        self._seq[rid].append(token)
+        self.tokens[rid].append(token)
+        if token in self.eos and state is not None:
+            state.stop(rid)  # this token is its last
+            self.stopped.add(rid)
 
     def _expected_kv(self, r) -> int:
         if r.phase is Phase.DECODING:
@@ -313,10 +329,41 @@ class MLXBackend:
         """Prompt ids + generated ids of request ``r`` (prompt ids made on first use)."""
         seq = self._seq.get(r.id)
         if seq is None:
-            seq = prompt_ids(self.seed, r.id, r.prompt_tokens, self.vocab, r.prefix_ids)
+            req = getattr(r, "request", None)
+            if req is not None and getattr(req, "has_text", False) and self.info.tokenizer is not None:
+                seq = self._text_ids(r, req)  # (a model without a tokenizer runs the counts)
+            else:
+                seq = prompt_ids(self.seed, r.id, r.prompt_tokens, self.vocab, r.prefix_ids)
             seq += self.tokens.setdefault(r.id, [])
             self._seq[r.id] = seq
         return seq
+
+    def write_texts(self, path, requests) -> None:
+        """texts.jsonl: per request its generated ids, their text (with a tokenizer) and why it
+        ended (``stop``: EOS; ``length``: max_tokens), in the order of ``requests``."""
+        import json
+
+        tok = self.info.tokenizer
+        with open(path, "w") as f:
+            for r in requests:
+                ids = self.tokens.get(r.id, [])
+                row = {"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": len(ids),
+                       "finish_reason": ("stop" if r.id in self.stopped else
+                                         "length" if r.finish_s is not None else None),
+                       "text": tok.decode([t for t in ids if t not in self.eos]) if tok is not None else None,
+                       "token_ids": ids}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def _text_ids(self, r, req) -> list[int]:
+        """The model tokenizer's ids for a request's text (its count must be the trace's)."""
+        import traces
+
+        ids = list(traces.prompt_ids(req, self.info.tokenizer))
+        if len(ids) != r.prompt_tokens:
+            raise EngineError(f"request {r.id}: its text is {len(ids)} tokens for model {self.info.name}'s "
+                              f"tokenizer but the trace says {r.prompt_tokens} (load the trace with this "
+                              f"model's tokenizer: traces.load(..., tokenizer=..., recount=True))")
+        return ids
 
     def _own_cache(self, rid: str) -> list[Any]:
         c = self._cache.get(rid)

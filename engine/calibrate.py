@@ -106,7 +106,7 @@ class Rig:
     """A state machine and the MLX backend, driven pass by pass as the loop drives them."""
 
     def __init__(self, info: ModelInfo, seed: int = 0):
-        self.backend = MLXBackend(info, seed=seed, warmup=False)
+        self.backend = MLXBackend(info, seed=seed, warmup=False, ignore_eos=True)  # timing: run to max_tokens
         self.n = 0
 
     def scenario(self, specs: Sequence[tuple[int, int]]) -> tuple[ReplicaState, list[str]]:
@@ -256,7 +256,7 @@ def measure_step_overhead(info: ModelInfo, grid: Grid, seed: int) -> list[Sample
     """Step wall time minus pass time in the real loop: planning, state, SimPy, clock."""
     samples = []
     for k, name in enumerate(grid.loop_policies):
-        rec = _StepRecorder(MLXBackend(info, seed=seed))
+        rec = _StepRecorder(MLXBackend(info, seed=seed, ignore_eos=True))
         reqs = loop_trace(grid.loop_requests, seed + k)
         res = run_loop(reqs, make_policy(name), LinearCostModel({}), kv_capacity=10**9,
                        backend=rec, trace_name="calibrate-loop", on_step=rec.on_step)

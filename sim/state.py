@@ -38,7 +38,7 @@ class RequestState:
     """One request's progress. Policies see it read-only (properties without setters)."""
 
     __slots__ = (
-        "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index",
+        "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index", "request",
         "_phase", "_prefilled", "_target", "_left", "_ctx", "_reserved",
         "admitted_s", "first_token_s", "finish_s", "token_times", "preemptions",
     )
@@ -50,6 +50,7 @@ class RequestState:
         self.output_tokens = req.output_tokens
         self.prefix_ids = req.prefix_ids
         self.index = index
+        self.request = req  # the trace row as it came (its text, for a backend that tokenizes)
         self._phase = WAITING
         self._prefilled = 0  # tokens of the (re)prefill target now in the KV cache
         self._target = req.prompt_tokens  # prompt, or prompt + generated after preemption

