@@ -129,7 +129,7 @@ def write_passes(path: Path, requests, passes) -> None:
     """passes.parquet: per pass, its decode rows then its prefill chunks, as columns.
 
     A ``Plan.repeat`` run logs the same Pass object many times in a row: its rows are looked
-    up once per run of identical passes and repeated with numpy."""
+    up once per run of identical passes and repeated."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -145,30 +145,25 @@ def write_passes(path: Path, requests, passes) -> None:
         else:
             runs.append([p, 1])
             prev = p
-    owner_parts, kind_parts, tokens_parts, which_parts = [], [], [], []
-    first = 0
-    for p, count in runs:
-        ids = [rid for rid in p.decode] + [rid for rid, _ in p.prefill]
-        width = len(ids)
-        if width:
-            owner_parts.append(np.tile(np.fromiter(map(pos.__getitem__, ids), np.int32, width), count))
-            kind_parts.append(np.tile(np.repeat(np.array([0, 1], np.int8), (len(p.decode), len(p.prefill))), count))
-            tokens_parts.append(np.tile(np.array([1] * len(p.decode) + [t for _, t in p.prefill], np.int32), count))
-            which_parts.append(np.repeat(np.arange(first, first + count), width))
-        first += count
-
-    def cat(parts, dtype):
-        return np.concatenate(parts) if parts else np.empty(0, dtype)
-
-    which = cat(which_parts, np.int64)
+    owners: list[int] = []
+    kinds: list[int] = []
+    tokens: list[int] = []
+    widths: list[int] = []
+    for p, count in runs:  # list repetition is C speed, whatever the run length
+        nd = len(p.decode)
+        owners += (list(map(pos.__getitem__, p.decode)) + [pos[rid] for rid, _ in p.prefill]) * count
+        kinds += ([0] * nd + [1] * len(p.prefill)) * count
+        tokens += ([1] * nd + [t for _, t in p.prefill]) * count
+        widths += [nd + len(p.prefill)] * count
+    which = np.repeat(np.arange(n), np.array(widths, dtype=np.int64))
     cols = [np.fromiter(c, dtype=dt, count=n)[which]
             for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))]
     table = pa.table({
         "step": cols[0],
         "pass": cols[1],
-        "request_id": pa.DictionaryArray.from_arrays(pa.array(cat(owner_parts, np.int32)), _ids(requests)),
-        "kind": pa.DictionaryArray.from_arrays(pa.array(cat(kind_parts, np.int8)), pa.array(["decode", "prefill"])),
-        "tokens": cat(tokens_parts, np.int32),
+        "request_id": pa.DictionaryArray.from_arrays(pa.array(np.array(owners, dtype=np.int32)), _ids(requests)),
+        "kind": pa.DictionaryArray.from_arrays(pa.array(np.array(kinds, dtype=np.int8)), pa.array(["decode", "prefill"])),
+        "tokens": np.array(tokens, dtype=np.int32),
         "start_s": cols[2],
         "end_s": cols[3],
     })
