@@ -47,6 +47,7 @@ import traces  # noqa: E402
 from policies.mlx_default import MlxDefault  # noqa: E402
 from sim.cost import LinearCostModel  # noqa: E402
 from sim.loop import run  # noqa: E402
+from traces.schema import Request  # noqa: E402
 
 
 def metrics(arrivals: dict, times: dict, outputs: dict) -> dict:
@@ -163,6 +164,31 @@ def scenario(info, requests, reps_n: int) -> dict:
     }
 
 
+def single_stream(info, reps_n: int, prompt_len: int = 128, n: int = 64) -> dict:
+    """One request alone: our engine's decode step (ITL median) against mlx-lm's own
+    single-sequence loop (``generate_step``, what ``mlx_lm.generate`` runs) on the same model
+    and prompt, alternating; mlx-lm's per-token time is the median gap between its tokens."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    prompt = prompt_ids(0, "single", prompt_len, info.vocab_size)
+    req = [Request("single", 0.0, prompt_len, n)]
+    ours, theirs = [], []
+    for _ in range(reps_n):
+        m, _ = run_ours(info, req)
+        ours.append(m["itl_p50_ms"])
+        stamps = []
+        for _tok, _ in generate_step(mx.array(prompt), info.model, max_tokens=n, sampler=make_sampler(0.0)):
+            stamps.append(time.perf_counter())
+        gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        theirs.append(statistics.median(gaps))
+        print(f"single stream: ours ITL p50 {ours[-1]:.1f} ms, mlx-lm generate_step {theirs[-1]:.1f} ms/token",
+              flush=True)
+    o, t = statistics.median(ours), statistics.median(theirs)
+    return {"prompt_tokens": prompt_len, "output_tokens": n, "ours_itl_p50_ms": o,
+            "mlx_lm_ms_per_token": t, "ours_over_mlxlm": o / t, "runs": {"ours": ours, "mlx_lm": theirs}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -184,6 +210,8 @@ def main() -> None:
         print(f"== {tr.name}, every request at 0 s", flush=True)
         burst = [dataclasses.replace(r, arrival_s=0.0) for r in tr.requests]
         scenarios["burst"] = scenario(info, burst, args.reps)
+    print("== one request alone", flush=True)
+    scenarios["single_stream"] = single_stream(info, args.reps)
     out = {
         "bench": "engine_vs_mlxlm",
         "what": "our engine under mlx-default (its default options) vs mlx-lm BatchGenerator "
