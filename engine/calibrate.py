@@ -99,7 +99,34 @@ GRIDS = {
         rounds=2,
         max_decode_kv=48 * 2100,
     ),
+    # Models ~100M parameters and up (SmolLM2-135M: a 512-token chunk ~1.7 s, a decode step
+    # 50-130 ms on 2 cores): the shapes real runs of them reach, in a few minutes.
+    "compact": Grid(
+        name="compact",
+        decode_batches=(1, 2, 4, 8, 16),
+        decode_contexts=(40, 300, 1000),
+        decode_reps=2,
+        prefill_chunks=(1, 16, 64, 256, 512),
+        prefill_contexts=(0, 300, 1000),
+        prefill_reps=1,
+        max_attention=512 * 1600,
+        padded=((2, 64, 0), (4, 128, 0), (3, 256, 300)),
+        mixed=((4, 256, 64, 0), (8, 300, 128, 0)),
+        loop_requests=6,
+        loop_policies=("mlx-default",),
+        rounds=3,
+        max_decode_kv=16 * 1000,
+    ),
 }
+COMPACT_ABOVE_PARAMS = 50_000_000  # models this large calibrate on the compact grid
+
+
+def grid_for(info: ModelInfo, quick: bool = False) -> Grid:
+    """The grid a model is calibrated on: the compact one for large models (the default and
+    quick grids would take most of an hour on 2 cores), else quick or default."""
+    if info.n_params > COMPACT_ABOVE_PARAMS:
+        return GRIDS["compact"]
+    return GRIDS["quick" if quick else "default"]
 
 
 class Rig:
@@ -484,7 +511,7 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
         except Exception:  # a broken cache file: ignore it, calibrate anew
             continue
     say("no profile matches this model and machine: calibrating (--quick) first")
-    prof = calibrate(info, GRIDS["quick"], progress=say)
+    prof = calibrate(info, grid_for(info, quick=True), progress=say)
     path = None
     try:
         path = write_profile(prof, cached_profile_path(info))

@@ -44,13 +44,13 @@ def calibrate(
         fail("--from-profile goes with --analytic", 2)
     if from_profile is not None and not from_profile.is_file():
         fail(f"--from-profile {from_profile}: no such file")
-    from engine.calibrate import GRIDS, calibrate as run_calibration, write_profile
+    from engine.calibrate import calibrate as run_calibration, grid_for, write_profile
     from analysis.fit import format_report
     from engine.models import load_model
 
     info = load_model(model, dtype=dtype, seed=model_seed)
     blas.notify_if_missing()
-    grid = GRIDS["quick" if quick else "default"]
+    grid = grid_for(info, quick=quick)
 
     def say(msg: str) -> None:
         if not quiet:
