@@ -145,9 +145,9 @@ def run(
     measured = getattr(backend, "cost_model", None) is not cost_model
     next_arrival = source.next_arrival_s
     finished = source.finished
-    # Plan.repeat runs in bulk where the backend can say their seconds at once (and no
-    # callback wants to see every step)
-    repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None else None
+    # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
+    # cost model's predictions, and no callback wants to see every step
+    repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None and not measured else None
 
     def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
         """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
