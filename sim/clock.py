@@ -1,7 +1,8 @@
 """Clocks: what turns a backend's seconds into time on the replica's timeline.
 
-Both run a SimPy environment (arrivals are SimPy processes) and offer the same four calls:
+Both run a SimPy environment (arrivals are SimPy processes) and offer the same calls:
 
+- ``start()``: time 0 is now (called once the backend has warmed up, right before the run);
 - ``now()``: the current time on this clock;
 - ``advance(seconds)``: a step or pass took ``seconds`` (as the backend reported);
 - ``sync(next_arrival_s)``: after a step, the SimPy event the replica must wait on before
@@ -31,6 +32,9 @@ class SimClock:
         self.env = simpy.Environment()
         self.t = 0.0
 
+    def start(self) -> None:
+        pass
+
     def now(self) -> float:
         return self.t
 
@@ -53,6 +57,9 @@ class WallClock:
 
     def __init__(self) -> None:
         self.env = simpy.rt.RealtimeEnvironment(factor=1.0, strict=False)
+
+    def start(self) -> None:
+        self.env.sync()  # a warm-up before the run is not part of it
 
     def now(self) -> float:
         env = self.env

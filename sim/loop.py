@@ -278,6 +278,7 @@ def run(
             if ev is not None:
                 yield ev
 
+    clock.start()  # after the backend's warm-up: time 0 is now
     env.process(arrivals_process())
     proc = env.process(replica())
     error = None

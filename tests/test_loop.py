@@ -183,3 +183,28 @@ def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
         shape = PassShape(ctx, (), False, len(ctx), 0, 0)
         want = [cm.pass_seconds(PassShape(tuple(c + j for c in ctx), (), False, len(ctx))) for j in range(1, 40)]
         assert list(cm.decode_run_seconds(shape, 39)) == want
+
+
+def test_a_real_backends_warm_up_is_not_part_of_the_run():
+    """A wall-clock run starts its clock after the backend's start() (the engine's warm-up):
+    a request arriving at 0 is served at once, not after the warm-up's seconds."""
+    import time
+
+    from sim import WallClock
+
+    class WarmBackend(FixedBackend):
+        mode = "real"
+
+        def make_clock(self):
+            return WallClock()
+
+        def start(self, state, requests):
+            time.sleep(0.4)  # a warm-up
+
+        def execute(self, p, shape, state):
+            t = time.perf_counter()
+            time.sleep(0.01)
+            return time.perf_counter() - t
+
+    res = run([Request("A", 0.0, 4, 2)], make_policy("unified"), cost(), kv_capacity=100, backend=WarmBackend())
+    assert res.steps[0].start_s < 0.2 and res.requests[0].first_token_s < 0.3, list(res.steps)
