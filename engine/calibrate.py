@@ -311,6 +311,13 @@ def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[
     ``budget_s``: stop starting new rounds once another round would pass this many seconds
     (at least one round is measured: a slow model gets fewer rounds, not fewer points).
     ``loop``: also time the real loop's per-step overhead (the step group)."""
+    from .noise import Noise
+
+    with Noise.from_env().active():  # the same pinning / collector as the real runs (engine.noise)
+        return _calibrate(info, grid, seed=seed, progress=progress, budget_s=budget_s, loop=loop)
+
+
+def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, loop) -> dict[str, Any]:
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
     rng = random.Random(seed)
