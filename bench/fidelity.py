@@ -52,7 +52,7 @@ from sim.cost import LinearCostModel  # noqa: E402
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
 TRACES = {
     "tiny": [("real-smoke", 0), ("real-mixed", 0),
-             ("random:n=24,input_len=160,output_len=40,range_ratio=0.8,rate=3,burstiness=0.7", 13)],
+             ("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13)],
     "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11),
                      ("random:n=10,input_len=64,output_len=32,range_ratio=0.5,rate=1.5,burstiness=0.5", 12)],
     "micro": [("real-smoke", 0)],  # smoke runs of this script
