@@ -8,7 +8,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -72,25 +71,6 @@ def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_predi
         assert t["after_idle"].sum() == len(res.wakes) >= 1
         assert (t["batch_changed"] == ((t["joins"] + t["leaves"]) > 0)).all()
         assert (t["after_change"][1:] == t["batch_changed"][:-1]).all()
-
-
-class SlowStart(FixedBackend):
-    def make_clock(self):
-        from sim.clock import WallClock
-
-        return WallClock()
-
-    def start(self, state, requests):
-        time.sleep(0.3)  # a warm-up
-
-    def execute(self, p, shape, state):
-        return 0.0
-
-
-def test_the_wall_clock_starts_after_the_warm_up():
-    res = run([Request("A", 0.0, 4, 2)], make_policy("unified"), LinearCostModel({}), kv_capacity=100,
-              backend=SlowStart())
-    assert res.steps[0].start_s < 0.1  # not 0.3: the warm-up is not in the first request's TTFT
 
 
 # ---------------------------------------------------------------------------- the fit
