@@ -119,10 +119,26 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
 
 
 def format_report(profile: dict[str, Any]) -> str:
-    rep = profile["fit_report"]
+    rep = profile.get("fit_report") or {}
+    cal = profile.get("calibration") or {}
+    what = f"{cal.get('samples')} grid samples"
+    if cal.get("kind") in ("runs", "grid+replay", "grid+runs"):
+        what += f" + {cal.get('steps')} real steps of {len(cal.get('runs') or [])} run(s) ({cal['kind']})"
     lines = [f"calibrated {profile['model']} ({profile['dtype']}, BLAS {profile['blas'].get('name')} "
-             f"x{profile['blas'].get('threads')}) in {profile['calibration']['wall_s']} s, "
-             f"{profile['calibration']['samples']} samples"]
+             f"x{profile['blas'].get('threads')})" + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else "")
+             + f", {what}"]
+    if rep.get("held_out_passes"):
+        lines += _grid_lines(rep)
+    if profile.get("runs_report"):
+        from analysis.runfit import format_runs_report
+
+        lines.append(format_runs_report(profile["runs_report"]))
+    lines.append("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in profile["coefficients"].items() if v))
+    return "\n".join(lines)
+
+
+def _grid_lines(rep: dict[str, Any]) -> list[str]:
+    lines = []
     lines.append(f"{'group':<10} {'R^2':>7} {'fit med|%|':>11} {'held-out n':>11} {'med |%|':>8} {'max |%|':>8}")
     for g in ("decode", "join", "leave", "prefill", "step", "mixed"):
         r = rep.get(g)
@@ -136,8 +152,12 @@ def format_report(profile: dict[str, Any]) -> str:
     h = rep["held_out_passes"]
     lines.append(f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
                  f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}")
-    lines.append("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in profile["coefficients"].items()))
-    return "\n".join(lines)
+    return lines
+
+
+def _grid_name(cal: dict[str, Any]) -> Any:
+    g = cal.get("grid")
+    return g.get("grid") if isinstance(g, dict) else g
 
 
 def _f(v, digits):
@@ -150,7 +170,9 @@ def report_markdown(profile: dict[str, Any]) -> str:
     lines = [
         f"# Cost profile: {profile['model']} ({profile['dtype']})",
         "",
-        f"Measured by `calibrate` ({cal.get('grid')} grid, {cal.get('samples')} samples, "
+        f"Measured by `calibrate` ({_grid_name(cal)} grid, {cal.get('samples')} samples"
+        + (f" and {cal.get('steps')} steps of {len(cal.get('runs') or [])} real run(s)" if cal.get("runs") else "")
+        + ", "
         f"{cal.get('wall_s')} s) on {profile.get('date')}: mlx {profile.get('mlx')}, mlx-lm "
         f"{profile.get('mlx_lm')}, BLAS {b.get('name')} x{b.get('threads')} threads "
         f"(thread timeout {b.get('thread_timeout')}), {m.get('processor')} with {m.get('cpu_count')} CPUs, "
@@ -159,7 +181,8 @@ def report_markdown(profile: dict[str, Any]) -> str:
         "## Fit",
         "",
         "Each group is fitted apart; a quarter of each group's grid points is held out. Errors are",
-        "|predicted - measured| / measured per grid point (the median over its runs).",
+        "|predicted - measured| / measured per grid point (the median over its runs). Real runs'",
+        "steps (where fitted) are held out by whole runs (analysis/runfit.py).",
         "",
         "```",
         format_report(profile),

@@ -107,9 +107,21 @@ def format_table(v: Mapping[str, Any]) -> str:
     med_s = "-" if med is None else f"{med:.1f}"
     worst_s = "-" if worst is None else f"{worst:.1f}"
     lines.append(f"median |error| {med_s} %, max {worst_s} %")
+    if rep > 1:
+        rows = [r for r in v["metrics"].values() if r.get("error_pct") is not None and r.get("spread_pct") is not None]
+        beyond = [r for r in rows if abs(r["error_pct"]) > r["spread_pct"]]
+        spreads = sorted(r["spread_pct"] for r in rows)
+        if rows:
+            lines.append(f"{len(beyond)} of {len(rows)} metrics' |error| exceed the real runs' spread "
+                         f"(spread median {spreads[len(spreads) // 2]:.1f} %, max {spreads[-1]:.1f} %)")
     if se.get("n"):
         lines.append(f"per-step cost-model error over {se['n']} real steps: median |{se['p50']:.1f}| %, "
                      f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %")
+    sb = v.get("step_bias")
+    if sb:
+        from analysis.residuals import bias_line
+
+        lines.append(bias_line(sb).replace("cost model on this run", "cost model on the real runs"))
     speed = speed_line(v.get("machine_speed"))
     if speed:
         lines.append(speed)

@@ -1,20 +1,36 @@
-"""Fidelity: how far `simulate` is from `run-real`, for all six policies x the bundled
-real-run traces (real-smoke, real-mixed), with the bundled measured profile.
+"""Fidelity: how far `simulate` is from `run-real` on traces the calibration never saw.
 
-For each (trace, policy): one simulation and ``--repeat`` real runs (tiny model, MLX on
-this CPU), compared as `validate` compares them (measured = median of the real runs).
-Writes per-policy median and max |error| over the validated metrics, the per-step
-cost-model error, and the real runs' own spread (run-to-run noise), to JSON.
+Per model (tiny, smollm2-135m): the default calibration first, made fresh and timed (what
+validate and run-real make when no profile matches: the quick grid + a short real replay of a
+few policies on a small synthetic trace, fitted together; ``--profile`` uses a given one
+instead), then per held-out trace and per policy one simulation and ``--repeat`` real runs,
+compared as ``validate`` compares them (measured = median of the real runs). Recorded:
 
-Target (issue 4): median |error| <= 3 % and worst <= 10 % for every policy.
+- the nine metrics' errors (simulated vs measured, %), their median and worst;
+- the real runs' spread per metric ((max - min) / median, %), beside each error;
+- the step bias: median measured/predicted over every real step (back to back, after idle),
+  and the total predicted vs measured step time;
+- pairwise direction: for every pair of policies on a trace and every metric where the real
+  runs differ by more than their spread (the medians further apart than either policy's
+  max - min), whether the simulation orders the two the same way; the share per metric.
 
-    python bench/fidelity.py [--repeat 3] [--traces real-smoke,real-mixed] [--out bench/results/fidelity.json]
+Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and a
+seeded ``random:`` trace; for smollm2-135m (~20x slower passes) two seeded ``random:`` traces
+sized so one real run takes <= ~20 s.
+
+Goal (issue 13): per policy, median |error| <= 5 %, worst <= 15 %, total predicted step time
+within +-3 %, pairwise direction right; default calibration <= 3 minutes.
+
+    python bench/fidelity.py [--models tiny,smollm2-135m] [--repeat 3] [--noise gc-off]
+                             [--out bench/results/fidelity.json] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,93 +44,153 @@ sys.path.insert(0, str(ROOT))
 import engine  # noqa: E402,F401  (OpenBLAS before mlx)
 import traces  # noqa: E402
 from engine import blas  # noqa: E402
-from engine.calibrate import find_or_calibrate  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from policies import POLICIES, make_policy  # noqa: E402
 from schedlab.validate import validate_one  # noqa: E402
 from sim.cost import LinearCostModel  # noqa: E402
 
+# (trace spec, seed): held out from every calibration (the replay draws its own trace)
+TRACES = {
+    "tiny": [("real-smoke", 0), ("real-mixed", 0),
+             ("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13)],
+    "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11),
+                     ("random:n=10,input_len=64,output_len=32,range_ratio=0.5,rate=1.5,burstiness=0.5", 12)],
+    "micro": [("real-smoke", 0)],  # smoke runs of this script
+}
+GOAL = {"median_abs_error_pct": 5.0, "max_abs_error_pct": 15.0, "total_step_time_pct": 3.0,
+        "calibration_s": 180.0}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="real-smoke,real-mixed")
+    ap.add_argument("--models", default="tiny,smollm2-135m")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--profile", default=None)
+    ap.add_argument("--traces", default=None, help="MODEL=spec@seed;spec@seed,... overrides (default: TRACES)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--profile", default=None, help="use this profile (one model) instead of calibrating")
+    ap.add_argument("--noise", default=None, help="engine.noise settings for every run and calibration "
+                                                  "(gc-off, pin=0-1, warmup=N)")
+    ap.add_argument("--no-speed-check", action="store_true", help="skip validate's machine-speed checks "
+                    "(and so the drift-adjusted comparison): ~2x faster on smollm2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
-    ap.add_argument("--keep", default=None, help="keep the run directories here")
-    ap.add_argument("--calibrate", action="store_true",
-                    help="calibrate (default grid) first and validate against that fresh profile: this "
-                         "machine's speed drifts by tens of %% over an hour, so a profile measured minutes "
-                         "before the runs separates the cost model's error from the machine's drift")
+    ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
     args = ap.parse_args()
+    if args.noise is not None:
+        from engine.noise import ENV, Noise
 
-    info = load_model(args.model)
+        Noise.parse(args.noise)
+        os.environ[ENV] = args.noise
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fidelity-"))
-    if args.calibrate:
-        from engine.calibrate import GRIDS, calibrate, write_profile
-
-        print("calibrating (default grid) ...", flush=True)
-        path = write_profile(calibrate(info, GRIDS["default"]), work / "profile.json")
-    else:
-        path, note = find_or_calibrate(args.profile, info, work, lambda m: print(m, flush=True))
-        if note:
-            print("note:", note)
-    cost = LinearCostModel.from_profile(path)
-    capacity = int(cost.meta.get("kv_tokens", 262144))
-    results: dict = {}
-    t0 = time.perf_counter()
-    for tname in args.traces.split(","):
-        tr = traces.load(tname)
-        results[tname] = {}
-        for pname in args.policies.split(","):
-            pol = make_policy(pname)
-            v = validate_one(pol, tr, info, cost, capacity, work / tname / pname, args.repeat, 0,
-                             {"profile": str(path)}, lambda m: print(f"{tname}: {m}", flush=True))
-            spreads = [r["spread_pct"] for r in v["metrics"].values() if r.get("spread_pct") is not None]
-            results[tname][pname] = {
-                "median_abs_error_pct": v["median_abs_error_pct"],
-                "max_abs_error_pct": v["max_abs_error_pct"],
-                "worst_metric": max(v["metrics"], key=lambda k: abs(v["metrics"][k]["error_pct"] or 0)),
-                "step_error_pct": v["step_error_pct"],
-                "real_spread_pct_median": statistics.median(spreads) if spreads else None,
-                "machine_speed": v.get("machine_speed"),
-                "drift_adjusted": v.get("drift_adjusted"),
-                "within_spread": sum(1 for r in v["metrics"].values() if r.get("within_spread")),
-                "metrics": {k: {"sim": r["sim"], "real": r["real"], "error_pct": r["error_pct"],
-                                "spread_pct": r.get("spread_pct")} for k, r in v["metrics"].items()},
-            }
-            r = results[tname][pname]
-            print(f"{tname:11s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
-                  f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step p50 "
-                  f"{r['step_error_pct']['p50']:5.1f}%  real spread {r['real_spread_pct_median'] or 0:5.1f}%  "
-                  f"machine speed {_speed(r['machine_speed'])}  drift-adjusted median |err| "
-                  f"{_num((r['drift_adjusted'] or {}).get('median_abs_error_pct'))}% max "
-                  f"{_num((r['drift_adjusted'] or {}).get('max_abs_error_pct'))}%",
-                  flush=True)
-    out = {
-        "benchmark": "fidelity",
-        "model": args.model,
-        "profile": path.name,
-        "profile_calibrated_now": bool(args.calibrate),
-        "repeat": args.repeat,
-        "target": {"median_abs_error_pct": 3.0, "max_abs_error_pct": 10.0},
-        "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
-        "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "results": results,
-        "per_policy": {p: _per_policy([results[t][p] for t in results]) for p in args.policies.split(",")},
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    overrides = _parse_traces(args.traces)
+    policies = args.policies.split(",")
+    out = {"benchmark": "fidelity", "goal": GOAL, "repeat": args.repeat, "noise": args.noise,
+           "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+           "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "models": {}}
+    t_all = time.perf_counter()
+    for model in args.models.split(","):
+        out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
+                                         work / model.replace("/", "_"))
+        _write(out, args.out, t_all)
+    _write(out, args.out, t_all)
+    print(format_markdown(out))
     print(f"wrote {args.out}")
 
 
+def _write(out: dict, path: str, t0: float) -> None:
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _parse_traces(spec: str | None) -> dict[str, list[tuple[str, int]]]:
+    out: dict[str, list[tuple[str, int]]] = {}
+    for part in (spec or "").split("|"):
+        if not part.strip():
+            continue
+        model, _, rest = part.partition("=")
+        items = []
+        for t in rest.split(";"):
+            name, _, seed = t.rpartition("@") if "@" in t else (t, "", "0")
+            items.append((name, int(seed or 0)))
+        out[model.strip()] = items
+    return out
+
+
+def run_model(model: str, policies: list[str], trace_specs, args, work: Path) -> dict:
+    info = load_model(model)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        path = Path(args.profile)
+        cal = {"kind": "given", "profile": str(path)}
+    else:
+        from engine.calibrate import calibrate_default, write_profile
+
+        print(f"{model}: default calibration (quick grid + real replay) ...", flush=True)
+        t0 = time.perf_counter()
+        prof = calibrate_default(info, progress=lambda m: print(f"  {m}", flush=True), keep=work / "replay")
+        wall = time.perf_counter() - t0
+        path = write_profile(prof, work / "profile.json")
+        rr = prof.get("runs_report") or {}
+        cal = {"kind": prof["calibration"].get("kind"), "wall_s": round(wall, 1), "profile": str(path),
+               "grid_rounds": (prof["calibration"].get("grid") or {}).get("rounds"),
+               "chosen": rr.get("chosen"), "held_out_replay": rr.get("held_out"), "wake": rr.get("wake"),
+               "coefficients": prof["coefficients"]}
+        print(f"{model}: calibrated in {wall:.0f} s", flush=True)
+    cost = LinearCostModel.from_profile(path)
+    capacity = int(cost.meta.get("kv_tokens", 262144))
+    res: dict = {"calibration": cal, "traces": {}}
+    for spec, seed in trace_specs:
+        tr = traces.load(spec, seed=seed)
+        info.check_trace(tr.requests)
+        key = spec if spec.startswith("real-") else f"{spec}@{seed}"
+        res["traces"][key] = {}
+        for pname in policies:
+            pol = make_policy(pname)
+            v = validate_one(pol, tr, info, cost, capacity, work / _safe(key) / pname, args.repeat, seed,
+                             {"kind": "linear", "profile": str(path)},
+                             lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
+                             speed_check_runs=not args.no_speed_check)
+            row = _row(v)
+            res["traces"][key][pname] = row
+            print(_line(model, key, pname, row), flush=True)
+    res["per_policy"] = {p: _per_policy([res["traces"][t][p] for t in res["traces"]]) for p in policies}
+    res["pairwise"] = pairwise(res["traces"])
+    return res
+
+
+def _safe(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:60]
+
+
+def _row(v: dict) -> dict:
+    spreads = [r["spread_pct"] for r in v["metrics"].values() if r.get("spread_pct") is not None]
+    return {
+        "median_abs_error_pct": v["median_abs_error_pct"],
+        "max_abs_error_pct": v["max_abs_error_pct"],
+        "worst_metric": max(v["metrics"], key=lambda k: abs(v["metrics"][k]["error_pct"] or 0)),
+        "step_error_pct": v["step_error_pct"],
+        "step_bias": v.get("step_bias"),
+        "real_spread_pct_median": statistics.median(spreads) if spreads else None,
+        "errors_beyond_spread": sum(1 for r in v["metrics"].values() if r.get("spread_pct") is not None
+                                    and r["error_pct"] is not None and abs(r["error_pct"]) > r["spread_pct"]),
+        "machine_speed": v.get("machine_speed"),
+        "drift_adjusted": v.get("drift_adjusted"),
+        "metrics": {k: {"sim": r["sim"], "real": r["real"], "error_pct": r["error_pct"],
+                        "spread_pct": r.get("spread_pct"), "real_runs": r.get("real_runs")}
+                    for k, r in v["metrics"].items()},
+    }
+
+
 def _per_policy(rows: list[dict]) -> dict:
-    """Over the traces: median of the median |error|, worst |error|, plain and drift-adjusted."""
+    """Over the traces: median of the median |error|, worst |error|, total step time error."""
+    pred = sum((r["step_bias"] or {}).get("predicted_s", 0.0) for r in rows)
+    meas = sum((r["step_bias"] or {}).get("measured_s", 0.0) for r in rows)
     out = {"median_abs_error_pct": statistics.median(r["median_abs_error_pct"] for r in rows),
-           "max_abs_error_pct": max(r["max_abs_error_pct"] for r in rows)}
+           "max_abs_error_pct": max(r["max_abs_error_pct"] for r in rows),
+           "total_step_time_pct": 100.0 * (pred - meas) / meas if meas else None,
+           "step_bias_median": statistics.median(r["step_bias"]["median"] for r in rows if r.get("step_bias"))
+           if any(r.get("step_bias") for r in rows) else None}
     adj = [r["drift_adjusted"] for r in rows if r.get("drift_adjusted")]
     if adj:
         out["drift_adjusted"] = {"median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in adj),
@@ -122,15 +198,71 @@ def _per_policy(rows: list[dict]) -> dict:
     return out
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:5.1f}"
+def pairwise(by_trace: dict) -> dict:
+    """Per metric: of the policy pairs whose real runs differ by more than their spread, the
+    share the simulation orders the same way."""
+    counts: dict[str, list[int]] = {}
+    for rows in by_trace.values():
+        for a, b in itertools.combinations(sorted(rows), 2):
+            for m, ra in rows[a]["metrics"].items():
+                rb = rows[b]["metrics"][m]
+                if None in (ra["real"], rb["real"], ra["sim"], rb["sim"]):
+                    continue
+                spread = max(_abs_spread(ra), _abs_spread(rb))
+                diff = ra["real"] - rb["real"]
+                if abs(diff) <= spread or diff == 0:
+                    continue
+                c = counts.setdefault(m, [0, 0])
+                c[1] += 1
+                if (ra["sim"] - rb["sim"]) * diff > 0:
+                    c[0] += 1
+    out = {m: {"right": r, "considered": n, "share": r / n if n else None} for m, (r, n) in counts.items()}
+    tot = [sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())]
+    out["all"] = {"right": tot[0], "considered": tot[1], "share": tot[0] / tot[1] if tot[1] else None}
+    return out
 
 
-def _speed(speed: dict | None) -> str:
-    """'1.31x/1.28x': the profile's reference passes before/after the real runs, vs calibration."""
-    if not speed:
-        return "-"
-    return "/".join(f"{speed[w]['ratio']:.2f}x" if speed.get(w) else "-" for w in ("before", "after"))
+def _abs_spread(r: dict) -> float:
+    runs = r.get("real_runs") or []
+    return (max(runs) - min(runs)) if len(runs) > 1 else 0.0
+
+
+def _line(model, key, pname, r) -> str:
+    sb = r["step_bias"] or {}
+    return (f"{model:12s} {key[:28]:28s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
+            f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step bias {sb.get('median', float('nan')):.3f} "
+            f"total {sb.get('total_pct', float('nan')):+.1f}%  spread {r['real_spread_pct_median'] or 0:5.1f}%")
+
+
+def format_markdown(out: dict) -> str:
+    lines = []
+    for model, res in out["models"].items():
+        cal = res["calibration"]
+        lines.append(f"\n{model}: calibration {cal.get('kind')} in {cal.get('wall_s', '-')} s")
+        keys = list(res["traces"])
+        head = "| policy | " + " | ".join(f"{_short(k)} median / max |err| %" for k in keys) + \
+            " | step bias (meas/pred) | total step time % | real spread % (median) |"
+        lines += [head, "|---|" + "---:|" * (len(keys) + 3)]
+        for p, agg in res["per_policy"].items():
+            cells = [f"{res['traces'][k][p]['median_abs_error_pct']:.1f} / {res['traces'][k][p]['max_abs_error_pct']:.1f}"
+                     for k in keys]
+            spreads = [res["traces"][k][p]["real_spread_pct_median"] for k in keys
+                       if res["traces"][k][p]["real_spread_pct_median"] is not None]
+            lines.append(f"| {p} | " + " | ".join(cells)
+                         + f" | {_n(agg.get('step_bias_median'), 3)} | {_n(agg.get('total_step_time_pct'), 1, True)} | "
+                         + (f"{statistics.median(spreads):.1f}" if spreads else "-") + " |")
+        pw = res["pairwise"]
+        lines.append("pairwise direction right: " + ", ".join(
+            f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"]))
+    return "\n".join(lines)
+
+
+def _short(key: str) -> str:
+    return key if key.startswith("real-") else "random@" + key.rsplit("@", 1)[-1]
+
+
+def _n(x, d, sign=False):
+    return "-" if x is None else (f"{x:+.{d}f}" if sign else f"{x:.{d}f}")
 
 
 if __name__ == "__main__":

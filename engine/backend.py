@@ -66,6 +66,7 @@ import numpy as np
 from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
 from .errors import EngineError
 from .models import ModelInfo
+from .noise import Noise
 from .sampling import Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 
 import mlx.core as mx  # noqa: E402
@@ -133,8 +134,11 @@ class MLXBackend:
     mode = "real"
 
     def __init__(self, model_info: ModelInfo, sampling: Any = "greedy", seed: int = 0,
-                 *, warmup: bool = True, check: bool = True, ignore_eos: bool = False):
+                 *, warmup: bool = True, check: bool = True, ignore_eos: bool = False,
+                 noise: Noise | None = None):
         self.info = model_info
+        self.noise = noise if noise is not None else Noise.from_env()
+        self._noise_saved = None
         self.model = model_info.model
         self.sampling = parse_sampling(sampling)
         self.seed = int(seed)
@@ -165,9 +169,11 @@ class MLXBackend:
         """Check the known requests against the model and warm up (before the clock starts)."""
         requests = list(requests or ())
         self.info.check_trace(requests)
+        self._noise_saved = self.noise.enter()  # pinning, collector off (engine.noise): until finish()
         if self.warmup:
             t0 = time.perf_counter()
-            self._warm_up(max((r.prompt_tokens for r in requests), default=64))
+            for _ in range(max(self.noise.warmup, 1)):
+                self._warm_up(max((r.prompt_tokens for r in requests), default=64))
             self.stats["warmup_s"] = time.perf_counter() - t0
 
     def step_overhead(self, predicted_s: float) -> float:
@@ -233,7 +239,11 @@ class MLXBackend:
             self.stats["preemptions"] += 1
 
     def finish(self) -> dict[str, Any]:
+        if self._noise_saved is not None:
+            self.noise.leave(self._noise_saved)
+            self._noise_saved = None
         meta = self.info.metadata()
+        meta["noise"] = self.noise.describe()
         meta["engine"] = {
             "sampling": self.sampling.describe(),
             "prompt_seed": self.seed,

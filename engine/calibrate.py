@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import random
 import re
 import statistics
@@ -35,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from policies import make_policy
 from policies.base import Pass, Plan
-from sim.cost import DEFAULT_KV_TOKENS, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
+from sim.cost import DEFAULT_KV_TOKENS, FEATURES, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
 from analysis.fit import Sample, fit_profile, merge_rounds, report_markdown
 from sim.loop import run as run_loop
 from sim.state import ReplicaState
@@ -303,8 +304,20 @@ def measure_step_overhead(info: ModelInfo, grid: Grid, seed: int) -> list[Sample
 # ---------------------------------------------------------------------- driver
 
 
-def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure the grid on ``info``'s model and return the profile (a JSON-able dict)."""
+def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[[str], None] | None = None,
+              budget_s: float | None = None, loop: bool = True) -> dict[str, Any]:
+    """Measure the grid on ``info``'s model and return the profile (a JSON-able dict).
+
+    ``budget_s``: stop starting new rounds once another round would pass this many seconds
+    (at least one round is measured: a slow model gets fewer rounds, not fewer points).
+    ``loop``: also time the real loop's per-step overhead (the step group)."""
+    from .noise import Noise
+
+    with Noise.from_env().active():  # the same pinning / collector as the real runs (engine.noise)
+        return _calibrate(info, grid, seed=seed, progress=progress, budget_s=budget_s, loop=loop)
+
+
+def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, loop) -> dict[str, Any]:
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
     rng = random.Random(seed)
@@ -336,7 +349,13 @@ def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[
     per_job: dict[int, list[list[Sample]]] = {i: [] for i in range(len(jobs))}
     total = len(jobs) * grid.rounds
     done = 0
+    rounds_done = 0
     for rnd in range(grid.rounds):
+        elapsed = time.perf_counter() - t_start
+        if budget_s is not None and rnd and elapsed + elapsed / rnd > budget_s:
+            say(f"round {rnd + 1} would pass the {budget_s:.0f} s budget: {rnd} round(s) measured")
+            break
+        rounds_done += 1
         order = list(range(len(jobs)))
         rng.shuffle(order)
         for i in order:
@@ -344,8 +363,9 @@ def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[
             say(f"[{done}/{total}] round {rnd + 1}: {jobs[i][0]}")
             per_job[i].append(jobs[i][1]())
     samples = [merge_rounds(rounds) for i in range(len(jobs)) for rounds in zip(*per_job[i])]
-    say("real loop: per-step overhead")
-    samples += measure_step_overhead(info, grid, seed)
+    if loop:
+        say("real loop: per-step overhead")
+        samples += measure_step_overhead(info, grid, seed)
     coef, report = fit_profile(samples)
     meta = info.metadata()
     return {
@@ -360,7 +380,7 @@ def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[
         "device": meta["device"],
         "machine": meta["machine"],
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "calibration": {"grid": grid.name, "seed": seed, "samples": len(samples),
+        "calibration": {"grid": grid.name, "seed": seed, "samples": len(samples), "rounds": rounds_done,
                         "wall_s": round(time.perf_counter() - t_start, 1)},
         "coefficients": coef,
         "fit_report": report,
@@ -496,7 +516,8 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
                       say: Callable[[str], None]) -> tuple[Path, str | None]:
     """The profile to simulate with: the one given, else the bundled default when it was
     measured on this model and machine, else a cached calibration of this model and machine,
-    else a fresh ``--quick`` calibration (cached, and written to OUT/profile.json with ``out``)."""
+    else a fresh default calibration (``calibrate_default``: the quick grid and a short real
+    replay fitted together; cached, and written to OUT/profile.json with ``out``)."""
     from sim.cost import read_profile
     from sim.profiles import resolve_profile
 
@@ -510,8 +531,8 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
                 return path, None
         except Exception:  # a broken cache file: ignore it, calibrate anew
             continue
-    say("no profile matches this model and machine: calibrating (--quick) first")
-    prof = calibrate(info, grid_for(info, quick=True), progress=say)
+    say("no profile matches this model and machine: calibrating first (quick grid + a short real replay)")
+    prof = calibrate_default(info, progress=say)
     path = None
     try:
         path = write_profile(prof, cached_profile_path(info))
@@ -522,7 +543,7 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
             out = Path(tempfile.mkdtemp(prefix="schedlab-profile-"))
     if out is not None:
         path = write_profile(prof, Path(out) / "profile.json")
-    return path, f"calibrated for {info.name} on this machine (quick grid): {path}"
+    return path, f"calibrated for {info.name} on this machine (quick grid + real replay): {path}"
 
 
 # ---------------------------------------------------------------------- the analytic model's factors
@@ -548,3 +569,92 @@ def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
     bits, kv_bits = analytic_bits(info)
     rows = [s.to_json() if isinstance(s, Sample) else s for s in samples]
     return fit_local(rows, info.config, name=str(info.name), quant=bits, kv_bits=kv_bits)
+
+
+# ---------------------------------------------------------------------- fitting to real runs
+
+
+# ---------------------------------------------------------------------- the default calibration
+
+
+REPLAY_POLICIES = ("mlx-default", "chunked-prefill", "unified")
+
+
+def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float = 0.6,
+                 max_prompt: int = 256) -> list[Request]:
+    """A small synthetic trace for a real replay: chat-sized prompts (16..max_prompt tokens) and
+    outputs (8..48), arriving alone or in bursts of 2-4 (rows join and leave the batch; the
+    replica sits idle in between), as many as keep the replica busy ``load`` of ``seconds``
+    under ``cost`` (simulated with the unified policy)."""
+    from sim.loop import run as simulate
+
+    def make(n: int) -> list[Request]:
+        rng = random.Random(seed)
+        reqs, t, i = [], 0.0, 0
+        gap = seconds / max(n, 1)
+        while i < n:
+            t += rng.expovariate(1.0) * gap * (2.5 if rng.random() < 0.3 else 1.0)
+            for _ in range(min(n - i, rng.choice((1, 1, 1, 2, 3, 4)))):
+                p = int(round(math.exp(rng.uniform(math.log(16), math.log(max_prompt)))))
+                reqs.append(Request(f"replay{seed}-{i}", round(t, 4), p, rng.randint(8, 48)))
+                i += 1
+        span = reqs[-1].arrival_s or 1.0
+        return [Request(r.id, round(r.arrival_s * 0.85 * seconds / span, 4), r.prompt_tokens, r.output_tokens)
+                for r in reqs]
+
+    n = 8
+    for _ in range(4):
+        res = simulate(make(n), make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
+        busy = sum(st.predicted_s for st in res.steps) or 1e-3
+        n = int(min(400, max(4, round(n * load * seconds / busy))))
+    return make(n)
+
+
+def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds: float = 8.0,
+                  policies: Sequence[str] = REPLAY_POLICIES, seed: int = 0,
+                  say: Callable[[str], None] = lambda m: None) -> list[Path]:
+    """Real runs of ``policies`` on a ``replay_trace`` (each ~``seconds``), written as run
+    directories under ``out`` (features.parquet included). Returns their paths."""
+    from sim.loop import run as run_loop_
+    from sim.metrics import summarize
+    from sim.output import write_run
+
+    trace = replay_trace(cost, seconds, seed)
+    dirs = []
+    for k, name in enumerate(policies):
+        say(f"replay: {name} on {len(trace)} requests (~{seconds:.0f} s)")
+        res = run_loop_(trace, make_policy(name), cost, kv_capacity=10**9,
+                        backend=MLXBackend(info, seed=seed + k), trace_name="replay")
+        if res.error:
+            raise RuntimeError(res.error)
+        dirs.append(write_run(Path(out) / name, res, summarize(res), meta={"replay_seed": seed}))
+    return dirs
+
+
+def calibrate_default(info: ModelInfo, *, seed: int = 0, progress: Callable[[str], None] | None = None,
+                      replay_s: float = 8.0, grid_budget_s: float = 100.0, keep: Path | None = None
+                      ) -> dict[str, Any]:
+    """The calibration ``validate`` and ``run-real`` make when no profile matches: the quick grid
+    (``grid_for``: the compact one for large models; rounds cut to ``grid_budget_s``),
+    then a real replay of a few bundled policies on a small synthetic trace (``replay_s`` each),
+    fitted together (``profile_from_runs``): the grid gives the shapes, the replay how the real
+    loop runs them. ``keep``: where the replay's run directories go (else a temporary one)."""
+    import tempfile
+
+    say = progress or (lambda m: None)
+    t0 = time.perf_counter()
+    grid = grid_for(info, quick=True)
+    prof = calibrate(info, grid, seed=seed, progress=say, budget_s=grid_budget_s, loop=False)
+    from analysis.runfit import load_runs, profile_from_runs
+
+    with tempfile.TemporaryDirectory(prefix="schedlab-replay-") as tmp:
+        out = Path(keep) if keep is not None else Path(tmp)
+        dirs = record_replay(info, LinearCostModel(dict(prof["coefficients"])), out, seconds=replay_s,
+                             seed=seed, say=say)
+        runs = load_runs(dirs)
+        for r in runs:
+            r.name = Path(r.name).name
+        say("fitting the grid and the replay together")
+        full = profile_from_runs(runs, prof, kind="grid+replay", wall_s=time.perf_counter() - t0)
+    full["calibration"]["replay_s"] = replay_s
+    return full

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -29,8 +29,25 @@ def calibrate(
                                   "and store them in the profile (key analytic_cpu_local; validate --hardware cpu-local uses them)"),
     from_profile: Optional[Path] = typer.Option(None, "--from-profile", help="with --analytic: time nothing, fit the factors to "
                                                 "this profile's stored samples (same model and machine) and write it to OUT"),
+    from_runs: bool = typer.Option(False, "--from-runs", help="time nothing: fit the cost model to the real runs' steps "
+                                   "(RUNS: run-real --out or validate directories, their features.parquet), holding out "
+                                   "whole runs; with --grid, on top of that grid profile's fit"),
+    grid: Optional[Path] = typer.Option(None, "--grid", help="with --from-runs: a grid profile (calibrate) of the same "
+                                        "model and machine whose fit gives the passes' shape dependence"),
+    replay: bool = typer.Option(False, "--replay", help="the default calibration (what validate and run-real make when no "
+                                "profile matches): the quick grid, then a short real replay of a few policies on a small "
+                                "synthetic trace, fitted together (~1-3 min)"),
+    keep_runs: Optional[Path] = typer.Option(None, "--keep-runs", help="with --replay: keep the replay's run directories here"),
+    runs: Optional[List[Path]] = typer.Argument(None, help="with --from-runs: run directories", show_default=False),
 ) -> None:
     """Calibrate the cost model on this machine and write the profile to OUT."""
+    if runs and not from_runs:
+        fail("run directories go with --from-runs", 2)
+    if from_runs:
+        _from_runs(runs or [], grid, out, quiet)
+        return
+    if grid is not None:
+        fail("--grid goes with --from-runs", 2)
     import engine  # noqa: F401  (OpenBLAS before mlx)
     from engine import blas
     from engine.models import check_spec
@@ -51,6 +68,8 @@ def calibrate(
     info = load_model(model, dtype=dtype, seed=model_seed)
     blas.notify_if_missing()
     grid = grid_for(info, quick=quick)
+    if keep_runs is not None and not replay:
+        fail("--keep-runs goes with --replay", 2)
 
     def say(msg: str) -> None:
         if not quiet:
@@ -58,6 +77,10 @@ def calibrate(
 
     if from_profile is not None:
         profile = _stored_profile(from_profile, info)
+    elif replay:
+        from engine.calibrate import calibrate_default
+
+        profile = calibrate_default(info, seed=seed, progress=say, keep=keep_runs)
     else:
         profile = run_calibration(info, grid, seed=seed, progress=say)
     if analytic:
@@ -75,6 +98,41 @@ def calibrate(
     print(format_report(profile))
     if analytic:
         print(format_analytic(profile["analytic_cpu_local"]))
+    print(f"wrote {out}")
+
+
+def _from_runs(runs: list[Path], grid: Optional[Path], out: Path, quiet: bool) -> None:
+    """calibrate --from-runs: fit to real runs' features.parquet (no mlx needed)."""
+    import json
+
+    from analysis.fit import format_report, report_markdown
+    from analysis.runfit import RunsError, load_runs, profile_from_runs
+
+    if not runs:
+        fail("--from-runs needs one or more run directories", 2)
+    if out.exists() and out.is_dir():
+        fail(f"--out {out} is a directory; give a file name")
+    if not out.parent.exists():
+        fail(f"--out: directory {out.parent} does not exist")
+    grid_prof = None
+    if grid is not None:
+        try:
+            grid_prof = json.loads(grid.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            fail(f"--grid {grid}: not a readable profile JSON ({exc})")
+        if not isinstance(grid_prof, dict) or not isinstance(grid_prof.get("coefficients"), dict):
+            fail(f"--grid {grid}: not a profile (no coefficients)")
+    try:
+        loaded = load_runs(runs)
+        profile = profile_from_runs(loaded, grid_prof, kind="grid+runs" if grid_prof else "runs")
+    except RunsError as exc:
+        fail(str(exc))
+    try:
+        out.write_text(json.dumps(profile, indent=1) + "\n")
+        out.with_suffix(".md").write_text(report_markdown(profile))
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror or exc}")
+    print(format_report(profile))
     print(f"wrote {out}")
 
 

@@ -39,6 +39,11 @@ def run_real(
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
     out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
+    noise: Optional[str] = typer.Option(None, "--noise", help="settings that may lower the real runs' spread, to compare: "
+                                        "gc-off, pin=CPUS (0-1), warmup=N (comma-separated; see engine/noise.py; also "
+                                        "$SCHEDLAB_NOISE)"),
+    residuals: bool = typer.Option(False, "--residuals", help="print the per-step residual table (measured/predicted "
+                                   "by rows, tokens, context, joins/leaves, idle gap, batch change)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors and warnings"),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
@@ -56,6 +61,7 @@ def run_real(
     check_spec(model, dtype)
     sampler = parse_sampling(sampling)
     check_kv_tokens(kv_tokens)
+    noise = _noise_option(noise)
 
     warnings: list[str] = []
     if profile is not None:
@@ -81,14 +87,26 @@ def run_real(
     result = run(tr.requests, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
                  on_step=_progress(tr, quiet))
     summary = summarize(result, slo=slos or None)
+    from analysis.residuals import bias, bias_line
+    from sim.features import step_table
+
+    step_bias = bias(step_table(result))
     if out is not None:
         write_run(out, result, summary, meta={
             "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "model_seed": model_seed,
-            "policy_options": policy_options(pol), "warnings": warnings,
+            "policy_options": policy_options(pol), "warnings": warnings, "step_bias": step_bias,
+            "noise": noise.describe(),
         })
         backend.write_texts(Path(out) / "texts.jsonl", result.requests)
     if not quiet:
         print(format_summary(summary))
+        line = bias_line(step_bias)
+        if line:
+            print(line)
+        if residuals:
+            from analysis.residuals import format_residuals, residual_table
+
+            print(format_residuals(residual_table(step_table(result)), "per-step residuals (measured / predicted):"))
     report_problems(result)
 
 
@@ -131,6 +149,19 @@ def _cost_model(profile: str | None, kv_tokens: int | None, no_calibrate: bool, 
             note("note" if profile is None else "warning", why)
     cost, capacity, path = load_cost_model(path, kv_tokens)
     return cost, capacity, path
+
+
+def _noise_option(spec: str | None):
+    """The --noise settings (engine.noise), checked; set in the environment so that a calibration
+    made in this process runs under them too."""
+    import os
+
+    from engine.noise import ENV, Noise
+
+    noise = Noise.parse(spec if spec is not None else os.environ.get(ENV))
+    if spec is not None:
+        os.environ[ENV] = spec
+    return noise
 
 
 def _blas_mismatch(profile_blas, engine_blas) -> str | None:

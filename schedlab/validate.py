@@ -36,6 +36,11 @@ def validate(
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt ids"),
     repeat: int = typer.Option(1, "--repeat", help="real runs per policy (reports their spread)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: validate-<trace>)"),
+    noise: Optional[str] = typer.Option(None, "--noise", help="settings that may lower the real runs' spread, to compare: "
+                                        "gc-off, pin=CPUS (0-1), warmup=N (comma-separated; see engine/noise.py; also "
+                                        "$SCHEDLAB_NOISE)"),
+    residuals: bool = typer.Option(False, "--residuals", help="print the per-step residual table (measured/predicted "
+                                   "by rows, tokens, context, joins/leaves, idle gap, batch change)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only the tables"),
 ) -> None:
     """Validate the simulator against the real engine for POLICY on TRACE."""
@@ -63,6 +68,9 @@ def validate(
             fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; "
                  "cpu-local is this machine)", 2)
     check_kv_tokens(kv_tokens)
+    from .real import _noise_option
+
+    _noise_option(noise)  # checked, and in the environment: every backend and calibration here uses it
     out = out or Path(f"validate-{tr.name}")
     if out.exists() and not out.is_dir():
         fail(f"--out {out} exists and is not a directory")
@@ -88,6 +96,10 @@ def validate(
         v = validate_one(pol, tr, info, cost, capacity, pdir, repeat, seed, cost_meta, say)
         results[name] = v
         print(format_table(v))
+        if residuals and v.get("residuals"):
+            from analysis.residuals import format_residuals
+
+            print(format_residuals(v["residuals"], "per-step residuals over the real runs (measured / predicted):"))
         print()
     if len(results) > 1:
         summary = {"trace": tr.name, "model": info.name, "cost_model": cost_meta, "policies": {
@@ -100,7 +112,7 @@ def validate(
 
 
 def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: int,
-                 cost_meta: dict, say) -> dict:
+                 cost_meta: dict, say, speed_check_runs: bool = True) -> dict:
     """One policy: the simulation and ``repeat`` real runs. The real runs plan and predict with
     the same cost model as the simulation: the policy sees the same estimates on both sides, and
     steps.parquet's predicted_s (the per-step error) is that model's, analytic with --hardware."""
@@ -108,7 +120,9 @@ def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: i
     from engine.calibrate import speed_check
     from sim import run
     from sim.metrics import summarize
+    from sim.features import step_table
     from sim.output import write_run
+    from analysis.residuals import bias, concat, residual_table
     from analysis.validation import compare
 
     meta = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed, "policy_options": pol.options()}
@@ -116,12 +130,12 @@ def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: i
     sim_res = run(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
     sim_sum = summarize(sim_res)
     write_run(pdir / "sim", sim_res, sim_sum, meta=meta)
-    speed_ref = _speed_reference(cost_meta)
+    speed_ref = _speed_reference(cost_meta) if speed_check_runs else None
     speed = {}
     if speed_ref is not None:
         say(f"{pol.name}: timing the profile's reference passes (the machine's speed now)")
         speed["before"] = speed_check(info, speed_ref, seed=seed)
-    reals, steps = [], []
+    reals, steps, tables = [], [], []
     for k in range(repeat):
         say(f"{pol.name}: real run {k + 1}/{repeat}")
         res = run(tr.requests, pol, cost, kv_capacity=capacity,
@@ -132,9 +146,13 @@ def validate_one(pol, tr, info, cost, capacity, pdir: Path, repeat: int, seed: i
             fail(f"{pol.name}: real run stopped: {res.error}")
         reals.append(s)
         steps.extend(res.steps)
+        tables.append(step_table(res))
     if speed_ref is not None:
         speed["after"] = speed_check(info, speed_ref, seed=seed)
     v = compare(sim_sum, reals, policy=pol.name, trace=tr.name, real_steps=steps)
+    feats = concat(tables)
+    v["step_bias"] = bias(feats)
+    v["residuals"] = residual_table(feats)
     if speed_ref is not None:
         v["machine_speed"] = speed
         adj = drift_adjusted(pol, tr, cost, capacity, speed, reals, steps)

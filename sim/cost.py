@@ -15,8 +15,10 @@ d_kv            rows x longest context: attention over the left-padded batch cac
 d_ctx           longest context: per-pass work that grows with the cache, not the rows
 c_join0         1 when rows join the batch cache (merge / extend: fixed part)
 c_join          rows after x longest context, when rows join (the copy)
+c_join_row      rows joining (per-row work of a join: each row's own cache read and freed)
 c_leave0        1 when rows leave the batch cache (filter: fixed part)
 c_leave         rows kept x longest context, when rows leave (the copy)
+c_leave_row     rows leaving (per-row work of a leave)
 p_pass          prefill forwards (1 when padded, else one per chunk)
 p_tokens        prefill tokens computed (rows x longest chunk when padded)
 p_attn          sum of chunk x (context + chunk): prompt attention (rows x max when padded)
@@ -26,8 +28,18 @@ p_done          tokens of chunks that complete their prompt (the last layer runs
                 for them; rows x longest when padded and any row completes)
 p_done_attn     chunk x (context + chunk) of completing chunks (the last layer's attention)
 s_step          1 per step (the scheduler loop's own overhead)
+s_pass          passes in the step (the loop's work per pass: shape, state update, timing)
 s_row           decode rows + prefill chunks in the step (bookkeeping per row)
+i_wake          1 per wake: seconds from an arrival to the step it wakes an idle replica for
+                (a wall clock's wake-up latency; charged before the step, not in it)
+i_step          1 when the step follows a wait for an arrival (the replica sat idle: caches
+                and threads are cold)
+i_gap           min(idle seconds, IDLE_CAP_S) before such a step
 ==============  =====================================================================
+
+The pass terms are charged per pass (``pass_seconds``), the s_ terms per step
+(``step_overhead_seconds``), the i_ terms once per wake of an idle replica (``idle_seconds``:
+the loop calls it only then, so steps that run back to back never pay them).
 
 Profiles are JSON written by ``calibrate``; a shipped profile is always measured.
 """
@@ -42,10 +54,14 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from policies.base import PassShape
 
-PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "c_join0", "c_join", "c_leave0", "c_leave",
+PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "c_join0", "c_join", "c_join_row",
+                 "c_leave0", "c_leave", "c_leave_row",
                  "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
-STEP_FEATURES = ("s_step", "s_row")
-FEATURES = PASS_FEATURES + STEP_FEATURES
+STEP_FEATURES = ("s_step", "s_pass", "s_row")
+IDLE_FEATURES = ("i_wake", "i_step", "i_gap")
+IDLE_STEP_FEATURES = ("i_step", "i_gap")  # the ones charged inside the step (i_wake comes before it)
+IDLE_CAP_S = 1.0  # idle seconds beyond this add nothing more (i_gap)
+FEATURES = PASS_FEATURES + STEP_FEATURES + IDLE_FEATURES
 PROFILE_SCHEMA = "schedlab-profile/1"
 DEFAULT_KV_TOKENS = 262_144  # KV capacity when neither --kv-tokens nor the profile gives one (a setting, not a measurement)
 
@@ -65,6 +81,12 @@ def pass_features(s: PassShape) -> dict[str, float]:
 def step_features(n_passes: int, n_rows: int) -> dict[str, float]:
     """The step-overhead terms' features, from ``step_overhead_seconds`` in the same way."""
     return {k: _unit_models(STEP_FEATURES)[k].step_overhead_seconds(n_passes, n_rows) for k in STEP_FEATURES}
+
+
+def idle_features(idle_s: float) -> dict[str, float]:
+    """The after-idle terms' features of a step that followed ``idle_s`` seconds of waiting
+    (the part charged inside the step, ``idle_seconds``'s second value), the same way."""
+    return {k: _unit_models(IDLE_STEP_FEATURES)[k].idle_seconds(idle_s)[1] for k in IDLE_STEP_FEATURES}
 
 
 _UNIT: dict[tuple[str, ...], dict[str, "LinearCostModel"]] = {}
@@ -94,10 +116,12 @@ class LinearCostModel:
         # unpacked once: pass_seconds is the simulator's hot path
         self._d = tuple(float(c.get(k, 0.0)) for k in PASS_FEATURES)
         self._s_step = float(c.get("s_step", 0.0))
+        self._s_pass = float(c.get("s_pass", 0.0))
         self._s_row = float(c.get("s_row", 0.0))
+        self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES)
 
     def pass_seconds(self, s: PassShape) -> float:
-        (d_pass, d_multi, d_rows, d_kv, d_ctx, c_join0, c_join, c_leave0, c_leave,
+        (d_pass, d_multi, d_rows, d_kv, d_ctx, c_join0, c_join, c_join_row, c_leave0, c_leave, c_leave_row,
          p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn) = self._d
         t = 0.0
         ctx = s.decode_contexts
@@ -109,10 +133,10 @@ class LinearCostModel:
             if rows > 1:
                 t += d_multi
             if s.joins:
-                t += c_join0 + c_join * kv
+                t += c_join0 + c_join * kv + c_join_row * s.joins
             if s.leaves:
                 kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
-                t += c_leave0 + c_leave * kept * longest
+                t += c_leave0 + c_leave * kept * longest + c_leave_row * s.leaves
         if s.prefill:
             if s.padded:
                 n = max(c for c, _ in s.prefill)
@@ -130,7 +154,13 @@ class LinearCostModel:
         return t
 
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
-        return self._s_step + self._s_row * n_rows
+        return self._s_step + self._s_pass * n_passes + self._s_row * n_rows
+
+    def idle_seconds(self, idle_s: float) -> tuple[float, float]:
+        """(seconds from the arrival to the step, extra seconds of that step) when an arrival
+        wakes a replica that sat idle for ``idle_s`` seconds."""
+        i_wake, i_step, i_gap = self._idle
+        return i_wake, i_step + i_gap * min(idle_s, IDLE_CAP_S)
 
     def decode_run_seconds(self, s: PassShape, k: int) -> Iterator[float]:
         """``pass_seconds`` of the ``k`` decode passes that follow ``s`` over the same rows, each
@@ -170,6 +200,13 @@ class ScaledCostModel:
 
     def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
         return self.factor * self.base.step_overhead_seconds(n_passes, n_rows)
+
+    def idle_seconds(self, idle_s: float) -> tuple[float, float]:
+        idle = getattr(self.base, "idle_seconds", None)
+        if idle is None:
+            return 0.0, 0.0
+        w, extra = idle(idle_s)
+        return self.factor * w, self.factor * extra
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:

@@ -7,6 +7,14 @@ pass at the new time. What differs between a simulation and a real run is only w
 backend (``SimBackend``: the cost model's prediction; ``engine.MLXBackend``: a real forward
 pass, measured) and which clock (``SimClock`` or ``WallClock``). The cost model's prediction
 is logged beside every step either way, so a real run shows how far the prediction was off.
+
+When the backend measures (a real run), the loop also keeps what a fit of the cost model needs:
+every pass's ``PassShape`` (``RunResult.shapes``, aligned with ``RunResult.passes``). Every run
+keeps, for each step that followed a wait for an arrival, how long the replica sat idle and how
+late the step started after the arrival that woke it (``RunResult.wakes``). A cost model with
+``idle_seconds(idle_s) -> (wake_s, extra_s)`` is charged for such steps: the replica starts
+``wake_s`` after the arrival, and the step costs ``extra_s`` more (both 0 where the model has no
+such terms). Neither touches the steps that run back to back.
 """
 
 from __future__ import annotations
@@ -92,6 +100,11 @@ class RunResult:
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # set when the run stopped early (the rest is kept)
     kv_capacity: int = 0
+    # real runs: the PassShape of every pass, aligned with ``passes`` (empty in a simulation)
+    shapes: list = field(default_factory=list)
+    # step index -> (idle_s, wake_s): the step followed a wait for an arrival; idle_s from the end
+    # of the previous step (or the run's start) to the arrival, wake_s from the arrival to the step
+    wakes: dict = field(default_factory=dict)
 
 
 def run(
@@ -143,6 +156,14 @@ def run(
     execute = backend.execute
     # A backend whose seconds are this cost model's predictions needs no second prediction.
     measured = getattr(backend, "cost_model", None) is not cost_model
+    shapes: list = []
+    wakes: dict[int, tuple[float, float]] = {}
+    if measured and record_steps:
+        # a real run: keep every pass's shape for fits (a simulation never comes here)
+        def execute(p, shape, state, _run=backend.execute, _keep=shapes.append):
+            _keep(shape)
+            return _run(p, shape, state)
+    idle_cost = getattr(cost_model, "idle_seconds", None)
     next_arrival = source.next_arrival_s
     finished = source.finished
     # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
@@ -196,6 +217,8 @@ def run(
     def replica():
         nonlocal wake
         t_end = None  # when the previous step ended (None after waiting idle)
+        idle_from = 0.0  # when the replica last ran out of work (the run's start at first)
+        pending = 0.0  # the after-idle cost the next step carries
         while not state.done:
             # A step starts where the previous one ended: on a wall clock the SimPy hops and
             # arrival handling between two steps belong to its time, as they do to a user.
@@ -218,11 +241,24 @@ def run(
                     continue  # the state changed: plan again at the same instant
                 if state.open:
                     # nothing to run now: only the next arrival can change the policy's mind
+                    if t_end is not None:
+                        idle_from = t_end
                     wake = env.event()
                     yield wake
                     wake = None
                     t_end = None
                     clock.woke()
+                    arrived = env.now  # the arrival's time (the wall clock is a little later)
+                    late = clock.now() - arrived
+                    wakes[state.step_index] = (arrived - idle_from, late)
+                    if idle_cost is not None:
+                        w, pending = idle_cost(arrived - idle_from)
+                        w = backend.step_overhead(w) if w else 0.0  # 0 on a wall clock
+                        if w:
+                            clock.advance(w)
+                            ev = clock.sync(next_arrival())  # arrivals due meanwhile come first
+                            if ev is not None:
+                                yield ev
                     continue
                 raise PlanError(
                     f"policy '{policy_name}' step {state.step_index}: planned nothing with "
@@ -231,6 +267,9 @@ def run(
             for p in passes:
                 n_rows += len(p.decode) + len(p.prefill)
             predicted = overhead(len(passes), n_rows)
+            if pending:
+                predicted += pending
+                pending = 0.0
             clock.advance(backend.step_overhead(predicted))  # planning comes first
             rows = ptoks = 0
             ended = False
@@ -290,5 +329,5 @@ def run(
     return RunResult(
         policy=policy_name, mode=backend.mode, trace=trace_name, requests=state.requests,
         rejected=state.rejected, steps=steps, passes=pass_log, wall_s=time.perf_counter() - wall0,
-        meta=meta, error=error, kv_capacity=state.kv_capacity,
+        meta=meta, error=error, kv_capacity=state.kv_capacity, shapes=shapes, wakes=wakes,
     )

@@ -1,10 +1,12 @@
-"""Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, passes.parquet, meta.json.
+"""Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, passes.parquet, [features.parquet,] meta.json.
 
 - requests.csv: one row per request (times, TTFT/TPOT/E2E, status);
 - steps.parquet: one row per scheduler step (start, end, predicted and measured seconds, rows);
 - tokens.parquet: one row per output token (``request_id, token_index, time_s``);
 - passes.parquet: one row per request per pass (``step, pass, request_id, kind, tokens,
-  start_s, end_s``; kind ``decode`` or ``prefill``): what every forward held, for timelines.
+  start_s, end_s``; kind ``decode`` or ``prefill``): what every forward held, for timelines;
+- features.parquet (real runs only): one row per measured step with its pass shapes' cost
+  features, idle gap and batch changes (``sim.features``): what ``calibrate --from-runs`` fits.
 
 The per-step and per-event tables are Parquet (pyarrow; ``pandas.read_parquet`` reads them): an hour of
 Azure traffic is millions of rows, ~350 MB as CSV and minutes to write, ~10x smaller and
@@ -27,6 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .features import step_table, write_features
 from .metrics import request_rows
 
 REQUEST_COLUMNS = (
@@ -70,6 +73,9 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     write_steps(out / "steps.parquet", result.steps.columns)
     write_tokens(out / "tokens.parquet", result.requests)
     write_passes(out / "passes.parquet", result.requests, result.passes)
+    feats = step_table(result)  # real runs only: what a fit of the cost model needs
+    if feats is not None:
+        write_features(out / "features.parquet", feats)
 
     info = {
         "wall_s": result.wall_s,

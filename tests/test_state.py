@@ -103,8 +103,20 @@ def test_cost_model_features_and_prediction_agree():
     """The fast pass_seconds and the feature vector the fit uses are the same function."""
     from sim.cost import FEATURES
 
-    assert set(KNOWN) == set(FEATURES)  # every term is exercised below
-    cm = LinearCostModel(dict(KNOWN))
+    from sim.cost import IDLE_CAP_S, idle_features, step_features
+
+    known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "s_pass": 1e-4,
+             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3}
+    assert set(known) == set(FEATURES)  # every term is exercised below
+    cm = LinearCostModel(dict(known))
+    for n_passes, rows in ((1, 1), (2, 9)):
+        f = step_features(n_passes, rows)
+        assert cm.step_overhead_seconds(n_passes, rows) == pytest.approx(sum(known[k] * v for k, v in f.items()))
+    for idle in (0.01, 0.5, 3.0):
+        f = idle_features(idle)
+        assert f == {"i_step": 1.0, "i_gap": min(idle, IDLE_CAP_S)}
+        assert cm.idle_seconds(idle) == pytest.approx((known["i_wake"], sum(known[k] * v for k, v in f.items())))
+    KNOWN_ = known
     b = Bench([req(i, 50 + 10 * i, 20) for i in range(6)])
     for i in range(3):
         b.decoding(i)
@@ -122,7 +134,7 @@ def test_cost_model_features_and_prediction_agree():
     assert shapes[-1].leaves == 1 and pass_features(shapes[-1])["c_leave"] > 0
     for s in shapes:
         f = pass_features(s)
-        assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN[k] * v for k, v in f.items()), rel=1e-12)
+        assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN_[k] * v for k, v in f.items()), rel=1e-12)
     padded, unpadded = shapes[2], shapes[3]
     assert pass_features(padded)["p_tokens"] == 2 * 64  # rows x longest
     assert pass_features(unpadded)["p_tokens"] == 84

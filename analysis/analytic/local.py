@@ -75,7 +75,9 @@ def shape_from_sample(sample: Any) -> PassShape | None:
         decode = (longest,) * rows
         before = rows
         if g("c_join0"):
-            joins, before = 1, rows - 1
+            # rows joining: c_join_row counts them (samples stored before it existed: say 1)
+            joins = int(round(g("c_join_row"))) if "c_join_row" in f else 1
+            before = rows - joins
         if g("c_leave0"):
             kept = int(round(g("c_leave") / longest))
             leaves = before + joins - kept
@@ -106,6 +108,9 @@ def shape_from_sample(sample: Any) -> PassShape | None:
         return None
     shape = PassShape(decode, prefill, padded, before, joins, leaves, done)
     back = pass_features(shape)
+    for k in ("c_join_row", "c_leave_row"):  # terms newer than the sample: not in its features
+        if k not in f:
+            back.pop(k, None)
     if any(not _close(back.get(k, 0.0), float(f.get(k, 0.0))) for k in set(back) | set(f)):
         return None
     return shape

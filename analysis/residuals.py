@@ -1,0 +1,135 @@
+"""Per-step residuals of the cost model on real runs: measured / predicted against the step's features.
+
+Input: a real run's features table (``sim.features.step_table(result)`` or
+``features.parquet``; several runs concatenated with ``concat``). Each step's prediction is
+the run's own ``predicted_s`` (what the profile the run used predicted), or, with ``coef``,
+what those coefficients predict for it (``analysis.runfit.predict``).
+
+``residual_table`` bins the steps by one feature at a time (decode rows, prefill tokens,
+longest context, joins/leaves, the idle gap before the step, the first step after a batch
+change, passes per step) and gives, per bin, the median of measured / predicted with its
+10th-90th percentiles, the bin's share of the measured time and its total error. A bin far
+from 1 where the others are near it is an effect the cost model misses.
+
+``bias`` is the one-line version ``run-real`` prints: the median of measured / predicted over
+the run's steps (back to back and right after idle), and the total predicted vs measured
+step time: a profile that no longer fits the machine shows at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+# (name, column, bins as (label, lo, hi) with lo <= x < hi); None column: computed below
+BINS: tuple[tuple[str, str, tuple[tuple[str, float, float], ...]], ...] = (
+    ("decode rows", "decode_rows", (("0", 0, 1), ("1", 1, 2), ("2-4", 2, 5), ("5-16", 5, 17), ("17+", 17, np.inf))),
+    ("prefill tokens", "prefill_tokens", (("0", 0, 1), ("1-64", 1, 65), ("65-256", 65, 257),
+                                          ("257-1024", 257, 1025), ("1025+", 1025, np.inf))),
+    ("longest decode context", "decode_ctx", (("none", 0, 1), ("1-255", 1, 256), ("256-1023", 256, 1024),
+                                              ("1024+", 1024, np.inf))),
+    ("batch joins/leaves", "_change", (("none", 0, 1), ("joins", 1, 2), ("leaves", 2, 3), ("both", 3, 4))),
+    ("idle before (s)", "_idle", (("back to back", -1, 0), ("0-0.05", 0, 0.05), ("0.05-0.25", 0.05, 0.25),
+                                  ("0.25-1", 0.25, 1.0), ("1+", 1.0, np.inf))),
+    ("after a batch change", "after_change", (("no", 0, 1), ("yes", 1, 2))),
+    ("passes in the step", "passes", (("1", 1, 2), ("2+", 2, np.inf))),
+)
+
+
+def concat(tables: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    tables = [t for t in tables if t is not None]
+    if not tables:
+        return {}
+    keys = set(tables[0])
+    for t in tables[1:]:
+        keys &= set(t)
+    return {k: np.concatenate([np.asarray(t[k], dtype=float) for t in tables]) for k in keys}
+
+
+def _predicted(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None) -> np.ndarray:
+    if coef is None:
+        return np.asarray(cols["predicted_s"], dtype=float)
+    from analysis.runfit import predict
+
+    return predict(dict(coef), cols)
+
+
+def residual_table(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """One row per (feature, bin) with steps in it: n, median/p10/p90 of measured/predicted,
+    share of measured time (%), total predicted vs measured (%)."""
+    if not cols or not len(cols.get("measured_s", ())):
+        return []
+    meas = np.asarray(cols["measured_s"], dtype=float)
+    pred = _predicted(cols, coef)
+    ok = (meas > 0) & (pred > 0)
+    ratio = np.where(ok, meas / np.where(pred > 0, pred, 1.0), np.nan)
+    derived = {
+        "_change": (np.asarray(cols["joins"]) > 0) * 1.0 + (np.asarray(cols["leaves"]) > 0) * 2.0,
+        "_idle": np.where(np.asarray(cols["after_idle"]) > 0, np.asarray(cols["idle_before_s"]), -0.5),
+    }
+    total = meas[ok].sum()
+    rows = []
+    for name, col, bins in BINS:
+        x = derived[col] if col in derived else np.asarray(cols[col], dtype=float)
+        for label, lo, hi in bins:
+            m = ok & (x >= lo) & (x < hi)
+            if not m.any():
+                continue
+            r = ratio[m]
+            rows.append({"feature": name, "bin": label, "n": int(m.sum()),
+                         "median": float(np.median(r)), "p10": float(np.percentile(r, 10)),
+                         "p90": float(np.percentile(r, 90)),
+                         "time_share_pct": float(100.0 * meas[m].sum() / total) if total else 0.0,
+                         "total_pct": float(100.0 * (pred[m].sum() - meas[m].sum()) / meas[m].sum())})
+    return rows
+
+
+def format_residuals(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
+    lines = [title] if title else []
+    lines.append(f"{'feature':<24}{'bin':<14}{'steps':>7}{'meas/pred':>10}{'p10-p90':>13}{'time %':>8}{'total %':>9}")
+    last = None
+    for r in rows:
+        name = r["feature"] if r["feature"] != last else ""
+        last = r["feature"]
+        lines.append(f"{name:<24}{r['bin']:<14}{r['n']:>7}{r['median']:>10.3f}"
+                     f"{r['p10']:>6.2f}-{r['p90']:<6.2f}{r['time_share_pct']:>8.1f}{r['total_pct']:>+9.1f}")
+    return "\n".join(lines)
+
+
+def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> dict[str, Any] | None:
+    """Median measured/predicted over the steps (all, back to back, after idle) and the total
+    predicted vs measured step time. None without measured steps."""
+    if not cols or not len(cols.get("measured_s", ())):
+        return None
+    meas = np.asarray(cols["measured_s"], dtype=float)
+    pred = _predicted(cols, coef)
+    ok = (meas > 0) & (pred > 0)
+    if not ok.any():
+        return None
+    ratio = meas[ok] / pred[ok]
+    idle = np.asarray(cols["after_idle"], dtype=float)[ok] > 0
+
+    def med(m):
+        return float(np.median(ratio[m])) if m.any() else None
+
+    return {"steps": int(ok.sum()), "median": float(np.median(ratio)), "back_to_back": med(~idle),
+            "after_idle": med(idle), "after_idle_steps": int(idle.sum()),
+            "predicted_s": float(pred[ok].sum()), "measured_s": float(meas[ok].sum()),
+            "total_pct": float(100.0 * (pred[ok].sum() - meas[ok].sum()) / meas[ok].sum())}
+
+
+def bias_line(b: Mapping[str, Any] | None) -> str | None:
+    """'cost model on this run: measured/predicted median 1.12 over 245 steps (back to back
+    1.10, after idle 1.35 over 7); total predicted 2.31 s vs measured 2.71 s (-14.8 %)'."""
+    if not b:
+        return None
+    parts = [f"back to back {b['back_to_back']:.2f}" if b.get("back_to_back") is not None else None,
+             f"after idle {b['after_idle']:.2f} over {b['after_idle_steps']}" if b.get("after_idle") is not None else None]
+    parts = [p for p in parts if p]
+    line = (f"cost model on this run: measured/predicted median {b['median']:.2f} over {b['steps']} steps"
+            + (f" ({', '.join(parts)})" if parts else "")
+            + f"; total predicted {b['predicted_s']:.2f} s vs measured {b['measured_s']:.2f} s ({b['total_pct']:+.1f} %)")
+    if abs(b["total_pct"]) > 10 or abs(b["median"] - 1) > 0.1:
+        line += ": the profile no longer fits this machine's speed (recalibrate: calibrate --replay, or calibrate --from-runs)"
+    return line

@@ -1,0 +1,142 @@
+"""Settings that may lower the run-to-run spread of real timings, to compare, not to assume.
+
+On a small shared VM three identical real runs differ by 5-19 % (median over the metrics).
+Things that could lower it, each a switch so that a measurement can compare them:
+
+- ``gc-off``: Python's cyclic garbage collector disabled while the engine runs (collected
+  once before): a collection in the middle of a step adds milliseconds to it;
+- ``pin=CPUS``: every thread of the process (MLX's CPU worker, OpenBLAS's threads, Python)
+  pinned to these CPUs (``0-1``, ``1``, ``0,2``), so the scheduler does not move them;
+- ``warmup=N``: the engine's warm-up passes run N times instead of once (allocations, first
+  calls, caches) before the clock starts.
+
+The BLAS thread count is the environment's ``OPENBLAS_NUM_THREADS`` (read when the library
+loads; the profile records it, so a profile measured with another count is not used).
+
+Given as ``--noise gc-off,pin=0-1,warmup=3`` (run-real, validate, bench/fidelity.py) or the
+environment's ``SCHEDLAB_NOISE`` (the same spec; the option sets it, so calibrations made in
+the same process use the same settings). Recorded in every run's meta.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .errors import EngineError
+
+ENV = "SCHEDLAB_NOISE"
+
+
+@dataclass(frozen=True)
+class Noise:
+    gc_off: bool = False
+    pin: tuple[int, ...] | None = None
+    warmup: int = 1
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "Noise":
+        gc_off, pin, warmup = False, None, 1
+        for part in (spec or "").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            key, _, value = part.partition("=")
+            key = key.strip().lower()
+            if key in ("gc-off", "gc_off", "nogc") and not value:
+                gc_off = True
+            elif key == "pin" and value:
+                pin = _cpus(value)
+            elif key == "warmup" and value:
+                try:
+                    warmup = int(value)
+                except ValueError:
+                    raise EngineError(f"noise setting warmup={value!r}: give a whole number") from None
+                if warmup < 0:
+                    raise EngineError(f"noise setting warmup={warmup}: must be >= 0")
+            else:
+                raise EngineError(f"unknown noise setting {part!r} (gc-off, pin=CPUS, warmup=N)")
+        return cls(gc_off, pin, warmup)
+
+    @classmethod
+    def from_env(cls) -> "Noise":
+        return cls.parse(os.environ.get(ENV))
+
+    def spec(self) -> str:
+        parts = (["gc-off"] if self.gc_off else []) + ([f"pin={','.join(map(str, self.pin))}"] if self.pin else [])
+        if self.warmup != 1:
+            parts.append(f"warmup={self.warmup}")
+        return ",".join(parts)
+
+    def describe(self) -> dict[str, Any]:
+        return {"gc_off": self.gc_off, "pin": list(self.pin) if self.pin else None, "warmup": self.warmup,
+                "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS")}
+
+    def enter(self) -> Any:
+        """Apply (pin every thread, collect then disable the collector); returns what ``leave``
+        restores."""
+        saved = (gc.isenabled(), None)
+        if self.pin:
+            saved = (saved[0], _affinity())
+            _pin_all(self.pin)
+        if self.gc_off:
+            gc.collect()
+            gc.disable()
+        return saved
+
+    def leave(self, saved: Any) -> None:
+        enabled, affinity = saved
+        if self.gc_off and enabled:
+            gc.enable()
+        if affinity:
+            _pin_all(affinity)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved = self.enter()
+        try:
+            yield
+        finally:
+            self.leave(saved)
+
+
+def _cpus(value: str) -> tuple[int, ...]:
+    out: list[int] = []
+    try:
+        for piece in value.replace(";", ",").replace(" ", "").split(","):
+            if "-" in piece:
+                a, b = piece.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif piece:
+                out.append(int(piece))
+    except ValueError:
+        raise EngineError(f"noise setting pin={value!r}: give CPUs as 0-1 or 0,2") from None
+    have = _affinity()
+    if not out or (have and not set(out) <= set(have)):
+        raise EngineError(f"noise setting pin={value!r}: this process may run on CPUs {sorted(have or [])}")
+    return tuple(sorted(set(out)))
+
+
+def _affinity() -> tuple[int, ...] | None:
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return None
+
+
+def _pin_all(cpus) -> None:
+    """Every thread of this process (those that exist now; new ones inherit the caller's)."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise EngineError("noise setting pin: this system cannot pin threads")
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, set(cpus))
+        except OSError:
+            pass  # a thread that ended meanwhile

@@ -1,0 +1,293 @@
+"""Predictions a user can trust (issue 13): what real runs log for a fit, the fit from real runs
+(whole runs held out, candidate terms), the after-idle terms in the loop, the residual table and
+the running bias. No timing assertions: real runs only provide shapes and seconds to fit."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies import make_policy
+from policies.base import PassShape
+from sim import SimClock, run
+from sim.cost import IDLE_CAP_S, LinearCostModel, idle_features, pass_features, step_features
+from sim.features import COLUMNS, STEP_TERMS, step_table
+from simkit import KNOWN
+from traces.schema import Request
+
+from test_loop import FixedBackend
+
+BIN = Path(sys.executable).parent
+
+
+def cli(name, *args):
+    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=600)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def test_idle_terms_charge_only_the_step_after_a_wait():
+    reqs = [Request("A", 0.0, 10, 3), Request("B", 0.5, 5, 2), Request("C", 10.0, 4, 1)]
+    plain = LinearCostModel({"d_pass": 0.001, "p_pass": 0.002, "s_step": 0.0005})
+    idle = LinearCostModel({**plain.coefficients, "i_wake": 0.25, "i_step": 0.5, "i_gap": 0.125})
+    # a measuring backend (no step overhead, its own seconds): the prediction carries the extra
+    a = run(reqs, make_policy("unified"), plain, kv_capacity=1000, backend=FixedBackend())
+    b = run(reqs, make_policy("unified"), idle, kv_capacity=1000, backend=FixedBackend())
+    assert [s.start_s for s in a.steps] == [s.start_s for s in b.steps]  # a wall clock is not moved
+    assert b.wakes == a.wakes == {3: (10.0 - 2.25, 0.0)}
+    extra = [y.predicted_s - x.predicted_s for x, y in zip(a.steps, b.steps)]
+    assert extra[:3] == [0.0, 0.0, 0.0] and extra[3] == pytest.approx(0.5 + 0.125 * IDLE_CAP_S)
+    # a simulation: the replica starts i_wake after the arrival, and the step costs the extra
+    sim = run(reqs, make_policy("unified"), idle, kv_capacity=1000)
+    last = sim.steps[-1]
+    assert last.start_s == pytest.approx(10.25)
+    assert last.end_s - last.start_s == pytest.approx(0.0005 + 0.002 + 0.5 + 0.125)
+    assert sim.wakes[last.index] == pytest.approx((10.0 - sim.steps[-2].end_s, 0.0))
+    # without idle terms a simulation is what it always was
+    base = run(reqs, make_policy("unified"), plain, kv_capacity=1000)
+    assert base.steps[-1].start_s == 10.0 and not base.shapes
+
+
+def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_prediction():
+    reqs = [Request(str(i), 0.3 * i if i % 3 else 2.0 * i, 20 + 7 * i, 3 + i % 4) for i in range(9)]
+    cm = LinearCostModel({**KNOWN, "c_join_row": 3e-4, "c_leave_row": 1e-4, "s_pass": 2e-4,
+                          "i_step": 0.01, "i_gap": 0.02})
+    for name in ("chunked-prefill", "mlx-default", "unified"):
+        res = run(reqs, make_policy(name), cm, kv_capacity=10**6, backend=FixedBackend())
+        assert len(res.shapes) == len(res.passes) and all(isinstance(s, PassShape) for s in res.shapes)
+        t = step_table(res)
+        assert set(t) == set(COLUMNS) and len(t["step"]) == len(res.steps)
+        # the features are the cost model's own prediction, term by term
+        pred = sum(cm.coefficients.get(k, 0.0) * t[k] for k in STEP_TERMS)
+        assert np.allclose(pred, t["predicted_s"], rtol=1e-9, atol=1e-12), name
+        assert np.allclose(t["measured_s"], t["passes_s"] + t["overhead_s"])
+        assert t["after_idle"].sum() == len(res.wakes) >= 1
+        assert (t["batch_changed"] == ((t["joins"] + t["leaves"]) > 0)).all()
+        assert (t["after_change"][1:] == t["batch_changed"][:-1]).all()
+
+
+# ---------------------------------------------------------------------------- the fit
+
+
+def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float = 0.02, seed: int = 0):
+    """Step logs shaped like real runs (decode batches with joins and leaves, prefill chunks,
+    arrivals to an idle replica), timed by ``truth`` (a linear model: planted terms included)
+    with relative noise."""
+    from analysis.runfit import RunSteps
+
+    cm = LinearCostModel(truth)
+    runs = []
+    for k in range(n_runs):
+        rng = random.Random(seed * 100 + k)
+        rows = []
+        for _ in range(steps):
+            u = rng.random()
+            idle_s = 0.0
+            if u < 0.15:  # an arrival to an idle replica: its prompt's chunk
+                n, c = rng.choice((16, 64, 200, 500)), 0
+                shape = PassShape(prefill=((n, c),), prefill_done=(True,))
+                idle_s = rng.uniform(0.005, 2.0)
+            elif u < 0.25:
+                shape = PassShape(prefill=((rng.randint(8, 512), rng.choice((0, 300))),), prefill_done=(rng.random() < .5,))
+            else:
+                b = rng.randint(1, 24)
+                ctx = tuple(rng.randint(40, 1200) for _ in range(b))
+                joins = rng.choice((0, 0, 0, 1, 2, 4)) if b > 4 else 0
+                leaves = rng.choice((0, 0, 0, 1, 2)) if b > 4 else 0
+                shape = PassShape(decode_contexts=ctx, batch_rows_before=b - joins, joins=joins, leaves=leaves)
+            rows.append((shape, idle_s))
+        cols = {c: np.zeros(steps) for c in COLUMNS}
+        for j, (shape, idle_s) in enumerate(rows):
+            for key, v in pass_features(shape).items():
+                cols[key][j] += v
+            n_rows = len(shape.decode_contexts) + len(shape.prefill)
+            for key, v in step_features(1, n_rows).items():
+                cols[key][j] = v
+            if idle_s:
+                cols["after_idle"][j] = 1
+                cols["idle_before_s"][j] = idle_s
+                cols["wake_s"][j] = 2e-4
+                for key, v in idle_features(idle_s).items():
+                    cols[key][j] = v
+            cols["decode_rows"][j] = len(shape.decode_contexts)
+            cols["prefill_tokens"][j] = shape.prefill_tokens
+            cols["joins"][j], cols["leaves"][j] = shape.joins, shape.leaves
+            cols["passes"][j] = 1
+            over = cm.step_overhead_seconds(1, n_rows)
+            passes = cm.pass_seconds(shape) + (cm.idle_seconds(idle_s)[1] if idle_s else 0.0)
+            f = 1 + rng.uniform(-noise, noise)
+            cols["passes_s"][j] = passes * f
+            cols["overhead_s"][j] = over * f
+            cols["measured_s"][j] = (passes + over) * f
+        cols["batch_changed"] = ((cols["joins"] + cols["leaves"]) > 0).astype(float)
+        runs.append(RunSteps(f"run{k}", Path("."), {}, cols))
+    return runs
+
+
+def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
+    from analysis.runfit import fit_runs, predict
+
+    truth = {**KNOWN, "i_step": 0.004, "i_gap": 0.006, "c_join_row": 0.0008}
+    runs = synthetic_runs(truth, noise=0.02)
+    fit = fit_runs(runs)
+    chosen = fit.report["chosen"]["terms"]
+    assert {"i_step", "i_gap", "c_join_row"} <= set(chosen), fit.report["tries"]
+    for k in ("i_step", "i_gap", "c_join_row"):
+        assert fit.coefficients[k] == pytest.approx(truth[k], rel=0.2), k
+    held = fit.report["held_out"]
+    assert held["all"]["median_abs_pct"] < 2.5 and abs(held["all"]["total_pct"]) < 1.0
+    assert held["after idle"]["median_abs_pct"] < 2.5 and held["join/leave"]["median_abs_pct"] < 2.5
+    # each planted term was kept because the held-out score dropped without it: the base fit is worse
+    base = [t for t in fit.report["tries"] if t["what"] == "base" and t["mode"] == fit.report["chosen"]["mode"]
+            and t["balance"] == fit.report["chosen"]["balance"]][0]
+    assert base["score"] > fit.report["score"] + 1.0
+    assert base["groups"]["after idle"] > 3 * held["after idle"]["median_abs_pct"]
+    # the wake-up latency is measured, not fitted
+    assert fit.coefficients["i_wake"] == pytest.approx(2e-4)
+    # no planted effect: no candidate is kept
+    clean = fit_runs(synthetic_runs(KNOWN, noise=0.02, seed=3))
+    assert not {"i_step", "i_gap", "c_join_row", "c_leave_row"} & set(clean.report["chosen"]["terms"])
+    # predictions use the final coefficients exactly as the loop would
+    p = predict(fit.coefficients, runs[0].cols)
+    assert np.median(np.abs(p / runs[0].cols["measured_s"] - 1)) < 0.02
+
+
+def test_a_scaled_fit_keeps_the_grid_shapes_and_finds_the_loops_slowdown():
+    from analysis.runfit import fit_runs
+
+    slower = {k: v * (1.15 if k.startswith("d_") else 1.0) for k, v in KNOWN.items()}
+    truth = {**slower, "i_step": 0.003}
+    fit = fit_runs(synthetic_runs(truth, noise=0.01, seed=5), base=dict(KNOWN), modes=("scaled",))
+    assert fit.report["chosen"]["mode"] == "scaled"
+    assert fit.report["chosen"]["scales"]["a_decode"] == pytest.approx(1.15, rel=0.03)
+    assert fit.report["chosen"]["scales"]["a_prefill"] == pytest.approx(1.0, rel=0.05)
+    assert fit.coefficients["d_kv"] == pytest.approx(1.15 * KNOWN["d_kv"], rel=0.03)
+    assert fit.coefficients["i_step"] == pytest.approx(0.003, rel=0.2)
+
+
+def test_residual_table_shows_a_planted_effect_in_its_bin():
+    from analysis.residuals import bias, bias_line, residual_table
+
+    truth = {**KNOWN, "i_step": 0.01}
+    cols = synthetic_runs(truth, n_runs=1, noise=0.0)[0].cols
+    cols["predicted_s"] = sum(KNOWN.get(k, 0.0) * cols[k] for k in STEP_TERMS)  # a profile without it
+    rows = {(r["feature"], r["bin"]): r for r in residual_table(cols)}
+    assert rows[("idle before (s)", "back to back")]["median"] == pytest.approx(1.0)
+    assert rows[("idle before (s)", "0.25-1")]["median"] > 1.2
+    b = bias(cols)
+    assert b["back_to_back"] == pytest.approx(1.0) and b["after_idle"] > 1.2 and b["total_pct"] < 0
+    assert "after idle" in bias_line(b)
+
+
+# ---------------------------------------------------------------------------- real runs (micro)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Two real runs of the micro model (seconds each), as run-real writes them."""
+    root = tmp_path_factory.mktemp("runs")
+    dirs, outs = [], []
+    for pol in ("unified", "chunked-prefill"):
+        d = root / pol
+        proc = cli("run-real", "--policy", pol, "--trace", "real-smoke", "--model", "micro", "--no-calibrate",
+                   "--out", str(d))
+        assert proc.returncode == 0, proc.stderr
+        dirs.append(d)
+        outs.append(proc.stdout)
+    return dirs, outs
+
+
+def test_run_real_writes_features_and_prints_the_running_bias(recorded):
+    from sim.features import read_features
+
+    dirs, outs = recorded
+    for d, out in zip(dirs, outs):
+        assert "cost model on this run: measured/predicted median" in out
+        assert "total predicted" in out and "vs measured" in out
+        t = read_features(d)
+        steps = __import__("pandas").read_parquet(d / "steps.parquet")
+        assert len(t["step"]) == len(steps) and (t["measured_s"] > 0).all()
+        assert np.allclose(t["measured_s"], steps["measured_s"]) and np.allclose(t["predicted_s"], steps["predicted_s"])
+        assert t["after_idle"].sum() >= 1  # real-smoke's later requests find the replica idle
+        meta = json.loads((d / "meta.json").read_text())
+        assert meta["step_bias"]["steps"] == len(steps) and "gc_off" in meta["noise"]
+
+
+def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(recorded, tmp_path):
+    from analysis.runfit import load_runs, predict
+    from sim.features import read_features
+
+    dirs, _ = recorded
+    out = tmp_path / "runs.json"
+    proc = cli("calibrate", "--from-runs", *map(str, dirs), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "held-out steps" in proc.stdout and "leave one run out" in proc.stdout
+    prof = json.loads(out.read_text())
+    rep = prof["runs_report"]
+    assert prof["model"] == "micro" and prof["calibration"]["kind"] == "runs" and len(rep["runs"]) == 2
+    assert set(rep["held_out_per_run"]) == {str(d) for d in dirs}
+    coef = prof["coefficients"]
+    # the profile's coefficients give back the errors the report states, over the same steps
+    cols = [read_features(d) for d in dirs]
+    pred = np.concatenate([predict(coef, c) for c in cols])
+    meas = np.concatenate([c["measured_s"] for c in cols])
+    err = np.abs(pred - meas) / meas * 100
+    assert np.median(err) == pytest.approx(rep["fit"]["all"]["median_abs_pct"], rel=1e-6)
+    assert 100 * (pred.sum() - meas.sum()) / meas.sum() == pytest.approx(rep["fit"]["all"]["total_pct"], rel=1e-6, abs=1e-9)
+    assert len(load_runs([tmp_path.parent])) >= 0  # a directory tree is searched, not required flat
+    # a real run with the new profile predicts every step as the fit did (one formula)
+    d = tmp_path / "check"
+    proc = cli("run-real", "--policy", "unified", "--trace", "real-smoke", "--model", "micro", "--profile", str(out),
+               "--out", str(d), "-q")
+    assert proc.returncode == 0, proc.stderr
+    t = read_features(d)
+    assert np.allclose(predict(coef, t), t["predicted_s"], rtol=1e-9, atol=1e-12)
+    # with the grid underneath: a scaled or joint fit, and the grid's samples kept for speed checks
+    grid = tmp_path / "grid.json"
+    proc = cli("calibrate", "--quick", "--model", "micro", "--out", str(grid), "-q")
+    assert proc.returncode == 0, proc.stderr
+    both = tmp_path / "both.json"
+    proc = cli("calibrate", "--from-runs", *map(str, dirs), "--grid", str(grid), "--out", str(both))
+    assert proc.returncode == 0, proc.stderr
+    p2 = json.loads(both.read_text())
+    assert p2["calibration"]["kind"] == "grid+runs" and p2["samples"] and p2["fit_report"]["decode"]
+    assert "held-out passes" in proc.stdout and "held-out steps" in proc.stdout
+
+
+def test_calibrate_from_runs_bad_inputs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for args, frag in (
+        (["--from-runs", str(tmp_path / "nope")], "no such run directory"),
+        (["--from-runs", str(tmp_path / "empty")], "no features.parquet"),
+        (["--from-runs"], "one or more run directories"),
+        ([str(tmp_path)], "go with --from-runs"),
+    ):
+        proc = cli("calibrate", *args, "--out", str(tmp_path / "p.json"))
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and frag in lines[0], proc.stderr
+
+
+def test_noise_settings_parse_and_apply():
+    import gc
+
+    from engine.errors import EngineError
+    from engine.noise import Noise
+
+    n = Noise.parse("gc-off,warmup=3")
+    assert n.gc_off and n.warmup == 3 and n.pin is None and Noise.parse(n.spec()) == n
+    assert Noise.parse("") == Noise()
+    for bad in ("fast", "warmup=x", "pin=99999"):
+        with pytest.raises(EngineError):
+            Noise.parse(bad)
+    was = gc.isenabled()
+    with Noise(gc_off=True).active():
+        assert not gc.isenabled()
+    assert gc.isenabled() == was
