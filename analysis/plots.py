@@ -163,9 +163,21 @@ def _read_csv(path: Path, columns: Sequence[str], numeric: Sequence[str], *, str
         raise RunDirError(f"{path}: cannot parse as {what}: {' '.join(str(exc).split())}") from None
     except OSError as exc:
         raise RunDirError(f"cannot read {path}: {exc.strerror}") from None
+    return _checked(df, path, columns, numeric, str_cols=str_cols, required=required)
+
+
+def _checked(df, path, columns: Sequence[str], numeric: Sequence[str], *, str_cols=(), required=()):
+    """A table with the given columns (else RunDirError naming ``path``); numeric columns
+    coerced to float, ``required`` ones complete, string columns as str objects."""
+    import pandas as pd
+
     missing = [c for c in columns if c not in df.columns]
     if missing:
         raise RunDirError(f"{path}: missing column(s) {', '.join(missing)}")
+    df = df.copy()
+    for c in str_cols:
+        if c in df.columns and isinstance(df[c].dtype, pd.CategoricalDtype):
+            df[c] = df[c].astype(object)
     for c in numeric:
         col = pd.to_numeric(df[c], errors="coerce")
         bad = col.isna() & df[c].notna()
@@ -204,13 +216,33 @@ def load_run(path: str | Path) -> RunData:
         raise RunDirError(f"{p} is not a run directory: missing {', '.join(missing)} "
                           f"(write one with simulate --out DIR)")
     summary = _read_json(p / "summary.json")
+    _check_summary(summary, p)
+    requests = _read_csv(p / "requests.csv", REQUEST_COLUMNS, (), str_cols=("id", "status"))
+    tokens = _read_csv(p / "tokens.parquet", TOKEN_COLUMNS, (), str_cols=("request_id",))
+    steps = _read_csv(p / "steps.parquet", STEP_COLUMNS, ())
+    passes = None
+    if (p / "passes.parquet").is_file():
+        passes = _read_csv(p / "passes.parquet", PASS_COLUMNS, (), str_cols=("request_id", "kind"))
+    return run_data(summary, requests, tokens, steps, passes, path=p)
+
+
+def _check_summary(summary: dict[str, Any], p: Path) -> None:
     for key in ("policy", "mode"):
         if key not in summary:
             raise RunDirError(f"{p / 'summary.json'}: no '{key}' key (not a schedlab summary)")
-    requests = _read_csv(p / "requests.csv", REQUEST_COLUMNS,
-                         ("arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
-                          "ttft_ms", "decode_rate_tok_s"),
-                         str_cols=("id", "status"), required=("arrival_s", "output_tokens"))
+
+
+def run_data(summary: dict[str, Any], requests, tokens, steps, passes=None, *, path: str | Path = "run",
+             label: str | None = None) -> RunData:
+    """A run's tables (as a run directory holds them: requests.csv's columns, tokens, steps
+    and passes as read from their Parquet files) checked and typed as ``load_run`` reads them;
+    any problem is one ``RunDirError`` line naming ``path``."""
+    p = Path(path)
+    _check_summary(summary, p)
+    requests = _checked(requests, p / "requests.csv", REQUEST_COLUMNS,
+                        ("arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
+                         "ttft_ms", "decode_rate_tok_s"),
+                        str_cols=("id", "status"), required=("arrival_s", "output_tokens"))
     fin = requests["status"] == "finished"
     for c in ("first_token_s", "finish_s", "ttft_ms"):
         if requests.loc[fin, c].isna().any():
@@ -218,26 +250,25 @@ def load_run(path: str | Path) -> RunData:
     if requests["id"].duplicated().any():
         dup = requests["id"][requests["id"].duplicated()].iloc[0]
         raise RunDirError(f"{p / 'requests.csv'}: duplicate request id {dup}")
-    tokens = _read_csv(p / "tokens.parquet", TOKEN_COLUMNS, ("token_index", "time_s"),
-                       str_cols=("request_id",), required=("token_index", "time_s"))
-    steps = _read_csv(p / "steps.parquet", STEP_COLUMNS,
-                      ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
-                       "prefill_tokens", "passes"),
-                      required=("start_s", "end_s", "decode_rows", "prefill_tokens", "passes"))
+    tokens = _checked(tokens, p / "tokens.parquet", TOKEN_COLUMNS, ("token_index", "time_s"),
+                      str_cols=("request_id",), required=("token_index", "time_s"))
+    steps = _checked(steps, p / "steps.parquet", STEP_COLUMNS,
+                     ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
+                      "prefill_tokens", "passes"),
+                     required=("start_s", "end_s", "decode_rows", "prefill_tokens", "passes"))
     unknown = set(tokens["request_id"]) - set(requests["id"])
     if unknown:
         raise RunDirError(f"{p / 'tokens.parquet'}: request id {sorted(unknown)[0]} is not in requests.csv")
-    passes = None
-    if (p / "passes.parquet").is_file():
-        passes = _read_csv(p / "passes.parquet", PASS_COLUMNS,
-                           ("step", "pass", "tokens", "start_s", "end_s"),
-                           str_cols=("request_id", "kind"),
-                           required=("step", "pass", "tokens", "start_s", "end_s"))
+    if passes is not None:
+        passes = _checked(passes, p / "passes.parquet", PASS_COLUMNS,
+                          ("step", "pass", "tokens", "start_s", "end_s"),
+                          str_cols=("request_id", "kind"),
+                          required=("step", "pass", "tokens", "start_s", "end_s"))
         kinds = set(passes["kind"]) - {"decode", "prefill"}
         if kinds:
             raise RunDirError(f"{p / 'passes.parquet'}: kind must be decode or prefill, got {sorted(kinds)[0]!r}")
     return RunData(path=p, summary=summary, requests=requests, tokens=tokens, steps=steps,
-                   passes=passes, label=f"{summary['policy']} ({summary['mode']})")
+                   passes=passes, label=label or f"{summary['policy']} ({summary['mode']})")
 
 
 def load_validation(path: str | Path) -> ValidationData:
@@ -335,7 +366,10 @@ def _style(ax) -> None:
         ax.spines[side].set_visible(False)
 
 
-def save(fig, out_dir: str | Path, name: str, formats: Sequence[str] = FORMATS) -> list[Path]:
+def save(fig, out_dir: str | Path | None, name: str, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """Write ``fig`` as OUT_DIR/NAME.<format> for each format (nothing when ``out_dir`` is None)."""
+    if out_dir is None:
+        return []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -432,7 +466,7 @@ def plot_cdf(runs: Sequence[RunData], metric: str, out_dir: str | Path, formats=
     ax.set_title(f"{title}: CDF over {n_text} {unit}" + (" per run" if len(runs) > 1 else ""))
     ax.legend(loc="lower right", fontsize=8.5, framealpha=0.9)
     files = save(fig, out_dir, f"{metric}_cdf", formats)
-    return {"files": files, "runs": data, "log_x": log}
+    return {"files": files, "figure": fig, "runs": data, "log_x": log}
 
 
 # ------------------------------------------------------------------------ decode rates
@@ -481,7 +515,7 @@ def plot_decode_rates(runs: Sequence[RunData], out_dir: str | Path, formats=FORM
         data[r.label] = {"ids": list(ids), "heights": rates, "median": med, "starved": list(ids[starved])}
     fig.suptitle("Per-request decode rate = (output tokens − 1) / (last token − first token)", fontsize=11)
     files = save(fig, out_dir, "decode_rate", formats)
-    return {"files": files, "runs": data}
+    return {"files": files, "figure": fig, "runs": data}
 
 
 # ------------------------------------------------------------------------ timeline
@@ -687,7 +721,7 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
         title += f"\nthe run stopped early: {run.summary['error']}"
     ax_d.set_title(title, fontsize=10.5)
     files = save(fig, out_dir, name or f"timeline_{slug(run.label)}", formats)
-    return {"files": files, "lanes": ids, "segments": segs, "source": source, "x_range": (x0, x1),
+    return {"files": files, "figure": fig, "lanes": ids, "segments": segs, "source": source, "x_range": (x0, x1),
             "steps_drawn": in_range["step"].to_numpy()}
 
 
@@ -731,6 +765,7 @@ def plot_validation(v: ValidationData, out_dir: str | Path, name: str | None = N
         cdfs[metric] = d
     fig.suptitle(f"Simulated vs measured: {title_run}", fontsize=12)
     files = save(fig, out_dir, f"{base}_cdfs", formats)
+    figures = {f"{base}_cdfs": fig}
 
     pred, meas, kinds = step_time_errors(v.real)
     err = np.abs(pred - meas) / meas
@@ -759,7 +794,8 @@ def plot_validation(v: ValidationData, out_dir: str | Path, name: str | None = N
     ax.legend(loc="upper left", fontsize=8)
     _style(ax)
     files += save(fig, out_dir, f"{base}_step_time", formats)
-    return {"files": files, "cdfs": cdfs, "predicted_s": pred, "measured_s": meas,
+    figures[f"{base}_step_time"] = fig
+    return {"files": files, "figures": figures, "cdfs": cdfs, "predicted_s": pred, "measured_s": meas,
             "median_abs_pct_error": med}
 
 
@@ -771,6 +807,7 @@ class PlotReport:
     files: list[Path] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)  # name (the file's stem) -> matplotlib Figure
 
 
 def check_against_summary(run: RunData) -> list[str]:
@@ -790,20 +827,33 @@ def check_against_summary(run: RunData) -> list[str]:
     return out
 
 
-def plot_all(paths: Sequence[str | Path], out_dir: str | Path, *, formats: Sequence[str] = FORMATS,
+def plot_all(paths: Sequence[str | Path], out_dir: str | Path | None, *, formats: Sequence[str] = FORMATS,
              lanes: int = DEFAULT_LANES, window: tuple[float, float] | None = None) -> PlotReport:
     """Every figure for the given run and validation directories."""
     runs, vals = load_inputs(paths)
+    return plot_runs(runs, vals, out_dir, formats=formats, lanes=lanes, window=window)
+
+
+def plot_runs(runs: Sequence[RunData], vals: Sequence[ValidationData], out_dir: str | Path | None, *,
+              formats: Sequence[str] = FORMATS, lanes: int = DEFAULT_LANES,
+              window: tuple[float, float] | None = None) -> PlotReport:
+    """Every figure for runs (``vals``' sim and real runs among them) and validations: written
+    to ``out_dir`` (nothing written when None) and returned as figures."""
     rep = PlotReport()
     for r in runs:
         rep.warnings += check_against_summary(r)
-    for metric in ("ttft", "itl"):
-        d = plot_cdf(runs, metric, out_dir, formats)
+
+    def keep(name: str, d: dict[str, Any]) -> dict[str, Any]:
         rep.files += d.pop("files")
-        rep.data[f"{metric}_cdf"] = d
-    d = plot_decode_rates(runs, out_dir, formats)
-    rep.files += d.pop("files")
-    rep.data["decode_rate"] = d
+        fig = d.pop("figure", None)
+        if fig is not None:
+            rep.figures[name] = fig
+        rep.figures.update(d.pop("figures", {}))
+        return d
+
+    for metric in ("ttft", "itl"):
+        rep.data[f"{metric}_cdf"] = keep(f"{metric}_cdf", plot_cdf(runs, metric, out_dir, formats))
+    rep.data["decode_rate"] = keep("decode_rate", plot_decode_rates(runs, out_dir, formats))
     used: set[str] = set()
     for r in runs:
         name = f"timeline_{slug(r.label)}"
@@ -812,16 +862,12 @@ def plot_all(paths: Sequence[str | Path], out_dir: str | Path, *, formats: Seque
             name = f"timeline_{slug(r.label)}-{k}"
             k += 1
         used.add(name)
-        d = plot_timeline(r, out_dir, name, lanes=lanes, window=window, formats=formats)
-        rep.files += d.pop("files")
-        rep.data[name] = d
+        rep.data[name] = keep(name, plot_timeline(r, out_dir, name, lanes=lanes, window=window, formats=formats))
     vnames: set[str] = set()
     for v in vals:
         name = f"validate_{slug(v.path.resolve().name)}"
         while name in vnames:
             name += "-2"
         vnames.add(name)
-        d = plot_validation(v, out_dir, name, formats)
-        rep.files += d.pop("files")
-        rep.data[name] = d
+        rep.data[name] = keep(name, plot_validation(v, out_dir, name, formats))
     return rep

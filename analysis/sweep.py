@@ -44,7 +44,7 @@ def rescale(trace, rps: float):
 @dataclass(frozen=True)
 class Job:
     index: int
-    policy: str  # as the user gave it: a bundled name or file.py:Class
+    policy: Any  # as the user gave it: a bundled name or file.py:Class (in-process: a callable making the policy)
     options: Mapping[str, str]
     rate: float
 
@@ -79,15 +79,16 @@ def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, flo
     from sim.loop import run
     from sim.metrics import summarize
 
+    label = job.policy if isinstance(job.policy, str) else str(job.policy)
     try:
         tr = rescale(trace, job.rate)
-        pol = make_policy(job.policy, dict(job.options))
+        pol = make_policy(job.policy, dict(job.options)) if isinstance(job.policy, str) else job.policy()
         result = run(tr.requests, pol, cost_model, kv_capacity=kv_capacity, trace_name=tr.name,
                      record_steps=False)
-        row = row_from_summary(job.policy, job.rate, summarize(result, slo=slo or None))
+        row = row_from_summary(label, job.rate, summarize(result, slo=slo or None))
     except Exception as exc:  # a user's policy or a bad option: keep the other jobs going
         row = {k: None for k in ROW_FIELDS}
-        row.update(policy=job.policy, rate_rps=job.rate, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        row.update(policy=label, rate_rps=job.rate, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
     row["index"] = job.index
     return row
 
@@ -112,7 +113,7 @@ def default_workers(n_jobs: int) -> int:
 
 def sweep(
     trace,
-    policies: Sequence[str],
+    policies: Sequence[Any],  # names or file.py:Class specs (in-process: callables making the policy)
     rates: Sequence[float],
     cost_model,
     kv_capacity: int,
@@ -371,4 +372,4 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
     if title:
         fig.suptitle(title, fontsize=12)
     files = save(fig, out_dir, "latency_vs_load", formats)
-    return {"files": files, "series": data}
+    return {"files": files, "figure": fig, "series": data}

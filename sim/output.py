@@ -56,19 +56,11 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
     (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
 
-    rows = {row["id"]: row for row in request_rows(result.requests)}
-    rejected = {r.id for r, _ in result.rejected}
     with open(out / "requests.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(REQUEST_COLUMNS)
-        for r in result.requests:
-            row = rows.get(r.id)
-            if row is not None:
-                w.writerow([_cell(row[c]) for c in REQUEST_COLUMNS[:-1]] + ["finished"])
-            else:
-                status = "rejected" if r.id in rejected else "unfinished"
-                w.writerow([r.id, _cell(r.arrival_s), r.prompt_tokens, r.output_tokens]
-                           + [""] * 6 + [status])
+        for row in request_table(result):
+            w.writerow([_cell(v) for v in row])
 
     write_steps(out / "steps.parquet", result.steps.columns)
     write_tokens(out / "tokens.parquet", result.requests)
@@ -89,10 +81,48 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     return out
 
 
-def write_steps(path: Path, cols) -> None:
-    """steps.parquet from the step log's columns; measured_s is null in a simulation."""
+def request_table(result) -> list[tuple]:
+    """requests.csv's rows (``REQUEST_COLUMNS``), in the run's request order; None where the
+    file has an empty cell (an unfinished or rejected request, a one-token output's TPOT)."""
+    rows = {row["id"]: row for row in request_rows(result.requests)}
+    rejected = {r.id for r, _ in result.rejected}
+    out = []
+    for r in result.requests:
+        row = rows.get(r.id)
+        if row is not None:
+            out.append(tuple(row[c] for c in REQUEST_COLUMNS[:-1]) + ("finished",))
+        else:
+            status = "rejected" if r.id in rejected else "unfinished"
+            out.append((r.id, r.arrival_s, r.prompt_tokens, r.output_tokens) + (None,) * 6 + (status,))
+    return out
+
+
+def requests_frame(result):
+    """requests.csv as a pandas DataFrame, typed as ``read_requests_csv`` reads the file back."""
+    import pandas as pd
+
+    df = pd.DataFrame(request_table(result), columns=list(REQUEST_COLUMNS))
+    df["id"] = df["id"].astype(str)
+    for c in ("prompt_tokens", "output_tokens"):
+        df[c] = df[c].astype(np.int64)
+    for c in REQUEST_COLUMNS[1:-1]:
+        if c not in ("prompt_tokens", "output_tokens"):
+            df[c] = pd.to_numeric(df[c], errors="raise").astype(np.float64)
+    df["status"] = df["status"].astype(str)
+    return df
+
+
+def read_requests_csv(path):
+    """requests.csv read back: ids and status as strings, empty cells as NaN."""
+    import pandas as pd
+
+    return pd.read_csv(path, dtype={"id": str, "status": str}, keep_default_na=False, na_values=[""])
+
+
+def steps_table(cols):
+    """steps.parquet's table (pyarrow) from the step log's columns; measured_s is null in a
+    simulation."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     n = len(cols[0])
     types = (np.int64, np.float64, np.float64, np.float64, None, np.int32, np.int64, np.int16, np.int64)
@@ -103,7 +133,14 @@ def write_steps(path: Path, cols) -> None:
                           else pa.nulls(n, pa.float64()))
         else:
             data[name] = np.fromiter(col, dtype=dt, count=n)
-    pq.write_table(pa.table(data), path, compression="zstd")
+    return pa.table(data)
+
+
+def write_steps(path: Path, cols) -> None:
+    """steps.parquet from the step log's columns."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(steps_table(cols), path, compression="zstd")
 
 
 def _ids(requests):
@@ -113,9 +150,16 @@ def _ids(requests):
 
 
 def write_tokens(path: Path, requests) -> None:
-    """tokens.parquet from every request's token times, built as columns (no per-row Python)."""
-    import pyarrow as pa
+    """tokens.parquet from every request's token times."""
     import pyarrow.parquet as pq
+
+    pq.write_table(tokens_table(requests), path, compression="zstd")
+
+
+def tokens_table(requests):
+    """tokens.parquet's table from every request's token times, built as columns (no per-row
+    Python)."""
+    import pyarrow as pa
 
     counts = np.fromiter(map(len, map(_TOKEN_TIMES, requests)), dtype=np.int64, count=len(requests))
     total = int(counts.sum())
@@ -123,21 +167,26 @@ def write_tokens(path: Path, requests) -> None:
     owner = np.repeat(np.arange(len(requests), dtype=np.int32), counts)
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     index = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
-    table = pa.table({
+    return pa.table({
         "request_id": pa.DictionaryArray.from_arrays(pa.array(owner), _ids(requests)),
         "token_index": index,
         "time_s": times,
     })
-    pq.write_table(table, path, compression="zstd")
 
 
 def write_passes(path: Path, requests, passes) -> None:
-    """passes.parquet: per pass, its decode rows then its prefill chunks, as columns.
+    """passes.parquet: per pass, its decode rows then its prefill chunks."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(passes_table(requests, passes), path, compression="zstd")
+
+
+def passes_table(requests, passes):
+    """passes.parquet's table: per pass, its decode rows then its prefill chunks, as columns.
 
     A ``Plan.repeat`` run logs the same Pass object many times in a row: its rows are looked
     up once per run of identical passes and repeated."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     pos = {r.id: i for i, r in enumerate(requests)}
     step_col, k_col, start_col, end_col, pass_col = passes.columns
@@ -164,7 +213,7 @@ def write_passes(path: Path, requests, passes) -> None:
     which = np.repeat(np.arange(n), np.array(widths, dtype=np.int64))
     cols = [np.fromiter(c, dtype=dt, count=n)[which]
             for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))]
-    table = pa.table({
+    return pa.table({
         "step": cols[0],
         "pass": cols[1],
         "request_id": pa.DictionaryArray.from_arrays(pa.array(np.array(owners, dtype=np.int32)), _ids(requests)),
@@ -173,7 +222,6 @@ def write_passes(path: Path, requests, passes) -> None:
         "start_s": cols[2],
         "end_s": cols[3],
     })
-    pq.write_table(table, path, compression="zstd")
 
 
 _TOKEN_TIMES = attrgetter("token_times")
