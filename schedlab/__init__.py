@@ -1,2 +1,62 @@
-"""schedlab: the command line on top of policies, traces, sim and engine."""
+"""schedlab: design LLM batching schedulers; simulate them, run them on a real MLX engine.
+
+The Python API (``schedlab.api``, imported on first use: ``import schedlab`` stays fast and
+never imports mlx; the real-engine functions import it when called)::
+
+    import schedlab
+
+    run = schedlab.simulate("unified", "mixed")           # a Run
+    run.summary, run.requests, run.tokens, run.steps, run.passes, run.plot(), run.save("out")
+    schedlab.run_real("unified", "real-smoke", model="tiny")
+    schedlab.calibrate(model="tiny", quick=True)           # a Profile
+    schedlab.validate("unified", "real-smoke")             # a Validation
+    schedlab.sweep(["unified", "static"], "mixed", rates=[0.2, 0.4])   # a DataFrame
+
+The commands (``simulate``, ``run-real``, ``calibrate``, ``validate``, ``plot``, ``sweep``,
+``export-mlx``) are thin wrappers over it. Bad input raises ``SchedlabError`` (a
+``ValueError``) with a one-line message.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from .errors import SchedlabError, SchedlabWarning
+
 __version__ = "0.1.0"
+
+_API = (
+    "Run", "Profile", "Validation", "CostModel", "Figures",
+    "policy", "policies", "load_trace", "trace_stats", "cost_model", "load_profile", "simulate", "run_real",
+    "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot", "load_run",
+)
+__all__ = ["SchedlabError", "SchedlabWarning", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+
+        value = getattr(api, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'schedlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))
+
+
+class _Package(types.ModuleType):
+    """``schedlab.validate`` is the API function even once the ``validate`` command's module
+    (``schedlab/validate.py``) is imported: importing a submodule sets it as the package's
+    attribute, and for the API's names the function is kept."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _API and isinstance(value, types.ModuleType):
+            return  # the module stays reachable as sys.modules["schedlab.validate"]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

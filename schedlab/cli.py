@@ -1,4 +1,5 @@
-"""Console scripts. Each is a small Typer app; errors are one line (schedlab.common)."""
+"""Console scripts. Each is a small Typer app over ``schedlab.api``; errors are one line
+(schedlab.common)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import make_app, parse_options, parse_slo, pick_cost_model, policy_options, report_problems, run_app
+from .common import make_app, parse_options, report_problems, run_app
 
 simulate_app = make_app(
     "Simulate a scheduling policy over a trace with a calibrated cost model and print the "
@@ -30,25 +31,15 @@ def simulate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Simulate POLICY on TRACE and print the summary."""
-    from policies import make_policy
-    from sim import run
-    from sim.metrics import format_summary, summarize
-    from sim.output import write_run
+    from . import api
 
-    import traces
-
-    pol = make_policy(policy, parse_options(option))
-    slos = parse_slo(slo)
-    tr = traces.load(trace, seed=seed)
-    cost, capacity, cost_meta = pick_cost_model(profile, kv_tokens, hardware, model_config, quant)
-    result = run(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
-    summary = summarize(result, slo=slos or None)
+    run = api.simulate(policy, trace, options=parse_options(option), profile=profile, kv_tokens=kv_tokens,
+                       hardware=hardware, model_config=model_config, quant=quant, seed=seed, slo=slo)
     if out is not None:
-        write_run(out, result, summary, meta={**cost_meta, "kv_tokens": capacity,
-                                              "seed": seed, "policy_options": policy_options(pol)})
+        run.save(out)
     if not quiet:
-        print(format_summary(summary))
-    report_problems(result)
+        print(run.report())
+    report_problems(run)
 
 
 def simulate_main() -> None:

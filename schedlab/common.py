@@ -1,14 +1,15 @@
-"""Everything the commands share: one-line errors, ``-o key=value`` options, ``--slo``, the cost
-model and KV capacity a run uses, and the closing report of rejected requests and aborted runs."""
+"""What the commands share: one-line errors and exit codes, ``-o key=value`` options, and the
+closing report of rejected requests and aborted runs. The work itself is ``schedlab.api``'s."""
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 import typer
+
+from .errors import _CLI, SchedlabError, one_line, user_error_types
 
 try:  # typer >= 0.16 vendors click as typer._click
     from typer._click import exceptions as _cx
@@ -16,12 +17,11 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as _cx
 
 
-class UserError(Exception):
+class UserError(SchedlabError):
     """Anything the user can fix; printed as one line, exit status 1 (2 for usage)."""
 
     def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
 
 
 class Interrupted(UserError):
@@ -29,22 +29,6 @@ class Interrupted(UserError):
 
     def __init__(self, detail: str = ""):
         super().__init__(detail, 130)
-
-
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """Every exception that means bad input, not a bug. Imported lazily (no mlx here)."""
-    from policies import OptionError, PolicyNotFound
-    from sim.cost import ProfileError
-    from traces.schema import TraceError
-
-    types: list[type[BaseException]] = [UserError, OptionError, PolicyNotFound, ProfileError, TraceError]
-    try:  # engine errors exist only when the engine package imports
-        from engine.errors import EngineError
-
-        types.append(EngineError)
-    except ImportError:
-        pass
-    return tuple(types)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -63,6 +47,14 @@ def make_app(help_text: str) -> typer.Typer:
 
 def run_app(app: typer.Typer, prog: str) -> None:
     """Run a Typer app; usage errors and bad input become one line on stderr."""
+    token = _CLI.set(True)  # messages name options as --kv-tokens, not kv_tokens
+    try:
+        _run_app(app, prog)
+    finally:
+        _CLI.reset(token)
+
+
+def _run_app(app: typer.Typer, prog: str) -> None:
     try:
         rc = app(prog_name=prog, standalone_mode=False)
         if isinstance(rc, int) and rc:
@@ -83,20 +75,16 @@ def run_app(app: typer.Typer, prog: str) -> None:
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None
     except _cx.ClickException as exc:
-        print(f"{prog}: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(exc.format_message())}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except BrokenPipeError:
         raise SystemExit(1) from None
     except Exception as exc:
         if isinstance(exc, user_error_types()):
             code = getattr(exc, "code", 1)
-            print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
+            print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
             raise SystemExit(code) from None
         raise
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def parse_options(pairs: list[str] | None) -> dict[str, str]:
@@ -117,80 +105,23 @@ def parse_options(pairs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def parse_slo(text: str | None) -> dict[str, float]:
-    """``--slo ttft_ms=500,tpot_ms=50`` -> {key: limit}; the same check for every command."""
-    from sim.metrics import SLO_KEYS
+def log_to_stderr(prog: str, quiet: bool):
+    """An API ``log``: notes and warnings as ``prog: note: ...`` lines on stderr, progress as
+    ``prog: ...`` unless ``quiet``."""
 
-    out: dict[str, float] = {}
-    if not text:
-        return out
-    for item in text.split(","):
-        item = item.strip()
-        if "=" not in item:
-            fail(f"SLO '{item}' is not key=value (keys: {', '.join(SLO_KEYS)})", 2)
-        k, v = (x.strip() for x in item.split("=", 1))
-        if k not in SLO_KEYS:
-            fail(f"unknown SLO key {k!r} (use {', '.join(SLO_KEYS)})", 2)
-        try:
-            limit = float(v)
-        except ValueError:
-            fail(f"SLO {k}={v!r} is not a number", 2)
-        if not math.isfinite(limit) or limit <= 0:
-            fail(f"SLO {k}={v!r} must be a finite number > 0", 2)
-        out[k] = limit
-    return out
+    def log(kind: str, message: str) -> None:
+        if kind == "progress":
+            if not quiet:
+                print(f"{prog}: {message}", file=sys.stderr, flush=True)
+        else:
+            print(f"{prog}: {kind}: {message}", file=sys.stderr, flush=True)
+
+    return log
 
 
-def check_kv_tokens(kv_tokens: int | None) -> None:
-    if kv_tokens is not None and kv_tokens < 1:
-        fail(f"--kv-tokens must be >= 1, got {kv_tokens}", 2)
-
-
-def policy_options(pol) -> dict:
-    get = getattr(pol, "options", None)
-    return get() if callable(get) else {}
-
-
-def load_cost_model(profile: str | Path | None, kv_tokens: int | None):
-    """(linear cost model, KV capacity, profile path): ``profile``, else the bundled default."""
-    from sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
-    from sim.profiles import resolve_profile
-
-    check_kv_tokens(kv_tokens)
-    path = resolve_profile(profile)
-    cost = LinearCostModel.from_profile(path)
-    capacity = kv_tokens if kv_tokens is not None else int(cost.meta.get("kv_tokens", DEFAULT_KV_TOKENS))
-    return cost, capacity, path
-
-
-def pick_cost_model(profile, kv_tokens, hardware, model_config, quant):
-    """A measured profile (default), or the analytic model of --hardware/--model-config."""
-    if hardware is None and model_config is None:
-        if quant is not None:
-            fail("--quant goes with --hardware and --model-config", 2)
-        cost, capacity, path = load_cost_model(profile, kv_tokens)
-        return cost, capacity, {"profile": str(path)}
-    if not (hardware and model_config):
-        fail("--hardware and --model-config go together", 2)
-    if profile is not None:
-        fail("give either --profile or --hardware/--model-config, not both", 2)
-    check_kv_tokens(kv_tokens)
-    from analysis.analytic import make_analytic_cost_model
-
-    cost, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
-    return cost, (kv_tokens if kv_tokens is not None else capacity), {"analytic": meta}
-
-
-def report_problems(result) -> None:
+def report_problems(run) -> None:
     """Rejected requests and aborted runs: one line each, non-zero exit (the rest is kept)."""
-    lines = []
-    if result.rejected:
-        shown = ", ".join(f"{r.id} ({r.kv_footprint})" for r, _ in result.rejected[:5])
-        more = f" and {len(result.rejected) - 5} more" if len(result.rejected) > 5 else ""
-        lines.append(f"{len(result.rejected)} request(s) rejected: their prompt + output exceeds "
-                     f"the KV capacity of {result.kv_capacity} tokens: {shown}{more}; the other requests ran")
-    if result.error:
-        lines.append(result.error)
+    lines = run.problems
     for line in lines:
         print(f"{Path(sys.argv[0]).name}: error: {line}", file=sys.stderr)
     if lines:

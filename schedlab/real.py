@@ -16,8 +16,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import (check_kv_tokens, load_cost_model, make_app, parse_options, parse_slo, policy_options,
-                     report_problems, run_app)
+from .common import log_to_stderr, make_app, parse_options, report_problems, run_app
 
 real_app = make_app(
     "Run a scheduling policy over a trace on a real MLX model (CPU or Metal) and print the "
@@ -47,150 +46,40 @@ def run_real(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors and warnings"),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
-    # Fast checks first: nothing here imports mlx (engine loads OpenBLAS before mlx). The
-    # trace is read once the model is loaded: text prompts are counted with its tokenizer.
-    from engine import blas
-    from engine.models import check_spec, load_model
-    from engine.sampling import parse_sampling
-    from policies import make_policy
+    from . import api
 
-    import traces
-
-    pol = make_policy(policy, parse_options(option))
-    slos = parse_slo(slo)
-    check_spec(model, dtype)
-    sampler = parse_sampling(sampling)
-    check_kv_tokens(kv_tokens)
-    noise = _noise_option(noise)
-
-    warnings: list[str] = []
-    if profile is not None:
-        from sim.profiles import resolve_profile
-
-        resolve_profile(profile)  # a bad --profile fails before the model loads
-    info = load_model(model, dtype=dtype, seed=model_seed)
-    tok = info.tokenizer
-    tr = traces.load(trace, seed=seed, tokenizer=tok, recount=tok is not None)
-    info.check_trace(tr.requests)
-    cost, capacity, profile_path = _cost_model(profile, kv_tokens, no_calibrate, warnings, info, quiet)
-    mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
-    if mismatch:
-        warnings.append(mismatch)
-        print(f"run-real: warning: {mismatch}", file=sys.stderr)
-
-    from engine.backend import MLXBackend
-    from sim import run
-    from sim.metrics import format_summary, summarize
-    from sim.output import write_run
-
-    backend = MLXBackend(info, sampling=sampler, seed=seed, ignore_eos=ignore_eos)
-    result = run(tr.requests, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
-                 on_step=_progress(tr, quiet))
-    summary = summarize(result, slo=slos or None)
-    from analysis.residuals import bias, bias_line
-    from sim.features import step_table
-
-    step_bias = bias(step_table(result))
+    run = api.run_real(policy, trace, model=model, dtype=dtype, options=parse_options(option), profile=profile,
+                       no_calibrate=no_calibrate, kv_tokens=kv_tokens, seed=seed, ignore_eos=ignore_eos,
+                       model_seed=model_seed, sampling=sampling, slo=slo, noise=noise,
+                       log=log_to_stderr("run-real", quiet), on_step=_progress(quiet))
     if out is not None:
-        write_run(out, result, summary, meta={
-            "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "model_seed": model_seed,
-            "policy_options": policy_options(pol), "warnings": warnings, "step_bias": step_bias,
-            "noise": noise.describe(),
-        })
-        backend.write_texts(Path(out) / "texts.jsonl", result.requests)
+        run.save(out)
     if not quiet:
-        print(format_summary(summary))
-        line = bias_line(step_bias)
+        from analysis.residuals import bias_line, format_residuals
+
+        print(run.report())
+        line = bias_line(run.meta.get("step_bias"))
         if line:
             print(line)
         if residuals:
-            from analysis.residuals import format_residuals, residual_table
-
-            print(format_residuals(residual_table(step_table(result)), "per-step residuals (measured / predicted):"))
-    report_problems(result)
-
-
-def _cost_model(profile: str | None, kv_tokens: int | None, no_calibrate: bool, warnings: list[str],
-                info, quiet: bool):
-    """(cost model, KV capacity, profile path): the one the policy sees and steps are predicted with.
-
-    ``--profile``: that file (a warning when it was measured elsewhere). Otherwise one measured
-    on this model and machine (bundled, or calibrate's cache), else a quick calibration now
-    (cached for the next run), as ``validate`` does; with ``--no-calibrate`` the bundled default
-    profile, which ``simulate`` uses, with a warning that its predictions are for another setup.
-    """
-    from engine.calibrate import candidate_profiles, find_or_calibrate, profile_mismatch
-    from sim.cost import read_profile
-    from sim.profiles import resolve_profile
-
-    def note(kind: str, text: str) -> None:
-        warnings.append(text)
-        print(f"run-real: {kind}: {text}", file=sys.stderr)
-
-    if profile is None and no_calibrate:
-        matching = []
-        for p in candidate_profiles(info):
-            try:
-                if profile_mismatch(read_profile(p), info) is None:
-                    matching.append(p)
-            except Exception:  # a broken cache file is no match
-                continue
-        path = matching[0] if matching else resolve_profile(None)
-        if not matching:
-            note("warning", f"no cost profile for model {info.name} on this machine: the policy plans and "
-                            f"steps.parquet's predicted_s come from the bundled {path.name} (measured elsewhere)")
-    else:
-        def say(msg: str) -> None:
-            if not quiet:
-                print(f"run-real: {msg}", file=sys.stderr, flush=True)
-
-        path, why = find_or_calibrate(profile, info, None, say)
-        if why:
-            note("note" if profile is None else "warning", why)
-    cost, capacity, path = load_cost_model(path, kv_tokens)
-    return cost, capacity, path
+            table = run.residuals()
+            print(format_residuals(table.to_dict("records") if table is not None else [],
+                                   "per-step residuals (measured / predicted):"))
+    report_problems(run)
 
 
-def _noise_option(spec: str | None):
-    """The --noise settings (engine.noise), checked; set in the environment so that a calibration
-    made in this process runs under them too."""
-    import os
-
-    from engine.noise import ENV, Noise
-
-    noise = Noise.parse(spec if spec is not None else os.environ.get(ENV))
-    if spec is not None:
-        os.environ[ENV] = spec
-    return noise
-
-
-def _blas_mismatch(profile_blas, engine_blas) -> str | None:
-    """A one-line warning when the profile was measured under another BLAS or thread count."""
-    if not isinstance(profile_blas, dict):
-        return None
-    want = (profile_blas.get("name"), profile_blas.get("threads"))
-    have = (engine_blas.get("name"), engine_blas.get("threads"))
-    if want[0] is None:
-        return None
-    if want[0] != have[0] or (want[1] is not None and want[1] != have[1]):
-        return (f"the profile was measured with BLAS {want[0]} ({want[1]} threads) but the engine "
-                f"uses {have[0]} ({have[1]} threads): predicted_s will be off")
-    return None
-
-
-def _progress(tr, quiet: bool):
+def _progress(quiet: bool):
     """A one-line progress display on a terminal (nothing otherwise)."""
     if quiet or not sys.stderr.isatty():
         return None
     last = [-1]
 
-    def on_step(state) -> None:
-        total = state.n_accepted
-        if state.finished != last[0]:
-            last[0] = state.finished
-            print(f"\r run-real: {state.finished}/{total} requests finished", end="",
+    def on_step(finished: int, total: int) -> None:
+        if finished != last[0]:
+            last[0] = finished
+            print(f"\r run-real: {finished}/{total} requests finished", end="",
                   file=sys.stderr, flush=True)
-            if state.finished >= total:
+            if finished >= total:
                 print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
 
     return on_step

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import Interrupted, fail, load_cost_model, make_app, parse_options, parse_slo, run_app
+from .common import Interrupted, fail, make_app, parse_options, run_app
 
 plot_app = make_app(
     "Draw figures from run directories (simulate --out DIR) and validation directories "
@@ -40,49 +40,20 @@ def plot(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Draw figures for RUN_DIR ... and print the files written."""
-    from analysis.plots import RunDirError, parse_window, plot_all
+    from . import api
 
     formats = _formats(fmt)
-    if lanes < 1:
-        fail(f"--lanes must be >= 1, got {lanes}", 2)
+    if out is None:
+        out = run_dirs[0] / "plots" if len(run_dirs) == 1 else Path("plots")
     try:
-        win = parse_window(window)
-        if out is None:
-            out = run_dirs[0] / "plots" if len(run_dirs) == 1 else Path("plots")
-        if out.exists() and not out.is_dir():
-            fail(f"--out {out} exists and is not a directory")
-        rep = plot_all(run_dirs, out, formats=formats, lanes=lanes, window=win)
+        figs = api.plot(*run_dirs, out=out, formats=formats, lanes=lanes, window=window)
     except KeyboardInterrupt:
         raise Interrupted() from None
-    except RunDirError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        fail(f"cannot write figures to {out}: {exc.strerror or exc}")
-    for w in rep.warnings:
+    for w in figs.warnings:
         print(f"plot: warning: {w}", file=sys.stderr)
     if not quiet:
-        for f in rep.files:
+        for f in figs.files:
             print(f)
-
-
-def _rates(text: str) -> list[float]:
-    import math
-
-    rates = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            v = float(item)
-        except ValueError:
-            fail(f"--rates: {item!r} is not a number", 2)
-        if not (v > 0 and math.isfinite(v)):
-            fail(f"--rates: every rate must be a finite number > 0 (requests/s), got {item}", 2)
-        rates.append(v)
-    if not rates:
-        fail("--rates needs at least one rate, e.g. --rates 0.5,1,2", 2)
-    return sorted(set(rates))
 
 
 @sweep_app.command()
@@ -102,36 +73,19 @@ def sweep(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress bar"),
 ) -> None:
     """Sweep POLICIES x RATES on TRACE and report latency against load."""
-    from concurrent.futures.process import BrokenProcessPool
-
-    import traces
-    from policies import make_policy
-    from analysis.sweep import default_workers, format_table, max_sustained_rate, plot_sweep, rescale, write_results
-    from analysis.sweep import sweep as run_sweep
+    from . import api
 
     pols = list(dict.fromkeys(p.strip() for p in policy.split(",") if p.strip()))
     if not pols:
         fail("--policy needs at least one policy", 2)
-    rate_list = _rates(rates)
+    rate_list = api.parse_rates(rates)
     formats = _formats(fmt)
     opts = parse_options(option)
-    slos = parse_slo(slo)
-    if not 0 < attainment <= 1:
-        fail(f"--attainment must be in (0, 1], got {attainment:g}", 2)
-    if workers is not None and workers < 1:
-        fail(f"--workers must be >= 1, got {workers}", 2)
-    for p in pols:  # bad names and options fail here, once, not in every worker
-        make_policy(p, opts)
-    tr = traces.load(trace, seed=seed)
-    rescale(tr, rate_list[0])  # a trace whose rate cannot be set fails here
-    cost, capacity, profile_path = load_cost_model(profile, kv_tokens)
+    tr = api.load_trace(trace, seed=seed)
     if out is None:
         out = Path(f"sweep-{tr.name}")
-    if out.exists() and not out.is_dir():
-        fail(f"--out {out} exists and is not a directory")
-
     n_jobs = len(pols) * len(rate_list)
-    n_workers = workers or default_workers(n_jobs)
+
     def started(jobs: int, used: int) -> None:  # after the workers exist (see analysis.sweep._parallel)
         if not quiet:
             print(f"sweep: {len(pols)} policies x {len(rate_list)} rates = {jobs} simulations of "
@@ -145,41 +99,23 @@ def sweep(
             if cb is not None:
                 cb(row)
 
-        return run_sweep(tr, pols, rate_list, cost, capacity, options=opts, slo=slos or None,
-                         workers=n_workers, on_done=done, on_start=started)
+        return api.sweep(pols, tr, rate_list, options=opts, profile=profile, kv_tokens=kv_tokens, slo=slo,
+                         attainment=attainment, seed=seed, workers=workers, out=out, formats=formats,
+                         on_start=started, on_done=done)
 
     try:
-        rows = _with_progress(quiet, n_jobs, work)
+        table = _with_progress(quiet, n_jobs, work)
     except KeyboardInterrupt:
         # typer turns Ctrl-C into a silent exit 130; say what was dropped, in one line
         raise Interrupted(f"{finished[0]} of {n_jobs} simulations done, the rest cancelled; "
                           "nothing written") from None
-    except BrokenProcessPool:
-        fail("a worker process died (killed, or out of memory); try fewer --workers")
 
-    sustained = max_sustained_rate(rows, attainment) if slos else None
-    mean_out = sum(r.output_tokens for r in tr.requests) / len(tr)
-    info = {
-        "trace": tr.name, "trace_requests": len(tr), "trace_rate_rps": traces.mean_rate(tr),
-        "rate_definition": "(requests - 1) / (last arrival - first arrival); arrivals rescaled with traces.to_rate",
-        "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "policies": pols,
-        "rates_rps": rate_list, "options": opts, "slo": slos or None,
-    }
-    if slos:
-        info["attainment"] = attainment
-        info["max_sustained_rate"] = sustained
-        info["max_sustained_rate_definition"] = (
-            f"largest swept rate r such that at r and at every lower swept rate at least {attainment:g} "
-            f"of all requests finished and met every SLO (vllm bench serve --goodput rule)")
-    try:
-        files = write_results(out, rows, info)
-        title = f"{tr.name}: {len(tr)} requests, KV {capacity} tokens, profile {Path(profile_path).name}"
-        fig = plot_sweep(rows, out, slo=slos or None, attainment=attainment, sustained=sustained,
-                         offered_tok_per_req=mean_out, title=title, formats=formats)
-    except OSError as exc:
-        fail(f"cannot write to {out}: {exc.strerror or exc}")
-    files += fig["files"]
+    from analysis.sweep import format_table
 
+    info = table.attrs["info"]
+    rows = table.astype(object).where(table.notna(), None).to_dict("records")
+    slos = info.get("slo")
+    sustained = info.get("max_sustained_rate")
     if not quiet:
         print(format_table(rows, slo=bool(slos)))
         if sustained:
@@ -193,7 +129,7 @@ def sweep(
                     text = f"{s['rate_rps']:g} req/s (fails at {s['first_failing_rate_rps']:g})"
                 print(f"  {pol}: {text}")
         print()
-        for f in files:
+        for f in table.attrs["files"]:
             print(f)
     errors = [r for r in rows if r.get("error")]
     for r in errors[:5]:
@@ -201,7 +137,7 @@ def sweep(
     rejected = [r for r in rows if r.get("rejected")]
     if rejected:
         print(f"sweep: warning: {rejected[0]['rejected']} request(s) rejected in every run: their prompt + "
-              f"output exceeds the KV capacity of {capacity} tokens (they count as SLO misses)", file=sys.stderr)
+              f"output exceeds the KV capacity of {info['kv_tokens']} tokens (they count as SLO misses)", file=sys.stderr)
     if errors:
         raise typer.Exit(1)
 

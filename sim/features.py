@@ -110,14 +110,19 @@ def step_table(result: Any) -> dict[str, np.ndarray] | None:
 
 
 def write_features(path: Path, cols: dict[str, np.ndarray]) -> None:
-    import pyarrow as pa
     import pyarrow.parquet as pq
+
+    pq.write_table(features_table(cols), path, compression="zstd")
+
+
+def features_table(cols: dict[str, np.ndarray]):
+    """features.parquet's table (pyarrow): counts as integers, the rest as floats."""
+    import pyarrow as pa
 
     ints = {"step", "passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
             "prefill_chunks", "prefill_tokens", "prefill_ctx", "done_chunks", "padded",
             "after_idle", "batch_changed", "after_change"}
-    table = pa.table({k: (cols[k].astype(np.int64) if k in ints else cols[k].astype(np.float64)) for k in COLUMNS})
-    pq.write_table(table, path, compression="zstd")
+    return pa.table({k: (cols[k].astype(np.int64) if k in ints else cols[k].astype(np.float64)) for k in COLUMNS})
 
 
 def read_features(path: str | Path) -> dict[str, np.ndarray]:
