@@ -834,11 +834,14 @@ def plot_all(paths: Sequence[str | Path], out_dir: str | Path | None, *, formats
     return plot_runs(runs, vals, out_dir, formats=formats, lanes=lanes, window=window)
 
 
+KINDS = ("ttft", "itl", "decode_rate", "timeline", "validation")
+
+
 def plot_runs(runs: Sequence[RunData], vals: Sequence[ValidationData], out_dir: str | Path | None, *,
               formats: Sequence[str] = FORMATS, lanes: int = DEFAULT_LANES,
-              window: tuple[float, float] | None = None) -> PlotReport:
-    """Every figure for runs (``vals``' sim and real runs among them) and validations: written
-    to ``out_dir`` (nothing written when None) and returned as figures."""
+              window: tuple[float, float] | None = None, kinds: Sequence[str] = KINDS) -> PlotReport:
+    """Every figure (of ``kinds``) for runs (``vals``' sim and real runs among them) and
+    validations: written to ``out_dir`` (nothing written when None) and returned as figures."""
     rep = PlotReport()
     for r in runs:
         rep.warnings += check_against_summary(r)
@@ -852,10 +855,12 @@ def plot_runs(runs: Sequence[RunData], vals: Sequence[ValidationData], out_dir: 
         return d
 
     for metric in ("ttft", "itl"):
-        rep.data[f"{metric}_cdf"] = keep(f"{metric}_cdf", plot_cdf(runs, metric, out_dir, formats))
-    rep.data["decode_rate"] = keep("decode_rate", plot_decode_rates(runs, out_dir, formats))
+        if metric in kinds:
+            rep.data[f"{metric}_cdf"] = keep(f"{metric}_cdf", plot_cdf(runs, metric, out_dir, formats))
+    if "decode_rate" in kinds:
+        rep.data["decode_rate"] = keep("decode_rate", plot_decode_rates(runs, out_dir, formats))
     used: set[str] = set()
-    for r in runs:
+    for r in runs if "timeline" in kinds else ():
         name = f"timeline_{slug(r.label)}"
         k = 2
         while name in used:
@@ -864,7 +869,7 @@ def plot_runs(runs: Sequence[RunData], vals: Sequence[ValidationData], out_dir: 
         used.add(name)
         rep.data[name] = keep(name, plot_timeline(r, out_dir, name, lanes=lanes, window=window, formats=formats))
     vnames: set[str] = set()
-    for v in vals:
+    for v in vals if "validation" in kinds else ():
         name = f"validate_{slug(v.path.resolve().name)}"
         while name in vnames:
             name += "-2"

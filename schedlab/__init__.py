@@ -28,8 +28,9 @@ __version__ = "0.1.0"
 
 _API = (
     "Run", "Profile", "Validation", "CostModel", "Figures",
-    "policy", "policies", "load_trace", "trace_stats", "cost_model", "load_profile", "simulate", "run_real",
-    "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot", "load_run",
+    "policy", "policies", "load_trace", "trace_stats", "cost_model", "load_profile", "model_info",
+    "profile_mismatch", "simulate", "run_real", "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot",
+    "load_run",
 )
 __all__ = ["SchedlabError", "SchedlabWarning", *_API]
 

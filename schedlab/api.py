@@ -46,8 +46,9 @@ Log = Callable[[str, str], None]
 
 __all__ = [
     "SchedlabError", "SchedlabWarning", "Run", "Profile", "Validation", "CostModel", "Figures",
-    "policy", "policies", "load_trace", "trace_stats", "cost_model", "load_profile", "simulate", "run_real",
-    "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot", "load_run",
+    "policy", "policies", "load_trace", "trace_stats", "cost_model", "load_profile", "model_info",
+    "profile_mismatch", "simulate", "run_real", "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot",
+    "load_run",
 ]
 
 
@@ -355,7 +356,7 @@ def _pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, c
         if isinstance(cost, Profile):
             return _pick_cost(cost, kv_tokens, None, None, None)
         if isinstance(cost, CostModel):
-            return cost.model, (kv_tokens if kv_tokens is not None else cost.kv_tokens), dict(cost.describe)
+            return cost.model, (kv_tokens if kv_tokens is not None else cost.kv_tokens), dict(cost.source)
         if not (callable(getattr(cost, "pass_seconds", None)) and callable(getattr(cost, "step_overhead_seconds", None))):
             _fail(f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); "
                   f"got {type(cost).__name__}", 2)
@@ -466,6 +467,29 @@ def _noise(spec: str | None):
                 os.environ.pop(ENV, None)
             else:
                 os.environ[ENV] = saved
+
+
+@_api
+def model_info(model: str = "tiny", *, dtype: str = "float32", model_seed: int = 0) -> dict[str, Any]:
+    """What the engine records about ``model`` (as in a real run's meta.json): architecture,
+    parameters, dtype, tokenizer, mlx and mlx-lm versions, device, BLAS and machine. Loads it."""
+    from engine.models import load_model
+
+    _check_model(model, dtype)
+    return load_model(str(model), dtype=dtype, seed=_seed(model_seed, "model_seed")).metadata()
+
+
+@_api
+def profile_mismatch(profile: ProfileLike, *, model: str = "tiny", dtype: str = "float32",
+                     model_seed: int = 0) -> str | None:
+    """Why ``profile`` was not measured on ``model`` on this machine, or None when it was."""
+    from engine.calibrate import profile_mismatch as mismatch
+    from engine.models import load_model
+    from sim.cost import read_profile
+
+    _check_model(model, dtype)
+    data = profile._data if isinstance(profile, Profile) else read_profile(_profile_path(profile))
+    return mismatch(data, load_model(str(model), dtype=dtype, seed=_seed(model_seed, "model_seed")))
 
 
 def _blas_mismatch(profile_blas, engine_blas) -> str | None:
@@ -1304,17 +1328,24 @@ def _plot_inputs(items: Sequence[Any]):
 @_api
 def plot(*items: Run | Validation | str | Path, out: str | Path | None = None,
          formats: str | Sequence[str] = ("png", "svg"), lanes: int = 60,
-         window: tuple[float, float] | str | None = None) -> Figures:
+         window: tuple[float, float] | str | None = None, kinds: str | Sequence[str] | None = None) -> Figures:
     """The ``plot`` command's figures for runs, validations and run/validation directories:
     TTFT and ITL CDFs (one curve per run), per-request decode rates, a step timeline per run,
     and simulated-vs-measured overlays for validations. Returns the matplotlib figures by name
     (the file stems the command writes); ``out``: also write them there in ``formats``.
     ``lanes``: the most requests a timeline draws; ``window``: its time span ``(start, end)``
-    in seconds (or ``"START:END"``)."""
-    from analysis.plots import parse_window, plot_runs
+    in seconds (or ``"START:END"``); ``kinds``: only these figures, of ``ttft``, ``itl``,
+    ``decode_rate``, ``timeline``, ``validation`` (default: all)."""
+    from analysis.plots import KINDS, parse_window, plot_runs
 
     if not items:
         _fail("plot needs at least one run, validation or run directory", 2)
+    if kinds is None:
+        kinds = KINDS
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        _fail(f"kinds are {', '.join(KINDS)}; got {', '.join(map(repr, bad)) or 'none'}", 2)
     fmts = _formats(formats)
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         _fail(f"{opt('lanes')} must be >= 1, got {lanes}", 2)
@@ -1333,7 +1364,7 @@ def plot(*items: Run | Validation | str | Path, out: str | Path | None = None,
         _fail(f"{opt('out')} {out} exists and is not a directory")
     runs, vals = _plot_inputs(items)
     try:
-        rep = plot_runs(runs, vals, out, formats=fmts, lanes=lanes, window=win)
+        rep = plot_runs(runs, vals, out, formats=fmts, lanes=lanes, window=win, kinds=kinds)
     except OSError as exc:
         _fail(f"cannot write figures to {out}: {exc.strerror or exc}")
     return Figures(rep.figures, rep.files, rep.warnings)

@@ -265,13 +265,14 @@ class Run:
 
     def plot(self, *others: "Run | Validation | str | Path", out: str | Path | None = None,
              formats: Sequence[str] = ("png", "svg"), lanes: int = 60,
-             window: tuple[float, float] | str | None = None) -> Figures:
+             window: tuple[float, float] | str | None = None, kinds: str | Sequence[str] | None = None) -> Figures:
         """The ``plot`` command's figures for this run (and ``others`` beside it): TTFT and ITL
-        CDFs, per-request decode rates, a step timeline per run. ``out``: also write them there,
-        in ``formats``. See :func:`schedlab.plot`."""
+        CDFs, per-request decode rates, a step timeline per run (``kinds``: only some of
+        ``ttft``, ``itl``, ``decode_rate``, ``timeline``). ``out``: also write them there, in
+        ``formats``. See :func:`schedlab.plot`."""
         from .api import plot
 
-        return plot(self, *others, out=out, formats=formats, lanes=lanes, window=window)
+        return plot(self, *others, out=out, formats=formats, lanes=lanes, window=window, kinds=kinds)
 
     def __repr__(self) -> str:
         s = self._summary
@@ -369,6 +370,14 @@ class Profile:
             text += "\n" + format_analytic(self._data["analytic_cpu_local"])
         return text
 
+    def mismatch(self, model: str = "tiny", dtype: str = "float32", model_seed: int = 0) -> str | None:
+        """Why this profile was not measured on ``model`` on this machine (the model, dtype,
+        BLAS, CPU it names differ from here), or None when it was: ``run_real`` and
+        ``validate`` use a profile that matches, and warn about one that does not."""
+        from .api import profile_mismatch
+
+        return profile_mismatch(self, model=model, dtype=dtype, model_seed=model_seed)
+
     def cost_model(self, kv_tokens: int | None = None) -> "CostModel":
         """The linear cost model of this profile and its KV capacity (``kv_tokens``: another)."""
         from .api import cost_model
@@ -414,12 +423,16 @@ class CostModel:
     """A cost model (seconds of a pass and of a step's own work) with the KV capacity it comes
     with: a measured profile's linear model, or the analytic roofline of a machine. Everything
     else the underlying model offers (e.g. the analytic model's ``forwards``, ``flops``,
-    ``bytes``, ``bound``, ``hardware``) is reachable on this object too."""
+    ``bytes``, ``bound``, ``hardware``, ``applied``) is reachable on this object too.
 
-    def __init__(self, model: Any, kv_tokens: int, describe: Mapping[str, Any]):
+    ``source`` is what meta.json records for it: ``{"profile": path}`` or ``{"analytic": meta}``;
+    ``meta`` is the profile's metadata, or the analytic model's (weights, KV bytes per token,
+    ...)."""
+
+    def __init__(self, model: Any, kv_tokens: int, source: Mapping[str, Any]):
         self.model = model
         self.kv_tokens = int(kv_tokens)
-        self.describe = dict(describe)  # what meta.json records: {"profile": path} or {"analytic": ...}
+        self.source = dict(source)
 
     def pass_seconds(self, shape: Any) -> float:
         """Seconds of one pass of ``shape`` (a ``policies.base.PassShape``)."""
@@ -431,17 +444,19 @@ class CostModel:
 
     @property
     def meta(self) -> dict[str, Any]:
+        if "analytic" in self.source:
+            return copy.deepcopy(self.source["analytic"])
         m = getattr(self.model, "meta", None)
         m = m() if callable(m) else m
-        return dict(m or {})
+        return copy.deepcopy(dict(m or {}))
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("model", "kv_tokens", "describe") or name.startswith("__"):
+        if name in ("model", "kv_tokens", "source") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.model, name)
 
     def __repr__(self) -> str:
-        what = self.describe.get("profile") or (self.describe.get("analytic") or {}).get("hardware") or type(self.model).__name__
+        what = self.source.get("profile") or (self.source.get("analytic") or {}).get("hardware") or type(self.model).__name__
         return f"CostModel({type(self.model).__name__}, {what}, kv_tokens={self.kv_tokens})"
 
 
@@ -569,13 +584,15 @@ class Validation:
         return out
 
     def plot(self, out: str | Path | None = None, formats: Sequence[str] = ("png", "svg"), lanes: int = 60,
-             window: tuple[float, float] | str | None = None) -> Figures:
+             window: tuple[float, float] | str | None = None, kinds: str | Sequence[str] | None = None) -> Figures:
         """The ``plot`` command's figures of a validation directory: per policy, simulated vs
-        measured TTFT/ITL CDFs and predicted vs measured step times, plus the runs' CDFs,
-        decode rates and timelines."""
+        measured TTFT/ITL CDFs and predicted vs measured step times (``validate_<policy>_cdfs``,
+        ``validate_<policy>_step_time``), plus the runs' CDFs, decode rates and timelines
+        (``kinds``: only some of ``ttft``, ``itl``, ``decode_rate``, ``timeline``,
+        ``validation``)."""
         from .api import plot
 
-        return plot(self, out=out, formats=formats, lanes=lanes, window=window)
+        return plot(self, out=out, formats=formats, lanes=lanes, window=window, kinds=kinds)
 
     def __repr__(self) -> str:
         errs = ", ".join(f"{p}: median |error| {v.get('median_abs_error_pct'):.1f} %"
