@@ -112,6 +112,8 @@ def _policy(spec: PolicyLike, options: Mapping[str, Any] | None = None):
         spec = str(spec)
         if not spec.strip():
             _fail("policy is empty", 2)
+        if spec in POLICIES:
+            _check_option_types(POLICIES[spec], options)
         pol = make_policy(spec, options)
     elif isinstance(spec, type):
         if not callable(getattr(spec, "plan", None)):

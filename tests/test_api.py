@@ -1,0 +1,507 @@
+"""schedlab's Python API: every function, checked against the commands' own output files, on
+real traces, the real simulator and (run_real, calibrate, validate) real MLX with the micro model."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import schedlab
+from simkit import KNOWN
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
+TABLES = ("requests", "tokens", "steps", "passes")
+# a calibration grid small enough for seconds on micro, covering real-smoke's shapes
+SMALL_GRID = dict(name="test-small", decode_batches=(1, 2, 4, 8), decode_contexts=(40, 200), decode_reps=2,
+                  prefill_chunks=(1, 16, 64, 128), prefill_contexts=(0, 128), prefill_reps=1,
+                  max_attention=128 * 300, padded=((2, 32, 0), (3, 64, 0), (4, 16, 64)),
+                  mixed=((2, 64, 32, 0), (4, 100, 16, 64)), loop_requests=4, loop_policies=("mlx-default",),
+                  rounds=1)
+
+
+def cli(name: str, *args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def read_dir(d: Path) -> dict:
+    """A run directory's files read back as a user reads them."""
+    out = {"summary": json.loads((d / "summary.json").read_text()),
+           "requests": pd.read_csv(d / "requests.csv", dtype={"id": str, "status": str}, keep_default_na=False,
+                                   na_values=[""])}
+    for name in ("tokens", "steps", "passes"):
+        out[name] = pd.read_parquet(d / f"{name}.parquet")
+    return out
+
+
+def assert_run_is_dir(run: schedlab.Run, d: Path) -> None:
+    files = read_dir(d)
+    assert run.summary == files["summary"]
+    for name in TABLES:
+        pd.testing.assert_frame_equal(getattr(run, name), files[name], check_exact=True, obj=name)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prof") / "known.json"
+    p.write_text(json.dumps({"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144,
+                             "coefficients": KNOWN}))
+    return p
+
+
+@pytest.fixture(scope="module")
+def big_request_trace(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("tr") / "t.json"
+    p.write_text(json.dumps({"name": "t", "requests": [
+        {"id": "small1", "arrival_s": 0.0, "prompt_tokens": 100, "output_tokens": 10},
+        {"id": "huge", "arrival_s": 0.1, "prompt_tokens": 5000, "output_tokens": 10},
+        {"id": "small2", "arrival_s": 0.2, "prompt_tokens": 200, "output_tokens": 1},
+    ]}))
+    return p
+
+
+# ---------------------------------------------------------------------------- the package
+
+
+def test_import_is_light_and_simulating_never_imports_mlx():
+    code = ("import sys, schedlab\n"
+            "heavy = {'mlx', 'mlx_lm', 'sim', 'engine', 'pandas', 'numpy', 'matplotlib', 'typer', 'simpy'}\n"
+            "assert not heavy & {m.split('.')[0] for m in sys.modules}, sorted(heavy & set(sys.modules))\n"
+            "run = schedlab.simulate('unified', 'real-smoke')\n"
+            "figs = run.plot()\n"
+            "assert run.requests['status'].eq('finished').all() and figs\n"
+            "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, 'the simulator imported the engine'\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_every_api_name_is_exported_and_validate_stays_the_function():
+    import importlib
+
+    for name in schedlab.__all__:
+        assert getattr(schedlab, name) is not None, name
+    importlib.import_module("schedlab.validate")  # the command's module: must not shadow the function
+    from schedlab import api
+
+    assert schedlab.validate is api.validate and callable(schedlab.validate)
+    assert issubclass(schedlab.SchedlabError, ValueError)
+
+
+# ---------------------------------------------------------------------------- simulate == simulate --out
+
+
+SIM_CASES = {
+    "options": ("chunked-prefill", "real-mixed", ["-o", "budget=256"], {"options": {"budget": 256}}),
+    "seed-and-slo": ("unified", "mooncake_conv_10min", ["--seed", "3", "--slo", "ttft_ms=2000,tpot_ms=100"],
+                     {"seed": 3, "slo": {"ttft_ms": 2000, "tpot_ms": 100}}),
+    "rejected": ("mlx-default", "BIG", ["--kv-tokens", "1000"], {"kv_tokens": 1000}),
+    "analytic": ("static", "real-smoke", ["--hardware", "m4-max", "--model-config", "qwen3-8b", "--quant", "4"],
+                 {"hardware": "m4-max", "model_config": "qwen3-8b", "quant": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(SIM_CASES))
+def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace, tmp_path):
+    policy, trace, args, kwargs = SIM_CASES[case]
+    trace = str(big_request_trace) if trace == "BIG" else trace
+    prof = [] if case == "analytic" else ["--profile", profile]
+    out = tmp_path / "cli"
+    proc = cli("simulate", "-p", policy, "-t", trace, *prof, *args, "--out", out, "-q")
+    if "hardware" not in kwargs:
+        kwargs = {**kwargs, "profile": profile}
+    run = schedlab.simulate(policy, trace, **kwargs)
+    assert_run_is_dir(run, out)
+    # the problems the command reports are the Run's
+    errors = [ln.split("error: ", 1)[1] for ln in proc.stderr.splitlines() if "error: " in ln]
+    assert errors == run.problems
+    assert proc.returncode == (1 if run.problems else 0), proc.stderr
+    if case == "rejected":
+        assert run.rejected and run.rejected[0][0] == "huge" and "KV capacity is 1000" in run.rejected[0][1]
+        assert list(run.requests["status"]) == ["finished", "rejected", "finished"]
+        assert run.requests["tpot_ms"].isna().sum() == 2  # the rejected one and a one-token output
+    # save() writes the same files, byte for byte (meta.json records the command line)
+    saved = run.save(tmp_path / "api")
+    for name in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet"):
+        assert (saved / name).read_bytes() == (out / name).read_bytes(), name
+    meta_cli, meta_api = (json.loads((d / "meta.json").read_text()) for d in (out, saved))
+    for key in ("argv", "wall_s"):
+        meta_cli.pop(key), meta_api.pop(key)
+    assert meta_api == meta_cli
+    # read back, the directory is the same run
+    back = schedlab.load_run(out)
+    assert back.summary == run.summary and back.kv_tokens == run.kv_tokens
+    for name in TABLES:
+        pd.testing.assert_frame_equal(getattr(back, name), getattr(run, name))
+    assert run.report() == back.report() and "Serving Benchmark Result" in run.report()
+
+
+# ---------------------------------------------------------------------------- policies and traces
+
+
+USER_POLICY = '''
+from policies.base import Pass, Plan
+
+
+class ShortestFirst:
+    name = "shortest-first"
+
+    def __init__(self, room=16):
+        self.room = room
+
+    def plan(self, view):
+        room = self.room - len(view.prefilling) - len(view.decoding)
+        waiting = sorted(view.waiting, key=lambda r: r.prompt_tokens)
+        admit = [r for r in waiting[: max(room, 0)]
+                 if r.kv_footprint <= view.kv_capacity - view.kv_reserved]
+        chunks = [(r.id, r.remaining_prompt) for r in list(view.prefilling) + admit]
+        passes = [Pass(prefill=chunks)] if chunks else []
+        if view.decoding:
+            passes.append(Pass(decode=view.decoding.ids()))
+        return Plan(admit=[r.id for r in admit], passes=passes)
+'''
+
+
+def _same_run(a: schedlab.Run, b: schedlab.Run) -> None:
+    assert a.summary == b.summary
+    for name in TABLES:
+        pd.testing.assert_frame_equal(getattr(a, name), getattr(b, name), obj=name)
+
+
+def test_a_policy_may_be_a_name_a_class_an_object_or_a_file(profile, tmp_path):
+    from policies.chunked_prefill import ChunkedPrefill
+
+    ref = schedlab.simulate("chunked-prefill", "real-mixed", options={"budget": 128}, profile=profile)
+    for pol, opts in ((ChunkedPrefill, {"budget": "128"}), (ChunkedPrefill(budget=128), None),
+                      (schedlab.policy("chunked-prefill", budget=128), None)):
+        _same_run(ref, schedlab.simulate(pol, "real-mixed", options=opts, profile=profile))
+    assert ref.meta["policy_options"]["budget"] == 128
+    # a user's class (no from_options): by class, as an object, and as file.py:Class
+    f = tmp_path / "mine.py"
+    f.write_text(USER_POLICY)
+    spec = f"{f}:ShortestFirst"
+    by_file = schedlab.simulate(spec, "real-mixed", options={"room": 4}, profile=profile)
+    assert by_file.policy == "shortest-first" and by_file.error is None
+    cls = type(schedlab.policy(spec))
+    _same_run(by_file, schedlab.simulate(cls, "real-mixed", options={"room": 4}, profile=profile))
+    _same_run(by_file, schedlab.simulate(cls(room=4), "real-mixed", profile=profile))
+    other = schedlab.simulate(cls(room=1), "real-mixed", profile=profile)
+    assert other.summary["ttft_ms"] != by_file.summary["ttft_ms"]  # the option is used
+    assert set(schedlab.policies()) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill",
+                                        "unified"}
+
+
+def test_a_trace_may_be_a_name_a_path_a_spec_a_list_or_a_dataframe(profile):
+    import traces
+
+    tr = schedlab.load_trace("real-mixed")
+    ref = schedlab.simulate("unified", "real-mixed", profile=profile)
+    frame = pd.DataFrame([r.to_json() for r in tr.requests]).sample(frac=1.0, random_state=1)  # any row order
+    for given in (traces.resolve("real-mixed"), tr, tr.requests, frame):
+        run = schedlab.simulate("unified", given, profile=profile)
+        assert {k: v for k, v in run.summary.items() if k != "trace"} == \
+            {k: v for k, v in ref.summary.items() if k != "trace"}
+        pd.testing.assert_frame_equal(run.tokens, ref.tokens)
+    # a run's requests table is a trace too (its extra columns are ignored)
+    again = schedlab.simulate("unified", ref.requests, profile=profile)
+    assert again.summary["ttft_ms"] == ref.summary["ttft_ms"]
+    # dataset specs, seeded as the commands seed them
+    spec = "random:n=30,input_len=64,output_len=16,rate=5"
+    a = schedlab.simulate("unified", spec, seed=1, profile=profile)
+    b = schedlab.simulate("unified", traces.load(spec, seed=1).requests, profile=profile)
+    assert a.summary["ttft_ms"] == b.summary["ttft_ms"]
+    assert schedlab.simulate("unified", spec, seed=2, profile=profile).summary["ttft_ms"] != a.summary["ttft_ms"]
+    # head and rate
+    short = schedlab.load_trace("mixed", head=50, rate=2.0)
+    assert len(short) == 50 and traces.mean_rate(short) == pytest.approx(2.0)
+    st = schedlab.trace_stats(frame)
+    assert st["requests"] == len(tr) and st["prompt_max"] == max(r.prompt_tokens for r in tr.requests)
+
+
+def test_cost_models_profiles_and_an_own_cost_model(profile):
+    cm = schedlab.cost_model(profile=profile)
+    assert cm.kv_tokens == 262144 and cm.source == {"profile": str(profile)}
+    a = schedlab.simulate("slots", "real-smoke", profile=profile)
+    b = schedlab.simulate("slots", "real-smoke", cost=cm)
+    assert a.summary == b.summary
+
+    class Slower:  # any object with the cost-model methods
+        def pass_seconds(self, shape):
+            return 2 * cm.pass_seconds(shape)
+
+        def step_overhead_seconds(self, n_passes, n_rows):
+            return 2 * cm.step_overhead_seconds(n_passes, n_rows)
+
+    burst = pd.DataFrame([dict(r.to_json(), arrival_s=0.0) for r in schedlab.load_trace("real-smoke").requests])
+    a = schedlab.simulate("slots", burst, cost=cm)
+    c = schedlab.simulate("slots", burst, cost=Slower(), kv_tokens=cm.kv_tokens)
+    assert len(c.steps) == len(a.steps)  # the same schedule, every step twice as long
+    assert c.summary["makespan_s"] == pytest.approx(2 * a.summary["makespan_s"], rel=1e-9)
+    an = schedlab.cost_model(hardware="h100-sxm", model_config="llama-3.1-8b")
+    assert an.kv_tokens > 100_000 and an.meta["kv_tokens"] == an.kv_tokens and an.hardware.name == "h100-sxm"
+    prof = schedlab.load_profile()  # the bundled one
+    assert prof.path.name == "tiny-cpu.json" and prof.model == "tiny" and len(prof.samples) > 100
+    assert set(prof.fit.index) >= {"decode", "prefill", "held_out_passes"}
+    assert prof.cost_model().kv_tokens == prof.kv_tokens
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+
+def _bad_cases(tmp):
+    one = tmp / "one.json"
+    one.write_text(json.dumps({"requests": [{"id": "x", "arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}]}))
+    S = schedlab
+    return [
+        (lambda: S.simulate("nope", "mixed"), "unknown policy 'nope'"),
+        (lambda: S.simulate("static", "mixed", options={"batch_size": "big"}), "batch_size='big' is not a valid int"),
+        (lambda: S.simulate("static", "mixed", options={"batch_size": 2.5}), "is not a valid int"),
+        (lambda: S.simulate("static", "mixed", options={"frobnicate": 1}), "has no option 'frobnicate'"),
+        (lambda: S.simulate(object(), "mixed"), "a policy is a bundled name"),
+        (lambda: S.simulate("static", "no-such-trace"), "trace not found"),
+        (lambda: S.simulate("static", pd.DataFrame({"id": ["a"], "arrival_s": [0.0]})), "missing column(s) output_tokens"),
+        (lambda: S.simulate("static", [1, 2]), "traces.Request"),
+        (lambda: S.simulate("static", "mixed", profile=tmp / "none.json"), "profile not found"),
+        (lambda: S.simulate("static", "mixed", kv_tokens=0), "kv_tokens must be >= 1"),
+        (lambda: S.simulate("static", "mixed", slo={"ttft": 1}), "unknown SLO key 'ttft'"),
+        (lambda: S.simulate("static", "mixed", slo="ttft_ms=nan"), "finite number > 0"),
+        (lambda: S.simulate("static", "mixed", hardware="m4-max"), "hardware and model_config go together"),
+        (lambda: S.simulate("static", "mixed", quant=4), "quant goes with hardware and model_config"),
+        (lambda: S.simulate("static", "mixed", hardware="m4", model_config="qwen3-235b-a22b"), "GB of weights"),
+        (lambda: S.load_trace("mixed", rate=-1), "must be a finite number > 0"),
+        (lambda: S.run_real("static", "real-smoke", model="gigantic"), "unknown model preset 'gigantic'"),
+        (lambda: S.run_real("static", "real-smoke", dtype="float64"), "unknown dtype 'float64'"),
+        (lambda: S.run_real("static", "real-smoke", model="micro", sampling="temperature=hot"), "sampling"),
+        (lambda: S.calibrate(model="micro", grid={"nope": 1}), "unknown field(s) nope"),
+        (lambda: S.calibrate(model="micro", from_profile=one), "from_profile goes with analytic"),
+        (lambda: S.validate("static", "real-smoke", model="micro", repeat=0), "repeat must be >= 1"),
+        (lambda: S.validate("static", "real-smoke", model="micro", profile=one, hardware="m4-max"),
+         "either profile or hardware"),
+        (lambda: S.validate("static", "real-smoke", model="micro", hardware="warp-drive"), "unknown hardware"),
+        (lambda: S.sweep("chunked-prefill", "mixed", rates=[0, 1]), "every rate must be a finite number > 0"),
+        (lambda: S.sweep("chunked-prefill", "mixed", rates=[1], attainment=1.5), "attainment must be in (0, 1]"),
+        (lambda: S.sweep("chunked-prefill", one, rates=[1]), "cannot set a rate"),
+        (lambda: S.plot(), "at least one run"),
+        (lambda: S.plot(tmp / "nowhere"), "no such directory"),
+        (lambda: S.load_run(one), "is not a run directory"),
+        (lambda: S.plot(S.simulate("static", "real-smoke"), lanes=0), "lanes must be >= 1"),
+        (lambda: S.plot(S.simulate("static", "real-smoke"), formats="pdf"), "formats must be png, svg"),
+    ]
+
+
+def test_bad_arguments_raise_one_error_type_with_one_line(tmp_path):
+    for call, fragment in _bad_cases(tmp_path):
+        with pytest.raises(schedlab.SchedlabError) as ei:
+            call()
+        exc = ei.value
+        msg = str(exc)
+        assert isinstance(exc, ValueError) and "\n" not in msg and fragment in msg, msg
+        assert not msg.startswith("--"), msg  # options named as in Python, not as on the command line
+        # no traceback noise: nothing chained, no frame below the API's entry point
+        assert exc.__cause__ is None and exc.__suppress_context__
+        frames = traceback.extract_tb(exc.__traceback__)
+        assert all(Path(f.filename).name in ("test_api.py", "api.py", "python_api.py") for f in frames), frames
+        assert len([f for f in frames if Path(f.filename).name == "api.py"]) == 1, frames
+    # the same checks on the command line name the options as options
+    proc = cli("simulate", "-p", "static", "-t", "mixed", "--kv-tokens", "0")
+    assert proc.returncode == 2 and proc.stderr.strip() == "simulate: error: --kv-tokens must be >= 1, got 0"
+
+
+def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text("from policies.base import Plan, Pass\n"
+                 "class DecodeWaiting:\n"
+                 "    name = 'decode-waiting'\n"
+                 "    def plan(self, view):\n"
+                 "        return Plan(passes=[Pass(decode=[view.waiting[0].id])])\n")
+    run = schedlab.simulate(f"{f}:DecodeWaiting", "real-smoke", profile=profile)
+    assert run.error and "policy 'decode-waiting' step 0" in run.error and run.problems == [run.error]
+    assert run.summary["error"] == run.error and (run.requests["status"] == "unfinished").all()
+
+
+# ---------------------------------------------------------------------------- sweep and plot
+
+
+def test_sweep_equals_the_commands_files(profile, tmp_path):
+    import traces
+    from analysis.sweep import ROW_FIELDS
+
+    tr = schedlab.load_trace("mixed", head=80)
+    path = tmp_path / "t.json"
+    traces.save_json(tr, path)
+    slo = "ttft_ms=2000,tpot_ms=100"
+    out = tmp_path / "cli"
+    proc = cli("sweep", "-p", "chunked-prefill,unified", "-t", path, "--rates", "0.5,4", "--profile", profile,
+               "--slo", slo, "--workers", "1", "--out", out, "-q")
+    assert proc.returncode == 0, proc.stderr
+    table = schedlab.sweep("chunked-prefill,unified", path, rates=[4, 0.5], profile=profile, slo=slo, workers=1)
+    assert list(table.columns) == list(ROW_FIELDS) and len(table) == 4
+    csv = pd.read_csv(out / "sweep.csv", keep_default_na=False, na_values=[""])
+    for col in ROW_FIELDS:
+        if col == "error":
+            assert table[col].isna().all() and csv[col].isna().all()
+        else:
+            assert list(table[col]) == list(csv[col]), col
+    data = json.loads((out / "sweep.json").read_text())
+    info = table.attrs["info"]
+    assert info["max_sustained_rate"] == data["max_sustained_rate"] and info["rates_rps"] == [0.5, 4.0]
+    # a policy class runs in this process and gives the same rows
+    from policies.unified import Unified
+
+    mine = schedlab.sweep([Unified], path, rates=[0.5, 4], profile=profile, slo=slo)
+    pd.testing.assert_frame_equal(mine.drop(columns="policy").reset_index(drop=True),
+                                  table[table["policy"] == "unified"].drop(columns="policy").reset_index(drop=True))
+    fig = schedlab.plot_sweep(table, out=tmp_path / "fig", formats="png")
+    assert (tmp_path / "fig" / "latency_vs_load.png").is_file() and len(fig.axes) >= 4
+
+
+def test_plot_gives_the_plot_commands_figures(profile, tmp_path):
+    run = schedlab.simulate("prefer-prefill", "real-mixed", profile=profile)
+    d = run.save(tmp_path / "run")
+    proc = cli("plot", d, "--out", tmp_path / "cli", "--format", "png", "--lanes", "12")
+    assert proc.returncode == 0, proc.stderr
+    figs = run.plot(out=tmp_path / "api", formats="png", lanes=12)
+    stems = sorted(p.stem for p in (tmp_path / "cli").iterdir())
+    assert sorted(figs) == stems == sorted(p.stem for p in figs.files)
+    assert all(type(f).__name__ == "Figure" for f in figs.values())
+    assert list(run.plot(kinds=["timeline"])) == ["timeline_prefer-prefill-sim"]
+    # runs side by side: one curve per run in the CDFs
+    other = schedlab.simulate("unified", "real-mixed", profile=profile)
+    both = schedlab.plot(run, other, kinds="ttft")
+    assert len(both["ttft_cdf"].axes[0].get_legend().get_texts()) == 2
+
+
+# ---------------------------------------------------------------------------- the real engine (micro)
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    out = tmp_path_factory.mktemp("micro") / "micro.json"
+    lines = []
+    prof = schedlab.calibrate(model="micro", grid=SMALL_GRID, out=out, log=lambda k, m: lines.append((k, m)))
+    return prof, lines
+
+
+def test_calibrate_returns_the_profile_it_writes(micro, tmp_path):
+    from sim.cost import FEATURES
+
+    prof, lines = micro
+    assert prof.path is not None and prof.path.is_file() and prof.path.with_suffix(".md").is_file()
+    assert json.loads(prof.path.read_text()) == prof.data
+    assert prof.model == "micro" and set(prof.coefficients) == set(FEATURES)
+    assert prof.data["calibration"]["grid"] == "test-small"
+    assert len(prof.samples) == prof.data["calibration"]["samples"] and "seconds" in prof.samples
+    assert {"decode", "prefill", "step", "held_out_passes"} <= set(prof.fit.index)
+    assert "held-out passes" in prof.report()
+    assert lines and all(kind == "progress" for kind, _ in lines)
+    assert prof.mismatch("micro") is None and "model" in prof.mismatch("tiny")
+    assert schedlab.load_profile(prof.path).coefficients == prof.coefficients
+    # the analytic roofline's factors fitted to the stored samples, nothing timed
+    fitted = schedlab.calibrate(model="micro", analytic=True, from_profile=prof.path, out=tmp_path / "a.json")
+    assert fitted.analytic is not None and fitted.coefficients == prof.coefficients
+    assert "analytic roofline on cpu-local" in fitted.report()
+    assert "## Analytic roofline on cpu-local" in (tmp_path / "a.md").read_text()
+    # a profile kept in memory works wherever a profile goes
+    mem = schedlab.calibrate(model="micro", analytic=True, from_profile=prof.path)
+    assert mem.path is None
+    a = schedlab.simulate("static", "real-smoke", profile=mem)
+    assert a.summary == schedlab.simulate("static", "real-smoke", profile=prof.path).summary
+
+
+def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
+    prof, _ = micro
+    trace = schedlab.load_trace("real-smoke", head=6)
+    seen, logged = [], []
+    run = schedlab.run_real("prefer-prefill", trace, model="micro", profile=prof, options={"prefill_step_size": 64},
+                            on_step=lambda done, total: seen.append((done, total)),
+                            log=lambda k, m: logged.append((k, m)))
+    assert run.mode == "real" and run.error is None and run.summary["finished"] == 6
+    assert seen and seen[-1] == (6, 6) and not [m for k, m in logged if k == "warning"]
+    st = run.steps
+    assert (st["measured_s"] > 0).all() and (st["predicted_s"] > 0).all()
+    assert len(run.tokens) == run.summary["total_output_tokens"]
+    assert run.meta["profile"] == str(prof.path) and run.meta["policy_options"]["prefill_step_size"] == 64
+    assert run.meta["model"] == "micro" and run.meta["engine"]["decode_rows"] > 0
+    assert list(run.texts["id"]) == [r.id for r in trace.requests]
+    d = run.save(tmp_path / "api")
+    assert_run_is_dir(run, d)
+    assert (d / "texts.jsonl").is_file()
+    # the command writes the same files, the same columns and types
+    out = tmp_path / "cli"
+    proc = cli("run-real", "-p", "prefer-prefill", "-t", "real-smoke", "-m", "micro", "--profile", prof.path,
+               "-o", "prefill_step_size=64", "--out", out, "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in d.iterdir())
+    back = schedlab.load_run(out)
+    for name in TABLES:
+        assert dict(getattr(back, name).dtypes.astype(str)) == dict(getattr(run, name).dtypes.astype(str)), name
+    assert set(back.summary) == set(run.summary) and back.mode == "real"
+
+
+def test_validate_and_compare(micro, tmp_path):
+    from analysis.validation import METRICS
+
+    prof, _ = micro
+    trace = schedlab.load_trace("real-smoke", head=6)
+    out = tmp_path / "val"
+    results = []
+    v = schedlab.validate(["unified", "static"], trace, model="micro", profile=prof, out=out,
+                          log=lambda k, m: results.append(m) if k == "result" else None)
+    assert v.policies == ["unified", "static"] and len(results) == 2 and "TTFT p50 (ms)" in results[0]
+    assert set(v.table.index.get_level_values("metric")) == {k for k, _, _ in METRICS}
+    assert list(v.errors.index) == v.policies and (v.errors["steps"] > 0).all()
+    assert (v.errors["speed_before"] > 0).all() and v.errors["drift_adjusted_median_abs_error_pct"].notna().all()
+    for pol in v.policies:  # what validate --out wrote is what the Validation holds
+        assert json.loads((out / pol / "validation.json").read_text()) == json.loads(json.dumps(v[pol]))
+        assert_run_is_dir(v.sim[pol], out / pol / "sim")
+        assert_run_is_dir(v.real[pol][0], out / pol / "real")
+        row = v.table.loc[(pol, "makespan_s")]
+        assert row["sim"] == v.sim[pol].summary["makespan_s"] and row["real"] == v.real[pol][0].summary["makespan_s"]
+    overview = json.loads((out / "validation.json").read_text())
+    assert set(overview["policies"]) == set(v.policies)
+    # its figures are the plot command's for the directory
+    assert sorted(v.plot()) == sorted(schedlab.plot(out / "unified", out / "static"))
+    assert {"validate_unified_cdfs", "validate_unified_step_time"} <= set(v.plot(kinds="validation"))
+    again = v.save(tmp_path / "again")
+    assert sorted(p.name for p in again.rglob("*") if p.name != "meta.json") == \
+        sorted(p.name for p in out.rglob("*") if p.name != "meta.json")
+    # compare: the same comparison from runs made separately
+    c = schedlab.compare(v.sim["static"], v.real["static"])
+    pd.testing.assert_frame_equal(c.table, v.table.loc[["static"]])
+    assert c["static"]["step_error_pct"] == v["static"]["step_error_pct"]
+    assert "static on real-smoke" in c.report()
+    with pytest.raises(schedlab.SchedlabError, match="must be real runs"):
+        schedlab.compare(v.sim["static"], v.sim["static"])
+
+
+# ---------------------------------------------------------------------------- the notebooks
+
+
+def _imports(nb_path: Path) -> set[str]:
+    nb = json.loads(nb_path.read_text())
+    names = set()
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "\n".join(line for line in "".join(cell["source"]).splitlines() if not line.startswith("%"))
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("name", ["prefer_prefill_victims", "sim_vs_real", "one_model_three_machines"])
+def test_notebooks_use_only_the_api(name):
+    names = _imports(ROOT / "notebooks" / f"{name}.ipynb")
+    internal = {n for n in names if n.split(".")[0] in ("sim", "engine", "policies", "analysis", "traces")}
+    assert internal <= {"policies.base"}, internal
+    assert "schedlab" in names
