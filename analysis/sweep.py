@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -150,6 +152,27 @@ def sweep(
     return rows
 
 
+@contextmanager
+def _main_not_reimported():
+    """Spawned workers import nothing of the parent's ``__main__``. They need nothing from it
+    (jobs name their policies; the trace and cost model are library objects), and a spawned
+    process otherwise runs the parent's script again: a script that calls the sweep at its top
+    level (no ``if __name__ == "__main__":`` guard, as in a quick script using the API) would
+    start a sweep in every worker, which fails there and leaves the pool waiting forever."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # multiprocessing.spawn reads both to re-run the main module
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=None):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -170,9 +193,10 @@ def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=No
     rows = []
     try:
         ctx = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
-                                   initargs=(trace, cost_model, kv_capacity, slo))
-        futures = [pool.submit(_worker, job) for job in jobs]
+        with _main_not_reimported():  # the workers start during the submits
+            pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(trace, cost_model, kv_capacity, slo))
+            futures = [pool.submit(_worker, job) for job in jobs]
         if not restored:
             signal.signal(signal.SIGINT, previous)
             restored = True

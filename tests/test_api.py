@@ -505,3 +505,16 @@ def test_notebooks_use_only_the_api(name):
     internal = {n for n in names if n.split(".")[0] in ("sim", "engine", "policies", "analysis", "traces")}
     assert internal <= {"policies.base"}, internal
     assert "schedlab" in names
+
+
+def test_a_script_may_sweep_at_its_top_level(profile, tmp_path):
+    # spawned workers do not re-run the script (they would start sweeps of their own and hang)
+    script = tmp_path / "quick.py"
+    script.write_text("import schedlab\n"
+                      "print('top level')\n"
+                      f"t = schedlab.sweep('unified,static', 'real-mixed', rates=[0.5, 1], profile={str(profile)!r}, "
+                      "workers=2)\n"
+                      "print(len(t), t['error'].isna().all())\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["top", "level", "4", "True"]
