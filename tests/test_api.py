@@ -433,6 +433,14 @@ def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
     d = run.save(tmp_path / "api")
     assert_run_is_dir(run, d)
     assert (d / "texts.jsonl").is_file()
+    pd.testing.assert_frame_equal(run.features, pd.read_parquet(d / "features.parquet"))
+    assert len(run.features) == len(st) and run.meta["step_bias"] and "noise" in run.meta
+    assert len(run.residuals()) > 0 and "n" in run.residuals().columns
+    # the cost model fitted to the run's own steps (no engine needed)
+    refit = schedlab.calibrate(from_runs=[d], grid=prof.path, out=tmp_path / "refit.json")
+    assert refit.path.is_file() and set(refit.coefficients) >= set(prof.coefficients)
+    with pytest.raises(schedlab.SchedlabError, match="from_runs needs one or more run directories"):
+        schedlab.calibrate(from_runs=[])
     # the command writes the same files, the same columns and types
     out = tmp_path / "cli"
     proc = cli("run-real", "-p", "prefer-prefill", "-t", "real-smoke", "-m", "micro", "--profile", prof.path,
@@ -453,8 +461,9 @@ def test_validate_and_compare(micro, tmp_path):
     out = tmp_path / "val"
     results = []
     v = schedlab.validate(["unified", "static"], trace, model="micro", profile=prof, out=out,
-                          log=lambda k, m: results.append(m) if k == "result" else None)
-    assert v.policies == ["unified", "static"] and len(results) == 2 and "TTFT p50 (ms)" in results[0]
+                          on_result=lambda name, r: results.append((name, r)))
+    assert v.policies == ["unified", "static"] and [n for n, _ in results] == v.policies
+    assert all(r is v[n] or r == v[n] for n, r in results) and results[0][1]["residuals"]
     assert set(v.table.index.get_level_values("metric")) == {k for k, _, _ in METRICS}
     assert list(v.errors.index) == v.policies and (v.errors["steps"] > 0).all()
     assert (v.errors["speed_before"] > 0).all() and v.errors["drift_adjusted_median_abs_error_pct"].notna().all()
