@@ -1,6 +1,9 @@
 """Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, passes.parquet, meta.json.
 
-- requests.csv: one row per request (times, TTFT/TPOT/E2E, status);
+- requests.csv: one row per request (times, TTFT/TPOT/E2E, status; then preemptions, KV tokens
+  recomputed after them, prompt tokens found in the prefix cache at first admission, and when
+  its client issued it: ``scheduled_s``, which is ``arrival_s`` unless closed-loop clients
+  held it back);
 - steps.parquet: one row per scheduler step (start, end, predicted and measured seconds, rows);
 - tokens.parquet: one row per output token (``request_id, token_index, time_s``);
 - passes.parquet: one row per request per pass (``step, pass, request_id, kind, tokens,
@@ -32,7 +35,10 @@ from .metrics import request_rows
 REQUEST_COLUMNS = (
     "id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
     "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
+    "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s",
 )
+_TIMES = REQUEST_COLUMNS[:REQUEST_COLUMNS.index("status")]
+_KV = REQUEST_COLUMNS[REQUEST_COLUMNS.index("status") + 1:]
 STEP_COLUMNS = (
     "step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens",
     "passes", "kv_tokens",
@@ -53,7 +59,8 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
     (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
 
-    rows = {row["id"]: row for row in request_rows(result.requests)}
+    scheduled = getattr(result, "scheduled_s", None) or {}
+    rows = {row["id"]: row for row in request_rows(result.requests, scheduled)}
     rejected = {r.id for r, _ in result.rejected}
     with open(out / "requests.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
@@ -61,11 +68,12 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
         for r in result.requests:
             row = rows.get(r.id)
             if row is not None:
-                w.writerow([_cell(row[c]) for c in REQUEST_COLUMNS[:-1]] + ["finished"])
+                w.writerow([_cell(row[c]) for c in _TIMES] + ["finished"] + [_cell(row[c]) for c in _KV])
             else:
                 status = "rejected" if r.id in rejected else "unfinished"
                 w.writerow([r.id, _cell(r.arrival_s), r.prompt_tokens, r.output_tokens]
-                           + [""] * 6 + [status])
+                           + [""] * 6 + [status, r.preemptions, r.recomputed_tokens, r.cached_tokens,
+                                         _cell(scheduled.get(r.id, r.arrival_s))])
 
     write_steps(out / "steps.parquet", result.steps.columns)
     write_tokens(out / "tokens.parquet", result.requests)
