@@ -16,8 +16,9 @@ from typing import List, Optional
 
 import typer
 
-from .common import (check_kv_tokens, load_cost_model, make_app, parse_options, parse_slo, policy_options,
-                     report_problems, run_app)
+from .cli import BLOCK_SIZE_HELP, BURST_HELP, CONCURRENCY_HELP, PREFIX_HELP, RATE_HELP, THINK_HELP
+from .common import (check_client_options, check_kv_layout, check_kv_tokens, load_cost_model, make_app,
+                     make_arrivals, parse_options, parse_rate, parse_slo, policy_options, report_problems, run_app)
 
 real_app = make_app(
     "Run a scheduling policy over a trace on a real MLX model (CPU or Metal) and print the "
@@ -33,7 +34,13 @@ def run_real(
     profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: one measured on this model and machine, else calibrate --quick first)"),
     no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
-    seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt token ids"),
+    block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP + "; the engine copies a cached prefix's keys/values"),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help=CONCURRENCY_HELP),
+    request_rate: Optional[str] = typer.Option(None, "--request-rate", help=RATE_HELP),
+    burstiness: Optional[float] = typer.Option(None, "--burstiness", help=BURST_HELP),
+    think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
+    seed: int = typer.Option(0, "--seed", help="seed for the trace, the --request-rate schedule and the prompt token ids"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
     out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens/passes.parquet, meta.json here"),
@@ -55,6 +62,9 @@ def run_real(
     check_spec(model, dtype)
     sampler = parse_sampling(sampling)
     check_kv_tokens(kv_tokens)
+    check_kv_layout(block_size)
+    rate = parse_rate(request_rate)
+    check_client_options(max_concurrency, rate, burstiness, think_time)  # bad client options fail here
 
     warnings: list[str] = []
     if profile is not None:
@@ -75,12 +85,14 @@ def run_real(
     from sim.output import write_run
 
     backend = MLXBackend(info, sampling=sampler, seed=seed)
-    result = run(tr.requests, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
-                 on_step=_progress(tr, quiet))
+    arrivals = make_arrivals(tr.requests, max_concurrency, rate, burstiness, think_time, seed)
+    result = run(arrivals, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
+                 on_step=_progress(tr, quiet), block_size=block_size, prefix_caching=prefix_caching)
     summary = summarize(result, slo=slos or None)
     if out is not None:
         write_run(out, result, summary, meta={
-            "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "model_seed": model_seed,
+            "profile": str(profile_path), "kv_tokens": capacity, "block_size": block_size,
+            "prefix_caching": prefix_caching, "seed": seed, "model_seed": model_seed,
             "policy_options": policy_options(pol), "warnings": warnings,
         })
     if not quiet:
