@@ -38,13 +38,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from operator import attrgetter
+
 from .base import Pass, Phase, Plan, PolicyBase, SchedulerView, UNTIL_CHANGE, require_positive
 
 DECODING = Phase.DECODING
-
-
-def _blocks(tokens: int, bs: int) -> int:
-    return -(-tokens // bs)
+_CONTEXT = attrgetter("context")
 
 
 @dataclass
@@ -70,23 +69,33 @@ class Vllm(PolicyBase):
         decode: list[str] = []
         chunks: list[tuple[str, int]] = []
         preempt: list[str] = []
-        # offsets within a block of the decode rows' next KV position (for Plan.repeat)
-        offsets: list[int] = []
+        ctxs = list(map(_CONTEXT, running))  # KV tokens + 1 of each running request
+        one = 1 % bs
+        if n_run and n_run <= budget and len(view.decoding) == n_run:
+            # every running request decodes (the common step): one token and, where its KV is
+            # at a block boundary, one block each; when they all fit, that is the loop below
+            need = list(map(bs.__rmod__, ctxs)).count(one)
+            if need <= free:
+                decode = [r.id for r in running]
+                free -= need
+                budget -= n_run
+                n_run = 0
         i = 0
-        stopped = False
         while i < n_run and budget > 0:
             r = running[i]
-            computed = r.kv_tokens
+            computed = ctxs[i] - 1
             if r.phase is DECODING:
                 new = 1
+                need = 1 if computed % bs == 0 else 0
             else:
                 new = r.remaining_prompt
                 if 0 < threshold < new:
                     new = threshold
                 if new > budget:
                     new = budget
-            need = _blocks(computed + new, bs) - _blocks(computed, bs)
-            while need > free:
+                need = -(-(computed + new) // bs) + computed // -bs
+            stopped = False
+            while need > free:  # preempt the latest admitted until it fits
                 n_run -= 1
                 victim = running[n_run]
                 preempt.append(victim.id)
@@ -100,12 +109,11 @@ class Vllm(PolicyBase):
             budget -= new
             if new == 1 and r.phase is DECODING:
                 decode.append(r.id)
-                offsets.append(computed % bs)
             else:
                 chunks.append((r.id, new))
             i += 1
         admit: list[str] = []
-        if not preempt:
+        if not preempt and view.waiting:
             active = len(running)
             for r in view.waiting:
                 if budget <= 0 or active >= self.max_num_seqs:
@@ -116,7 +124,7 @@ class Vllm(PolicyBase):
                     new = threshold
                 if new > budget:
                     new = budget
-                need = _blocks(hit + new, bs) - hit // bs + taken
+                need = -(-(hit + new) // bs) - hit // bs + taken
                 if need > free:
                     break
                 free -= need
@@ -127,8 +135,9 @@ class Vllm(PolicyBase):
         if not decode and not chunks:
             return Plan(admit=tuple(admit), preempt=tuple(preempt))
         repeat = 0
-        if decode and not chunks and not admit and not preempt:
-            repeat = self._repeat(offsets, free, bs)
+        if decode and not chunks and not preempt:
+            by_id = {r.id: c for r, c in zip(running, ctxs)}
+            repeat = self._repeat([by_id[rid] % bs for rid in decode], free, bs)
         return Plan(admit=tuple(admit), preempt=tuple(preempt),
                     passes=(Pass(decode=tuple(decode), prefill=tuple(chunks)),), repeat=repeat)
 
@@ -136,25 +145,34 @@ class Vllm(PolicyBase):
     def _repeat(offsets: list[int], free: int, bs: int) -> int:
         """How many more identical decode steps fit in ``free`` blocks (``Plan.repeat``).
 
-        After this step, a row whose next KV position is at offset ``a`` within its block
-        takes floor((a + s) / bs) blocks over the next ``s`` steps (its position in step t is
-        a + t). While those fit, vLLM would schedule the very same rows again: nothing is
-        preempted, and the waiting queue's head (refused now for budget, ``max_num_seqs`` or
-        blocks) is refused again, as blocks only shrink. The loop stops earlier at an arrival
-        or a finish.
+        ``offsets``: each row's context (KV + 1) modulo the block size, i.e. the offset in
+        its block of the position the step after this one writes. Over the next ``s`` steps a
+        row at offset ``a`` takes floor((a + s - 1) / bs) blocks, plus one if ``a`` is 0 (a
+        block boundary). While those fit, vLLM would schedule the very same rows again:
+        nothing is preempted, and the waiting queue's head (refused now for budget,
+        ``max_num_seqs`` or blocks) is refused again, as blocks only shrink. The loop stops
+        earlier at an arrival or a finish.
         """
         counts: dict[int, int] = {}
         for a in offsets:
-            a = (a + 1) % bs  # this step's write moves every row one position on
             counts[a] = counts.get(a, 0) + 1
+        items = list(counts.items())
+        rows = len(offsets)
 
         def need(s: int) -> int:
-            return sum(c * ((a + s - 1) // bs + (1 if a == 0 else 0)) for a, c in counts.items()) if s else 0
+            return sum(c * ((a + s - 1) // bs + (a == 0)) for a, c in items) if s > 0 else 0
 
         if need(UNTIL_CHANGE) <= free:
             return UNTIL_CHANGE
-        lo, hi = 0, UNTIL_CHANGE  # need(lo) <= free < need(hi)
-        while hi - lo > 1:
+        # each row takes between (s - 1) / bs - 1 and (s - 1) / bs + 2 blocks over s steps:
+        # the answer lies in a window a few blocks wide around free * bs / rows
+        lo = max(0, (free // rows - 2) * bs)
+        hi = min(UNTIL_CHANGE, (free // rows + 3) * bs + 1)
+        while need(lo) > free:  # (never, by the bounds; kept for safety)
+            lo //= 2
+        while need(hi) <= free:
+            hi *= 2
+        while hi - lo > 1:  # need(lo) <= free < need(hi)
             mid = (lo + hi) // 2
             if need(mid) <= free:
                 lo = mid

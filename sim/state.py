@@ -18,6 +18,7 @@ longest cached prefix of its tokens already in its KV.
 
 from __future__ import annotations
 
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Callable, Iterator, Sequence
 
@@ -82,6 +83,8 @@ class RequestState:
     # read-only to policies; attrgetter keeps the getters in C (the simulator's hot path)
     phase = property(attrgetter("_phase"))
     prefilled = property(attrgetter("_prefilled"))
+    # tokens a decode row of it attends to: its KV tokens + the new one (while admitted)
+    context = property(attrgetter("_ctx"))
     # what prefilling puts into the KV cache: the prompt, or prompt + output so far after a
     # preemption (recompute); the pass that completes it yields a token
     prefill_target = property(attrgetter("_target"))
@@ -121,6 +124,45 @@ class _CachedRequestState(RequestState):
         if self._phase is WAITING:
             return self._target - self._blk.cache.hit_tokens(self)
         return self._target - self._prefilled
+
+
+class _Waiting:
+    """The waiting queue: requests a preemption put back first (the latest preempted at the
+    very front, as vLLM's ``prepend_request``), then arrivals in order. A dict's interface,
+    with ``prepend``, which costs the number of preempted requests waiting, not the queue."""
+
+    __slots__ = ("front", "back")
+
+    def __init__(self) -> None:
+        self.front: dict[str, RequestState] = {}
+        self.back: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.front) + len(self.back)
+
+    def __bool__(self) -> bool:
+        return bool(self.back) or bool(self.front)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self.back or rid in self.front
+
+    def __iter__(self) -> Iterator[str]:
+        return chain(self.front, self.back) if self.front else iter(self.back)
+
+    def values(self):
+        return chain(self.front.values(), self.back.values()) if self.front else self.back.values()
+
+    def __setitem__(self, rid: str, r: RequestState) -> None:
+        self.back[rid] = r
+
+    def prepend(self, rid: str, r: RequestState) -> None:
+        self.front = {rid: r, **self.front}
+
+    def __delitem__(self, rid: str) -> None:
+        if rid in self.back:
+            del self.back[rid]
+        else:
+            del self.front[rid]
 
 
 class _Queue(Sequence):
@@ -236,7 +278,7 @@ class ReplicaState:
         self.n_accepted = 0
         self.open = True
         self.arrived = 0
-        self.waiting: dict[str, RequestState] = {}
+        self.waiting = _Waiting()
         self.prefilling: dict[str, RequestState] = {}
         self.decoding: dict[str, RequestState] = {}
         self.running: dict[str, RequestState] = {}  # prefilling + decoding, admission order
@@ -359,8 +401,7 @@ class ReplicaState:
             r.preemptions += 1
             self.batch.discard(rid)
             # back to the front of the queue (it arrived before anyone still waiting)
-            self.waiting = {rid: r, **self.waiting}
-            self.waiting_q._d = self.waiting
+            self.waiting.prepend(rid, r)
             preempted.append(r)
         for rid in plan.admit:
             r = self._get(rid, "admits")
