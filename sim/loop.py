@@ -297,6 +297,13 @@ def run(
         env.run(until=proc)
     except (PlanError, PolicyError) as exc:
         error = str(exc)
+    except RuntimeError as exc:
+        if "No scheduled events left" not in str(exc):
+            raise
+        # the replica waits idle for an arrival that waits for a finish: a closed loop stalled
+        error = (f"policy '{policy_name}' step {state.step_index}: planned nothing with "
+                 f"{state.n_accepted - state.finished} request(s) unfinished while the arrival source "
+                 f"waits for one of them to finish")
     meta = backend.finish()
     describe = getattr(source, "describe", None)
     return RunResult(

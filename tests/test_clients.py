@@ -213,3 +213,17 @@ def test_sweep_over_concurrency(tmp_path):
     assert (out / "latency_vs_load.png").exists()
     bad = cli("sweep", "--policy", "vllm", "--trace", "real-smoke", "--out", tmp_path / "x")
     assert bad.returncode == 2 and "--rates" in bad.stderr and "--concurrency" in bad.stderr
+
+
+def test_a_policy_that_stalls_a_closed_loop_is_a_one_line_error():
+    class Idle:
+        name = "idle"
+
+        def plan(self, view):
+            from policies.base import Plan
+            return Plan()
+
+    res = run(ClientSource([Request("a", 0.0, 4, 1), Request("b", 0.0, 4, 1)], 1), Idle(), cost(),
+              kv_capacity=100, backend=FixedBackend())
+    assert res.error == ("policy 'idle' step 0: planned nothing with 1 request(s) unfinished while the "
+                         "arrival source waits for one of them to finish")
