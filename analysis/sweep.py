@@ -1,9 +1,13 @@
-"""Load sweeps: one trace rescaled to several request rates, every (policy, rate) simulated.
+"""Load sweeps: one trace at several request rates and/or client concurrencies, every
+(policy, rate, concurrency) simulated.
 
 The trace's arrival times are rescaled (``traces.to_rate``) so that its mean rate,
 (requests - 1) / (last arrival - first arrival), equals each swept rate; the shape of the
-arrival pattern and every request's lengths are kept. Each (policy, rate) is one
-``sim.run`` plus ``summarize`` -- a job; jobs run in worker processes.
+arrival pattern and every request's lengths are kept. A swept concurrency C puts closed-loop
+clients in front of the replica (``sim.sources.clients``): requests issued in trace order
+at the trace's (rescaled) times, or at a ``request_rate`` schedule, each sent once fewer
+than C are in flight (``vllm bench serve --max-concurrency``). Each (policy, rate,
+concurrency) is one ``sim.run`` plus ``summarize`` -- a job; jobs run in worker processes.
 
 Highest sustained rate
 ----------------------
@@ -32,6 +36,7 @@ ROW_FIELDS = (
     "policy", "rate_rps", "requests", "finished", "rejected", "ttft_p50_ms", "ttft_p99_ms",
     "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_throughput_tok_s",
     "request_throughput_rps", "goodput_rps", "slo_attainment", "makespan_s", "error",
+    "max_concurrency", "peak_concurrency", "preemptions", "recomputed_tokens", "prefix_hit_rate",
 )
 DEFAULT_ATTAINMENT = 0.9
 
@@ -48,11 +53,14 @@ class Job:
     index: int
     policy: Any  # as the user gave it: a bundled name or file.py:Class (in-process: a callable making the policy)
     options: Mapping[str, str]
-    rate: float
+    rate: float | None  # None: the trace's own times
+    concurrency: int | None = None  # None: no client limit
 
 
-def row_from_summary(policy: str, rate: float, s: Mapping[str, Any]) -> dict[str, Any]:
+def row_from_summary(policy: str, rate: float | None, s: Mapping[str, Any],
+                     concurrency: int | None = None) -> dict[str, Any]:
     """One table row from a summary (summarize()'s dict)."""
+    clients = s.get("clients") or {}
     return {
         "policy": policy,
         "rate_rps": rate,
@@ -71,38 +79,53 @@ def row_from_summary(policy: str, rate: float, s: Mapping[str, Any]) -> dict[str
         "slo_attainment": s.get("slo_attainment"),
         "makespan_s": s["makespan_s"],
         "error": s.get("error"),
+        "max_concurrency": concurrency,
+        "peak_concurrency": clients.get("peak_concurrency"),
+        "preemptions": s.get("preemptions", 0),
+        "recomputed_tokens": s.get("recomputed_tokens", 0),
+        "prefix_hit_rate": (s.get("prefix_cache") or {}).get("hit_rate"),
     }
 
 
-def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, float] | None) -> dict[str, Any]:
-    """Simulate one (policy, rate); any failure becomes the row's ``error`` (one line)."""
+#: How every job runs, besides its policy, rate and concurrency (``sweep(settings=...)``).
+DEFAULT_SETTINGS = {"block_size": 1, "prefix_caching": False, "request_rate": None, "burstiness": None,
+                    "think_s": 0.0, "seed": 0}
+
+
+def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, float] | None,
+            settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Simulate one (policy, rate, concurrency); any failure becomes the row's ``error`` (one line)."""
     from policies import make_policy
 
     from sim.loop import run
     from sim.metrics import summarize
+    from sim.sources import clients
 
+    st = {**DEFAULT_SETTINGS, **(settings or {})}
     label = job.policy if isinstance(job.policy, str) else str(job.policy)
     try:
-        tr = rescale(trace, job.rate)
+        tr = rescale(trace, job.rate) if job.rate is not None else trace
         pol = make_policy(job.policy, dict(job.options)) if isinstance(job.policy, str) else job.policy()
-        result = run(tr.requests, pol, cost_model, kv_capacity=kv_capacity, trace_name=tr.name,
-                     record_steps=False)
-        row = row_from_summary(label, job.rate, summarize(result, slo=slo or None))
+        arrivals = clients(tr.requests, job.concurrency, st["request_rate"], st["burstiness"], st["think_s"], st["seed"])
+        result = run(arrivals, pol, cost_model, kv_capacity=kv_capacity, trace_name=tr.name,
+                     record_steps=False, block_size=st["block_size"], prefix_caching=st["prefix_caching"])
+        row = row_from_summary(label, job.rate, summarize(result, slo=slo or None), job.concurrency)
     except Exception as exc:  # a user's policy or a bad option: keep the other jobs going
         row = {k: None for k in ROW_FIELDS}
-        row.update(policy=label, rate_rps=job.rate, error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        row.update(policy=label, rate_rps=job.rate, max_concurrency=job.concurrency,
+                   error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
     row["index"] = job.index
     return row
 
 
-_SHARED: tuple = ()  # in a worker process: (trace, cost model, KV capacity, SLOs)
+_SHARED: tuple = ()  # in a worker process: (trace, cost model, KV capacity, SLOs, settings)
 
 
-def _init_worker(trace, cost_model, kv_capacity, slo) -> None:
+def _init_worker(trace, cost_model, kv_capacity, slo, settings=None) -> None:
     """Each worker gets the trace once (jobs stay tiny); Ctrl-C is left to the parent."""
     global _SHARED
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _SHARED = (trace, cost_model, kv_capacity, slo)
+    _SHARED = (trace, cost_model, kv_capacity, slo, settings)
 
 
 def _worker(job: Job) -> dict[str, Any]:
@@ -116,7 +139,7 @@ def default_workers(n_jobs: int) -> int:
 def sweep(
     trace,
     policies: Sequence[Any],  # names or file.py:Class specs (in-process: callables making the policy)
-    rates: Sequence[float],
+    rates: Sequence[float | None] | None,
     cost_model,
     kv_capacity: int,
     *,
@@ -125,27 +148,33 @@ def sweep(
     workers: int | None = None,
     on_done: Callable[[dict[str, Any]], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
+    concurrency: Sequence[int | None] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every (policy, rate), rows in (policy, rate) order. ``workers`` 1 runs in-process.
+    """Every (policy, rate, concurrency), rows in that order. ``rates`` None: the trace's own
+    times; ``concurrency`` None: no client limit. ``settings``: block size, prefix caching and
+    the clients' schedule (``DEFAULT_SETTINGS``). ``workers`` 1 runs in-process.
 
     ``on_start(jobs, workers)`` is called once the jobs are queued (and the worker processes
     started); ``on_done(row)`` after each job. Ctrl-C (KeyboardInterrupt) cancels jobs not
     started, stops the workers and re-raises.
     """
-    jobs = [Job(i, p, dict(options or {}), float(r))
-            for i, (p, r) in enumerate((p, r) for p in policies for r in rates)]
+    rate_list = [None if r is None else float(r) for r in (rates or [None])]
+    conc_list = list(concurrency or [None])
+    jobs = [Job(i, p, dict(options or {}), r, c)
+            for i, (p, r, c) in enumerate((p, r, c) for p in policies for r in rate_list for c in conc_list)]
     n = workers if workers is not None else default_workers(len(jobs))
     rows: list[dict[str, Any]] = []
     if n <= 1 or len(jobs) <= 1:
         if on_start:
             on_start(len(jobs), 1)
         for job in jobs:
-            row = run_job(job, trace, cost_model, kv_capacity, slo)
+            row = run_job(job, trace, cost_model, kv_capacity, slo, settings)
             rows.append(row)
             if on_done:
                 on_done(row)
     else:
-        rows = _parallel(jobs, trace, cost_model, kv_capacity, slo, min(n, len(jobs)), on_done, on_start)
+        rows = _parallel(jobs, trace, cost_model, kv_capacity, slo, min(n, len(jobs)), on_done, on_start, settings)
     rows.sort(key=lambda r: r["index"])
     for r in rows:
         r.pop("index", None)
@@ -173,7 +202,7 @@ def _main_not_reimported():
         main.__dict__.update(saved)
 
 
-def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=None):
+def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=None, settings=None):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -195,7 +224,7 @@ def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=No
         ctx = multiprocessing.get_context("spawn")
         with _main_not_reimported():  # the workers start during the submits
             pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
-                                       initargs=(trace, cost_model, kv_capacity, slo))
+                                       initargs=(trace, cost_model, kv_capacity, slo, settings))
             futures = [pool.submit(_worker, job) for job in jobs]
         if not restored:
             signal.signal(signal.SIGINT, previous)
@@ -253,17 +282,25 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], slo: bool = False) -> str:
-    cols = [("policy", "policy", "{}"), ("rate_rps", "rate/s", "{:g}"),
-            ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
-            ("itl_p50_ms", "ITL p50 ms", "{:.1f}"), ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
-            ("output_throughput_tok_s", "tok/s", "{:.1f}"), ("request_throughput_rps", "req/s", "{:.2f}")]
+    cols = [("policy", "policy", "{}")]
+    if any(r.get("rate_rps") is not None for r in rows):
+        cols.append(("rate_rps", "rate/s", "{:g}"))
+    if any(r.get("max_concurrency") is not None for r in rows):
+        cols.append(("max_concurrency", "clients", "{:d}"))
+    cols += [("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+             ("itl_p50_ms", "ITL p50 ms", "{:.1f}"), ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
+             ("output_throughput_tok_s", "tok/s", "{:.1f}"), ("request_throughput_rps", "req/s", "{:.2f}")]
+    if any(r.get("preemptions") for r in rows):
+        cols.append(("preemptions", "preempted", "{:d}"))
+    if any(r.get("prefix_hit_rate") is not None for r in rows):
+        cols.append(("prefix_hit_rate", "prefix hits", "{:.0%}"))
     if slo:
         cols += [("goodput_rps", "goodput req/s", "{:.2f}"), ("slo_attainment", "SLO met", "{:.0%}")]
     cells = [[h for _, h, _ in cols]]
     for r in rows:
         line = [_num(r.get(k), f) if k != "policy" else str(r[k]) for k, _, f in cols]
         if r.get("error"):
-            line[2] = "error"
+            line[next(i for i, (k, _, _) in enumerate(cols) if k == "ttft_p50_ms")] = "error"
         cells.append(line)
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     out = []
@@ -297,12 +334,23 @@ def write_results(out_dir, rows, info: Mapping[str, Any]) -> list:
 def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainment: float = DEFAULT_ATTAINMENT,
                sustained: Mapping[str, Mapping[str, Any]] | None = None, offered_tok_per_req: float | None = None,
                title: str = "", formats: Sequence[str] = ("png", "svg")) -> dict[str, Any]:
-    """Latency against load: p50/p99 TTFT and ITL vs request rate, one colour per policy."""
+    """Latency against load: p50/p99 TTFT and ITL vs request rate (or, for a sweep of client
+    concurrency at one rate, vs the number of clients), one colour per policy (per policy and
+    concurrency when both vary)."""
     import numpy as np
     from matplotlib.lines import Line2D
 
     from .plots import _new_figure, _plain_log_axis, _style, _wide, save
 
+    rates_seen = {r.get("rate_rps") for r in rows}
+    concs_seen = {r.get("max_concurrency") for r in rows}
+    by_clients = len(rates_seen) == 1 and len(concs_seen) > 1
+    if by_clients:  # x is the number of clients; "rate_rps" stands for it below
+        rows = [{**r, "rate_rps": r.get("max_concurrency")} for r in rows]
+        offered_tok_per_req = None
+    elif len(concs_seen) > 1:  # a grid: one line per (policy, concurrency)
+        rows = [{**r, "policy": f"{r['policy']} C={r.get('max_concurrency')}"} for r in rows]
+    xlabel = "clients (max concurrency)" if by_clients else "offered request rate (req/s)"
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     fig = _new_figure(12.5, 8.6)
     axes = fig.subplots(2, 2)
@@ -379,15 +427,17 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
             x, y = series(pol, "request_throughput_rps")
             ax.plot(x, y, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
             data[f"{pol}/request_throughput_rps"] = (x, y)
-        rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
-        ax.plot(rates, rates, color="#888888", linestyle=":", linewidth=1.2, label="offered rate (y = x)")
-        ax.legend(loc="upper left", fontsize=8, frameon=False)
-        ax.set_title("Completed requests/s vs offered rate (give --slo for attainment)", fontsize=10.5)
+        if not by_clients:
+            rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
+            ax.plot(rates, rates, color="#888888", linestyle=":", linewidth=1.2, label="offered rate (y = x)")
+            ax.legend(loc="upper left", fontsize=8, frameon=False)
+        ax.set_title("Completed requests/s vs " + ("clients" if by_clients else "offered rate")
+                     + " (give --slo for attainment)", fontsize=10.5)
         ax.set_ylabel("request throughput (req/s)")
         ax.set_ylim(bottom=0)
 
     for ax in axes.flat:
-        ax.set_xlabel("offered request rate (req/s)")
+        ax.set_xlabel(xlabel)
         _style(ax)
     handles = [Line2D([], [], color=color[p], linewidth=2, label=p) for p in policies]
     handles += [Line2D([], [], color="black", linestyle="-", marker="o", markersize=4, label="p50"),

@@ -54,6 +54,16 @@ a request with only a token count gets seeded synthetic ids (``sampling.prompt_i
 Outputs stop at the request's ``output_tokens`` (its max_tokens) or, unless ``ignore_eos``, at
 the model's EOS token (the backend tells the state machine with ``state.stop``). Every
 request's generated token ids are kept in ``backend.tokens[rid]``.
+
+Prefix caching (the state machine's ``PrefixCache``, ``sim.prefix``): the state decides which
+blocks a request finds cached when it is admitted; its KV then starts with those tokens. The
+engine copies their keys and values from the request that computed each block (its owner):
+from the owner's own cache or batch row while it runs, or from the KV it left behind when it
+finished or was preempted (kept while the owner still owns a cached block: the state says
+when its last one is evicted). The copy is one concatenation per layer into the new
+request's own mlx-lm ``KVCache``, inside the pass that first needs it (timed with it); the
+rest of the prompt is then prefilled on top, so a hit saves exactly the cached tokens'
+forward. With ``check`` the copied positions' token ids are compared with the owner's.
 """
 
 from __future__ import annotations
@@ -157,9 +167,15 @@ class MLXBackend:
         self._cache: dict[str, list[Any]] = {}  # own per-layer caches (not in the batch)
         self._batch: list[BatchKVCache] | None = None
         self._rows: list[str] = []  # batch row order
+        self._prefix = None  # the state's PrefixCache, when prefix caching is on
+        self._bs = 1
+        # KV left by finished or preempted requests that still own cached blocks:
+        # rid -> (per layer (keys, values) of its first n tokens, n, their token ids)
+        self._retained: dict[str, tuple[list[tuple[Any, Any]], int, list[int]]] = {}
         self.stats = {"passes": 0, "forwards": 0, "decode_rows": 0, "prefill_tokens": 0,
                       "padded_prefill_tokens": 0, "joins": 0, "leaves": 0, "parks": 0,
-                      "copy_s": 0.0, "execute_s": 0.0, "warmup_s": 0.0, "preemptions": 0}
+                      "copy_s": 0.0, "execute_s": 0.0, "warmup_s": 0.0, "preemptions": 0,
+                      "cached_tokens_loaded": 0}
 
     # ------------------------------------------------------------------ protocol
     def make_clock(self) -> WallClock:
@@ -170,6 +186,10 @@ class MLXBackend:
         requests = list(requests or ())
         self.info.check_trace(requests)
         self._noise_saved = self.noise.enter()  # pinning, collector off (engine.noise): until finish()
+        self._prefix = getattr(state, "prefix", None)
+        self._bs = getattr(state, "block_size", 1)
+        if self._prefix is not None:
+            self._prefix.on_owner_gone = self._owner_gone
         if self.warmup:
             t0 = time.perf_counter()
             for _ in range(max(self.noise.warmup, 1)):
@@ -182,6 +202,8 @@ class MLXBackend:
     def execute(self, p: Pass, shape: PassShape, state) -> float:
         t0 = time.perf_counter()
         by_id = state.by_id
+        if self._prefix is not None:
+            self._load_cached(p, state)
         if self.check:
             self._check(p, state)
         targets: list = []
@@ -219,7 +241,8 @@ class MLXBackend:
         self.stats["prefill_tokens"] += shape.prefill_tokens
         self.stats["padded_prefill_tokens"] += shape.padded_prefill_tokens
         if finishing:
-            self._leave(finishing)
+            # with a prefix cache their KV may be copied later: keep it (release decides)
+            self._leave(finishing, park=self._prefix is not None)
         # own caches of requests finishing in a prefill chunk (output_tokens == 1) go in release
         self.stats["passes"] += 1
         dt = time.perf_counter() - t0
@@ -229,6 +252,8 @@ class MLXBackend:
     def release(self, r) -> None:
         """Free a request's KV: finished (already out of the batch) or preempted."""
         rid = r.id
+        if self._prefix is not None:
+            self._retain(rid)
         self._cache.pop(rid, None)
         if rid in self._rows:
             self._leave([rid])
@@ -306,6 +331,78 @@ class MLXBackend:
         if rid in self._cache:
             return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in self._cache[rid]]
         raise KeyError(f"the engine holds no KV for request {rid}")
+
+    # ------------------------------------------------------------------ prefix caching
+    def _retain(self, rid: str) -> None:
+        """Keep the KV of a request that is leaving (finished or preempted) while it owns
+        cached blocks another request may hit."""
+        n = self._kv.get(rid, 0)
+        if not n or not self._prefix.owned.get(rid):
+            self._retained.pop(rid, None)
+            return
+        if rid in self._rows:
+            self._leave([rid], park=True)
+        caches = self._cache.get(rid)
+        if caches is None:
+            return
+        kv = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in caches]
+        self._retained[rid] = (kv, n, list(self._seq[rid][:n]))
+
+    def _owner_gone(self, rid: str) -> None:
+        self._retained.pop(rid, None)
+
+    def _source(self, owner: str, end: int, state):
+        """(per-layer (keys, values), token ids) holding ``owner``'s first ``end`` tokens."""
+        if self.holds(owner) and self._kv.get(owner, 0) >= end:
+            return self.kv_arrays(owner), self._seq.get(owner)
+        kept = self._retained.get(owner)
+        if kept is not None and kept[1] >= end:
+            return kept[0], kept[2]
+        raise EngineStateError(f"step {state.step_index}: cached block of request {owner} up to token {end} "
+                               "is not held by the engine")
+
+    def _load_cached(self, p: Pass, state) -> None:
+        """Requests admitted with a cached prefix get its KV before their first pass."""
+        by_id = state.by_id
+        for rid in [rid for rid, _ in p.prefill] + [rid for rid in p.decode if rid not in self._rows]:
+            r = by_id[rid]
+            if r.phase is not Phase.PREFILLING or not r.prefilled or self._kv.get(rid, 0) or rid in self._cache:
+                continue
+            self._load(r, state)
+
+    def _load(self, r, state) -> None:
+        bs = self._bs
+        pc = self._prefix
+        n = r.prefilled
+        k = n // bs
+        hashes = pc.chain(r, k)[:k]
+        ids = self._ids(r)
+        parts: list[list[tuple[Any, Any]]] = []
+        j = 0
+        while j < k:  # runs of blocks computed by the same owner
+            owner, j0 = pc.owner[hashes[j]]
+            if j0 != j:
+                raise EngineStateError(f"step {state.step_index}: request {r.id} block {j} is cached as block {j0}")
+            e = j + 1
+            while e < k and pc.owner[hashes[e]][0] == owner:
+                e += 1
+            arrays, src_ids = self._source(owner, e * bs, state)
+            lo, hi = j * bs, e * bs
+            if self.check and src_ids is not None and list(src_ids[lo:hi]) != ids[lo:hi]:
+                raise EngineStateError(f"step {state.step_index}: request {r.id} tokens {lo}..{hi} differ from "
+                                       f"those of request {owner}, whose cached blocks it was given")
+            parts.append([(kk[..., lo:hi, :], vv[..., lo:hi, :]) for kk, vv in arrays])
+            j = e
+        caches = [KVCache() for _ in range(self.n_layers)]
+        for layer, c in enumerate(caches):
+            ks = [part[layer][0] for part in parts]
+            vs = [part[layer][1] for part in parts]
+            c.update_and_fetch(ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2),
+                               vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2))
+        self._timed_copy(_cache_arrays(caches))
+        self._cache[r.id] = caches
+        self._kv[r.id] = n
+        self.stats["cached_tokens_loaded"] += n
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, rid: str, token: int, state=None) -> None:

@@ -35,9 +35,10 @@ from .prefer_prefill import PreferPrefill
 from .slots import Slots
 from .static import Static
 from .unified import Unified
+from .vllm import Vllm
 
 POLICIES: dict[str, type[PolicyBase]] = {
-    cls.name: cls for cls in (MlxDefault, PreferPrefill, Static, Slots, ChunkedPrefill, Unified)
+    cls.name: cls for cls in (MlxDefault, PreferPrefill, Static, Slots, ChunkedPrefill, Unified, Vllm)
 }
 
 

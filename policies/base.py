@@ -61,6 +61,10 @@ class RequestView(Protocol):
     def kv_tokens(self) -> int: ...  # tokens this request holds in the KV cache now
     @property
     def kv_footprint(self) -> int: ...  # most KV tokens it will ever hold: prompt + output - 1
+    @property
+    def context(self) -> int: ...  # while admitted: kv_tokens + 1 (what a decode row attends to)
+    preemptions: int  # times it was preempted (recompute)
+    cached_tokens: int  # prompt tokens found in the prefix cache at its first admission
 
 
 class _PassFields(NamedTuple):
@@ -182,21 +186,32 @@ class SchedulerView(Protocol):
 
     now: float
     step_index: int
-    kv_capacity: int  # KV tokens the replica can hold
-    kv_used: int  # KV tokens held now
-    kv_reserved: int  # sum of kv_footprint over admitted, unfinished requests
+    kv_capacity: int  # KV tokens the replica can hold (kv_blocks x block_size)
+    kv_used: int  # KV tokens held now, summed over requests (a shared cached block counts for each holder)
+    kv_reserved: int  # sum over admitted, unfinished requests of kv_footprint rounded up to whole blocks
+    block_size: int  # KV is allocated in blocks of this many tokens (1: token-exact)
+    kv_blocks: int  # blocks the replica can hold
+    kv_blocks_used: int  # blocks held now (a request holds ceil(kv_tokens / block_size); shared cached blocks once)
+    kv_blocks_free: int  # blocks a pass may still allocate (free cached blocks included: they are evicted)
+    prefix_caching: bool  # admitted requests start with their longest cached prefix
     cost_model: CostModel | None
 
     @property
-    def waiting(self) -> RequestQueue: ...  # arrival order
+    def waiting(self) -> RequestQueue: ...  # preempted requests first (latest first), then arrival order
     @property
     def prefilling(self) -> RequestQueue: ...  # admission order
     @property
     def decoding(self) -> RequestQueue: ...  # order they started decoding
     @property
+    def running(self) -> RequestQueue: ...  # prefilling and decoding, admission order
+    @property
     def more_arrivals(self) -> bool: ...  # requests still to arrive
 
     def shape(self, p: Pass) -> PassShape: ...
+
+    def prefix_hit(self, r: RequestView) -> tuple[int, int]: ...  # (cached tokens, free blocks it takes) if admitted now
+
+    def freeable_blocks(self, r: RequestView) -> int: ...  # blocks freed if running r is preempted now
 
 
 class Policy(Protocol):
@@ -303,19 +318,20 @@ def admit_fifo(
 ) -> list[RequestView]:
     """Take waiting requests in arrival order while their whole KV footprint fits.
 
-    Admission reserves ``prompt + output - 1`` tokens per request, so an admitted request
-    never needs preemption. Stops at the first request that does not fit (FIFO: no
+    Admission reserves ``prompt + output - 1`` tokens per request, rounded up to whole KV
+    blocks, so an admitted request never needs preemption. Stops at the first request that does not fit (FIFO: no
     overtaking), so a big request is not starved by small ones behind it.
     """
     taken: list[RequestView] = []
     if max_new <= 0:
         return taken
     budget = view.kv_capacity - (view.kv_reserved if reserved is None else reserved)
+    bs = getattr(view, "block_size", 1)
     for r in view.waiting:
         if len(taken) >= max_new or r.kv_footprint > budget:
             break
         taken.append(r)
-        budget -= r.kv_footprint
+        budget -= r.kv_footprint if bs == 1 else -(-r.kv_footprint // bs) * bs  # whole blocks
     return taken
 
 

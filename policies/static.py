@@ -35,5 +35,5 @@ class Static(PolicyBase):
         batch = admit_fifo(view, self.batch_size)
         if not batch:
             return Plan()
-        chunks = tuple((r.id, r.prompt_tokens) for r in batch)
+        chunks = tuple((r.id, r.remaining_prompt) for r in batch)
         return Plan(admit=tuple(r.id for r in batch), passes=(Pass(prefill=chunks, padded=self.padded),))

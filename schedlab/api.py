@@ -411,7 +411,10 @@ def load_profile(profile: str | Path | None = None) -> Profile:
 def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any] | None = None,
              profile: ProfileLike = None, kv_tokens: int | None = None, hardware: str | None = None,
              model_config: str | Path | None = None, quant: int | None = None, cost: Any = None,
-             seed: int = 0, slo: str | Mapping[str, float] | None = None) -> Run:
+             seed: int = 0, slo: str | Mapping[str, float] | None = None, block_size: int = 16,
+             prefix_caching: bool = False, max_concurrency: int | None = None,
+             request_rate: float | str | None = None, burstiness: float | None = None,
+             think_time: float | None = None) -> Run:
     """Simulate ``policy`` on ``trace`` (the ``simulate`` command).
 
     ``options``: the policy's options (``-o``); ``profile``: a cost profile (default: the
@@ -419,7 +422,9 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     hardware's memory holds); ``hardware`` + ``model_config`` [+ ``quant``]: the analytic
     roofline model instead of a profile; ``cost``: any cost model object (``pass_seconds``,
     ``step_overhead_seconds``) or a ``CostModel``; ``seed``: the trace's randomness;
-    ``slo``: goodput SLOs (``{"ttft_ms": 2000, "tpot_ms": 100}``)."""
+    ``slo``: goodput SLOs (``{"ttft_ms": 2000, "tpot_ms": 100}``); ``block_size``: KV block size in
+    tokens; ``prefix_caching``: block-level prefix caching; ``max_concurrency`` / ``request_rate`` /
+    ``burstiness`` / ``think_time``: clients as ``vllm bench serve`` has them."""
     from sim import run as run_loop
     from sim.metrics import summarize
 
@@ -427,11 +432,23 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     pol = _policy(policy, options)
     slos = _slo(slo)
     tr = _trace(trace, seed=seed)
+    arrivals = _arrivals(tr, block_size, max_concurrency, request_rate, burstiness, think_time, seed)
     model, capacity, cost_meta = _pick_cost(profile, kv_tokens, hardware, model_config, quant, cost)
-    result = run_loop(tr.requests, pol, model, kv_capacity=capacity, trace_name=tr.name)
+    result = run_loop(arrivals, pol, model, kv_capacity=capacity, trace_name=tr.name, block_size=block_size,
+                      prefix_caching=bool(prefix_caching))
     summary = summarize(result, slo=slos or None)
-    return Run(result, summary, {**cost_meta, "kv_tokens": capacity, "seed": seed,
+    return Run(result, summary, {**cost_meta, "kv_tokens": capacity, "block_size": block_size,
+                                 "prefix_caching": bool(prefix_caching), "seed": seed,
                                  "policy_options": _policy_options(pol)})
+
+
+def _arrivals(tr, block_size, max_concurrency, request_rate, burstiness, think_time, seed):
+    """The trace's requests, or closed-loop clients over them; bad settings are one line."""
+    from .common import check_kv_layout, make_arrivals, parse_rate
+
+    check_kv_layout(block_size)
+    rate = parse_rate(None if request_rate is None else str(request_rate))
+    return make_arrivals(tr.requests, max_concurrency, rate, burstiness, think_time, seed)
 
 
 # ---------------------------------------------------------------------------- the real engine
@@ -550,7 +567,10 @@ def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype
              options: Mapping[str, Any] | None = None, profile: ProfileLike = None, no_calibrate: bool = False,
              kv_tokens: int | None = None, seed: int = 0, ignore_eos: bool = False, model_seed: int = 0,
              sampling: str = "greedy", slo: str | Mapping[str, float] | None = None, noise: str | None = None,
-             log: Log | None = None, on_step: Callable[[int, int], None] | None = None) -> Run:
+             log: Log | None = None, on_step: Callable[[int, int], None] | None = None, block_size: int = 16,
+             prefix_caching: bool = False, max_concurrency: int | None = None,
+             request_rate: float | str | None = None, burstiness: float | None = None,
+             think_time: float | None = None) -> Run:
     """Run ``policy`` on ``trace`` with a real MLX model (the ``run-real`` command): the same
     loop as ``simulate``, every pass a real forward, the clock wall time.
 
@@ -576,13 +596,19 @@ def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype
     _check_model(model, dtype)
     sampler = parse_sampling(sampling)
     _check_kv_tokens(kv_tokens)
+    from .common import check_client_options, check_kv_layout, parse_rate
+
+    check_kv_layout(block_size)
+    check_client_options(max_concurrency, parse_rate(None if request_rate is None else str(request_rate)),
+                         burstiness, think_time)  # bad client options fail before the model loads
+    clients = (block_size, bool(prefix_caching), max_concurrency, request_rate, burstiness, think_time)
     with _noise(noise) as settings:
         return _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv_tokens, seed,
-                         ignore_eos, model_seed, settings, log, on_step)
+                         ignore_eos, model_seed, settings, log, on_step, clients)
 
 
 def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv_tokens, seed, ignore_eos,
-              model_seed, noise, log, on_step) -> Run:
+              model_seed, noise, log, on_step, clients=(16, False, None, None, None, None)) -> Run:
     from engine import blas
     from engine.models import load_model
 
@@ -605,14 +631,17 @@ def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv
 
     hook = None if on_step is None else (lambda state: on_step(state.finished, state.n_accepted))
 
+    block_size, prefix_caching, max_concurrency, request_rate, burstiness, think_time = clients
+    arrivals = _arrivals(tr, block_size, max_concurrency, request_rate, burstiness, think_time, seed)
     backend = MLXBackend(info, sampling=sampler, seed=seed, ignore_eos=ignore_eos)
-    result = run_loop(tr.requests, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
-                      on_step=hook)
+    result = run_loop(arrivals, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
+                      on_step=hook, block_size=block_size, prefix_caching=prefix_caching)
     summary = summarize(result, slo=slos or None)
     from analysis.residuals import bias
     from sim.features import step_table
 
     return Run(result, summary, {"profile": str(profile_path), "kv_tokens": capacity, "seed": seed,
+                                 "block_size": block_size, "prefix_caching": prefix_caching,
                                  "model_seed": model_seed, "policy_options": _policy_options(pol),
                                  "warnings": notes, "step_bias": bias(step_table(result)),
                                  "noise": noise.describe()},

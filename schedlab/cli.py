@@ -10,6 +10,16 @@ import typer
 
 from .common import make_app, parse_options, report_problems, run_app
 
+# options shared by simulate, run-real and sweep
+BLOCK_SIZE_HELP = "KV block size in tokens: KV is allocated in blocks (a request holds ceil(tokens / block))"
+PREFIX_HELP = "block-level prefix caching (vLLM's automatic prefix caching): cached prefixes are not computed again"
+CONCURRENCY_HELP = ("closed-loop clients: at most C requests in flight, the next one sent when one finishes "
+                    "(vllm bench serve --max-concurrency)")
+RATE_HELP = ("issue requests at this rate (req/s; inf: all at once) in trace order, replacing the trace's "
+             "arrival times (vllm bench serve --request-rate)")
+BURST_HELP = "with --request-rate: gamma shape of the gaps (1: Poisson, the default; vllm bench serve --burstiness)"
+THINK_HELP = "with --max-concurrency: seconds a client waits after a response before its slot is free again"
+
 simulate_app = make_app(
     "Simulate a scheduling policy over a trace with a calibrated cost model and print the "
     "`vllm bench serve` summary.")
@@ -25,7 +35,13 @@ def simulate(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="analytic roofline model on a hardware preset (m4-max, h100-sxm, cpu-local, ...) instead of a measured profile"),
     model_config: Optional[str] = typer.Option(None, "--model-config", help="with --hardware: a bundled model config (llama-3.1-8b, qwen3-30b-a3b, ...) or a config.json path"),
     quant: Optional[int] = typer.Option(None, "--quant", help="with --hardware: weight bits (4, 8, 16; default: the config's dtype)"),
-    seed: int = typer.Option(0, "--seed", help="seed for trace jitter/thinning"),
+    block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help=CONCURRENCY_HELP),
+    request_rate: Optional[str] = typer.Option(None, "--request-rate", help=RATE_HELP),
+    burstiness: Optional[float] = typer.Option(None, "--burstiness", help=BURST_HELP),
+    think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
+    seed: int = typer.Option(0, "--seed", help="seed for trace jitter/thinning and the --request-rate schedule"),
     out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens/passes.parquet, meta.json here"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
@@ -34,7 +50,10 @@ def simulate(
     from . import api
 
     run = api.simulate(policy, trace, options=parse_options(option), profile=profile, kv_tokens=kv_tokens,
-                       hardware=hardware, model_config=model_config, quant=quant, seed=seed, slo=slo)
+                       hardware=hardware, model_config=model_config, quant=quant, seed=seed, slo=slo,
+                       block_size=block_size, prefix_caching=prefix_caching,
+                       max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness,
+                       think_time=think_time)
     if out is not None:
         run.save(out)
     if not quiet:

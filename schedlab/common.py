@@ -126,3 +126,64 @@ def report_problems(run) -> None:
         print(f"{Path(sys.argv[0]).name}: error: {line}", file=sys.stderr)
     if lines:
         raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------- clients and KV options
+
+
+def check_kv_layout(block_size: int) -> None:
+    if block_size < 1:
+        fail(f"--block-size must be >= 1, got {block_size}", 2)
+
+
+def parse_rate(text: str | None, what: str = "--request-rate") -> float | None:
+    """A request rate (req/s): a number > 0 or ``inf``; None when not given."""
+    if text is None:
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        fail(f"{what} must be a number > 0 or inf (requests/s), got {text!r}", 2)
+    if math.isnan(v) or v <= 0:
+        fail(f"{what} must be a number > 0 or inf (requests/s), got {text!r}", 2)
+    return v
+
+
+def check_client_options(max_concurrency: int | None, request_rate: float | None, burstiness: float | None,
+                         think_time: float | None) -> None:
+    if max_concurrency is not None and max_concurrency < 1:
+        fail(f"--max-concurrency must be >= 1, got {max_concurrency}", 2)
+    if burstiness is not None:
+        if request_rate is None:
+            fail("--burstiness shapes the --request-rate schedule: give --request-rate too", 2)
+        if math.isnan(burstiness) or burstiness <= 0:
+            fail(f"--burstiness must be > 0 (1: Poisson; inf: constant gaps), got {burstiness:g}", 2)
+    if think_time is not None:
+        if max_concurrency is None:
+            fail("--think-time is the pause of a closed-loop client: give --max-concurrency too", 2)
+        if not (think_time >= 0 and math.isfinite(think_time)):
+            fail(f"--think-time must be a finite number of seconds >= 0, got {think_time:g}", 2)
+
+
+def make_arrivals(requests, max_concurrency: int | None = None, request_rate: float | None = None,
+                  burstiness: float | None = None, think_time: float | None = None, seed: int = 0):
+    """The requests themselves (a trace replay), or closed-loop clients (``sim.sources.clients``)
+    when any client option is given; bad options are one-line usage errors."""
+    check_client_options(max_concurrency, request_rate, burstiness, think_time)
+    from sim.sources import clients
+
+    return clients(requests, max_concurrency, request_rate, burstiness, think_time or 0.0, seed)
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``--slo ttft_ms=500,tpot_ms=50`` -> {key: limit}, checked as the API checks it."""
+    from .api import _slo
+
+    return _slo(text)
+
+
+def load_cost_model(profile, kv_tokens: int | None):
+    """(linear cost model, KV capacity, profile path): ``profile``, else the bundled default."""
+    from .api import _linear
+
+    return _linear(profile, kv_tokens)

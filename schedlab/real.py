@@ -17,6 +17,7 @@ from typing import List, Optional
 import typer
 
 from .common import log_to_stderr, make_app, parse_options, report_problems, run_app
+from .cli import BLOCK_SIZE_HELP, BURST_HELP, CONCURRENCY_HELP, PREFIX_HELP, RATE_HELP, THINK_HELP
 
 real_app = make_app(
     "Run a scheduling policy over a trace on a real MLX model (CPU or Metal) and print the "
@@ -32,6 +33,12 @@ def run_real(
     profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: one measured on this model and machine, else calibrate --quick first)"),
     no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
+    block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP + "; the engine copies a cached prefix's keys/values"),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help=CONCURRENCY_HELP),
+    request_rate: Optional[str] = typer.Option(None, "--request-rate", help=RATE_HELP),
+    burstiness: Optional[float] = typer.Option(None, "--burstiness", help=BURST_HELP),
+    think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt token ids"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="generate exactly each request's output_tokens, past the model's EOS (as vllm bench serve --ignore-eos)"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
@@ -51,7 +58,9 @@ def run_real(
     run = api.run_real(policy, trace, model=model, dtype=dtype, options=parse_options(option), profile=profile,
                        no_calibrate=no_calibrate, kv_tokens=kv_tokens, seed=seed, ignore_eos=ignore_eos,
                        model_seed=model_seed, sampling=sampling, slo=slo, noise=noise,
-                       log=log_to_stderr("run-real", quiet), on_step=_progress(quiet))
+                       log=log_to_stderr("run-real", quiet), on_step=_progress(quiet),
+                       block_size=block_size, prefix_caching=prefix_caching, max_concurrency=max_concurrency,
+                       request_rate=request_rate, burstiness=burstiness, think_time=think_time)
     if out is not None:
         run.save(out)
     if not quiet:

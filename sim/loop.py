@@ -105,6 +105,10 @@ class RunResult:
     # step index -> (idle_s, wake_s): the step followed a wait for an arrival; idle_s from the end
     # of the previous step (or the run's start) to the arrival, wake_s from the arrival to the step
     wakes: dict = field(default_factory=dict)
+    block_size: int = 1
+    prefix_cache: dict[str, Any] | None = None  # the prefix cache's statistics, when it had one
+    source: dict[str, Any] | None = None  # the arrival source's description (closed-loop clients)
+    scheduled_s: dict[str, float] | None = None  # per request: when its client issued it
 
 
 def run(
@@ -118,18 +122,24 @@ def run(
     trace_name: str = "trace",
     on_step: Callable[[ReplicaState], None] | None = None,
     record_steps: bool = True,
+    block_size: int = 1,
+    prefix_caching: bool = False,
+    token_keys: Callable[[Any], Sequence[int] | None] | None = None,
 ) -> RunResult:
     """Run ``policy`` on one replica over ``arrivals`` (a trace's requests, or a source).
 
     ``backend`` defaults to ``SimBackend(cost_model)``; ``clock`` to the backend's own
-    (``backend.make_clock()``). The policy sees ``cost_model`` in either case.
+    (``backend.make_clock()``). The policy sees ``cost_model`` in either case. KV is
+    ``kv_capacity // block_size`` blocks of ``block_size`` tokens (1: token-exact); with
+    ``prefix_caching`` full blocks are cached and shared (``sim.prefix``).
     """
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
     backend = backend if backend is not None else SimBackend(cost_model)
     clock = clock if clock is not None else backend.make_clock()
     env = clock.env
     policy_name = getattr(policy, "name", type(policy).__name__)
-    state = ReplicaState((), kv_capacity, policy_name)
+    state = ReplicaState((), kv_capacity, policy_name, block_size=block_size,
+                         prefix_caching=prefix_caching, token_keys=token_keys)
     steps = StepLog()
     pass_log = PassLog()
     s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps.columns
@@ -140,7 +150,9 @@ def run(
     wake = None  # the event the idle replica waits on, if it is waiting
 
     def deliver(req: Request) -> None:
-        state.receive(req)
+        if state.receive(req) is None:  # refused at once (a server's 400): the client hears now
+            finished(state.rejected[-1][0], env.now)
+            return
         if wake is not None and not wake.triggered:
             wake.succeed()
 
@@ -325,9 +337,21 @@ def run(
         env.run(until=proc)
     except (PlanError, PolicyError) as exc:
         error = str(exc)
+    except RuntimeError as exc:
+        if "No scheduled events left" not in str(exc):
+            raise
+        # the replica waits idle for an arrival that waits for a finish: a closed loop stalled
+        error = (f"policy '{policy_name}' step {state.step_index}: planned nothing with "
+                 f"{state.n_accepted - state.finished} request(s) unfinished while the arrival source "
+                 f"waits for one of them to finish")
     meta = backend.finish()
+    describe = getattr(source, "describe", None)
     return RunResult(
         policy=policy_name, mode=backend.mode, trace=trace_name, requests=state.requests,
         rejected=state.rejected, steps=steps, passes=pass_log, wall_s=time.perf_counter() - wall0,
         meta=meta, error=error, kv_capacity=state.kv_capacity, shapes=shapes, wakes=wakes,
+        block_size=state.block_size,
+        prefix_cache=state.prefix.stats() if state.prefix is not None else None,
+        source=describe() if describe is not None else None,
+        scheduled_s=getattr(source, "scheduled_s", None),
     )

@@ -25,8 +25,9 @@ def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PE
     return out
 
 
-def request_rows(requests) -> list[dict[str, Any]]:
-    """One row per finished request, times in seconds and milliseconds as in requests.csv."""
+def request_rows(requests, scheduled: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """One row per finished request, times in seconds and milliseconds as in requests.csv.
+    ``scheduled``: when each request was issued by its client (default: its arrival)."""
     rows = []
     for r in requests:
         if r.finish_s is None:
@@ -44,8 +45,23 @@ def request_rows(requests) -> list[dict[str, Any]]:
             "tpot_ms": span / (o - 1) * 1e3 if o > 1 else None,
             "e2e_ms": (r.finish_s - r.arrival_s) * 1e3,
             "decode_rate_tok_s": (o - 1) / span if o > 1 and span > 0 else None,
+            "preemptions": r.preemptions,
+            "recomputed_tokens": r.recomputed_tokens,
+            "cached_tokens": r.cached_tokens,
+            "scheduled_s": scheduled.get(r.id, r.arrival_s) if scheduled else r.arrival_s,
         })
     return rows
+
+
+def peak_concurrency(rows: Sequence[Mapping[str, Any]]) -> int:
+    """Most requests in flight at once (sent, not finished), over half-open intervals
+    [arrival, finish): ``vllm bench serve``'s "Peak concurrent requests" sweep."""
+    events = sorted([(row["arrival_s"], 1) for row in rows] + [(row["finish_s"], -1) for row in rows])
+    peak = cur = 0
+    for _, d in events:
+        cur += d
+        peak = max(peak, cur)
+    return peak
 
 
 def _gaps(token_times: Sequence[Sequence[float]]) -> np.ndarray:
@@ -64,7 +80,7 @@ def _gaps(token_times: Sequence[Sequence[float]]) -> np.ndarray:
 def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None) -> dict[str, Any]:
     """summary.json for a run (see issue: keys as `vllm bench serve --save-result`)."""
     percentiles = tuple(percentiles)
-    rows = request_rows(result.requests)
+    rows = request_rows(result.requests, getattr(result, "scheduled_s", None))
     finished = [r for r in result.requests if r.finish_s is not None]
     itl = _gaps([r.token_times for r in finished])
     arrivals = [r.arrival_s for r in result.requests]
@@ -102,6 +118,19 @@ def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[s
         "steps": len(result.steps),
         "wall_s": result.wall_s,
     }
+    # what only some runs have: keys appear when there is something to report
+    preempted = [r for r in result.requests if r.preemptions]
+    if preempted:
+        summary["preemptions"] = sum(r.preemptions for r in preempted)
+        summary["preempted_requests"] = len(preempted)
+        summary["recomputed_tokens"] = sum(r.recomputed_tokens for r in preempted)
+    if getattr(result, "prefix_cache", None):
+        summary["prefix_cache"] = dict(result.prefix_cache)
+    if getattr(result, "source", None):
+        clients = dict(result.source)
+        clients["peak_concurrency"] = peak_concurrency(rows)
+        clients["client_queue_ms"] = dist([(row["arrival_s"] - row["scheduled_s"]) * 1e3 for row in rows], percentiles)
+        summary["clients"] = clients
     if slo:
         summary["slo"] = dict(slo)
         good = sum(1 for row in rows if meets_slo(row, slo))
@@ -152,6 +181,13 @@ def format_summary(s: Mapping[str, Any]) -> str:
     kv("Successful requests:", s["finished"])
     if s.get("rejected"):
         kv("Rejected requests:", s["rejected"])
+    clients = s.get("clients")
+    if clients:
+        if clients.get("max_concurrency") is not None:
+            kv("Maximum request concurrency:", clients["max_concurrency"])
+        if clients.get("request_rate") is not None:
+            kv("Request rate configured (RPS):", clients["request_rate"])
+        kv("Peak concurrent requests:", clients["peak_concurrency"])
     kv("Benchmark duration (s):", s["makespan_s"])
     kv("Total input tokens:", s["total_input_tokens"])
     kv("Total generated tokens:", s["total_output_tokens"])
@@ -176,5 +212,15 @@ def format_summary(s: Mapping[str, Any]) -> str:
     kv("Min decode rate (tok/s):", rate["min"])
     kv("Median decode rate (tok/s):", rate["p50"])
     kv("Max decode rate (tok/s):", rate["max"])
+    if "preemptions" in s or "prefix_cache" in s:
+        lines.append("KV cache".center(w, "-"))
+    if "preemptions" in s:
+        kv("Preemptions:", s["preemptions"])
+        kv("Preempted requests:", s["preempted_requests"])
+        kv("Recomputed tokens:", s["recomputed_tokens"])
+    pc = s.get("prefix_cache")
+    if pc:
+        kv("Prefix cache hit rate (prompt tokens):", pc["hit_rate"], "{:.2%}")
+        kv("Prefill tokens saved:", pc["saved_prefill_tokens"])
     lines.append("=" * w)
     return "\n".join(lines)

@@ -1,6 +1,9 @@
 """Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, passes.parquet, [features.parquet,] meta.json.
 
-- requests.csv: one row per request (times, TTFT/TPOT/E2E, status);
+- requests.csv: one row per request (times, TTFT/TPOT/E2E, status; then preemptions, KV tokens
+  recomputed after them, prompt tokens found in the prefix cache at first admission, and when
+  its client issued it: ``scheduled_s``, which is ``arrival_s`` unless closed-loop clients
+  held it back);
 - steps.parquet: one row per scheduler step (start, end, predicted and measured seconds, rows);
 - tokens.parquet: one row per output token (``request_id, token_index, time_s``);
 - passes.parquet: one row per request per pass (``step, pass, request_id, kind, tokens,
@@ -35,7 +38,10 @@ from .metrics import request_rows
 REQUEST_COLUMNS = (
     "id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
     "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
+    "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s",
 )
+_TIMES = REQUEST_COLUMNS[:REQUEST_COLUMNS.index("status")]
+_KV = REQUEST_COLUMNS[REQUEST_COLUMNS.index("status") + 1:]
 STEP_COLUMNS = (
     "step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens",
     "passes", "kv_tokens",
@@ -84,16 +90,19 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
 def request_table(result) -> list[tuple]:
     """requests.csv's rows (``REQUEST_COLUMNS``), in the run's request order; None where the
     file has an empty cell (an unfinished or rejected request, a one-token output's TPOT)."""
-    rows = {row["id"]: row for row in request_rows(result.requests)}
+    scheduled = getattr(result, "scheduled_s", None) or {}
+    rows = {row["id"]: row for row in request_rows(result.requests, scheduled)}
     rejected = {r.id for r, _ in result.rejected}
     out = []
     for r in result.requests:
         row = rows.get(r.id)
         if row is not None:
-            out.append(tuple(row[c] for c in REQUEST_COLUMNS[:-1]) + ("finished",))
+            out.append(tuple(row[c] for c in _TIMES) + ("finished",) + tuple(row[c] for c in _KV))
         else:
             status = "rejected" if r.id in rejected else "unfinished"
-            out.append((r.id, r.arrival_s, r.prompt_tokens, r.output_tokens) + (None,) * 6 + (status,))
+            out.append((r.id, r.arrival_s, r.prompt_tokens, r.output_tokens) + (None,) * 6
+                       + (status, r.preemptions, r.recomputed_tokens, r.cached_tokens,
+                          scheduled.get(r.id, r.arrival_s)))
     return out
 
 
@@ -103,10 +112,11 @@ def requests_frame(result):
 
     df = pd.DataFrame(request_table(result), columns=list(REQUEST_COLUMNS))
     df["id"] = df["id"].astype(str)
-    for c in ("prompt_tokens", "output_tokens"):
+    ints = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens")
+    for c in ints:
         df[c] = df[c].astype(np.int64)
-    for c in REQUEST_COLUMNS[1:-1]:
-        if c not in ("prompt_tokens", "output_tokens"):
+    for c in REQUEST_COLUMNS[1:]:
+        if c not in ints and c != "status":
             df[c] = pd.to_numeric(df[c], errors="raise").astype(np.float64)
     df["status"] = df["status"].astype(str)
     return df

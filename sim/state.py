@@ -4,15 +4,28 @@
 checks it: a plan that admits a request that is not waiting, decodes a request that is not
 decoding, prefills past a prompt, or overfills the KV cache raises ``PlanError`` naming the
 policy and the violation. Nothing here knows whether time is predicted or measured.
+
+KV is paged, as in vLLM: the capacity is ``kv_blocks`` blocks of ``block_size`` tokens
+(``kv_capacity`` = blocks x block size tokens) and a request holds ceil(KV tokens / block
+size) blocks, one more each time its KV crosses a block boundary (incremental allocation as
+tokens are computed). Admission reserves a request's whole footprint rounded up to whole
+blocks (``kv_reserved``, in tokens), so a policy that admits while ``kv_footprint <=
+kv_capacity - kv_reserved`` never runs out of blocks; one that admits more must preempt.
+Block size 1 is token-exact accounting. With a ``PrefixCache`` (``prefix_caching=True``)
+full blocks are cached and shared (``sim.prefix``): an admitted request starts with the
+longest cached prefix of its tokens already in its KV.
 """
 
 from __future__ import annotations
 
+from itertools import chain
 from operator import attrgetter
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from policies.base import CostModel, Pass, PassShape, Phase, Plan
 from traces.schema import Request
+
+from .prefix import Blocks, PrefixCache
 
 WAITING, PREFILLING, DECODING, FINISHED = Phase.WAITING, Phase.PREFILLING, Phase.DECODING, Phase.FINISHED
 
@@ -41,6 +54,7 @@ class RequestState:
         "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index", "request",
         "_phase", "_prefilled", "_target", "_left", "_ctx", "_reserved",
         "admitted_s", "first_token_s", "finish_s", "token_times", "preemptions",
+        "recomputed_tokens", "cached_tokens", "_high", "_blk",
     )
 
     def __init__(self, req: Request, index: int):
@@ -62,10 +76,16 @@ class RequestState:
         self.finish_s: float | None = None
         self.token_times: list[float] = []
         self.preemptions = 0
+        self.recomputed_tokens = 0  # KV tokens computed again after a preemption
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self._high = 0  # most KV tokens it ever held (set at preemption)
+        self._blk: Blocks | None = None  # its blocks in the prefix cache, if there is one
 
     # read-only to policies; attrgetter keeps the getters in C (the simulator's hot path)
     phase = property(attrgetter("_phase"))
     prefilled = property(attrgetter("_prefilled"))
+    # tokens a decode row of it attends to: its KV tokens + the new one (while admitted)
+    context = property(attrgetter("_ctx"))
     # what prefilling puts into the KV cache: the prompt, or prompt + output so far after a
     # preemption (recompute); the pass that completes it yields a token
     prefill_target = property(attrgetter("_target"))
@@ -92,6 +112,58 @@ class RequestState:
     def __repr__(self) -> str:
         return (f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"
                 f"{self._target} generated={self.generated}/{self.output_tokens}>")
+
+
+class _CachedRequestState(RequestState):
+    """A request on a replica with a prefix cache: while waiting, its remaining prompt is
+    what admitting it now would leave to compute (the cached prefix is already in)."""
+
+    __slots__ = ()
+
+    @property
+    def remaining_prompt(self) -> int:
+        if self._phase is WAITING:
+            return self._target - self._blk.cache.hit_tokens(self)
+        return self._target - self._prefilled
+
+
+class _Waiting:
+    """The waiting queue: requests a preemption put back first (the latest preempted at the
+    very front, as vLLM's ``prepend_request``), then arrivals in order. A dict's interface,
+    with ``prepend``, which costs the number of preempted requests waiting, not the queue."""
+
+    __slots__ = ("front", "back")
+
+    def __init__(self) -> None:
+        self.front: dict[str, RequestState] = {}
+        self.back: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.front) + len(self.back)
+
+    def __bool__(self) -> bool:
+        return bool(self.back) or bool(self.front)
+
+    def __contains__(self, rid) -> bool:
+        return rid in self.back or rid in self.front
+
+    def __iter__(self) -> Iterator[str]:
+        return chain(self.front, self.back) if self.front else iter(self.back)
+
+    def values(self):
+        return chain(self.front.values(), self.back.values()) if self.front else self.back.values()
+
+    def __setitem__(self, rid: str, r: RequestState) -> None:
+        self.back[rid] = r
+
+    def prepend(self, rid: str, r: RequestState) -> None:
+        self.front = {rid: r, **self.front}
+
+    def __delitem__(self, rid: str) -> None:
+        if rid in self.back:
+            del self.back[rid]
+        else:
+            del self.front[rid]
 
 
 class _Queue(Sequence):
@@ -131,7 +203,7 @@ class ReplicaView:
     """What ``policy.plan(view)`` reads. Valid for the step it was handed out in."""
 
     __slots__ = ("_state", "now", "step_index", "cost_model", "waiting", "prefilling", "decoding",
-                 "kv_capacity")
+                 "running", "kv_capacity", "block_size", "kv_blocks")
 
     def __init__(self, state: "ReplicaState", cost_model: CostModel | None):
         self._state = state
@@ -142,14 +214,39 @@ class ReplicaView:
         self.waiting = state.waiting_q
         self.prefilling = state.prefilling_q
         self.decoding = state.decoding_q
+        self.running = state.running_q  # prefilling and decoding, in admission order
         self.kv_capacity = state.kv_capacity
+        self.block_size = state.block_size
+        self.kv_blocks = state.kv_blocks
 
     kv_used = property(lambda self: self._state.kv_used)
     kv_reserved = property(lambda self: self._state.kv_reserved)
+    kv_blocks_used = property(lambda self: self._state.blocks_used)
     more_arrivals = property(lambda self: self._state.open)
+    prefix_caching = property(lambda self: self._state.prefix is not None)
+
+    @property
+    def kv_blocks_free(self) -> int:
+        """Blocks a pass may still allocate (free cached blocks count: they are evicted)."""
+        st = self._state
+        return st.kv_blocks - st.blocks_used
 
     def request(self, rid: str) -> RequestState:
         return self._state.by_id[rid]
+
+    def prefix_hit(self, r) -> tuple[int, int]:
+        """(tokens, blocks): the cached prefix admitting waiting request ``r`` now would give it,
+        and how many of its blocks are free cached blocks the admission takes out of the free
+        pool. (0, 0) without a prefix cache."""
+        pc = self._state.prefix
+        if pc is None:
+            return 0, 0
+        k, taken = pc.lookup(r)
+        return k * pc.bs, taken
+
+    def freeable_blocks(self, r) -> int:
+        """Blocks that return to the free pool if running request ``r`` is preempted now."""
+        return self._state.freeable_blocks(r)
 
     def shape(self, p: Pass) -> PassShape:
         return self._state.shape(p)
@@ -163,9 +260,18 @@ class ReplicaState:
     ``open`` stays true while the arrival source may still send requests.
     """
 
-    def __init__(self, requests: Sequence[Request] = (), kv_capacity: int = 0, policy_name: str = "policy"):
+    def __init__(self, requests: Sequence[Request] = (), kv_capacity: int = 0, policy_name: str = "policy",
+                 *, block_size: int = 1, prefix_caching: bool = False,
+                 token_keys: Callable[[Any], Sequence[int] | None] | None = None):
         self.policy_name = policy_name
-        self.kv_capacity = int(kv_capacity)
+        if isinstance(block_size, bool) or int(block_size) != block_size or block_size < 1:
+            raise ValueError(f"block size must be an integer >= 1, got {block_size!r}")
+        self.block_size = bs = int(block_size)
+        self.kv_blocks = int(kv_capacity) // bs
+        self.kv_capacity = self.kv_blocks * bs  # whole blocks
+        self.blocks_used = 0  # blocks held by requests (cached blocks nobody references are free)
+        self.prefix = PrefixCache(bs, token_keys) if prefix_caching else None
+        self._shaped: tuple[Pass | None, int] = (None, 0)  # the last pass shape() checked, its new blocks
         self.requests: list[RequestState] = []
         self.by_id: dict[str, RequestState] = {}
         self.rejected: list[tuple[RequestState, str]] = []
@@ -173,11 +279,12 @@ class ReplicaState:
         self.n_accepted = 0
         self.open = True
         self.arrived = 0
-        self.waiting: dict[str, RequestState] = {}
+        self.waiting = _Waiting()
         self.prefilling: dict[str, RequestState] = {}
         self.decoding: dict[str, RequestState] = {}
-        self.waiting_q, self.prefilling_q, self.decoding_q = (
-            _Queue(self.waiting), _Queue(self.prefilling), _Queue(self.decoding))
+        self.running: dict[str, RequestState] = {}  # prefilling + decoding, admission order
+        self.waiting_q, self.prefilling_q, self.decoding_q, self.running_q = (
+            _Queue(self.waiting), _Queue(self.prefilling), _Queue(self.decoding), _Queue(self.running))
         self.kv_used = 0
         self.kv_reserved = 0
         self.finished = 0
@@ -194,12 +301,16 @@ class ReplicaState:
         if req.id in self.by_id:
             raise ValueError(f"request id {req.id!r} is already in use on this replica")
         r = RequestState(req, len(self.requests))
+        if self.prefix is not None:
+            r.__class__ = _CachedRequestState
+            r._blk = Blocks(self.prefix, r.id)
         self.requests.append(r)
         self.by_id[r.id] = r
         if r.kv_footprint > self.kv_capacity:
+            blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
             self.rejected.append((r, (
                 f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
-                f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}")))
+                f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}{blocks}")))
             return None
         self.accepted.append(r)
         self.n_accepted += 1
@@ -232,6 +343,18 @@ class ReplicaState:
         r.output_tokens = r.output_tokens - r._left + 1
         r._left = 1
 
+    def _blocks_of(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def freeable_blocks(self, r: RequestState) -> int:
+        n = self._blocks_of(r.kv_tokens)
+        return n if self.prefix is None else self.prefix.freeable(r, n)
+
+    def _free(self, r: RequestState, kv: int) -> None:
+        """``r`` gives back its blocks (it holds ``kv`` KV tokens): finished or preempted."""
+        n = -(-kv // self.block_size)
+        self.blocks_used -= n if self.prefix is None else self.prefix.release(r, n)
+
     def _fail(self, msg: str) -> PlanError:
         return PlanError(f"policy '{self.policy_name}' step {self.step_index}: {msg}")
 
@@ -246,6 +369,15 @@ class ReplicaState:
         if not isinstance(plan, Plan):
             raise self._fail(f"plan() returned {type(plan).__name__}, not a Plan")
         preempted = []
+        pc = self.prefix
+        hits = None
+        if pc is not None and plan.admit:
+            # cache hits as the policy saw them (a preemption below only adds free cached blocks)
+            hits = {}
+            for rid in plan.admit:
+                r = self.by_id.get(rid) if isinstance(rid, str) else None
+                if r is not None and r._phase is WAITING:
+                    hits[rid] = pc.lookup(r)[0]
         for rid in plan.preempt:
             r = self._get(rid, "preempts")
             if r._phase is PREFILLING:
@@ -255,7 +387,12 @@ class ReplicaState:
             else:
                 raise self._fail(f"preempts request {rid} which is {r._phase.value}")
             # Recompute: its KV is dropped; re-admitted, it prefills prompt + output so far.
-            self.kv_used -= r.kv_tokens
+            kv = r.kv_tokens
+            self.kv_used -= kv
+            self._free(r, kv)
+            if kv > r._high:
+                r._high = kv
+            del self.running[rid]
             self.kv_reserved -= r._reserved
             r._reserved = 0
             r._target = r.prompt_tokens + r.generated
@@ -265,8 +402,7 @@ class ReplicaState:
             r.preemptions += 1
             self.batch.discard(rid)
             # back to the front of the queue (it arrived before anyone still waiting)
-            self.waiting = {rid: r, **self.waiting}
-            self.waiting_q._d = self.waiting
+            self.waiting.prepend(rid, r)
             preempted.append(r)
         for rid in plan.admit:
             r = self._get(rid, "admits")
@@ -274,11 +410,26 @@ class ReplicaState:
                 raise self._fail(f"admits request {rid} which is {r._phase.value}")
             del self.waiting[rid]
             r._phase = PREFILLING
-            if r.admitted_s is None:
+            first = r.admitted_s is None
+            if first:
                 r.admitted_s = now
             self.prefilling[rid] = r
-            r._reserved = r.kv_footprint
+            self.running[rid] = r
+            bs = self.block_size
+            r._reserved = -(-r.kv_footprint // bs) * bs
             self.kv_reserved += r._reserved
+            if pc is not None:
+                k = hits.get(rid)
+                if k is None:  # preempted by this very plan
+                    k = pc.lookup(r)[0]
+                self.blocks_used += pc.admit(r, k, first)
+                if k:
+                    n = k * bs
+                    r._prefilled = n
+                    r._ctx = n + 1
+                    self.kv_used += n
+                    if first:
+                        r.cached_tokens = n
         return preempted
 
     # ------------------------------------------------------------------ passes
@@ -327,9 +478,20 @@ class ReplicaState:
             ids = [rid for rid, _ in p.prefill]
             if len(set(ids)) != len(ids) or (decode and not dset.isdisjoint(ids)):
                 raise self._fail(f"a request appears twice in one pass: {_dupes(list(decode) + ids)}")
-        added = len(decode) + sum(n for n, _ in chunks)
-        if self.kv_used + added > self.kv_capacity:
-            raise self._fail(f"needs {self.kv_used + added} KV tokens but the capacity is {self.kv_capacity}")
+        bs = self.block_size
+        if bs == 1:
+            new = len(decode) + sum(n for n, _ in chunks)
+        else:
+            # a decode row takes a block when its KV (context - 1) is at a block boundary
+            new = list(map(bs.__rmod__, ctx)).count(1 % bs) if decode else 0
+            for n, p0 in chunks:
+                new += -(-(p0 + n) // bs) + p0 // -bs
+        if self.blocks_used + new > self.kv_blocks:
+            if bs == 1:
+                raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
+            raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
+                             f"{self.kv_blocks} blocks")
+        self._shaped = (p, new)
         padded = bool(p.padded and chunks)
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
@@ -341,12 +503,30 @@ class ReplicaState:
         rows that all stay decoding through it (``Plan.repeat``: the loop has checked that none
         finishes); one step each."""
         m = len(times)
-        for r in map(self.by_id.__getitem__, p.decode):
+        bs = self.block_size
+        pc = self.prefix
+        new = 0
+        rows = list(map(self.by_id.__getitem__, p.decode))
+        for r in rows:
             r.token_times.extend(times)
             r._left -= m
-            r._ctx += m
-        self.kv_used += len(p.decode) * m
+            c = r._ctx
+            if bs > 1:  # KV goes from c - 1 to c - 1 + m tokens
+                new += (c - 2 + m) // bs - (c - 2) // bs
+            r._ctx = c + m
+        self.kv_used += len(rows) * m
+        self.blocks_used += len(rows) * m if bs == 1 else new
+        if pc is not None:
+            self._room(pc)
+            for r in rows:
+                pc.register(r, (r._ctx - 1) // bs)
         self.step_index += m
+
+    def _room(self, pc: PrefixCache) -> None:
+        """Blocks just allocated: evict free cached blocks if no empty block was left."""
+        over = self.blocks_used + len(pc.free) - self.kv_blocks
+        if over > 0:
+            pc.evict(over)
 
     def _check_decode(self, rid, r: RequestState | None) -> int:
         if r is None:
@@ -364,6 +544,15 @@ class ReplicaState:
         done: list[RequestState] = []
         decoding = self.decoding
         by_id = self.by_id
+        shaped, new = self._shaped
+        if shaped is not p:
+            self.shape(p)
+            new = self._shaped[1]
+        self._shaped = (None, 0)
+        self.blocks_used += new
+        pc = self.prefix
+        if pc is not None and new:
+            self._room(pc)
         if p.decode:
             for r in map(by_id.__getitem__, p.decode):
                 if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
@@ -382,6 +571,8 @@ class ReplicaState:
             self.batch = set(p.decode)
         for rid, n in p.prefill:
             r = by_id[rid]
+            if r.preemptions and r._prefilled < r._high:  # computing again what it held before
+                r.recomputed_tokens += min(r._prefilled + n, r._high) - r._prefilled
             r._prefilled += n
             self.kv_used += n
             if r._prefilled == r._target:  # the prompt is in: this pass yields a token
@@ -397,11 +588,23 @@ class ReplicaState:
                     done.append(r)
             else:
                 r._ctx = r._prefilled + 1
+        if pc is not None:
+            bs = self.block_size
+            for rid in p.decode:
+                r = by_id[rid]
+                pc.register(r, (r._ctx - 1) // bs)
+            for rid, _ in p.prefill:
+                r = by_id[rid]
+                pc.register(r, (r._ctx - 1) // bs)
+        running = self.running
         for r in done:
-            self.kv_used -= r.prompt_tokens + r.output_tokens - 1
+            kv = r.prompt_tokens + r.output_tokens - 1
+            self.kv_used -= kv
+            self._free(r, kv)
             self.kv_reserved -= r._reserved
             r._reserved = 0
             del decoding[r.id]
+            del running[r.id]
             self.batch.discard(r.id)
             r._phase = FINISHED
             r.finish_s = t

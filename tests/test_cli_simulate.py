@@ -65,7 +65,9 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
 
     reqs = read_table(out / "requests.csv")
     assert list(reqs[0]) == ["id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
-                             "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status"]
+                             "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
+                             "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s"]
+    assert all(r["preemptions"] == "0" and r["scheduled_s"] == r["arrival_s"] for r in reqs)
     assert len(reqs) == summary["requests"] == summary["finished"]
     tokens = read_table(out / "tokens.parquet")
     assert len(tokens) == sum(int(r["output_tokens"]) for r in reqs)

@@ -192,7 +192,7 @@ def test_unified_one_pass_decode_rows_first_within_budget():
 
 
 def test_every_policy_is_registered_and_has_options():
-    assert set(POLICIES) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill", "unified"}
+    assert set(POLICIES) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill", "unified", "vllm"}
     for name, cls in POLICIES.items():
         pol = make_policy(name)
         assert pol.name == name
