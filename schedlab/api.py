@@ -437,7 +437,7 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     result = run_loop(arrivals, pol, model, kv_capacity=capacity, trace_name=tr.name, block_size=block_size,
                       prefix_caching=bool(prefix_caching))
     summary = summarize(result, slo=slos or None)
-    return Run(result, summary, {**cost_meta, "kv_tokens": capacity, "block_size": block_size,
+    return Run(result, summary, {**cost_meta, "kv_tokens": result.kv_capacity, "block_size": block_size,
                                  "prefix_caching": bool(prefix_caching), "seed": seed,
                                  "policy_options": _policy_options(pol)})
 
@@ -640,7 +640,7 @@ def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv
     from analysis.residuals import bias
     from sim.features import step_table
 
-    return Run(result, summary, {"profile": str(profile_path), "kv_tokens": capacity, "seed": seed,
+    return Run(result, summary, {"profile": str(profile_path), "kv_tokens": result.kv_capacity, "seed": seed,
                                  "block_size": block_size, "prefix_caching": prefix_caching,
                                  "model_seed": model_seed, "policy_options": _policy_options(pol),
                                  "warnings": notes, "step_bias": bias(step_table(result)),
@@ -1250,6 +1250,9 @@ def sweep(policies: str | Sequence[PolicyLike], trace: TraceLike, rates: str | S
             f"largest swept rate r such that at r and at every lower swept rate at least {attainment:g} "
             f"of all requests finished and met every SLO (vllm bench serve --goodput rule)")
     table = pd.DataFrame(rows, columns=list(ROW_FIELDS))
+    for c in ("max_concurrency", "peak_concurrency", "preemptions", "recomputed_tokens", "prefix_hit_rate"):
+        if c in table.columns:  # (absent values are NaN, as the CSV reads back)
+            table[c] = pd.to_numeric(table[c], errors="coerce")
     table.attrs["info"] = info
     table.attrs["offered_tok_per_req"] = sum(r.output_tokens for r in tr.requests) / len(tr)
     files: list[Path] = []
