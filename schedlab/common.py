@@ -3,6 +3,7 @@ closing report of rejected requests and aborted runs. The work itself is ``sched
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import NoReturn
