@@ -23,7 +23,7 @@ from analysis.analytic import (AnalyticError, ServingCostModel, load_hardware, l
                                make_analytic_cost_model, predict_pass)
 from analysis.analytic.__main__ import main as analytic_main
 from analysis.analytic.hardware import HARDWARE_DIR, read_hardware_file
-from analysis.analytic.kernels import (ATTENTION_FILE, EXAMPLES, FIT_PLAN, KERNEL_DIR,
+from analysis.analytic.kernels import (ATTENTION_FILE, EXAMPLES, FIT_PLAN,
                                        SOURCE_COMMIT, PresetKernelFit, _example_measured, attention_table,
                                        fit_record, have_kernel_data, kernel_data_dir, linear_table, refit_serving,
                                        serving_report)
@@ -33,6 +33,7 @@ from policies.base import PassShape
 # the checkout (the package may be installed elsewhere, as CI installs it: not editable)
 REPO = Path(__file__).resolve().parents[1]
 FIT_RESULTS = REPO / "bench" / "results" / "serving_fit.json"
+KERNEL_DIR = REPO / "analysis" / "hardware" / "kernels"
 
 # ------------------------------------------------------------------ quoted measurements
 # Vidur (microsoft/vidur, MIT), commit 7d47513363ec447a741ac5e47241580b47724fbf; A100, Llama-2-7B,
