@@ -426,6 +426,7 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     tokens; ``prefix_caching``: block-level prefix caching; ``max_concurrency`` / ``request_rate`` /
     ``burstiness`` / ``think_time``: clients as ``vllm bench serve`` has them."""
     from sim import run as run_loop
+    from sim.gcpause import gc_paused
     from sim.metrics import summarize
 
     seed = _seed(seed)
@@ -436,7 +437,8 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     model, capacity, cost_meta = _pick_cost(profile, kv_tokens, hardware, model_config, quant, cost)
     result = run_loop(arrivals, pol, model, kv_capacity=capacity, trace_name=tr.name, block_size=block_size,
                       prefix_caching=bool(prefix_caching))
-    summary = summarize(result, slo=slos or None)
+    with gc_paused():
+        summary = summarize(result, slo=slos or None)
     return Run(result, summary, {**cost_meta, "kv_tokens": result.kv_capacity, "block_size": block_size,
                                  "prefix_caching": bool(prefix_caching), "seed": seed,
                                  "policy_options": _policy_options(pol)})

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from pathlib import Path
 from typing import List, Optional
 
@@ -62,4 +64,7 @@ def simulate(
 
 
 def simulate_main() -> None:
+    # one run per process: the cyclic collector would only walk the run's millions of objects
+    # again and again (they hold almost no cycles, and the process ends with the run)
+    gc.disable()
     run_app(simulate_app, "simulate")

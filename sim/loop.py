@@ -20,7 +20,8 @@ such terms). Neither touches the steps that run back to back.
 from __future__ import annotations
 
 import time
-from operator import attrgetter
+from itertools import repeat as _repeat
+from operator import add, attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -29,6 +30,7 @@ from traces.schema import Request
 
 from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
+from .gcpause import gc_paused
 from .sources import ArrivalSource, TraceSource
 from .state import PlanError, ReplicaState, ReplicaView, RequestState
 
@@ -192,19 +194,10 @@ def run(
             return t_end
         rows = len(p.decode)
         predicted_overhead = overhead(1, rows)
-        advance = backend.step_overhead(predicted_overhead)
-        seconds, starts, pass_starts, ends = [], [], [], []
-        t = t_end
-        for s in repeat_decode(shape, k):
-            seconds.append(s)
-            starts.append(t)
-            clock.advance(advance)
-            pass_starts.append(clock.now())
-            clock.advance(s)
-            t = clock.now()
-            ends.append(t)
-            if nxt is not None and t >= nxt:
-                break  # an arrival is due: the policy plans the next step
+        seconds, pass_starts, ends = clock.advance_steps(backend.step_overhead(predicted_overhead),
+                                                         repeat_decode(shape, k), nxt)
+        t = ends[-1] if ends else t_end
+        starts = [t_end, *ends[:-1]]
         m = len(ends)
         if record_steps:
             index = range(state.step_index, state.step_index + m)
@@ -212,7 +205,7 @@ def run(
             s_index.extend(index)
             s_start.extend(starts)
             s_end.extend(ends)
-            s_pred.extend([predicted_overhead + s for s in seconds])
+            s_pred.extend(map(add, _repeat(predicted_overhead, m), seconds))
             s_meas.extend([None] * m)
             s_rows.extend([rows] * m)
             s_ptoks.extend([0] * m)
@@ -334,7 +327,8 @@ def run(
     proc = env.process(replica())
     error = None
     try:
-        env.run(until=proc)
+        with gc_paused(not measured):
+            env.run(until=proc)
     except (PlanError, PolicyError) as exc:
         error = str(exc)
     except RuntimeError as exc:

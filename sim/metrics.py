@@ -19,9 +19,12 @@ PERCENTILES = (50, 90, 99)
 
 def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES) -> dict[str, float | None]:
     a = np.asarray(values, dtype=float)
+    percentiles = tuple(percentiles)
     out: dict[str, float | None] = {"mean": float(a.mean()) if a.size else None}
-    for p in percentiles:
-        out[f"p{p:g}"] = float(np.percentile(a, p)) if a.size else None
+    # one partition for all of them (the same values as one call each)
+    at = np.percentile(a, percentiles).tolist() if a.size and percentiles else [None] * len(percentiles)
+    for p, v in zip(percentiles, at):
+        out[f"p{p:g}"] = v
     return out
 
 

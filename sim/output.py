@@ -25,13 +25,15 @@ import csv
 import json
 import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from .gcpause import gc_paused
 from .features import step_table, write_features
 from .metrics import request_rows
 
@@ -57,20 +59,28 @@ def _cell(v: Any) -> str:
 
 
 def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> Path:
-    out = Path(out)
+    with gc_paused():  # millions of rows are made here, almost no cycles
+        return _write_run(Path(out), result, summary, meta)
+
+
+def _write_run(out: Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
     (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
 
-    with open(out / "requests.csv", "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(REQUEST_COLUMNS)
-        for row in request_table(result):
-            w.writerow([_cell(v) for v in row])
-
-    write_steps(out / "steps.parquet", result.steps.columns)
-    write_tokens(out / "tokens.parquet", result.requests)
-    write_passes(out / "passes.parquet", result.requests, result.passes)
+    # pyarrow writes (and compresses) without the GIL: each table is written in the background
+    # while the next one (and requests.csv) is made
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        writes = [pool.submit(_write_table, steps_table(result.steps.columns), out / "steps.parquet"),
+                  pool.submit(_write_table, tokens_table(result.requests), out / "tokens.parquet"),
+                  pool.submit(_write_table, passes_table(result.requests, result.passes), out / "passes.parquet")]
+        with open(out / "requests.csv", "w", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(REQUEST_COLUMNS)
+            for row in request_table(result):
+                w.writerow([_cell(v) for v in row])
+        for job in writes:
+            job.result()
     feats = step_table(result)  # real runs only: what a fit of the cost model needs
     if feats is not None:
         write_features(out / "features.parquet", feats)
@@ -136,34 +146,51 @@ def steps_table(cols):
 
     n = len(cols[0])
     types = (np.int64, np.float64, np.float64, np.float64, None, np.int32, np.int64, np.int16, np.int64)
-    data = {}
-    for name, col, dt in zip(STEP_COLUMNS, cols, types):
+    data = []
+    for col, dt in zip(cols, types):
         if dt is None:  # measured_s: None in a simulation
-            data[name] = (pa.array(col, type=pa.float64()) if any(v is not None for v in col)
-                          else pa.nulls(n, pa.float64()))
+            data.append(pa.array(col, type=pa.float64()) if col.count(None) != n else pa.nulls(n, pa.float64()))
         else:
-            data[name] = np.fromiter(col, dtype=dt, count=n)
-    return pa.table(data)
+            data.append(_arrow(np.fromiter(col, dtype=dt, count=n)))
+    return pa.Table.from_arrays(data, names=list(STEP_COLUMNS))
 
 
-def write_steps(path: Path, cols) -> None:
-    """steps.parquet from the step log's columns."""
-    import pyarrow.parquet as pq
-
-    pq.write_table(steps_table(cols), path, compression="zstd")
-
-
-def _ids(requests):
+def _arrow(a: np.ndarray):
+    """A numeric numpy column as an Arrow array over the same memory. (``pa.array`` would do
+    as well but imports pandas, a quarter of a second a simulate command does not need.)"""
     import pyarrow as pa
 
-    return pa.array([r.id for r in requests], type=pa.string())
+    a = np.ascontiguousarray(a)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), len(a), [None, pa.py_buffer(a)])
 
 
-def write_tokens(path: Path, requests) -> None:
-    """tokens.parquet from every request's token times."""
+def _strings(values: list[str]):
+    """Python strings as an Arrow string array (without ``pa.array``: see ``_arrow``)."""
+    import pyarrow as pa
+
+    data = [v.encode() for v in values]
+    offsets = np.zeros(len(data) + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, data), dtype=np.int32, count=len(data)), out=offsets[1:])
+    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
+
+
+def _dictionary(codes: np.ndarray, values: list[str]):
+    """A dictionary-encoded string column: ``codes`` index ``values``."""
+    import pyarrow as pa
+
+    return pa.DictionaryArray.from_arrays(_arrow(codes), _strings(values))
+
+
+def _write_table(table, path: Path) -> None:
+    """A table as Parquet, written for speed: zstd at its fastest level (~8x smaller than CSV),
+    dictionary encoding only where the column already is one (request ids, kinds), no
+    statistics (nothing filters these files by row group)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(tokens_table(requests), path, compression="zstd")
+    dicts = [f.name for f in table.schema if pa.types.is_dictionary(f.type)]
+    pq.write_table(table, path, compression="zstd", compression_level=1, use_dictionary=dicts or False,
+                   write_statistics=False)
 
 
 def tokens_table(requests):
@@ -177,61 +204,59 @@ def tokens_table(requests):
     owner = np.repeat(np.arange(len(requests), dtype=np.int32), counts)
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     index = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
-    return pa.table({
-        "request_id": pa.DictionaryArray.from_arrays(pa.array(owner), _ids(requests)),
-        "token_index": index,
-        "time_s": times,
-    })
-
-
-def write_passes(path: Path, requests, passes) -> None:
-    """passes.parquet: per pass, its decode rows then its prefill chunks."""
-    import pyarrow.parquet as pq
-
-    pq.write_table(passes_table(requests, passes), path, compression="zstd")
+    return pa.Table.from_arrays([_dictionary(owner, _ids(requests)), _arrow(index), _arrow(times)],
+                                names=["request_id", "token_index", "time_s"])
 
 
 def passes_table(requests, passes):
     """passes.parquet's table: per pass, its decode rows then its prefill chunks, as columns.
 
-    A ``Plan.repeat`` run logs the same Pass object many times in a row: its rows are looked
-    up once per run of identical passes and repeated."""
+    A ``Plan.repeat`` run logs the same Pass object many times in a row: the rows of each
+    distinct pass are built once (a template) and every logged pass indexes into them."""
     import pyarrow as pa
 
     pos = {r.id: i for i, r in enumerate(requests)}
     step_col, k_col, start_col, end_col, pass_col = passes.columns
     n = len(pass_col)
-    # runs of the same Pass object: (pass, first index, count)
-    runs: list[list] = []
-    prev = None
-    for p in pass_col:
-        if p is prev:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
-            prev = p
-    owners: list[int] = []
-    kinds: list[int] = []
-    tokens: list[int] = []
-    widths: list[int] = []
-    for p, count in runs:  # list repetition is C speed, whatever the run length
-        nd = len(p.decode)
-        owners += (list(map(pos.__getitem__, p.decode)) + [pos[rid] for rid, _ in p.prefill]) * count
-        kinds += ([0] * nd + [1] * len(p.prefill)) * count
-        tokens += ([1] * nd + [t for _, t in p.prefill]) * count
-        widths += [nd + len(p.prefill)] * count
-    which = np.repeat(np.arange(n), np.array(widths, dtype=np.int64))
-    cols = [np.fromiter(c, dtype=dt, count=n)[which]
+    # runs of the same Pass object (the log holds them all, so ids are distinct while it lives)
+    ident = np.fromiter(map(id, pass_col), dtype=np.int64, count=n)
+    first = np.flatnonzero(np.concatenate(([True], ident[1:] != ident[:-1]))) if n else np.zeros(0, np.int64)
+    distinct = [pass_col[i] for i in first.tolist()]
+    run_of = np.cumsum(np.concatenate(([False], ident[1:] != ident[:-1]))) if n else np.zeros(0, np.int64)
+    nd = np.fromiter((len(p.decode) for p in distinct), dtype=np.int64, count=len(distinct))
+    npf = np.fromiter((len(p.prefill) for p in distinct), dtype=np.int64, count=len(distinct))
+    # templates: every distinct pass's decode rows then its prefill rows
+    width = nd + npf
+    size = int(width.sum())
+    owner_t = np.fromiter(
+        chain.from_iterable(chain(map(pos.__getitem__, p.decode), map(pos.__getitem__, map(_FIRST, p.prefill)))
+                            for p in distinct), dtype=np.int32, count=size)
+    kind_t = np.repeat(np.tile(np.array([0, 1], dtype=np.int8), len(distinct)),
+                       np.stack((nd, npf), axis=1).reshape(-1))
+    tokens_t = np.ones(size, dtype=np.int32)
+    tokens_t[kind_t == 1] = np.fromiter(chain.from_iterable(map(_prefill_tokens, distinct)), dtype=np.int32,
+                                        count=int(npf.sum()))
+    offset = np.cumsum(width) - width
+    # every logged pass's rows: its template's, in order
+    widths = width[run_of]
+    row_start = np.cumsum(widths) - widths
+    index = np.repeat(offset[run_of] - row_start, widths)
+    index += np.arange(len(index))
+    cols = [np.repeat(np.fromiter(c, dtype=dt, count=n), widths)
             for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))]
-    return pa.table({
-        "step": cols[0],
-        "pass": cols[1],
-        "request_id": pa.DictionaryArray.from_arrays(pa.array(np.array(owners, dtype=np.int32)), _ids(requests)),
-        "kind": pa.DictionaryArray.from_arrays(pa.array(np.array(kinds, dtype=np.int8)), pa.array(["decode", "prefill"])),
-        "tokens": np.array(tokens, dtype=np.int32),
-        "start_s": cols[2],
-        "end_s": cols[3],
-    })
+    return pa.Table.from_arrays(
+        [_arrow(cols[0]), _arrow(cols[1]), _dictionary(owner_t[index], _ids(requests)),
+         _dictionary(kind_t[index], ["decode", "prefill"]), _arrow(tokens_t[index]), _arrow(cols[2]), _arrow(cols[3])],
+        names=["step", "pass", "request_id", "kind", "tokens", "start_s", "end_s"])
 
 
+def _ids(requests) -> list[str]:
+    return [r.id for r in requests]
+
+
+def _prefill_tokens(p) -> list[int]:
+    return [t for _, t in p.prefill]
+
+
+_FIRST = itemgetter(0)
 _TOKEN_TIMES = attrgetter("token_times")

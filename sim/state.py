@@ -18,8 +18,8 @@ longest cached prefix of its tokens already in its KV.
 
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter
+from itertools import chain, repeat
+from operator import attrgetter, countOf, mod
 from typing import Any, Callable, Iterator, Sequence
 
 from policies.base import CostModel, Pass, PassShape, Phase, Plan
@@ -456,7 +456,7 @@ class ReplicaState:
                     joins += 1
             rs = list(map(self.by_id.__getitem__, decode))
             ctx = tuple(map(_CTX, rs))
-            finishing = list(map(_LEFT, rs)).count(1)
+            finishing = countOf(map(_LEFT, rs), 1)
         chunks: list[tuple[int, int]] = []
         done: list[bool] = []
         for item in p.prefill:
@@ -483,7 +483,7 @@ class ReplicaState:
             new = len(decode) + sum(n for n, _ in chunks)
         else:
             # a decode row takes a block when its KV (context - 1) is at a block boundary
-            new = list(map(bs.__rmod__, ctx)).count(1 % bs) if decode else 0
+            new = countOf(map(mod, ctx, repeat(bs)), 1 % bs) if decode else 0
             for n, p0 in chunks:
                 new += -(-(p0 + n) // bs) + p0 // -bs
         if self.blocks_used + new > self.kv_blocks:
