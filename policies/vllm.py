@@ -113,6 +113,7 @@ class Vllm(PolicyBase):
                 chunks.append((r.id, new))
             i += 1
         admit: list[str] = []
+        head_short = False  # the waiting queue's head was refused for blocks
         if not preempt and view.waiting:
             active = len(running)
             for r in view.waiting:
@@ -126,6 +127,7 @@ class Vllm(PolicyBase):
                     new = budget
                 need = -(-(hit + new) // bs) - hit // bs + taken
                 if need > free:
+                    head_short = True
                     break
                 free -= need
                 budget -= new
@@ -135,7 +137,11 @@ class Vllm(PolicyBase):
         if not decode and not chunks:
             return Plan(admit=tuple(admit), preempt=tuple(preempt))
         repeat = 0
-        if decode and not chunks and not preempt:
+        # With prefix caching, the decode steps' new blocks evict free cached blocks, and
+        # evicting one from the middle of a refused head's cached prefix cuts its hit (and
+        # the blocks it would take) by more than the one block it costs: it may fit next
+        # step. Such steps are planned one by one.
+        if decode and not chunks and not preempt and not (head_short and view.prefix_caching):
             by_id = {r.id: c for r, c in zip(running, ctxs)}
             repeat = self._repeat([by_id[rid] % bs for rid in decode], free, bs)
         return Plan(admit=tuple(admit), preempt=tuple(preempt),
@@ -150,7 +156,8 @@ class Vllm(PolicyBase):
         row at offset ``a`` takes floor((a + s - 1) / bs) blocks, plus one if ``a`` is 0 (a
         block boundary). While those fit, vLLM would schedule the very same rows again:
         nothing is preempted, and the waiting queue's head (refused now for budget,
-        ``max_num_seqs`` or blocks) is refused again, as blocks only shrink. The loop stops
+        ``max_num_seqs`` or blocks) is refused again, as blocks only shrink (with prefix caching: see
+        ``plan``, a head refused for blocks stops repeats). The loop stops
         earlier at an arrival or a finish.
         """
         counts: dict[int, int] = {}

@@ -19,6 +19,7 @@ from sim.cost import LinearCostModel
 from sim.output import write_run
 from sim.profiles import resolve_profile
 from sim.state import ReplicaState, ReplicaView
+from traces.schema import Request
 from simkit import cost_model, read_table, req
 
 BIN = Path(sys.executable).parent
@@ -152,6 +153,23 @@ def test_bulk_repeats_equal_planning_every_step_under_kv_pressure(block_size, pr
     assert [r.token_times for r in bulk.requests] == [r.token_times for r in one.requests]
     assert list(bulk.steps) == list(one.steps) and len(bulk.steps) > 1000
     assert bulk.prefix_cache == one.prefix_cache
+
+
+def test_no_bulk_repeats_while_a_head_refused_for_blocks_may_gain_from_an_eviction():
+    """Found by the property test: r5 finishes and leaves its 40-token prefix cached; r6 shares
+    it and is refused for blocks while r0 decodes alone. Each decode step evicts one free cached
+    block; evicting one from the middle of r6's prefix cuts its hit, and the blocks it would
+    take, by more than the block it costs, so r6 fits a step later. Bulk repeats must stop for
+    that (step by step admits r6 there)."""
+    reqs = [req(0, 1, 25), req(1, 1, 1), req(2, 1, 1), req(3, 1, 1), req(4, 1, 15)]
+    reqs += [Request("5", 0.0, 40, 1, (1,)), Request("6", 0.0, 44, 2, (1,))]
+    reqs += [req(7, 1, 1), req(8, 1, 1), req(9, 1, 1)]
+    kw = dict(kv_capacity=66, block_size=1, prefix_caching=True)
+    bulk = run(reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), **kw)
+    one = run(reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), on_step=lambda st: None, **kw)
+    assert [r.token_times for r in bulk.requests] == [r.token_times for r in one.requests]
+    assert list(bulk.passes) == list(one.passes)
+    assert bulk.prefix_cache == one.prefix_cache and bulk.prefix_cache["prompt_tokens_hit"] > 0 and bulk.prefix_cache["evicted_blocks"] > 0
 
 
 def test_kv_pressure_on_the_azure_hour_head_finishes_everything(tmp_path):

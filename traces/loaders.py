@@ -32,6 +32,7 @@ import math
 import random
 import re
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -141,12 +142,18 @@ def parse_azure_timestamp(text: str) -> int:
     m = _TS.fullmatch(text.strip())
     if not m:
         raise ValueError(f"timestamp {text!r} is not YYYY-MM-DD HH:MM:SS[.fraction]")
-    y, mo, d, h, mi, s = (int(g) for g in m.groups()[:6])
-    whole = _dt.datetime(y, mo, d, h, mi, s)  # ValueError for e.g. month 13
-    frac = m.group(7) or ""
+    y, mo, d, h, mi, s, frac = m.groups()
+    if s > "59":
+        raise ValueError(f"timestamp {text!r}: second must be in 0..59")
     ns = int(frac.ljust(9, "0")) if frac else 0
-    seconds = (whole - _EPOCH) // _dt.timedelta(seconds=1)
-    return seconds * 1_000_000_000 + ns
+    return (_minute_s(y, mo, d, h, mi) + int(s)) * 1_000_000_000 + ns
+
+
+@lru_cache(maxsize=4096)
+def _minute_s(y: str, mo: str, d: str, h: str, mi: str) -> int:
+    """Seconds since 1970 at the start of a minute (a trace has a few rows a second: cached)."""
+    whole = _dt.datetime(int(y), int(mo), int(d), int(h), int(mi))  # ValueError for e.g. month 13
+    return (whole - _EPOCH) // _dt.timedelta(seconds=1)
 
 
 def _count(cell: str, column: str, at: str) -> int:
