@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from operator import attrgetter
+from itertools import repeat as _repeat
+from operator import attrgetter, countOf, mod
 
 from .base import Pass, Phase, Plan, PolicyBase, SchedulerView, UNTIL_CHANGE, require_positive
 
@@ -74,9 +75,9 @@ class Vllm(PolicyBase):
         if n_run and n_run <= budget and len(view.decoding) == n_run:
             # every running request decodes (the common step): one token and, where its KV is
             # at a block boundary, one block each; when they all fit, that is the loop below
-            need = list(map(bs.__rmod__, ctxs)).count(one)
+            need = countOf(map(mod, ctxs, _repeat(bs)), one)
             if need <= free:
-                decode = [r.id for r in running]
+                decode = list(view.running.ids())
                 free -= need
                 budget -= n_run
                 n_run = 0

@@ -271,7 +271,12 @@ class ReplicaState:
         self.kv_capacity = self.kv_blocks * bs  # whole blocks
         self.blocks_used = 0  # blocks held by requests (cached blocks nobody references are free)
         self.prefix = PrefixCache(bs, token_keys) if prefix_caching else None
-        self._shaped: tuple[Pass | None, int] = (None, 0)  # the last pass shape() checked, its new blocks
+        # the last pass shape() checked: (pass, its new blocks, its decode rows, their id set)
+        self._shaped: tuple = (None, 0, None, None)
+        # the decode rows of the last pass applied, and their states (while all stay in the batch,
+        # the next pass over the same rows needs no checking again: the common decode step)
+        self._last_decode: Sequence[str] | None = None
+        self._last_rows: list[RequestState] = []
         self.requests: list[RequestState] = []
         self.by_id: dict[str, RequestState] = {}
         self.rejected: list[tuple[RequestState, str]] = []
@@ -441,20 +446,25 @@ class ReplicaState:
         decode = p.decode
         joins = 0
         ctx: tuple[int, ...] = ()
+        rs = dset = None
         if decode:
-            try:
-                dset = set(decode)
-            except TypeError:
-                raise self._fail(f"decode rows must be request ids, got {decode!r:.80}") from None
-            if len(dset) != len(decode):
-                raise self._fail(f"decodes a request twice in one pass: {_dupes(decode)}")
-            # rows already in the batch cache are decoding (the batch holds nothing else);
-            # only newcomers need checking
-            if not batch.issuperset(dset):
-                for rid in dset - batch:
-                    self._check_decode(rid, self.by_id.get(rid) if isinstance(rid, str) else None)
-                    joins += 1
-            rs = list(map(self.by_id.__getitem__, decode))
+            if decode == self._last_decode and len(batch) == len(decode):
+                # the rows of the last pass applied, every one still in the batch (decoding)
+                rs, dset = self._last_rows, batch
+            else:
+                try:
+                    dset = set(decode)
+                except TypeError:
+                    raise self._fail(f"decode rows must be request ids, got {decode!r:.80}") from None
+                if len(dset) != len(decode):
+                    raise self._fail(f"decodes a request twice in one pass: {_dupes(decode)}")
+                # rows already in the batch cache are decoding (the batch holds nothing else);
+                # only newcomers need checking
+                if not batch.issuperset(dset):
+                    for rid in dset - batch:
+                        self._check_decode(rid, self.by_id.get(rid) if isinstance(rid, str) else None)
+                        joins += 1
+                rs = list(map(self.by_id.__getitem__, decode))
             ctx = tuple(map(_CTX, rs))
             finishing = countOf(map(_LEFT, rs), 1)
         chunks: list[tuple[int, int]] = []
@@ -491,7 +501,7 @@ class ReplicaState:
                 raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
             raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
                              f"{self.kv_blocks} blocks")
-        self._shaped = (p, new)
+        self._shaped = (p, new, rs, dset)
         padded = bool(p.padded and chunks)
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
@@ -544,17 +554,16 @@ class ReplicaState:
         done: list[RequestState] = []
         decoding = self.decoding
         by_id = self.by_id
-        shaped, new = self._shaped
-        if shaped is not p:
+        if self._shaped[0] is not p:
             self.shape(p)
-            new = self._shaped[1]
-        self._shaped = (None, 0)
+        _, new, rs, dset = self._shaped
+        self._shaped = (None, 0, None, None)
         self.blocks_used += new
         pc = self.prefix
         if pc is not None and new:
             self._room(pc)
-        if p.decode:
-            for r in map(by_id.__getitem__, p.decode):
+        if rs:
+            for r in rs:
                 if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
                     r._prefilled += 1
                     r._phase = DECODING
@@ -567,8 +576,11 @@ class ReplicaState:
                 r._left -= 1
                 if not r._left:
                     done.append(r)
-            self.kv_used += len(p.decode)
-            self.batch = set(p.decode)
+            self.kv_used += len(rs)
+            if dset is not self.batch:
+                self.batch = dset
+            self._last_decode = p.decode
+            self._last_rows = rs
         for rid, n in p.prefill:
             r = by_id[rid]
             if r.preemptions and r._prefilled < r._high:  # computing again what it held before
