@@ -10,7 +10,9 @@ Both run a SimPy environment (arrivals are SimPy processes) and offer the same c
 - ``woke()``: the replica was idle and an arrival woke it;
 - ``advance_steps(overhead, seconds, until)``: a run of steps, each ``overhead`` then one pass
   of the next of ``seconds``, up to the first that ends at or after ``until`` (an arrival; None:
-  all of them); returns the seconds taken (those of the steps run) and the passes' starts and ends. The same as calling ``advance`` for each,
+  all of them); returns the seconds taken (those of the steps run) and the passes' starts and ends.
+  ``lookahead``: ``seconds`` may be drawn a little past the step that stops the run (a pure
+  formula); False for a cost model that may count or record its calls. The same as calling ``advance`` for each,
   time for time; ``SimClock`` does it without a Python call per step.
 
 ``SimClock`` jumps: time is the sum of predicted seconds. Between arrivals nothing else can
@@ -57,7 +59,8 @@ class SimClock:
     def woke(self) -> None:
         self.t = self.env.now
 
-    def advance_steps(self, overhead: float, seconds, until: float | None) -> tuple[list, list, list]:
+    def advance_steps(self, overhead: float, seconds, until: float | None,
+                      lookahead: bool = True) -> tuple[list, list, list]:
         # the running sum t + overhead + s1 + overhead + s2 ..., added in that order (float
         # for float what advance() gives), taken in growing chunks: an arrival usually stops a
         # run long before its seconds run out
@@ -66,7 +69,8 @@ class SimClock:
         starts: list[float] = []
         ends: list[float] = []
         t = self.t
-        chunk = 8
+        chunk = 8 if lookahead else 1
+        grow = 4 if lookahead else 1
         while True:
             part = list(islice(seconds, chunk))
             if not part:
@@ -83,7 +87,7 @@ class SimClock:
             starts += s
             ends += e
             t = e[-1]
-            chunk *= 4
+            chunk *= grow
         if ends:
             self.t = ends[-1]
         return taken, starts, ends
@@ -113,7 +117,8 @@ class WallClock:
     def woke(self) -> None:
         pass
 
-    def advance_steps(self, overhead: float, seconds, until: float | None) -> tuple[list, list, list]:
+    def advance_steps(self, overhead: float, seconds, until: float | None,
+                      lookahead: bool = True) -> tuple[list, list, list]:
         taken: list[float] = []
         starts: list[float] = []
         ends: list[float] = []

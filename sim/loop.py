@@ -183,6 +183,9 @@ def run(
     # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
     # cost model's predictions, and no callback wants to see every step
     repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None and not measured else None
+    # a cost model's own run formula is pure and may be evaluated ahead; any other is asked
+    # exactly once per step, as if the steps were planned one by one
+    lookahead = getattr(cost_model, "decode_run_seconds", None) is not None
 
     def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
         """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
@@ -195,7 +198,7 @@ def run(
         rows = len(p.decode)
         predicted_overhead = overhead(1, rows)
         seconds, pass_starts, ends = clock.advance_steps(backend.step_overhead(predicted_overhead),
-                                                         repeat_decode(shape, k), nxt)
+                                                         repeat_decode(shape, k), nxt, lookahead)
         t = ends[-1] if ends else t_end
         starts = [t_end, *ends[:-1]]
         m = len(ends)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from policies import make_policy
 from sim import SimClock, run
 from sim.cost import LinearCostModel
+import traces
 from traces.schema import Request
 
 DECODE_S, PREFILL_S = 0.25, 1.0  # exact in binary: the expected times are exact too
@@ -210,3 +211,28 @@ def test_a_real_backends_warm_up_is_not_part_of_the_run():
 
     res = run([Request("A", 0.0, 4, 2)], make_policy("unified"), cost(), kv_capacity=100, backend=WarmBackend())
     assert res.steps[0].start_s < 0.2 and res.requests[0].first_token_s < 0.3, list(res.steps)
+
+
+def test_a_cost_model_without_a_run_formula_is_asked_once_per_pass_in_bulk_runs():
+    """Bulk repeats may evaluate a cost model's own decode_run_seconds ahead (a pure formula);
+    any other cost model is asked exactly once per pass run, as when planning every step."""
+    from simkit import cost_model
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.shapes = inner, []
+
+        def pass_seconds(self, shape):
+            self.shapes.append(shape)
+            return self.inner.pass_seconds(shape)
+
+        def step_overhead_seconds(self, n_passes, n_rows):
+            return self.inner.step_overhead_seconds(n_passes, n_rows)
+
+    tr = traces.load("mixed.json").requests
+    for name in ("mlx-default", "static", "vllm"):
+        rec = Recording(cost_model())
+        res = run(tr, make_policy(name), rec, kv_capacity=200_000)
+        assert len(rec.shapes) == len(res.passes), name
+        plain = run(tr, make_policy(name), cost_model(), kv_capacity=200_000)
+        assert [r.token_times for r in res.requests] == [r.token_times for r in plain.requests], name
