@@ -58,12 +58,9 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+@gc_paused()  # millions of rows are made here, almost no cycles
 def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> Path:
-    with gc_paused():  # millions of rows are made here, almost no cycles
-        return _write_run(Path(out), result, summary, meta)
-
-
-def _write_run(out: Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None) -> Path:
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
     (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
@@ -220,9 +217,9 @@ def passes_table(requests, passes):
     n = len(pass_col)
     # runs of the same Pass object (the log holds them all, so ids are distinct while it lives)
     ident = np.fromiter(map(id, pass_col), dtype=np.int64, count=n)
-    first = np.flatnonzero(np.concatenate(([True], ident[1:] != ident[:-1]))) if n else np.zeros(0, np.int64)
-    distinct = [pass_col[i] for i in first.tolist()]
-    run_of = np.cumsum(np.concatenate(([False], ident[1:] != ident[:-1]))) if n else np.zeros(0, np.int64)
+    starts_run = np.concatenate(([True], ident[1:] != ident[:-1])) if n else np.zeros(0, bool)
+    distinct = [pass_col[i] for i in np.flatnonzero(starts_run).tolist()]
+    run_of = np.cumsum(starts_run) - 1  # each logged pass's index in ``distinct``
     nd = np.fromiter((len(p.decode) for p in distinct), dtype=np.int64, count=len(distinct))
     npf = np.fromiter((len(p.prefill) for p in distinct), dtype=np.int64, count=len(distinct))
     # templates: every distinct pass's decode rows then its prefill rows
