@@ -36,10 +36,11 @@ replica's (``--prefix-caching``): the policy reads hits through ``view.prefix_hi
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from itertools import repeat as _repeat
-from operator import attrgetter, countOf, mod
+from operator import attrgetter, mod
 
 from .base import Pass, Phase, Plan, PolicyBase, SchedulerView, UNTIL_CHANGE, require_positive
 
@@ -72,10 +73,12 @@ class Vllm(PolicyBase):
         preempt: list[str] = []
         ctxs = list(map(_CONTEXT, running))  # KV tokens + 1 of each running request
         one = 1 % bs
+        offsets = None  # each running row's context modulo the block size, when all decode
         if n_run and n_run <= budget and len(view.decoding) == n_run:
             # every running request decodes (the common step): one token and, where its KV is
             # at a block boundary, one block each; when they all fit, that is the loop below
-            need = countOf(map(mod, ctxs, _repeat(bs)), one)
+            offsets = list(map(mod, ctxs, _repeat(bs)))
+            need = offsets.count(one)
             if need <= free:
                 decode = list(view.running.ids())
                 free -= need
@@ -143,8 +146,10 @@ class Vllm(PolicyBase):
         # the blocks it would take) by more than the one block it costs: it may fit next
         # step. Such steps are planned one by one.
         if decode and not chunks and not preempt and not (head_short and view.prefix_caching):
-            by_id = {r.id: c for r, c in zip(running, ctxs)}
-            repeat = self._repeat([by_id[rid] % bs for rid in decode], free, bs)
+            if offsets is None or n_run:  # (some rows were planned one by one above)
+                by_id = {r.id: c for r, c in zip(running, ctxs)}
+                offsets = [by_id[rid] % bs for rid in decode]
+            repeat = self._repeat(offsets, free, bs)
         return Plan(admit=tuple(admit), preempt=tuple(preempt),
                     passes=(Pass(decode=tuple(decode), prefill=tuple(chunks)),), repeat=repeat)
 
@@ -161,10 +166,9 @@ class Vllm(PolicyBase):
         ``plan``, a head refused for blocks stops repeats). The loop stops
         earlier at an arrival or a finish.
         """
-        counts: dict[int, int] = {}
-        for a in offsets:
-            counts[a] = counts.get(a, 0) + 1
-        items = list(counts.items())
+        if offsets.count(0) > free:  # need(1): the rows at a block boundary take one each
+            return 0
+        items = list(Counter(offsets).items())
         rows = len(offsets)
 
         def need(s: int) -> int:

@@ -149,7 +149,7 @@ class Run:
             if name == "requests":
                 self._frames[name] = output.requests_frame(r)
             elif name == "tokens":
-                self._frames[name] = output.tokens_table(r.requests).to_pandas()
+                self._frames[name] = output.tokens_table(r).to_pandas()
             elif name == "steps":
                 self._frames[name] = output.steps_table(r.steps.columns).to_pandas()
             else:

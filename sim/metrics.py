@@ -10,11 +10,13 @@ Percentiles are numpy's linear interpolation, as vLLM computes them.
 from __future__ import annotations
 
 from itertools import chain
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+_TOKEN_TIMES = attrgetter("token_times")
 
 
 def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES) -> dict[str, float | None]:
@@ -67,16 +69,36 @@ def peak_concurrency(rows: Sequence[Mapping[str, Any]]) -> int:
     return peak
 
 
-def _gaps(token_times: Sequence[Sequence[float]]) -> np.ndarray:
-    """Every gap between consecutive tokens of each request, pooled in request order (one
-    diff over all times at once, the gaps across two requests dropped)."""
-    counts = np.fromiter(map(len, token_times), dtype=np.int64, count=len(token_times))
-    times = np.fromiter(chain.from_iterable(token_times), dtype=np.float64, count=int(counts.sum()))
+def token_times_flat(result) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's token times as one array in request order, and each request's count
+    (``result.requests``); made once per run (the ITLs and tokens.parquet read them)."""
+    requests = result.requests
+    counts = np.fromiter(map(len, map(_TOKEN_TIMES, requests)), dtype=np.int64, count=len(requests))
+    flat = getattr(result, "_token_flat", None)
+    # token times are only ever appended: the same counts are the same times
+    if flat is None or not np.array_equal(flat[0], counts):
+        times = np.fromiter(chain.from_iterable(map(_TOKEN_TIMES, requests)), dtype=np.float64,
+                            count=int(counts.sum()))
+        flat = (counts, times)
+        try:
+            result._token_flat = flat
+        except AttributeError:  # (an object that takes no new attributes: made each time)
+            pass
+    return flat
+
+
+def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray) -> np.ndarray:
+    """Every gap between consecutive tokens of each finished request, pooled in request order
+    (one diff over all times at once; the gaps across two requests, and an unfinished
+    request's, dropped)."""
     if times.size < 2:
         return np.empty(0)
     keep = np.ones(times.size - 1, dtype=bool)
-    ends = np.cumsum(counts)[:-1]  # index of each request's first token after the first request
-    keep[ends[(ends > 0) & (ends < times.size)] - 1] = False
+    ends = np.cumsum(counts)
+    first = ends[:-1]  # index of each request's first token after the first request
+    keep[first[(first > 0) & (first < times.size)] - 1] = False
+    for i in np.flatnonzero(~finished).tolist():  # (only a run that stopped early has any)
+        keep[max(ends[i] - counts[i] - 1, 0):max(ends[i] - 1, 0)] = False
     return np.diff(times)[keep]
 
 
@@ -85,7 +107,8 @@ def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[s
     percentiles = tuple(percentiles)
     rows = request_rows(result.requests, getattr(result, "scheduled_s", None))
     finished = [r for r in result.requests if r.finish_s is not None]
-    itl = _gaps([r.token_times for r in finished])
+    done = np.fromiter((r.finish_s is not None for r in result.requests), dtype=bool, count=len(result.requests))
+    itl = _gaps(*token_times_flat(result), done)
     arrivals = [r.arrival_s for r in result.requests]
     start = min(arrivals) if arrivals else 0.0
     end = max((r.finish_s for r in finished), default=start)

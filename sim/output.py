@@ -35,7 +35,7 @@ import numpy as np
 
 from .gcpause import gc_paused
 from .features import step_table, write_features
-from .metrics import request_rows
+from .metrics import request_rows, token_times_flat
 
 REQUEST_COLUMNS = (
     "id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
@@ -69,7 +69,7 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     # while the next one (and requests.csv) is made
     with ThreadPoolExecutor(max_workers=2) as pool:
         writes = [pool.submit(_write_table, steps_table(result.steps.columns), out / "steps.parquet"),
-                  pool.submit(_write_table, tokens_table(result.requests), out / "tokens.parquet"),
+                  pool.submit(_write_table, tokens_table(result), out / "tokens.parquet"),
                   pool.submit(_write_table, passes_table(result.requests, result.passes), out / "passes.parquet")]
         with open(out / "requests.csv", "w", newline="") as f:
             w = csv.writer(f, lineterminator="\n")
@@ -190,14 +190,14 @@ def _write_table(table, path: Path) -> None:
                    write_statistics=False)
 
 
-def tokens_table(requests):
-    """tokens.parquet's table from every request's token times, built as columns (no per-row
-    Python)."""
+def tokens_table(result):
+    """tokens.parquet's table from every request's token times (``result.requests``), built as
+    columns (no per-row Python)."""
     import pyarrow as pa
 
-    counts = np.fromiter(map(len, map(_TOKEN_TIMES, requests)), dtype=np.int64, count=len(requests))
-    total = int(counts.sum())
-    times = np.fromiter(chain.from_iterable(map(_TOKEN_TIMES, requests)), dtype=np.float64, count=total)
+    requests = result.requests
+    counts, times = token_times_flat(result)
+    total = times.size
     owner = np.repeat(np.arange(len(requests), dtype=np.int32), counts)
     starts = np.repeat(np.cumsum(counts) - counts, counts)
     index = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
@@ -256,4 +256,3 @@ def _prefill_tokens(p) -> list[int]:
 
 
 _FIRST = itemgetter(0)
-_TOKEN_TIMES = attrgetter("token_times")

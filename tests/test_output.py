@@ -27,7 +27,7 @@ def test_tables_hold_every_logged_row_in_order(policy):
     assert got == expected
     assert any(e[3] == "prefill" for e in expected)
 
-    tok = tokens_table(res.requests).to_pydict()
+    tok = tokens_table(res).to_pydict()
     assert list(zip(tok["request_id"], tok["token_index"], tok["time_s"])) == [
         (r.id, i, t) for r in res.requests for i, t in enumerate(r.token_times)]
 

@@ -107,3 +107,30 @@ def test_sim_backend_is_the_default_and_sim_never_imports_mlx():
             "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert SimBackend.mode == "sim"
+
+
+def test_itl_pools_finished_requests_only_and_survives_more_tokens():
+    """ITL: every gap inside each finished request, none across two requests, none of a request
+    still running (a run stopped early); asked again after more tokens came, the answer follows."""
+    from types import SimpleNamespace
+
+    from sim.metrics import summarize as summ
+
+    def req(rid, times, done):
+        return SimpleNamespace(id=rid, arrival_s=0.0, prompt_tokens=4, output_tokens=len(times),
+                               first_token_s=times[0] if times else None, finish_s=times[-1] if done else None,
+                               token_times=list(times), preemptions=0, recomputed_tokens=0, cached_tokens=0)
+
+    reqs = [req("a", [1.0, 1.5, 3.5], True), req("b", [2.0, 2.25], False), req("c", [], False),
+            req("d", [4.0, 4.125, 5.0], True)]
+    res = SimpleNamespace(requests=reqs, rejected=[], steps=[], policy="p", mode="sim", trace="t", wall_s=0.0,
+                          error=None, meta={})
+    expected = np.array([0.5, 2.0, 0.125, 0.875]) * 1e3
+    assert summ(res)["itl_ms"]["p50"] == pytest.approx(np.percentile(expected, 50))
+    assert summ(res)["itl_ms"]["mean"] == pytest.approx(expected.mean())
+    reqs[1].token_times.append(2.75)  # b goes on and finishes: its gaps count now
+    reqs[1].finish_s = 2.75
+    expected = np.array([0.5, 2.0, 0.25, 0.5, 0.125, 0.875]) * 1e3
+    s = summ(res)
+    assert s["itl_ms"]["p99"] == pytest.approx(np.percentile(expected, 99))
+    assert s["itl_ms"]["mean"] == pytest.approx(expected.mean())
