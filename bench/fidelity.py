@@ -22,7 +22,11 @@ Goal (issue 13): per policy, median |error| <= 5 %, worst <= 15 %, total predict
 within +-3 %, pairwise direction right; default calibration <= 3 minutes.
 
     python bench/fidelity.py [--models tiny,smollm2-135m] [--repeat 3] [--noise gc-off]
-                             [--out bench/results/fidelity.json] [--keep DIR]
+                             [--out bench/results/fidelity.json] [--keep DIR] [--rescore DIR]
+
+``--rescore DIR`` (DIR: an earlier run's ``--keep``) runs no real engine: it simulates again with
+this checkout and the kept profiles and compares with the kept real runs, for checking a change
+to the simulator against the same reality in seconds.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def main() -> None:
                     "(and so the drift-adjusted comparison): ~2x faster on smollm2")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
+    ap.add_argument("--rescore", default=None, help="a --keep directory of an earlier run: simulate again with "
+                    "this checkout and its kept profiles, compared with its kept real runs (no real run)")
     args = ap.parse_args()
     if args.noise is not None:
         from engine.noise import ENV, Noise
@@ -88,7 +94,13 @@ def main() -> None:
            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "models": {}}
     t_all = time.perf_counter()
+    if args.rescore:
+        out["rescored_from"] = str(args.rescore)
     for model in args.models.split(","):
+        if args.rescore:
+            out["models"][model] = rescore_model(model, policies, overrides.get(model, TRACES.get(model)),
+                                                 Path(args.rescore) / model.replace("/", "_"))
+            continue
         out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
                                          work / model.replace("/", "_"))
         _write(out, args.out, t_all)
@@ -151,6 +163,44 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
                              {"kind": "linear", "profile": str(path)},
                              lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
                              speed_check_runs=not args.no_speed_check)
+            row = _row(v)
+            res["traces"][key][pname] = row
+            print(_line(model, key, pname, row), flush=True)
+    res["per_policy"] = {p: _per_policy([res["traces"][t][p] for t in res["traces"]]) for p in policies}
+    res["pairwise"] = pairwise(res["traces"])
+    return res
+
+
+def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> dict:
+    """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
+    in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
+    checkout: a change to the simulator or the cost model, checked against the same reality in
+    seconds. The step figures (bias, per-step error) are the kept run's: they describe its real
+    steps against its profile, which a re-score does not change."""
+    from analysis.validation import compare
+    from sim import run, summarize
+
+    path = kept / "profile.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
+    cost = LinearCostModel.from_profile(path)
+    capacity = int(cost.meta.get("kv_tokens", 262144))
+    res: dict = {"calibration": {"kind": "kept", "profile": str(path)}, "traces": {}}
+    for spec, seed in trace_specs:
+        tr = traces.load(spec, seed=seed)
+        key = spec if spec.startswith("real-") else f"{spec}@{seed}"
+        res["traces"][key] = {}
+        for pname in policies:
+            pdir = kept / _safe(key) / pname
+            old_path = pdir / "validation.json"
+            if not old_path.is_file():
+                raise SystemExit(f"{old_path}: not kept")
+            old = json.loads(old_path.read_text())
+            reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
+            sim = run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name)
+            v = compare(summarize(sim), reals, policy=pname, trace=tr.name)
+            v["step_error_pct"] = old.get("step_error_pct")
+            v["step_bias"] = old.get("step_bias")
             row = _row(v)
             res["traces"][key][pname] = row
             print(_line(model, key, pname, row), flush=True)
@@ -238,7 +288,8 @@ def format_markdown(out: dict) -> str:
     lines = []
     for model, res in out["models"].items():
         cal = res["calibration"]
-        lines.append(f"\n{model}: calibration {cal.get('kind')} in {cal.get('wall_s', '-')} s")
+        lines.append(f"\n{model}: calibration {cal.get('kind')}"
+                     + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else f" ({cal.get('profile')})"))
         keys = list(res["traces"])
         head = "| policy | " + " | ".join(f"{_short(k)} median / max |err| %" for k in keys) + \
             " | step bias (meas/pred) | total step time % | real spread % (median) |"
