@@ -163,12 +163,8 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
                              {"kind": "linear", "profile": str(path)},
                              lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
                              speed_check_runs=not args.no_speed_check)
-            row = _row(v)
-            res["traces"][key][pname] = row
-            print(_line(model, key, pname, row), flush=True)
-    res["per_policy"] = {p: _per_policy([res["traces"][t][p] for t in res["traces"]]) for p in policies}
-    res["pairwise"] = pairwise(res["traces"])
-    return res
+            _record(res, model, key, pname, v)
+    return _summarise(res, policies)
 
 
 def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> dict:
@@ -201,9 +197,17 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> d
             v = compare(summarize(sim), reals, policy=pname, trace=tr.name)
             v["step_error_pct"] = old.get("step_error_pct")
             v["step_bias"] = old.get("step_bias")
-            row = _row(v)
-            res["traces"][key][pname] = row
-            print(_line(model, key, pname, row), flush=True)
+            _record(res, model, key, pname, v)
+    return _summarise(res, policies)
+
+
+def _record(res: dict, model: str, key: str, pname: str, v: dict) -> None:
+    row = _row(v)
+    res["traces"][key][pname] = row
+    print(_line(model, key, pname, row), flush=True)
+
+
+def _summarise(res: dict, policies: list[str]) -> dict:
     res["per_policy"] = {p: _per_policy([res["traces"][t][p] for t in res["traces"]]) for p in policies}
     res["pairwise"] = pairwise(res["traces"])
     return res
