@@ -33,18 +33,13 @@ sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402,F401  (OpenBLAS before mlx)
 from engine import blas  # noqa: E402
+from analysis.validation import METRICS, _get  # noqa: E402
 from schedlab import api  # noqa: E402
 
-METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"),
-           ("tpot_ms", "p50"), ("e2e_ms", "p50"), ("output_throughput_tok_s", None), ("makespan_s", None))
 
-
-def metric_values(summary: dict) -> dict[str, float]:
-    out = {}
-    for key, sub in METRICS:
-        v = summary[key][sub] if sub else summary[key]
-        out[f"{key}.{sub}" if sub else key] = v
-    return out
+def metric_values(summary: dict) -> dict[str, float | None]:
+    """The nine metrics ``validate`` compares (``analysis.validation.METRICS``)."""
+    return {key: _get(summary, path) for key, path, _ in METRICS}
 
 
 def spread_pct(values: list[float]) -> float | None:

@@ -9,7 +9,7 @@ Percentiles are numpy's linear interpolation, as vLLM computes them.
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, compress
 from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -106,8 +106,8 @@ def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[s
     """summary.json for a run (see issue: keys as `vllm bench serve --save-result`)."""
     percentiles = tuple(percentiles)
     rows = request_rows(result.requests, getattr(result, "scheduled_s", None))
-    finished = [r for r in result.requests if r.finish_s is not None]
     done = np.fromiter((r.finish_s is not None for r in result.requests), dtype=bool, count=len(result.requests))
+    finished = list(compress(result.requests, done))
     itl = _gaps(*token_times_flat(result), done)
     arrivals = [r.arrival_s for r in result.requests]
     start = min(arrivals) if arrivals else 0.0
