@@ -36,11 +36,10 @@ replica's (``--prefix-caching``): the policy reads hits through ``view.prefix_hi
 
 from __future__ import annotations
 
-from collections import Counter
+from bisect import bisect_right
 from dataclasses import dataclass
-
-from itertools import repeat as _repeat
-from operator import attrgetter, mod
+from itertools import accumulate, repeat as _repeat
+from operator import attrgetter, eq, mod
 
 from .base import Pass, Phase, Plan, PolicyBase, SchedulerView, UNTIL_CHANGE, require_positive
 
@@ -66,26 +65,46 @@ class Vllm(PolicyBase):
         free = view.kv_blocks_free
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
-        running = list(view.running)
-        n_run = len(running)
+        running_q = view.running
+        ids = running_q.ids()
+        n_run = len(ids)
+        running = None  # the states in a list, made when a row is planned one by one
         decode: list[str] = []
         chunks: list[tuple[str, int]] = []
         preempt: list[str] = []
-        ctxs = list(map(_CONTEXT, running))  # KV tokens + 1 of each running request
-        one = 1 % bs
-        offsets = None  # each running row's context modulo the block size, when all decode
-        if n_run and n_run <= budget and len(view.decoding) == n_run:
-            # every running request decodes (the common step): one token and, where its KV is
-            # at a block boundary, one block each; when they all fit, that is the loop below
-            offsets = list(map(mod, ctxs, _repeat(bs)))
-            need = offsets.count(one)
-            if need <= free:
-                decode = list(view.running.ids())
-                free -= need
-                budget -= n_run
-                n_run = 0
+        ctxs = list(map(_CONTEXT, running_q))  # KV tokens + 1 of each running request
+        # where the prefilling requests sit among the running (few: those being admitted);
+        # every other running request decodes
+        pre = sorted(map(ids.index, view.prefilling.ids())) if view.prefilling else []
+        pre.append(n_run)
+        k_pre = 0
+        one = 1 % bs  # a decode row whose context is at ``one`` modulo bs starts a block
         i = 0
         while i < n_run and budget > 0:
+            while pre[k_pre] < i:
+                k_pre += 1
+            j = min(pre[k_pre], n_run, i + budget)
+            if j > i:
+                # decoding rows i..j-1: one token each, and one block for each whose KV is at
+                # a block boundary; taken as a whole while the blocks suffice (the common step)
+                needs = list(map(eq, map(mod, ctxs[i:j], _repeat(bs)), _repeat(one)))
+                total = needs.count(True)
+                if total <= free:
+                    decode.extend(ids[i:j])
+                    free -= total
+                    budget -= j - i
+                    i = j
+                    continue
+                # the rows up to the first whose block is not free; that one preempts (below)
+                cum = list(accumulate(needs))
+                k = bisect_right(cum, free)
+                if k:
+                    decode.extend(ids[i:i + k])
+                    free -= cum[k - 1]
+                    budget -= k
+                    i += k
+            if running is None:
+                running = list(running_q)
             r = running[i]
             computed = ctxs[i] - 1
             if r.phase is DECODING:
@@ -119,7 +138,7 @@ class Vllm(PolicyBase):
         admit: list[str] = []
         head_short = False  # the waiting queue's head was refused for blocks
         if not preempt and view.waiting:
-            active = len(running)
+            active = len(ids)
             for r in view.waiting:
                 if budget <= 0 or active >= self.max_num_seqs:
                     break
@@ -146,9 +165,8 @@ class Vllm(PolicyBase):
         # the blocks it would take) by more than the one block it costs: it may fit next
         # step. Such steps are planned one by one.
         if decode and not chunks and not preempt and not (head_short and view.prefix_caching):
-            if offsets is None or n_run:  # (some rows were planned one by one above)
-                by_id = {r.id: c for r, c in zip(running, ctxs)}
-                offsets = [by_id[rid] % bs for rid in decode]
+            # (then the decode rows are the first running requests, in order)
+            offsets = list(map(mod, ctxs[:len(decode)], _repeat(bs)))
             repeat = self._repeat(offsets, free, bs)
         return Plan(admit=tuple(admit), preempt=tuple(preempt),
                     passes=(Pass(decode=tuple(decode), prefill=tuple(chunks)),), repeat=repeat)
@@ -166,28 +184,16 @@ class Vllm(PolicyBase):
         ``plan``, a head refused for blocks stops repeats). The loop stops
         earlier at an arrival or a finish.
         """
-        if offsets.count(0) > free:  # need(1): the rows at a block boundary take one each
-            return 0
-        items = list(Counter(offsets).items())
-        rows = len(offsets)
-
-        def need(s: int) -> int:
-            return sum(c * ((a + s - 1) // bs + (a == 0)) for a, c in items) if s > 0 else 0
-
-        if need(UNTIL_CHANGE) <= free:
+        if not offsets:
             return UNTIL_CHANGE
-        # each row takes between (s - 1) / bs - 1 and (s - 1) / bs + 2 blocks over s steps:
-        # the answer lies in a window a few blocks wide around free * bs / rows
-        lo = max(0, (free // rows - 2) * bs)
-        hi = min(UNTIL_CHANGE, (free // rows + 3) * bs + 1)
-        while need(lo) > free:  # (never, by the bounds; kept for safety)
-            lo //= 2
-        while need(hi) <= free:
-            hi *= 2
-        while hi - lo > 1:  # need(lo) <= free < need(hi)
-            mid = (lo + hi) // 2
-            if need(mid) <= free:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        rows = len(offsets)
+        # over s >= 1 steps, with s - 1 = q * bs + rem, a row at offset a takes q blocks, one
+        # more if a >= bs - rem, and one more if a is 0: need(s) = rows * q + #{a >= bs - rem}
+        # + #{a = 0}
+        left = free - offsets.count(0)  # after need(1)
+        if left < 0:
+            return 0
+        q, left = divmod(left, rows)
+        # the largest rem with #{a >= bs - rem} <= left: below the (left + 1)-th largest offset
+        rem = bs - 1 - sorted(offsets, reverse=True)[left]
+        return min(q * bs + rem + 1, UNTIL_CHANGE)
