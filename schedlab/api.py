@@ -1324,10 +1324,8 @@ def load_run(path: str | Path) -> Run:
     data = read_dir(p)  # checks the directory: one RunDirError line for anything wrong
     frames = {"requests": read_requests_csv(p / "requests.csv"), "tokens": pd.read_parquet(p / "tokens.parquet"),
               "steps": pd.read_parquet(p / "steps.parquet")}
-    if data.passes is not None:
+    if data.passes is not None:  # (simulate writes it with --passes; run.passes raises without)
         frames["passes"] = pd.read_parquet(p / "passes.parquet")
-    else:
-        raise RunDirError(f"{p} has no passes.parquet (written by an older schedlab): plot it with the plot command")
     meta = {}
     if (p / "meta.json").is_file():
         try:

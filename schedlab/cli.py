@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import make_app, parse_options, report_problems, run_app
+from .common import fail, make_app, parse_options, report_problems, run_app
 
 # options shared by simulate, run-real and sweep
 BLOCK_SIZE_HELP = "KV block size in tokens: KV is allocated in blocks (a request holds ceil(tokens / block))"
@@ -46,20 +46,23 @@ def simulate(
     burstiness: Optional[float] = typer.Option(None, "--burstiness", help=BURST_HELP),
     think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for trace jitter/thinning and the --request-rate schedule"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens/passes.parquet, meta.json here"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens.parquet, meta.json here"),
+    passes: bool = typer.Option(False, "--passes", help="with --out: also write passes.parquet (one row per request per pass: exact timelines for plot; ~4 M rows for an hour of traffic)"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Simulate POLICY on TRACE and print the summary."""
     from . import api
 
+    if passes and out is None:
+        fail("--passes writes passes.parquet into the --out directory: give --out DIR too", 2)
     run = api.simulate(policy, trace, options=parse_options(option), profile=profile, kv_tokens=kv_tokens,
                        hardware=hardware, model_config=model_config, quant=quant, seed=seed, slo=slo,
                        block_size=block_size, prefix_caching=prefix_caching,
                        max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness,
                        think_time=think_time)
     if out is not None:
-        run.save(out)
+        run.save(out, passes=passes)
     if not quiet:
         print(run.report())
     report_problems(run)

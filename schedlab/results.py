@@ -146,6 +146,9 @@ class Run:
             from sim import output
 
             r = self._result
+            if r is None:  # read back from a directory that lacks the file
+                raise SchedlabError(f"{self._dir} has no {name}.parquet"
+                                    + (" (simulate writes it with --passes)" if name == "passes" else ""))
             if name == "requests":
                 self._frames[name] = output.requests_frame(r)
             elif name == "tokens":
@@ -177,7 +180,8 @@ class Run:
     @property
     def passes(self) -> "pd.DataFrame":
         """passes.parquet: one row per request per pass (step, pass, request_id, kind, tokens,
-        start_s, end_s); kind is decode or prefill."""
+        start_s, end_s); kind is decode or prefill. (Made from the run when it is in memory; a
+        run read back from a directory needs the file: ``simulate --passes``.)"""
         return self._frame("passes")
 
     @property
@@ -233,9 +237,10 @@ class Run:
 
     # ---------------------------------------------------------------- files and figures
 
-    def save(self, out: str | Path) -> Path:
+    def save(self, out: str | Path, *, passes: bool = True) -> Path:
         """Write the run directory ``--out`` writes: summary.json, requests.csv,
-        tokens/steps/passes.parquet, meta.json. Returns the directory."""
+        tokens/steps.parquet, passes.parquet (unless ``passes=False``: ``simulate`` without
+        ``--passes``), meta.json. Returns the directory."""
         out = Path(out)
         if out.exists() and not out.is_dir():
             raise SchedlabError(f"{out} exists and is not a directory")
@@ -243,12 +248,14 @@ class Run:
             if self._result is not None:
                 from sim.output import write_run
 
-                write_run(out, self._result, self._summary, meta=self._meta)
+                write_run(out, self._result, self._summary, meta=self._meta, passes=passes)
                 if self._write_texts is not None:
                     self._write_texts(out / "texts.jsonl")
                 return out
             out.mkdir(parents=True, exist_ok=True)
             for name in RUN_FILES:
+                if name == "passes.parquet" and not passes:
+                    continue
                 src = self._dir / name
                 if src.is_file() and src.resolve() != (out / name).resolve():
                     shutil.copyfile(src, out / name)

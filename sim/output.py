@@ -1,4 +1,4 @@
-"""Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, passes.parquet, [features.parquet,] meta.json.
+"""Run directories: summary.json, requests.csv, steps.parquet, tokens.parquet, [passes.parquet,] [features.parquet,] meta.json.
 
 - requests.csv: one row per request (times, TTFT/TPOT/E2E, status; then preemptions, KV tokens
   recomputed after them, prompt tokens found in the prefix cache at first admission, and when
@@ -6,8 +6,12 @@
   held it back);
 - steps.parquet: one row per scheduler step (start, end, predicted and measured seconds, rows);
 - tokens.parquet: one row per output token (``request_id, token_index, time_s``);
-- passes.parquet: one row per request per pass (``step, pass, request_id, kind, tokens,
-  start_s, end_s``; kind ``decode`` or ``prefill``): what every forward held, for timelines;
+- passes.parquet (``passes=True``; ``simulate --passes``, every real run): one row per request
+  per pass (``step, pass, request_id, kind, tokens, start_s, end_s``; kind ``decode`` or
+  ``prefill``): what every forward held, for exact timelines. For an hour of traffic it is the
+  largest table (~4 M rows) and the slowest to make (about a fifth of a simulate command), and
+  nothing but a timeline needs it (``plot`` draws one from tokens.parquet without it), so a
+  simulation writes it only when asked;
 - features.parquet (real runs only): one row per measured step with its pass shapes' cost
   features, idle gap and batch changes (``sim.features``): what ``calibrate --from-runs`` fits.
 
@@ -59,9 +63,12 @@ def _cell(v: Any) -> str:
 
 
 @gc_paused()  # millions of rows are made here, almost no cycles
-def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> Path:
+def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
+              *, passes: bool = True) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if not passes:  # an earlier run's timeline must not pass for this one's
+        (out / "passes.parquet").unlink(missing_ok=True)
     stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
     (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
 
@@ -69,8 +76,10 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     # while the next one (and requests.csv) is made
     with ThreadPoolExecutor(max_workers=2) as pool:
         writes = [pool.submit(_write_table, steps_table(result.steps.columns), out / "steps.parquet"),
-                  pool.submit(_write_table, tokens_table(result), out / "tokens.parquet"),
-                  pool.submit(_write_table, passes_table(result.requests, result.passes), out / "passes.parquet")]
+                  pool.submit(_write_table, tokens_table(result), out / "tokens.parquet")]
+        if passes:
+            writes.append(pool.submit(_write_table, passes_table(result.requests, result.passes),
+                                      out / "passes.parquet"))
         with open(out / "requests.csv", "w", newline="") as f:
             w = csv.writer(f, lineterminator="\n")
             w.writerow(REQUEST_COLUMNS)

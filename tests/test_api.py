@@ -114,7 +114,7 @@ def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace
     trace = str(big_request_trace) if trace == "BIG" else trace
     prof = [] if case == "analytic" else ["--profile", profile]
     out = tmp_path / "cli"
-    proc = cli("simulate", "-p", policy, "-t", trace, *prof, *args, "--out", out, "-q")
+    proc = cli("simulate", "-p", policy, "-t", trace, *prof, *args, "--out", out, "-q", "--passes")
     if "hardware" not in kwargs:
         kwargs = {**kwargs, "profile": profile}
     run = schedlab.simulate(policy, trace, **kwargs)
@@ -141,6 +141,13 @@ def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace
     for name in TABLES:
         pd.testing.assert_frame_equal(getattr(back, name), getattr(run, name))
     assert run.report() == back.report() and "Serving Benchmark Result" in run.report()
+    # saved without passes.parquet (simulate without --passes): the rest reads back, the
+    # passes say which file is missing
+    lean = schedlab.load_run(run.save(tmp_path / "lean", passes=False))
+    assert not (tmp_path / "lean" / "passes.parquet").exists() and lean.summary == run.summary
+    pd.testing.assert_frame_equal(lean.tokens, run.tokens)
+    with pytest.raises(schedlab.SchedlabError, match="has no passes.parquet .simulate writes it with --passes."):
+        lean.passes
 
 
 # ---------------------------------------------------------------------------- policies and traces

@@ -52,7 +52,7 @@ def test_summary_for_a_bundled_trace_from_any_directory(tmp_path, profile):
 def test_out_dir_files_and_their_agreement(tmp_path, profile):
     out = tmp_path / "run"
     proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile),
-               "-o", "budget=256", "--out", str(out))
+               "-o", "budget=256", "--out", str(out), "--passes")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     for key in ("policy", "mode", "trace", "requests", "finished", "makespan_s", "output_throughput_tok_s",
@@ -97,12 +97,24 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
     assert prefilled == {r["id"]: int(r["prompt_tokens"]) for r in reqs}
     assert {int(p["step"]) for p in passes} == {int(s["step"]) for s in steps}
 
+    # without --passes the same run writes the same files but passes.parquet, and does not
+    # leave the earlier run's there; --passes needs --out
+    before = {f: (out / f).read_bytes() for f in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet")}
+    proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile),
+               "-o", "budget=256", "--out", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "passes.parquet").exists()
+    assert before == {f: (out / f).read_bytes() for f in before}
+    proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile), "--passes")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "simulate: error: --passes writes passes.parquet into the --out directory: give --out DIR too"]
+
 
 def test_same_seed_byte_identical_other_seed_differs(tmp_path, profile):
     def go(seed: int, name: str) -> Path:
         out = tmp_path / name
         proc = cli("simulate", "-p", "unified", "-t", "mooncake_conv_10min", "--profile", str(profile),
-                   "--seed", str(seed), "--out", str(out), "-q")
+                   "--seed", str(seed), "--out", str(out), "-q", "--passes")
         assert proc.returncode == 0, proc.stderr
         return out
 
