@@ -414,7 +414,7 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
              seed: int = 0, slo: str | Mapping[str, float] | None = None, block_size: int = 16,
              prefix_caching: bool = False, max_concurrency: int | None = None,
              request_rate: float | str | None = None, burstiness: float | None = None,
-             think_time: float | None = None) -> Run:
+             think_time: float | None = None, passes: bool = True) -> Run:
     """Simulate ``policy`` on ``trace`` (the ``simulate`` command).
 
     ``options``: the policy's options (``-o``); ``profile``: a cost profile (default: the
@@ -424,7 +424,9 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     ``step_overhead_seconds``) or a ``CostModel``; ``seed``: the trace's randomness;
     ``slo``: goodput SLOs (``{"ttft_ms": 2000, "tpot_ms": 100}``); ``block_size``: KV block size in
     tokens; ``prefix_caching``: block-level prefix caching; ``max_concurrency`` / ``request_rate`` /
-    ``burstiness`` / ``think_time``: clients as ``vllm bench serve`` has them."""
+    ``burstiness`` / ``think_time``: clients as ``vllm bench serve`` has them; ``passes=False``:
+    keep no pass log (no ``run.passes``, no passes.parquet; less memory and time on long
+    traces, what ``simulate`` does without ``--passes``)."""
     from sim import run as run_loop
     from sim.gcpause import gc_paused
     from sim.metrics import summarize
@@ -436,7 +438,7 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     arrivals = _arrivals(tr, block_size, max_concurrency, request_rate, burstiness, think_time, seed)
     model, capacity, cost_meta = _pick_cost(profile, kv_tokens, hardware, model_config, quant, cost)
     result = run_loop(arrivals, pol, model, kv_capacity=capacity, trace_name=tr.name, block_size=block_size,
-                      prefix_caching=bool(prefix_caching))
+                      prefix_caching=bool(prefix_caching), record_passes=bool(passes))
     with gc_paused():
         summary = summarize(result, slo=slos or None)
     return Run(result, summary, {**cost_meta, "kv_tokens": result.kv_capacity, "block_size": block_size,

@@ -60,9 +60,9 @@ def simulate(
                        hardware=hardware, model_config=model_config, quant=quant, seed=seed, slo=slo,
                        block_size=block_size, prefix_caching=prefix_caching,
                        max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness,
-                       think_time=think_time)
+                       think_time=think_time, passes=passes)
     if out is not None:
-        run.save(out, passes=passes)
+        run.save(out)
     if not quiet:
         print(run.report())
     report_problems(run)

@@ -149,6 +149,8 @@ class Run:
             if r is None:  # read back from a directory that lacks the file
                 raise SchedlabError(f"{self._dir} has no {name}.parquet"
                                     + (" (simulate writes it with --passes)" if name == "passes" else ""))
+            if name == "passes" and not self._has_passes():
+                raise SchedlabError("this run kept no pass log: simulate it with passes=True (the command: --passes)")
             if name == "requests":
                 self._frames[name] = output.requests_frame(r)
             elif name == "tokens":
@@ -158,6 +160,11 @@ class Run:
             else:
                 self._frames[name] = output.passes_table(r.requests, r.passes).to_pandas()
         return self._frames[name]
+
+    def _has_passes(self) -> bool:
+        if self._result is not None:
+            return getattr(self._result, "passes_recorded", True)
+        return "passes" in self._frames
 
     @property
     def requests(self) -> "pd.DataFrame":
@@ -237,10 +244,17 @@ class Run:
 
     # ---------------------------------------------------------------- files and figures
 
-    def save(self, out: str | Path, *, passes: bool = True) -> Path:
+    def save(self, out: str | Path, *, passes: bool | None = None) -> Path:
         """Write the run directory ``--out`` writes: summary.json, requests.csv,
-        tokens/steps.parquet, passes.parquet (unless ``passes=False``: ``simulate`` without
-        ``--passes``), meta.json. Returns the directory."""
+        tokens/steps.parquet, passes.parquet (``passes``: None writes it when the run has its
+        pass log, which ``simulate(..., passes=False)`` does not keep), meta.json. Returns the
+        directory."""
+        has = self._has_passes()
+        if passes is None:
+            passes = has
+        elif passes and not has:
+            raise SchedlabError("this run has no pass log to write as passes.parquet "
+                                "(simulated with passes=False, or read back without the file)")
         out = Path(out)
         if out.exists() and not out.is_dir():
             raise SchedlabError(f"{out} exists and is not a directory")

@@ -111,6 +111,7 @@ class RunResult:
     prefix_cache: dict[str, Any] | None = None  # the prefix cache's statistics, when it had one
     source: dict[str, Any] | None = None  # the arrival source's description (closed-loop clients)
     scheduled_s: dict[str, float] | None = None  # per request: when its client issued it
+    passes_recorded: bool = True  # False: run(record_passes=False) kept no pass log
 
 
 def run(
@@ -127,13 +128,16 @@ def run(
     block_size: int = 1,
     prefix_caching: bool = False,
     token_keys: Callable[[Any], Sequence[int] | None] | None = None,
+    record_passes: bool = True,
 ) -> RunResult:
     """Run ``policy`` on one replica over ``arrivals`` (a trace's requests, or a source).
 
     ``backend`` defaults to ``SimBackend(cost_model)``; ``clock`` to the backend's own
     (``backend.make_clock()``). The policy sees ``cost_model`` in either case. KV is
     ``kv_capacity // block_size`` blocks of ``block_size`` tokens (1: token-exact); with
-    ``prefix_caching`` full blocks are cached and shared (``sim.prefix``).
+    ``prefix_caching`` full blocks are cached and shared (``sim.prefix``). ``record_passes=False``
+    keeps no pass log in a simulation (``RunResult.passes`` stays empty: less memory and time on
+    long traces when nothing wants the per-pass timeline); a real run always keeps it.
     """
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
     backend = backend if backend is not None else SimBackend(cost_model)
@@ -172,6 +176,7 @@ def run(
     measured = getattr(backend, "cost_model", None) is not cost_model
     shapes: list = []
     wakes: dict[int, tuple[float, float]] = {}
+    log_passes = record_steps and (record_passes or measured)
     if measured and record_steps:
         # a real run: keep every pass's shape for fits (a simulation never comes here)
         def execute(p, shape, state, _run=backend.execute, _keep=shapes.append):
@@ -202,8 +207,8 @@ def run(
         t = ends[-1] if ends else t_end
         starts = [t_end, *ends[:-1]]
         m = len(ends)
+        index = range(state.step_index, state.step_index + m)
         if record_steps:
-            index = range(state.step_index, state.step_index + m)
             kv0 = state.kv_used
             s_index.extend(index)
             s_start.extend(starts)
@@ -214,6 +219,7 @@ def run(
             s_ptoks.extend([0] * m)
             s_passes.extend([1] * m)
             s_kv.extend(range(kv0 + rows, kv0 + rows * (m + 1), rows))
+        if log_passes:
             p_step.extend(index)
             p_k.extend([0] * m)
             p_start.extend(pass_starts)
@@ -292,7 +298,7 @@ def run(
                 rows += len(p.decode)
                 if p.prefill:
                     ptoks += shape.prefill_tokens
-                if record_steps:
+                if log_passes:
                     p_step.append(state.step_index)
                     p_k.append(k)
                     p_start.append(t_pass)
@@ -350,5 +356,5 @@ def run(
         block_size=state.block_size,
         prefix_cache=state.prefix.stats() if state.prefix is not None else None,
         source=describe() if describe is not None else None,
-        scheduled_s=getattr(source, "scheduled_s", None),
+        scheduled_s=getattr(source, "scheduled_s", None), passes_recorded=log_passes,
     )

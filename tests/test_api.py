@@ -150,6 +150,20 @@ def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace
         lean.passes
 
 
+def test_a_simulation_without_its_pass_log_is_the_same_run_less_the_passes(profile, tmp_path):
+    full = schedlab.simulate("chunked-prefill", "real-mixed", profile=profile)
+    lean = schedlab.simulate("chunked-prefill", "real-mixed", profile=profile, passes=False)
+    assert lean.summary == full.summary and len(full.passes) > 0
+    for name in ("requests", "tokens", "steps"):
+        pd.testing.assert_frame_equal(getattr(lean, name), getattr(full, name), check_exact=True)
+    with pytest.raises(schedlab.SchedlabError, match="kept no pass log"):
+        lean.passes
+    with pytest.raises(schedlab.SchedlabError, match="no pass log to write"):
+        lean.save(tmp_path / "x", passes=True)
+    lean.save(tmp_path / "lean")  # writes what it has
+    assert not (tmp_path / "lean" / "passes.parquet").exists() and (tmp_path / "lean" / "tokens.parquet").is_file()
+
+
 # ---------------------------------------------------------------------------- policies and traces
 
 
