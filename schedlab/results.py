@@ -156,7 +156,7 @@ class Run:
             elif name == "tokens":
                 self._frames[name] = output.tokens_table(r).to_pandas()
             elif name == "steps":
-                self._frames[name] = output.steps_table(r.steps.columns).to_pandas()
+                self._frames[name] = output.steps_table(r.steps).to_pandas()
             else:
                 self._frames[name] = output.passes_table(r.requests, r.passes).to_pandas()
         return self._frames[name]

@@ -25,6 +25,8 @@ from operator import add, attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
+
 from policies.base import CostModel, Pass, Policy
 from traces.schema import Request
 
@@ -62,10 +64,15 @@ class _Columns(Sequence):
     record = staticmethod(lambda *row: row)
 
     def __init__(self) -> None:
-        self.columns = tuple([] for _ in self.fields)
+        self._lists = tuple([] for _ in self.fields)
+
+    @property
+    def columns(self) -> tuple[list, ...]:
+        """One list per field, in ``fields`` order."""
+        return self._lists
 
     def __len__(self) -> int:
-        return len(self.columns[0])
+        return len(self._lists[0])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -76,11 +83,103 @@ class _Columns(Sequence):
         return map(self.record, *self.columns)
 
 
+_STEP_TYPES = (np.int64, np.float64, np.float64, np.float64, None, np.int32, np.int64, np.int16, np.int64)
+
+
 class StepLog(_Columns):
-    """Every step: ``StepRecord`` rows; ``columns`` in ``StepRecord``'s field order."""
+    """Every step: ``StepRecord`` rows; ``columns`` in ``StepRecord``'s field order.
+
+    A run of repeated decode steps (``Plan.repeat``: static's hour holds a million such steps)
+    is kept as one block (``add_run``: its ends and predictions; the rest follows from them)
+    instead of nine Python objects a step. ``arrays()`` gives the columns as numpy arrays with
+    the blocks filled in; ``columns`` (and reading records) first puts them into the lists."""
 
     fields = StepRecord._fields
     record = StepRecord
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._runs: list[tuple] = []  # (position in the lists, first index, t0, ends, predicted, rows, kv0)
+        self._in_runs = 0
+
+    def add_run(self, index0: int, t0: float, ends: list[float], predicted: list[float], rows: int,
+                kv0: int) -> None:
+        """``len(ends)`` decode steps of ``rows`` rows from step ``index0`` on: the first starts
+        at ``t0``, each next one where the one before ended; KV grows by ``rows`` a step from
+        ``kv0``; nothing measured, no prefill, one pass each."""
+        if ends:
+            self._runs.append((len(self._lists[0]), index0, t0, ends, predicted, rows, kv0))
+            self._in_runs += len(ends)
+
+    def __len__(self) -> int:
+        return len(self._lists[0]) + self._in_runs
+
+    @property
+    def columns(self) -> tuple[list, ...]:
+        if self._runs:
+            merged = tuple([] for _ in self.fields)
+            at = 0
+            for pos, i0, t0, ends, pred, rows, kv0 in self._runs:
+                m = len(ends)
+                parts = (range(i0, i0 + m), [t0, *ends[:-1]], ends, pred, [None] * m, [rows] * m, [0] * m,
+                         [1] * m, range(kv0 + rows, kv0 + rows * (m + 1), rows))
+                for out, col, part in zip(merged, self._lists, parts):
+                    out.extend(col[at:pos])
+                    out.extend(part)
+                at = pos
+            for out, col in zip(merged, self._lists):
+                out.extend(col[at:])
+                col[:] = out  # in place: whoever holds the lists keeps them
+            self._runs.clear()
+            self._in_runs = 0
+        return self._lists
+
+    def arrays(self) -> list:
+        """The columns as numpy arrays in ``fields`` order (``measured_s``: a list, None where
+        nothing was measured), the runs filled in, all as whole columns (no per-run numpy)."""
+        lists = self._lists
+        plain = [col if dt is None else np.fromiter(col, dtype=dt, count=len(col))
+                 for col, dt in zip(lists, _STEP_TYPES)]
+        if not self._runs:
+            return plain
+        pos, i0, t0, rows, kv0, m = (np.array(c, dtype=np.int64 if k != 2 else np.float64)
+                                     for k, c in enumerate(zip(*((r[0], r[1], r[2], r[5], r[6], len(r[3]))
+                                                                 for r in self._runs))))
+        ends_l: list[float] = []
+        pred_l: list[float] = []
+        for r in self._runs:
+            ends_l += r[3]
+            pred_l += r[4]
+        ends = np.array(ends_l, dtype=np.float64)
+        pred = np.array(pred_l, dtype=np.float64)
+        first = np.cumsum(m) - m  # each run's first row among the runs' rows
+        within = np.arange(self._in_runs, dtype=np.int64) - np.repeat(first, m)
+        # where every row goes: a run comes after the plain rows logged before it
+        n_plain = len(lists[0])
+        dest_plain = np.arange(n_plain, dtype=np.int64)
+        before = np.searchsorted(pos, dest_plain, side="right")  # runs logged before each plain row
+        dest_plain += np.concatenate(([0], np.cumsum(m)))[before]
+        dest_run = np.repeat(pos + first, m) + within
+        start = np.empty(self._in_runs)
+        start[1:] = ends[:-1]
+        start[first] = t0
+        rows_r = np.repeat(rows, m)
+        from_runs = (np.repeat(i0, m) + within, start, ends, pred, None, rows_r, 0, 1,
+                     np.repeat(kv0, m) + (within + 1) * rows_r)
+        out: list = []
+        for col, run_col, dt in zip(plain, from_runs, _STEP_TYPES):
+            if dt is None:  # measured_s: nothing is measured in a run of repeats
+                merged = [None] * len(self)
+                if col.count(None) != len(col):
+                    for j, v in zip(dest_plain.tolist(), col):
+                        merged[j] = v
+                out.append(merged)
+                continue
+            full = np.empty(len(self), dtype=dt)
+            full[dest_plain] = col
+            full[dest_run] = run_col
+            out.append(full)
+        return out
 
 
 class PassLog(_Columns):
@@ -148,8 +247,8 @@ def run(
                          prefix_caching=prefix_caching, token_keys=token_keys)
     steps = StepLog()
     pass_log = PassLog()
-    s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps.columns
-    p_step, p_k, p_start, p_end, p_pass = pass_log.columns
+    s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps._lists
+    p_step, p_k, p_start, p_end, p_pass = pass_log._lists
     wall0 = time.perf_counter()
     backend.start(state, source.requests)  # warm-up happens before the clock starts
 
@@ -205,20 +304,11 @@ def run(
         seconds, pass_starts, ends = clock.advance_steps(backend.step_overhead(predicted_overhead),
                                                          repeat_decode(shape, k), nxt, lookahead)
         t = ends[-1] if ends else t_end
-        starts = [t_end, *ends[:-1]]
         m = len(ends)
         index = range(state.step_index, state.step_index + m)
         if record_steps:
-            kv0 = state.kv_used
-            s_index.extend(index)
-            s_start.extend(starts)
-            s_end.extend(ends)
-            s_pred.extend(map(add, _repeat(predicted_overhead, m), seconds))
-            s_meas.extend([None] * m)
-            s_rows.extend([rows] * m)
-            s_ptoks.extend([0] * m)
-            s_passes.extend([1] * m)
-            s_kv.extend(range(kv0 + rows, kv0 + rows * (m + 1), rows))
+            steps.add_run(state.step_index, t_end, ends, list(map(add, _repeat(predicted_overhead, m), seconds)),
+                          rows, state.kv_used)
         if log_passes:
             p_step.extend(index)
             p_k.extend([0] * m)

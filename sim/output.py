@@ -75,7 +75,7 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
     # pyarrow writes (and compresses) without the GIL: each table is written in the background
     # while the next one (and requests.csv) is made
     with ThreadPoolExecutor(max_workers=2) as pool:
-        writes = [pool.submit(_write_table, steps_table(result.steps.columns), out / "steps.parquet"),
+        writes = [pool.submit(_write_table, steps_table(result.steps), out / "steps.parquet"),
                   pool.submit(_write_table, tokens_table(result), out / "tokens.parquet")]
         if passes:
             writes.append(pool.submit(_write_table, passes_table(result.requests, result.passes),
@@ -145,19 +145,19 @@ def read_requests_csv(path):
     return pd.read_csv(path, dtype={"id": str, "status": str}, keep_default_na=False, na_values=[""])
 
 
-def steps_table(cols):
-    """steps.parquet's table (pyarrow) from the step log's columns; measured_s is null in a
+def steps_table(log):
+    """steps.parquet's table (pyarrow) from the step log (``StepLog``); measured_s is null in a
     simulation."""
     import pyarrow as pa
 
+    cols = log.arrays()
     n = len(cols[0])
-    types = (np.int64, np.float64, np.float64, np.float64, None, np.int32, np.int64, np.int16, np.int64)
     data = []
-    for col, dt in zip(cols, types):
-        if dt is None:  # measured_s: None in a simulation
-            data.append(pa.array(col, type=pa.float64()) if col.count(None) != n else pa.nulls(n, pa.float64()))
+    for c in cols:
+        if isinstance(c, list):  # measured_s: None in a simulation
+            data.append(pa.array(c, type=pa.float64()) if c.count(None) != n else pa.nulls(n, pa.float64()))
         else:
-            data.append(_arrow(np.fromiter(col, dtype=dt, count=n)))
+            data.append(_arrow(c))
     return pa.Table.from_arrays(data, names=list(STEP_COLUMNS))
 
 

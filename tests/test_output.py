@@ -31,5 +31,31 @@ def test_tables_hold_every_logged_row_in_order(policy):
     assert list(zip(tok["request_id"], tok["token_index"], tok["time_s"])) == [
         (r.id, i, t) for r in res.requests for i, t in enumerate(r.token_times)]
 
-    st = steps_table(res.steps.columns).to_pydict()
+    st = steps_table(res.steps).to_pydict()
     assert [tuple(st[c][i] for c in st) for i in range(len(res.steps))] == [tuple(s) for s in res.steps]
+
+
+def test_step_log_runs_read_the_same_as_arrays_and_as_records():
+    """Runs of repeated steps are kept as blocks: wherever they fall among the plain steps
+    (first, back to back, last), the arrays and the records agree with the steps logged one by one."""
+    from sim.loop import StepLog
+
+    log = StepLog()
+    plain = lambda i, t: (i, t, t + 0.5, 0.5, None, 3, 7, 2, 100 + i)  # noqa: E731
+    log.add_run(0, 0.0, [1.0, 2.0], [1.0, 1.0], 4, 10)  # before any plain step
+    for c, v in zip(log._lists, plain(2, 2.0)):
+        c.append(v)
+    log.add_run(3, 2.5, [3.0], [0.5], 5, 20)
+    log.add_run(4, 3.0, [4.5, 6.0, 7.5], [1.5, 1.5, 1.5], 5, 25)  # back to back
+    for c, v in zip(log._lists, plain(7, 7.5)):
+        c.append(v)
+    log.add_run(8, 8.0, [9.0], [1.0], 1, 0)  # last
+    assert len(log) == 9
+    arrays = log.arrays()
+    expected = [(0, 0.0, 1.0, 1.0, None, 4, 0, 1, 14), (1, 1.0, 2.0, 1.0, None, 4, 0, 1, 18),
+                plain(2, 2.0), (3, 2.5, 3.0, 0.5, None, 5, 0, 1, 25),
+                (4, 3.0, 4.5, 1.5, None, 5, 0, 1, 30), (5, 4.5, 6.0, 1.5, None, 5, 0, 1, 35),
+                (6, 6.0, 7.5, 1.5, None, 5, 0, 1, 40), plain(7, 7.5), (8, 8.0, 9.0, 1.0, None, 1, 0, 1, 1)]
+    assert [tuple(c[i] if isinstance(c, list) else c[i].item() for c in arrays) for i in range(9)] == expected
+    assert [tuple(s) for s in log] == expected and len(log) == 9  # the records, the blocks put in
+    assert [tuple(c[i] if isinstance(c, list) else c[i].item() for c in log.arrays()) for i in range(9)] == expected
