@@ -269,6 +269,8 @@ class Run:
             out.mkdir(parents=True, exist_ok=True)
             for name in RUN_FILES:
                 if name == "passes.parquet" and not passes:
+                    if out.resolve() != self._dir.resolve():  # as write_run: no earlier run's timeline
+                        (out / name).unlink(missing_ok=True)
                     continue
                 src = self._dir / name
                 if src.is_file() and src.resolve() != (out / name).resolve():

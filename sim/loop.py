@@ -116,20 +116,9 @@ class StepLog(_Columns):
 
     @property
     def columns(self) -> tuple[list, ...]:
-        if self._runs:
-            merged = tuple([] for _ in self.fields)
-            at = 0
-            for pos, i0, t0, ends, pred, rows, kv0 in self._runs:
-                m = len(ends)
-                parts = (range(i0, i0 + m), [t0, *ends[:-1]], ends, pred, [None] * m, [rows] * m, [0] * m,
-                         [1] * m, range(kv0 + rows, kv0 + rows * (m + 1), rows))
-                for out, col, part in zip(merged, self._lists, parts):
-                    out.extend(col[at:pos])
-                    out.extend(part)
-                at = pos
-            for out, col in zip(merged, self._lists):
-                out.extend(col[at:])
-                col[:] = out  # in place: whoever holds the lists keeps them
+        if self._runs:  # the blocks go into the lists, in place: whoever holds the lists keeps them
+            for col, full in zip(self._lists, self.arrays()):
+                col[:] = full if isinstance(full, list) else full.tolist()
             self._runs.clear()
             self._in_runs = 0
         return self._lists
@@ -142,16 +131,17 @@ class StepLog(_Columns):
                  for col, dt in zip(lists, _STEP_TYPES)]
         if not self._runs:
             return plain
-        pos, i0, t0, rows, kv0, m = (np.array(c, dtype=np.int64 if k != 2 else np.float64)
-                                     for k, c in enumerate(zip(*((r[0], r[1], r[2], r[5], r[6], len(r[3]))
-                                                                 for r in self._runs))))
-        ends_l: list[float] = []
-        pred_l: list[float] = []
-        for r in self._runs:
-            ends_l += r[3]
-            pred_l += r[4]
-        ends = np.array(ends_l, dtype=np.float64)
-        pred = np.array(pred_l, dtype=np.float64)
+        pos_l, i0_l, t0_l, ends_l, pred_l, rows_l, kv0_l = zip(*self._runs)
+        pos, i0, rows, kv0 = (np.array(c, dtype=np.int64) for c in (pos_l, i0_l, rows_l, kv0_l))
+        t0 = np.array(t0_l, dtype=np.float64)
+        m = np.fromiter(map(len, ends_l), dtype=np.int64, count=len(ends_l))
+        ends_flat: list[float] = []
+        pred_flat: list[float] = []
+        for e, v in zip(ends_l, pred_l):  # (list += list: no per-element Python)
+            ends_flat += e
+            pred_flat += v
+        ends = np.array(ends_flat, dtype=np.float64)
+        pred = np.array(pred_flat, dtype=np.float64)
         first = np.cumsum(m) - m  # each run's first row among the runs' rows
         within = np.arange(self._in_runs, dtype=np.int64) - np.repeat(first, m)
         # where every row goes: a run comes after the plain rows logged before it
@@ -305,12 +295,11 @@ def run(
                                                          repeat_decode(shape, k), nxt, lookahead)
         t = ends[-1] if ends else t_end
         m = len(ends)
-        index = range(state.step_index, state.step_index + m)
         if record_steps:
             steps.add_run(state.step_index, t_end, ends, list(map(add, _repeat(predicted_overhead, m), seconds)),
                           rows, state.kv_used)
         if log_passes:
-            p_step.extend(index)
+            p_step.extend(range(state.step_index, state.step_index + m))
             p_k.extend([0] * m)
             p_start.extend(pass_starts)
             p_end.extend(ends)

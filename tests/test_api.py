@@ -148,6 +148,11 @@ def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace
     pd.testing.assert_frame_equal(lean.tokens, run.tokens)
     with pytest.raises(schedlab.SchedlabError, match="has no passes.parquet .simulate writes it with --passes."):
         lean.passes
+    # a run read back, copied without its passes over an earlier copy, leaves no stale timeline
+    back.save(tmp_path / "copy")
+    assert (tmp_path / "copy" / "passes.parquet").is_file()
+    back.save(tmp_path / "copy", passes=False)
+    assert not (tmp_path / "copy" / "passes.parquet").exists()
 
 
 def test_a_simulation_without_its_pass_log_is_the_same_run_less_the_passes(profile, tmp_path):
