@@ -19,12 +19,16 @@ PERCENTILES = (50, 90, 99)
 _TOKEN_TIMES = attrgetter("token_times")
 
 
-def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES) -> dict[str, float | None]:
+def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES,
+         *, overwrite: bool = False) -> dict[str, float | None]:
+    """Mean and percentiles. ``overwrite``: ``values`` is a float array the caller no longer
+    needs, partitioned in place (no copy of millions of ITLs)."""
     a = np.asarray(values, dtype=float)
     percentiles = tuple(percentiles)
     out: dict[str, float | None] = {"mean": float(a.mean()) if a.size else None}
     # one partition for all of them (the same values as one call each)
-    at = np.percentile(a, percentiles).tolist() if a.size and percentiles else [None] * len(percentiles)
+    at = (np.percentile(a, percentiles, overwrite_input=overwrite).tolist() if a.size and percentiles
+          else [None] * len(percentiles))
     for p, v in zip(percentiles, at):
         out[f"p{p:g}"] = v
     return out
@@ -87,19 +91,23 @@ def token_times_flat(result) -> tuple[np.ndarray, np.ndarray]:
     return flat
 
 
-def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray) -> np.ndarray:
-    """Every gap between consecutive tokens of each finished request, pooled in request order
-    (one diff over all times at once; the gaps across two requests, and an unfinished
-    request's, dropped)."""
+def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """Every gap between consecutive tokens of each finished request, times ``scale``, pooled
+    in request order (one diff over all times at once; the gaps across two requests, and an
+    unfinished request's, dropped). Scaled in place before they are picked: two arrays of
+    millions fewer to make on an hour of traffic, the same values."""
     if times.size < 2:
         return np.empty(0)
+    gaps = np.diff(times)
+    if scale != 1.0:
+        gaps *= scale
     keep = np.ones(times.size - 1, dtype=bool)
     ends = np.cumsum(counts)
     first = ends[:-1]  # index of each request's first token after the first request
     keep[first[(first > 0) & (first < times.size)] - 1] = False
     for i in np.flatnonzero(~finished).tolist():  # (only a run that stopped early has any)
         keep[max(ends[i] - counts[i] - 1, 0):max(ends[i] - 1, 0)] = False
-    return np.diff(times)[keep]
+    return gaps[keep]
 
 
 def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None) -> dict[str, Any]:
@@ -108,7 +116,7 @@ def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[s
     rows = request_rows(result.requests, getattr(result, "scheduled_s", None))
     done = np.fromiter((r.finish_s is not None for r in result.requests), dtype=bool, count=len(result.requests))
     finished = list(compress(result.requests, done))
-    itl = _gaps(*token_times_flat(result), done)
+    itl_ms = _gaps(*token_times_flat(result), done, 1e3)
     arrivals = [r.arrival_s for r in result.requests]
     start = min(arrivals) if arrivals else 0.0
     end = max((r.finish_s for r in finished), default=start)
@@ -134,7 +142,7 @@ def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[s
         "request_throughput_rps": len(finished) / makespan if makespan > 0 else None,
         "ttft_ms": dist(col("ttft_ms"), percentiles),
         "tpot_ms": dist(col("tpot_ms"), percentiles),
-        "itl_ms": dist(itl * 1e3, percentiles),
+        "itl_ms": dist(itl_ms, percentiles, overwrite=True),
         "e2e_ms": dist(col("e2e_ms"), percentiles),
         "decode_rate_tok_s": {
             "min": float(min(rates)) if rates else None,

@@ -54,14 +54,6 @@ STEP_COLUMNS = (
 )
 
 
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
-
-
 @gc_paused()  # millions of rows are made here, almost no cycles
 def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
               *, passes: bool = True) -> Path:
@@ -83,8 +75,8 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
         with open(out / "requests.csv", "w", newline="") as f:
             w = csv.writer(f, lineterminator="\n")
             w.writerow(REQUEST_COLUMNS)
-            for row in request_table(result):
-                w.writerow([_cell(v) for v in row])
+            # the csv module writes None as an empty cell and a float as its repr
+            w.writerows(request_table(result))
         for job in writes:
             job.result()
     feats = step_table(result)  # real runs only: what a fit of the cost model needs
