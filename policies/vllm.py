@@ -39,7 +39,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate, repeat as _repeat
-from operator import attrgetter, eq, mod
+from operator import attrgetter, countOf, eq, mod
 
 from .base import Pass, Phase, Plan, PolicyBase, SchedulerView, UNTIL_CHANGE, require_positive
 
@@ -87,8 +87,7 @@ class Vllm(PolicyBase):
             if j > i:
                 # decoding rows i..j-1: one token each, and one block for each whose KV is at
                 # a block boundary; taken as a whole while the blocks suffice (the common step)
-                needs = list(map(eq, map(mod, ctxs[i:j], _repeat(bs)), _repeat(one)))
-                total = needs.count(True)
+                total = countOf(map(mod, ctxs[i:j], _repeat(bs)), one)
                 if total <= free:
                     decode.extend(ids[i:j])
                     free -= total
@@ -96,7 +95,7 @@ class Vllm(PolicyBase):
                     i = j
                     continue
                 # the rows up to the first whose block is not free; that one preempts (below)
-                cum = list(accumulate(needs))
+                cum = list(accumulate(map(eq, map(mod, ctxs[i:j], _repeat(bs)), _repeat(one))))
                 k = bisect_right(cum, free)
                 if k:
                     decode.extend(ids[i:i + k])

@@ -200,8 +200,15 @@ def tokens_table(result):
     counts, times = token_times_flat(result)
     total = times.size
     owner = np.repeat(np.arange(len(requests), dtype=np.int32), counts)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    index = (np.arange(total, dtype=np.int64) - starts).astype(np.int32)
+    # each token's index within its request: a running sum of ones that drops back to 0 at
+    # every request's first token (int32 throughout: no 64-bit arrays of millions)
+    index = np.ones(total, dtype=np.int32)
+    if total:
+        sizes = counts[counts > 0]
+        firsts = np.cumsum(sizes) - sizes
+        index[firsts[1:]] = 1 - sizes[:-1]
+        index[0] = 0
+        np.cumsum(index, dtype=np.int32, out=index)
     return pa.Table.from_arrays([_dictionary(owner, _ids(requests)), _arrow(index), _arrow(times)],
                                 names=["request_id", "token_index", "time_s"])
 

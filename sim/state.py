@@ -271,8 +271,9 @@ class ReplicaState:
         self.kv_capacity = self.kv_blocks * bs  # whole blocks
         self.blocks_used = 0  # blocks held by requests (cached blocks nobody references are free)
         self.prefix = PrefixCache(bs, token_keys) if prefix_caching else None
-        # the last pass shape() checked: (pass, its new blocks, its decode rows, their id set)
-        self._shaped: tuple = (None, 0, None, None)
+        # the last pass shape() checked: (pass, its new blocks, its decode rows, their id set,
+        # whether a row is handed off from prefilling, how many rows finish)
+        self._shaped: tuple = (None, 0, None, None, False, 0)
         # the decode rows of the last pass applied, and their states (while all stay in the batch,
         # the next pass over the same rows needs no checking again: the common decode step)
         self._last_decode: Sequence[str] | None = None
@@ -347,6 +348,8 @@ class ReplicaState:
             return
         r.output_tokens = r.output_tokens - r._left + 1
         r._left = 1
+        p, new, rs, dset, handoff, finishing = self._shaped  # (shape counted it as going on)
+        self._shaped = (p, new, rs, dset, handoff, finishing + 1)
 
     def _blocks_of(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -444,7 +447,8 @@ class ReplicaState:
             raise self._fail(f"plan holds {type(p).__name__}, not a Pass")
         batch = self.batch
         decode = p.decode
-        joins = 0
+        joins = finishing = 0
+        handoff = False
         ctx: tuple[int, ...] = ()
         rs = dset = None
         if decode:
@@ -462,8 +466,11 @@ class ReplicaState:
                 # only newcomers need checking
                 if not batch.issuperset(dset):
                     for rid in dset - batch:
-                        self._check_decode(rid, self.by_id.get(rid) if isinstance(rid, str) else None)
+                        r = self.by_id.get(rid) if isinstance(rid, str) else None
+                        self._check_decode(rid, r)
                         joins += 1
+                        if r._phase is PREFILLING:
+                            handoff = True
                 rs = list(map(self.by_id.__getitem__, decode))
             ctx = tuple(map(_CTX, rs))
             finishing = countOf(map(_LEFT, rs), 1)
@@ -501,7 +508,7 @@ class ReplicaState:
                 raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
             raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
                              f"{self.kv_blocks} blocks")
-        self._shaped = (p, new, rs, dset)
+        self._shaped = (p, new, rs, dset, handoff, finishing)
         padded = bool(p.padded and chunks)
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
@@ -556,26 +563,32 @@ class ReplicaState:
         by_id = self.by_id
         if self._shaped[0] is not p:
             self.shape(p)
-        _, new, rs, dset = self._shaped
-        self._shaped = (None, 0, None, None)
+        _, new, rs, dset, handoff, finishing = self._shaped
+        self._shaped = (None, 0, None, None, False, 0)
         self.blocks_used += new
         pc = self.prefix
         if pc is not None and new:
             self._room(pc)
         if rs:
-            for r in rs:
-                if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
-                    r._prefilled += 1
-                    r._phase = DECODING
-                    del self.prefilling[r.id]
-                    decoding[r.id] = r
-                    if r.first_token_s is None:
-                        r.first_token_s = t
-                r._ctx += 1
-                r.token_times.append(t)
-                r._left -= 1
-                if not r._left:
-                    done.append(r)
+            if handoff:
+                for r in rs:
+                    if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
+                        r._prefilled += 1
+                        r._phase = DECODING
+                        del self.prefilling[r.id]
+                        decoding[r.id] = r
+                        if r.first_token_s is None:
+                            r.first_token_s = t
+                    r._ctx += 1
+                    r.token_times.append(t)
+                    r._left -= 1
+            else:  # every row was decoding (the common step): nothing but its counters
+                for r in rs:
+                    r._ctx += 1
+                    r.token_times.append(t)
+                    r._left -= 1
+            if finishing:  # (shape counted the rows with one token left)
+                done.extend(r for r in rs if not r._left)
             self.kv_used += len(rs)
             if dset is not self.batch:
                 self.batch = dset
