@@ -35,6 +35,20 @@ def test_tables_hold_every_logged_row_in_order(policy):
     assert [tuple(st[c][i] for c in st) for i in range(len(res.steps))] == [tuple(s) for s in res.steps]
 
 
+def test_token_index_restarts_at_every_request_with_tokens_whatever_lies_between():
+    """tokens.parquet's token_index counts within each request, also next to requests with no
+    token (rejected, unfinished) first, in between and last."""
+    from types import SimpleNamespace
+
+    times = [[], [1.0, 2.0, 3.0], [], [], [4.0], [5.0, 6.0], []]
+    reqs = [SimpleNamespace(id=f"r{i}", token_times=t) for i, t in enumerate(times)]
+    tok = tokens_table(SimpleNamespace(requests=reqs)).to_pydict()
+    assert list(zip(tok["request_id"], tok["token_index"], tok["time_s"])) == [
+        ("r1", 0, 1.0), ("r1", 1, 2.0), ("r1", 2, 3.0), ("r4", 0, 4.0), ("r5", 0, 5.0), ("r5", 1, 6.0)]
+    empty = tokens_table(SimpleNamespace(requests=reqs[:1])).to_pydict()
+    assert empty["token_index"] == [] and empty["time_s"] == []
+
+
 def test_step_log_runs_read_the_same_as_arrays_and_as_records():
     """Runs of repeated steps are kept as blocks: wherever they fall among the plain steps
     (first, back to back, last), the arrays and the records agree with the steps logged one by one."""
