@@ -39,12 +39,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate, repeat as _repeat
-from operator import attrgetter, countOf, eq, mod
+from operator import countOf, eq, mod
 
 from .base import Pass, Phase, Plan, PolicyBase, SchedulerView, UNTIL_CHANGE, require_positive
 
 DECODING = Phase.DECODING
-_CONTEXT = attrgetter("context")
 
 
 @dataclass
@@ -72,7 +71,7 @@ class Vllm(PolicyBase):
         decode: list[str] = []
         chunks: list[tuple[str, int]] = []
         preempt: list[str] = []
-        ctxs = list(map(_CONTEXT, running_q))  # KV tokens + 1 of each running request
+        ctxs = running_q.contexts()  # KV tokens + 1 of each running request
         # where the prefilling requests sit among the running (few: those being admitted);
         # every other running request decodes
         pre = sorted(map(ids.index, view.prefilling.ids())) if view.prefilling else []

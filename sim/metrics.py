@@ -10,7 +10,7 @@ Percentiles are numpy's linear interpolation, as vLLM computes them.
 from __future__ import annotations
 
 from itertools import chain, compress
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -34,32 +34,39 @@ def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PE
     return out
 
 
-def request_rows(requests, scheduled: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
-    """One row per finished request, times in seconds and milliseconds as in requests.csv.
-    ``scheduled``: when each request was issued by its client (default: its arrival)."""
-    rows = []
-    for r in requests:
-        if r.finish_s is None:
-            continue
-        o = r.output_tokens
-        span = r.finish_s - r.first_token_s
-        rows.append({
-            "id": r.id,
-            "arrival_s": r.arrival_s,
-            "prompt_tokens": r.prompt_tokens,
-            "output_tokens": o,
-            "first_token_s": r.first_token_s,
-            "finish_s": r.finish_s,
-            "ttft_ms": (r.first_token_s - r.arrival_s) * 1e3,
-            "tpot_ms": span / (o - 1) * 1e3 if o > 1 else None,
-            "e2e_ms": (r.finish_s - r.arrival_s) * 1e3,
-            "decode_rate_tok_s": (o - 1) / span if o > 1 and span > 0 else None,
-            "preemptions": r.preemptions,
-            "recomputed_tokens": r.recomputed_tokens,
-            "cached_tokens": r.cached_tokens,
-            "scheduled_s": scheduled.get(r.id, r.arrival_s) if scheduled else r.arrival_s,
-        })
-    return rows
+REQUEST_COLUMNS = (
+    "id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
+    "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
+    "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s",
+)
+_COL = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
+_STATUS = _COL["status"]
+
+
+def request_table(result) -> list[tuple]:
+    """One row per request (``REQUEST_COLUMNS``: requests.csv's), in the run's request order:
+    times in seconds and milliseconds, None where requests.csv has an empty cell (an unfinished
+    or rejected request, a one-token output's TPOT and decode rate). ``scheduled_s``: when its
+    client issued it (its arrival unless closed-loop clients held it back)."""
+    scheduled = getattr(result, "scheduled_s", None) or {}
+    rejected = {r.id for r, _ in result.rejected}
+    out = []
+    for r in result.requests:
+        a = r.arrival_s
+        sched = scheduled.get(r.id, a) if scheduled else a
+        if r.finish_s is not None:
+            o = r.output_tokens
+            f, e = r.first_token_s, r.finish_s
+            span = e - f
+            out.append((r.id, a, r.prompt_tokens, o, f, e, (f - a) * 1e3,
+                        span / (o - 1) * 1e3 if o > 1 else None, (e - a) * 1e3,
+                        (o - 1) / span if o > 1 and span > 0 else None, "finished",
+                        r.preemptions, r.recomputed_tokens, r.cached_tokens, sched))
+        else:
+            status = "rejected" if r.id in rejected else "unfinished"
+            out.append((r.id, a, r.prompt_tokens, r.output_tokens) + (None,) * 6
+                       + (status, r.preemptions, r.recomputed_tokens, r.cached_tokens, sched))
+    return out
 
 
 def peak_concurrency(rows: Sequence[Mapping[str, Any]]) -> int:
@@ -113,9 +120,10 @@ def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray, scale: fl
 def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None) -> dict[str, Any]:
     """summary.json for a run (see issue: keys as `vllm bench serve --save-result`)."""
     percentiles = tuple(percentiles)
-    rows = request_rows(result.requests, getattr(result, "scheduled_s", None))
-    done = np.fromiter((r.finish_s is not None for r in result.requests), dtype=bool, count=len(result.requests))
+    table = request_table(result)
+    done = np.fromiter((row[_STATUS] == "finished" for row in table), dtype=bool, count=len(table))
     finished = list(compress(result.requests, done))
+    fin_rows = list(compress(table, done))
     itl_ms = _gaps(*token_times_flat(result), done, 1e3)
     arrivals = [r.arrival_s for r in result.requests]
     start = min(arrivals) if arrivals else 0.0
@@ -125,7 +133,11 @@ def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[s
     in_tokens = sum(r.prompt_tokens for r in finished)
 
     def col(key):
-        return [row[key] for row in rows if row[key] is not None]
+        return [v for v in map(itemgetter(_COL[key]), fin_rows) if v is not None]
+
+    rows = None
+    if getattr(result, "source", None) or slo:  # (the finished requests' rows by column name)
+        rows = [dict(zip(REQUEST_COLUMNS, row)) for row in fin_rows]
 
     rates = col("decode_rate_tok_s")
     summary: dict[str, Any] = {

@@ -39,15 +39,8 @@ import numpy as np
 
 from .gcpause import gc_paused
 from .features import step_table, write_features
-from .metrics import request_rows, token_times_flat
+from .metrics import REQUEST_COLUMNS, request_table, token_times_flat
 
-REQUEST_COLUMNS = (
-    "id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
-    "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
-    "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s",
-)
-_TIMES = REQUEST_COLUMNS[:REQUEST_COLUMNS.index("status")]
-_KV = REQUEST_COLUMNS[REQUEST_COLUMNS.index("status") + 1:]
 STEP_COLUMNS = (
     "step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens",
     "passes", "kv_tokens",
@@ -92,25 +85,6 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping
         **(meta or {}),
     }
     (out / "meta.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-    return out
-
-
-def request_table(result) -> list[tuple]:
-    """requests.csv's rows (``REQUEST_COLUMNS``), in the run's request order; None where the
-    file has an empty cell (an unfinished or rejected request, a one-token output's TPOT)."""
-    scheduled = getattr(result, "scheduled_s", None) or {}
-    rows = {row["id"]: row for row in request_rows(result.requests, scheduled)}
-    rejected = {r.id for r, _ in result.rejected}
-    out = []
-    for r in result.requests:
-        row = rows.get(r.id)
-        if row is not None:
-            out.append(tuple(row[c] for c in _TIMES) + ("finished",) + tuple(row[c] for c in _KV))
-        else:
-            status = "rejected" if r.id in rejected else "unfinished"
-            out.append((r.id, r.arrival_s, r.prompt_tokens, r.output_tokens) + (None,) * 6
-                       + (status, r.preemptions, r.recomputed_tokens, r.cached_tokens,
-                          scheduled.get(r.id, r.arrival_s)))
     return out
 
 

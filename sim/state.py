@@ -19,7 +19,8 @@ longest cached prefix of its tokens already in its KV.
 from __future__ import annotations
 
 from itertools import chain, repeat
-from operator import attrgetter, countOf, mod
+from itertools import compress
+from operator import attrgetter, countOf, mod, not_
 from typing import Any, Callable, Iterator, Sequence
 
 from policies.base import CostModel, Pass, PassShape, Phase, Plan
@@ -45,6 +46,7 @@ def _dupes(ids) -> str:
 
 _CTX = attrgetter("_ctx")
 _LEFT = attrgetter("_left")
+_NO_TIMES: list[float] = []  # (a request outside any replica never joins a batch)
 
 
 class RequestState:
@@ -53,7 +55,7 @@ class RequestState:
     __slots__ = (
         "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index", "request",
         "_phase", "_prefilled", "_target", "_left", "_ctx", "_reserved",
-        "admitted_s", "first_token_s", "finish_s", "token_times", "preemptions",
+        "admitted_s", "first_token_s", "finish_s", "_tt", "_seg", "_times", "preemptions",
         "recomputed_tokens", "cached_tokens", "_high", "_blk",
     )
 
@@ -74,7 +76,11 @@ class RequestState:
         self.admitted_s: float | None = None
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
-        self.token_times: list[float] = []
+        self._tt: list[float] = []  # its token times, but for the batch's passes since _seg
+        # while it sits in the replica's batch cache: the first of the replica's decode pass ends
+        # (``_times``) not yet copied into _tt (-1 outside the batch)
+        self._seg = -1
+        self._times: list[float] = _NO_TIMES
         self.preemptions = 0
         self.recomputed_tokens = 0  # KV tokens computed again after a preemption
         self.cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
@@ -108,6 +114,22 @@ class RequestState:
     @property
     def kv_footprint(self) -> int:
         return self.prompt_tokens + self.output_tokens - 1
+
+    @property
+    def token_times(self) -> list[float]:
+        """When each of its output tokens came out (seconds), in order.
+
+        Every row of the replica's batch cache decodes in each decode pass (a row that does not
+        leaves the batch), so while a request sits in it its times are the batch's pass ends
+        since it joined: the replica keeps those once per pass, not once per row, and they are
+        copied in here when read (and when it leaves the batch)."""
+        s = self._seg
+        if s >= 0:
+            times = self._times
+            if len(times) > s:
+                self._tt += times[s:]
+                self._seg = len(times)
+        return self._tt
 
     def __repr__(self) -> str:
         return (f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"
@@ -186,6 +208,10 @@ class _Queue(Sequence):
     def ids(self) -> tuple[str, ...]:
         """The ids in order (fast: no per-request Python)."""
         return tuple(self._d)
+
+    def contexts(self) -> list[int]:
+        """Each request's ``context`` in order (fast: no per-request Python)."""
+        return list(map(_CTX, self._d.values()))
 
     def __getitem__(self, i):
         if i == 0 and self._d and not isinstance(i, slice):
@@ -272,8 +298,9 @@ class ReplicaState:
         self.blocks_used = 0  # blocks held by requests (cached blocks nobody references are free)
         self.prefix = PrefixCache(bs, token_keys) if prefix_caching else None
         # the last pass shape() checked: (pass, its new blocks, its decode rows, their id set,
-        # whether a row is handed off from prefilling, how many rows finish)
-        self._shaped: tuple = (None, 0, None, None, False, 0)
+        # whether a row is handed off from prefilling, how many rows finish, the ids of the rows
+        # joining the batch)
+        self._shaped: tuple = (None, 0, None, None, False, 0, ())
         # the decode rows of the last pass applied, and their states (while all stay in the batch,
         # the next pass over the same rows needs no checking again: the common decode step)
         self._last_decode: Sequence[str] | None = None
@@ -298,6 +325,9 @@ class ReplicaState:
         # Rows of the engine's batched decode cache (see PassShape): mirrors what the
         # MLX backend does, so predicted copies match real ones.
         self.batch: set[str] = set()
+        # the end of every decode pass applied: the token times of the batch's rows (see
+        # ``RequestState.token_times``); only ever appended to
+        self._times: list[float] = []
         for req in requests:  # known up front (a caller drives arrivals with ``arrive``)
             self.register(req)
 
@@ -307,6 +337,7 @@ class ReplicaState:
         if req.id in self.by_id:
             raise ValueError(f"request id {req.id!r} is already in use on this replica")
         r = RequestState(req, len(self.requests))
+        r._times = self._times
         if self.prefix is not None:
             r.__class__ = _CachedRequestState
             r._blk = Blocks(self.prefix, r.id)
@@ -348,8 +379,8 @@ class ReplicaState:
             return
         r.output_tokens = r.output_tokens - r._left + 1
         r._left = 1
-        p, new, rs, dset, handoff, finishing = self._shaped  # (shape counted it as going on)
-        self._shaped = (p, new, rs, dset, handoff, finishing + 1)
+        p, new, rs, dset, handoff, finishing, joiners = self._shaped  # (shape counted it as going on)
+        self._shaped = (p, new, rs, dset, handoff, finishing + 1, joiners)
 
     def _blocks_of(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -408,6 +439,8 @@ class ReplicaState:
             r._ctx = 1
             r._phase = WAITING
             r.preemptions += 1
+            if r._seg >= 0:
+                self._leave(r)
             self.batch.discard(rid)
             # back to the front of the queue (it arrived before anyone still waiting)
             self.waiting.prepend(rid, r)
@@ -451,6 +484,7 @@ class ReplicaState:
         handoff = False
         ctx: tuple[int, ...] = ()
         rs = dset = None
+        joiners: list[str] | tuple = ()
         if decode:
             if decode == self._last_decode and len(batch) == len(decode):
                 # the rows of the last pass applied, every one still in the batch (decoding)
@@ -465,12 +499,13 @@ class ReplicaState:
                 # rows already in the batch cache are decoding (the batch holds nothing else);
                 # only newcomers need checking
                 if not batch.issuperset(dset):
-                    for rid in dset - batch:
+                    joiners = list(dset - batch)
+                    for rid in joiners:
                         r = self.by_id.get(rid) if isinstance(rid, str) else None
                         self._check_decode(rid, r)
-                        joins += 1
                         if r._phase is PREFILLING:
                             handoff = True
+                    joins = len(joiners)
                 rs = list(map(self.by_id.__getitem__, decode))
             ctx = tuple(map(_CTX, rs))
             finishing = countOf(map(_LEFT, rs), 1)
@@ -508,7 +543,7 @@ class ReplicaState:
                 raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
             raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
                              f"{self.kv_blocks} blocks")
-        self._shaped = (p, new, rs, dset, handoff, finishing)
+        self._shaped = (p, new, rs, dset, handoff, finishing, joiners)
         padded = bool(p.padded and chunks)
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
@@ -524,8 +559,8 @@ class ReplicaState:
         pc = self.prefix
         new = 0
         rows = list(map(self.by_id.__getitem__, p.decode))
+        self._times += times  # (the rows are the batch's: their token times)
         for r in rows:
-            r.token_times.extend(times)
             r._left -= m
             c = r._ctx
             if bs > 1:  # KV goes from c - 1 to c - 1 + m tokens
@@ -538,6 +573,12 @@ class ReplicaState:
             for r in rows:
                 pc.register(r, (r._ctx - 1) // bs)
         self.step_index += m
+
+    @staticmethod
+    def _leave(r: RequestState) -> None:
+        """``r`` leaves the batch cache: its times from the batch's passes are copied in."""
+        r.token_times  # noqa: B018  (reading copies them)
+        r._seg = -1
 
     def _room(self, pc: PrefixCache) -> None:
         """Blocks just allocated: evict free cached blocks if no empty block was left."""
@@ -563,13 +604,24 @@ class ReplicaState:
         by_id = self.by_id
         if self._shaped[0] is not p:
             self.shape(p)
-        _, new, rs, dset, handoff, finishing = self._shaped
-        self._shaped = (None, 0, None, None, False, 0)
+        _, new, rs, dset, handoff, finishing, joiners = self._shaped
+        self._shaped = (None, 0, None, None, False, 0, ())
         self.blocks_used += new
         pc = self.prefix
         if pc is not None and new:
             self._room(pc)
         if rs:
+            times = self._times
+            batch = self.batch
+            if dset is not batch:
+                if len(batch) + len(joiners) > len(rs):  # rows of the batch that do not decode leave it
+                    for rid in batch - dset:
+                        self._leave(by_id[rid])
+                n = len(times)  # this pass's end: the joiners' first time from the batch
+                for rid in joiners:
+                    by_id[rid]._seg = n
+                self.batch = dset
+            times.append(t)  # (every row's token time: see RequestState.token_times)
             if handoff:
                 for r in rs:
                     if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
@@ -580,18 +632,14 @@ class ReplicaState:
                         if r.first_token_s is None:
                             r.first_token_s = t
                     r._ctx += 1
-                    r.token_times.append(t)
                     r._left -= 1
             else:  # every row was decoding (the common step): nothing but its counters
                 for r in rs:
                     r._ctx += 1
-                    r.token_times.append(t)
                     r._left -= 1
             if finishing:  # (shape counted the rows with one token left)
-                done.extend(r for r in rs if not r._left)
+                done.extend(compress(rs, map(not_, map(_LEFT, rs))))
             self.kv_used += len(rs)
-            if dset is not self.batch:
-                self.batch = dset
             self._last_decode = p.decode
             self._last_rows = rs
         for rid, n in p.prefill:
@@ -608,7 +656,7 @@ class ReplicaState:
                 r._ctx = r._target + 1  # prompt (+ recomputed output) plus the new token
                 if r.first_token_s is None:
                     r.first_token_s = t
-                r.token_times.append(t)
+                r._tt.append(t)  # (not in the batch: its times are all in _tt)
                 if not r._left:
                     done.append(r)
             else:
@@ -630,6 +678,8 @@ class ReplicaState:
             r._reserved = 0
             del decoding[r.id]
             del running[r.id]
+            if r._seg >= 0:
+                self._leave(r)
             self.batch.discard(r.id)
             r._phase = FINISHED
             r.finish_s = t

@@ -83,6 +83,39 @@ def test_preemption_recomputes_prompt_plus_output():
     assert r.generated == 6 and len(r.token_times) == 6
 
 
+def test_token_times_follow_each_row_in_and_out_of_the_batch():
+    # The batch's rows share one list of pass ends (a row's times are copied in when read or
+    # when it leaves): a row parked out of the batch, one rejoining, one preempted from it and
+    # one handed off from prefilling must each get exactly the ends of the passes it was in.
+    b = Bench([req("a", 10, 9), req("b", 10, 9), req("c", 10, 9), req("h", 10, 5)])
+    st = b.state
+    a, bb, c = (b.decoding(x) for x in "abc")  # one token each from their prefill
+    h = b.prefilling("h", 9)  # one prompt token left: it joins by a hand-off
+    want = {x: [x.token_times[0]] for x in (a, bb, c)}
+
+    def dec(*rows):
+        b.apply(Plan(passes=(Pass(decode=rows),)))
+        for x in rows:
+            want.setdefault(st.by_id[x], []).append(b.t)
+
+    dec("a", "b", "c")
+    dec("a", "b", "c")
+    assert a.token_times == want[a]  # read while it is still in the batch
+    dec("a", "c")  # b is parked: it leaves the batch, still decoding
+    dec("a", "c", "h")  # h handed off: its first token comes from this pass
+    assert h.first_token_s == b.t and h.token_times == [b.t]
+    dec("a", "b", "c", "h")  # b rejoins
+    b.apply(Plan(preempt=("c",)))  # c leaves the batch by preemption
+    dec("a", "b", "h")
+    for x in (a, bb, c, h):
+        assert x.token_times == want[x], x.id
+    assert st.batch == {"a", "b", "h"}
+    while a.phase.value != "finished":
+        dec("a", "b", "h")
+    assert a.token_times == want[a] and len(a.token_times) == 9 and a.token_times[-1] == a.finish_s
+    assert bb.token_times == want[bb] and h.token_times == want[h]
+
+
 def test_shape_reports_contexts_joins_and_leaves():
     b = Bench([req("a", 10, 2), req("b", 20, 9), req("c", 30, 9)])
     for rid in "abc":
