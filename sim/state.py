@@ -498,8 +498,9 @@ class ReplicaState:
                     raise self._fail(f"decodes a request twice in one pass: {_dupes(decode)}")
                 # rows already in the batch cache are decoding (the batch holds nothing else);
                 # only newcomers need checking
-                if not batch.issuperset(dset):
-                    joiners = list(dset - batch)
+                joiners = dset - batch if batch else dset
+                if joiners:
+                    joiners = list(joiners)
                     for rid in joiners:
                         r = self.by_id.get(rid) if isinstance(rid, str) else None
                         self._check_decode(rid, r)
