@@ -4,7 +4,8 @@ Per model (tiny, smollm2-135m): the default calibration first, made fresh and ti
 validate and run-real make when no profile matches: the quick grid + a short real replay of a
 few policies on a small synthetic trace, fitted together; ``--profile`` uses a given one
 instead), then per held-out trace and per policy one simulation and ``--repeat`` real runs,
-compared as ``validate`` compares them (measured = median of the real runs). Recorded:
+compared as ``validate`` compares them (measured = median of the real runs; the policies' real
+runs interleaved round by round, so that the machine's drift meets every policy alike). Recorded:
 
 - the nine metrics' errors (simulated vs measured, %), their median and worst;
 - the real runs' spread per metric ((max - min) / median, %), beside each error;
@@ -50,7 +51,7 @@ import traces  # noqa: E402
 from engine import blas  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from policies import POLICIES, make_policy  # noqa: E402
-from schedlab.validate import validate_one  # noqa: E402
+from schedlab.validate import validate_many  # noqa: E402
 from sim.cost import LinearCostModel  # noqa: E402
 
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
@@ -157,13 +158,14 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
         info.check_trace(tr.requests)
         key = spec if spec.startswith("real-") else f"{spec}@{seed}"
         res["traces"][key] = {}
+        # the policies' real runs interleaved round by round (validate_many): drift meets them all alike
+        vs = validate_many({p: make_policy(p) for p in policies}, tr, info, cost, capacity,
+                           {p: work / _safe(key) / p for p in policies}, args.repeat, seed,
+                           {"kind": "linear", "profile": str(path)},
+                           lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
+                           speed_check_runs=not args.no_speed_check)
         for pname in policies:
-            pol = make_policy(pname)
-            v = validate_one(pol, tr, info, cost, capacity, work / _safe(key) / pname, args.repeat, seed,
-                             {"kind": "linear", "profile": str(path)},
-                             lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
-                             speed_check_runs=not args.no_speed_check)
-            _record(res, model, key, pname, v)
+            _record(res, model, key, pname, vs[pname])
     return _summarise(res, policies)
 
 

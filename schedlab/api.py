@@ -812,18 +812,27 @@ def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = Fals
 # ---------------------------------------------------------------------------- validate
 
 
-def validate_one(pol, tr, info, cost, capacity, pdir: Path | None, repeat: int, seed: int,
-                 cost_meta: dict, say, speed_check_runs: bool = True) -> dict:
-    """One policy: the simulation and ``repeat`` real runs; validation.json's content."""
-    return _validate_runs(pol, tr, info, cost, capacity, pdir, repeat, seed, cost_meta, say, speed_check_runs)[0]
+def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None], repeat: int,
+                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True) -> dict[str, dict]:
+    """Several policies side by side (``_validate_interleaved``); each one's validation.json content."""
+    got = _validate_interleaved(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say, speed_check_runs)
+    return {name: v for name, (v, _, _) in got.items()}
 
 
-def _validate_runs(pol, tr, info, cost, capacity, pdir: Path | None, repeat: int, seed: int,
-                   cost_meta: dict, say, speed_check_runs: bool = True) -> tuple[dict, Run, list[Run]]:
-    """One policy: the simulation and ``repeat`` real runs, written under ``pdir`` as they come
-    (when given). The real runs plan and predict with the same cost model as the simulation:
-    the policy sees the same estimates on both sides, and steps.parquet's predicted_s (the
-    per-step error) is that model's, analytic with ``hardware``."""
+def _validate_interleaved(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None],
+                          repeat: int, seed: int, cost_meta: dict, say, speed_check_runs: bool = True
+                          ) -> dict[str, tuple[dict, Run, list[Run]]]:
+    """Policies side by side: each one's simulation, then the real runs round by round — run k
+    of every policy before run k + 1 of any — and the machine's speed timed once before the
+    first round and once after the last. This machine's speed drifts by tens of percent within
+    minutes (``bench/drift.py``): one policy's runs after another's would compare the two
+    policies at two speeds of the machine; interleaved, every policy meets the same spells.
+    Then, per policy, the comparison (validation.json's content, written under its directory
+    when given), its simulated run and its real runs.
+
+    The real runs plan and predict with the same cost model as the simulation: the policy
+    sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)
+    is that model's, analytic with ``hardware``."""
     import json
 
     from engine.backend import MLXBackend
@@ -834,49 +843,58 @@ def _validate_runs(pol, tr, info, cost, capacity, pdir: Path | None, repeat: int
     from analysis.residuals import bias, concat, residual_table
     from analysis.validation import compare as compare_runs
 
-    meta = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed, "policy_options": _policy_options(pol)}
-    say(f"{pol.name}: simulating")
-    sim_res = run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
-    sim_run = Run(sim_res, summarize(sim_res), meta)
-    if pdir is not None:
-        sim_run.save(pdir / "sim")
+    sims: dict[str, Run] = {}
+    metas = {}
+    for name, pol in pols.items():
+        metas[name] = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed,
+                       "policy_options": _policy_options(pol)}
+        say(f"{pol.name}: simulating")
+        sim_res = run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
+        sims[name] = Run(sim_res, summarize(sim_res), metas[name])
+        if dirs.get(name) is not None:
+            sims[name].save(dirs[name] / "sim")
     speed_ref = _speed_reference(cost_meta) if speed_check_runs else None
     speed = {}
     if speed_ref is not None:
-        say(f"{pol.name}: timing the profile's reference passes (the machine's speed now)")
+        say("timing the profile's reference passes (the machine's speed now)")
         speed["before"] = speed_check(info, speed_ref, seed=seed)
-    reals, summaries, steps, tables = [], [], [], []
+    reals: dict[str, list[Run]] = {name: [] for name in pols}
+    tables: dict[str, list] = {name: [] for name in pols}
     for k in range(repeat):
-        say(f"{pol.name}: real run {k + 1}/{repeat}")
-        res = run_loop(tr.requests, pol, cost, kv_capacity=capacity,
-                       backend=MLXBackend(info, seed=seed, ignore_eos=True), trace_name=tr.name)
-        real = Run(res, summarize(res), meta)
-        if pdir is not None:
-            real.save(pdir / ("real" if k == 0 else f"real-{k + 1}"))
-        if res.error:
-            _fail(f"{pol.name}: real run stopped: {res.error}")
-        reals.append(real)
-        summaries.append(real._summary)
-        steps.extend(res.steps)
-        tables.append(step_table(res))
+        for name, pol in pols.items():
+            say(f"{pol.name}: real run {k + 1}/{repeat}")
+            res = run_loop(tr.requests, pol, cost, kv_capacity=capacity,
+                           backend=MLXBackend(info, seed=seed, ignore_eos=True), trace_name=tr.name)
+            real = Run(res, summarize(res), metas[name])
+            if dirs.get(name) is not None:
+                real.save(dirs[name] / ("real" if k == 0 else f"real-{k + 1}"))
+            if res.error:
+                _fail(f"{pol.name}: real run stopped: {res.error}")
+            reals[name].append(real)
+            tables[name].append(step_table(res))
     if speed_ref is not None:
         speed["after"] = speed_check(info, speed_ref, seed=seed)
-    v = compare_runs(sim_run._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
-    feats = concat(tables)
-    v["step_bias"] = bias(feats)
-    v["residuals"] = residual_table(feats)
-    if speed_ref is not None:
-        v["machine_speed"] = speed
-        adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps)
-        if adj is not None:
-            v["drift_adjusted"] = adj
-    v["model"] = info.name
-    v["cost_model"] = cost_meta
-    v["sim_dir"] = "sim"
-    v["real_dirs"] = ["real" if k == 0 else f"real-{k + 1}" for k in range(repeat)]
-    if pdir is not None:
-        (pdir / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
-    return v, sim_run, reals
+    out = {}
+    for name, pol in pols.items():
+        summaries = [r._summary for r in reals[name]]
+        steps = [st for r in reals[name] for st in r._result.steps]
+        v = compare_runs(sims[name]._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
+        feats = concat(tables[name])
+        v["step_bias"] = bias(feats)
+        v["residuals"] = residual_table(feats)
+        if speed_ref is not None:
+            v["machine_speed"] = speed
+            adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps)
+            if adj is not None:
+                v["drift_adjusted"] = adj
+        v["model"] = info.name
+        v["cost_model"] = cost_meta
+        v["sim_dir"] = "sim"
+        v["real_dirs"] = ["real" if k == 0 else f"real-{k + 1}" for k in range(repeat)]
+        if dirs.get(name) is not None:
+            (dirs[name] / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
+        out[name] = (v, sims[name], reals[name])
+    return out
 
 
 def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: list) -> dict | None:
@@ -1093,9 +1111,9 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
     cost, capacity, cost_meta = _validation_cost(profile, hardware, kv_tokens, info, out, log)
 
     results, sims, reals = {}, {}, {}
-    for name, pol in pols.items():
-        pdir = None if out is None else (out if len(pols) == 1 else out / name)
-        v, sim_run, real_runs = _validate_runs(pol, tr, info, cost, capacity, pdir, repeat, seed, cost_meta, say)
+    dirs = {name: None if out is None else (out if len(pols) == 1 else out / name) for name in pols}
+    got = _validate_interleaved(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say)
+    for name, (v, sim_run, real_runs) in got.items():
         results[name], sims[name], reals[name] = v, sim_run, real_runs
         if on_result is not None:
             on_result(name, v)

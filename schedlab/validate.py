@@ -66,7 +66,7 @@ def validate(
 
 
 # what the validation does is the API's (kept importable from here: bench/fidelity.py, tests)
-from .api import analytic_cost, drift_adjusted, format_overview, validate_one  # noqa: E402,F401
+from .api import analytic_cost, drift_adjusted, format_overview, validate_many  # noqa: E402,F401
 
 
 def validate_main() -> None:
