@@ -18,8 +18,7 @@ longest cached prefix of its tokens already in its KV.
 
 from __future__ import annotations
 
-from itertools import chain, repeat
-from itertools import compress
+from itertools import chain, compress, repeat
 from operator import attrgetter, countOf, mod, not_
 from typing import Any, Callable, Iterator, Sequence
 
