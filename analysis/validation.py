@@ -148,4 +148,9 @@ def speed_line(speed: Mapping[str, Any] | None) -> str | None:
         line += (f": this machine ran up to {100 * abs(worst - 1.0):.0f} % {'slower' if worst > 1 else 'faster'} "
                  "than when the profile was measured; errors of that size are the machine, not the cost "
                  "model (recalibrate to follow it)")
+    if len(got) == 2:
+        change = got["after"] / got["before"] - 1.0
+        if abs(change) >= 0.1:  # one factor cannot stand for the runs: their speed moved under them
+            line += (f"; it {'slowed' if change > 0 else 'sped up'} by {100 * abs(change):.0f} % during them "
+                     "(every run met a different machine)")
     return line

@@ -222,6 +222,9 @@ def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
     assert "1.31x (before the real runs) and 1.02x (after the real runs)" in line and "31 % slower" in line
     assert "20 % faster" in speed_line({"before": {"ratio": 0.8}, "after": None})
     assert "not the cost model" not in speed_line({"before": {"ratio": 1.01}, "after": {"ratio": 0.98}})
+    assert "sped up by 22 % during them" in line
+    assert "slowed by 36 % during them" in speed_line({"before": {"ratio": 0.89}, "after": {"ratio": 1.21}})
+    assert "during them" not in speed_line({"before": {"ratio": 1.05}, "after": {"ratio": 1.1}})
     assert speed_line(None) is None and speed_line({"before": None}) is None
 
 
