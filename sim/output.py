@@ -31,7 +31,7 @@ import platform
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Mapping
 
