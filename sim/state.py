@@ -438,9 +438,7 @@ class ReplicaState:
             r._ctx = 1
             r._phase = WAITING
             r.preemptions += 1
-            if r._seg >= 0:
-                self._leave(r)
-            self.batch.discard(rid)
+            self._leave(r)
             # back to the front of the queue (it arrived before anyone still waiting)
             self.waiting.prepend(rid, r)
             preempted.append(r)
@@ -574,11 +572,13 @@ class ReplicaState:
                 pc.register(r, (r._ctx - 1) // bs)
         self.step_index += m
 
-    @staticmethod
-    def _leave(r: RequestState) -> None:
-        """``r`` leaves the batch cache: its times from the batch's passes are copied in."""
-        r.token_times  # noqa: B018  (reading copies them)
-        r._seg = -1
+    def _leave(self, r: RequestState) -> None:
+        """``r`` leaves the batch cache (if it is in it): its times from the batch's passes
+        are copied in."""
+        if r._seg >= 0:
+            r.token_times  # noqa: B018  (reading copies them)
+            r._seg = -1
+            self.batch.discard(r.id)
 
     def _room(self, pc: PrefixCache) -> None:
         """Blocks just allocated: evict free cached blocks if no empty block was left."""
@@ -678,9 +678,7 @@ class ReplicaState:
             r._reserved = 0
             del decoding[r.id]
             del running[r.id]
-            if r._seg >= 0:
-                self._leave(r)
-            self.batch.discard(r.id)
+            self._leave(r)
             r._phase = FINISHED
             r.finish_s = t
             self.finished += 1
