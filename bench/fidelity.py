@@ -165,7 +165,7 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
                            lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
                            speed_check_runs=not args.no_speed_check)
         for pname in policies:
-            _record(res, model, key, pname, vs[pname])
+            _record(res, model, key, pname, vs[pname][0])
     return _summarise(res, policies)
 
 

@@ -813,15 +813,8 @@ def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = Fals
 
 
 def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None], repeat: int,
-                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True) -> dict[str, dict]:
-    """Several policies side by side (``_validate_interleaved``); each one's validation.json content."""
-    got = _validate_interleaved(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say, speed_check_runs)
-    return {name: v for name, (v, _, _) in got.items()}
-
-
-def _validate_interleaved(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None],
-                          repeat: int, seed: int, cost_meta: dict, say, speed_check_runs: bool = True
-                          ) -> dict[str, tuple[dict, Run, list[Run]]]:
+                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True
+                  ) -> dict[str, tuple[dict, Run, list[Run]]]:
     """Policies side by side: each one's simulation, then the real runs round by round — run k
     of every policy before run k + 1 of any — and the machine's speed timed once before the
     first round and once after the last. This machine's speed drifts by tens of percent within
@@ -859,7 +852,6 @@ def _validate_interleaved(pols: Mapping[str, Any], tr, info, cost, capacity, dir
         say("timing the profile's reference passes (the machine's speed now)")
         speed["before"] = speed_check(info, speed_ref, seed=seed)
     reals: dict[str, list[Run]] = {name: [] for name in pols}
-    tables: dict[str, list] = {name: [] for name in pols}
     for k in range(repeat):
         for name, pol in pols.items():
             say(f"{pol.name}: real run {k + 1}/{repeat}")
@@ -871,7 +863,6 @@ def _validate_interleaved(pols: Mapping[str, Any], tr, info, cost, capacity, dir
             if res.error:
                 _fail(f"{pol.name}: real run stopped: {res.error}")
             reals[name].append(real)
-            tables[name].append(step_table(res))
     if speed_ref is not None:
         speed["after"] = speed_check(info, speed_ref, seed=seed)
     out = {}
@@ -879,7 +870,7 @@ def _validate_interleaved(pols: Mapping[str, Any], tr, info, cost, capacity, dir
         summaries = [r._summary for r in reals[name]]
         steps = [st for r in reals[name] for st in r._result.steps]
         v = compare_runs(sims[name]._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
-        feats = concat(tables[name])
+        feats = concat([step_table(r._result) for r in reals[name]])
         v["step_bias"] = bias(feats)
         v["residuals"] = residual_table(feats)
         if speed_ref is not None:
@@ -1112,7 +1103,7 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
 
     results, sims, reals = {}, {}, {}
     dirs = {name: None if out is None else (out if len(pols) == 1 else out / name) for name in pols}
-    got = _validate_interleaved(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say)
+    got = validate_many(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say)
     for name, (v, sim_run, real_runs) in got.items():
         results[name], sims[name], reals[name] = v, sim_run, real_runs
         if on_result is not None:
