@@ -35,6 +35,11 @@ class Sample:
         return {"group": self.group, "label": self.label, "seconds": self.seconds,
                 "runs": self.runs, "features": {k: v for k, v in self.features.items() if v}}
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Sample":
+        """A sample as ``to_json`` wrote it into a profile."""
+        return cls(d["group"], d["label"], d["features"], d["seconds"], d.get("runs") or [d["seconds"]])
+
 
 def merge_rounds(same: Sequence[Sample]) -> Sample:
     """One sample from the rounds of one grid point: the median over all their runs."""

@@ -98,8 +98,7 @@ def _grid_coefficients(prof: dict) -> dict:
     """The grid's own fit (what ``calibrate_default`` drew the replay's trace from)."""
     from analysis.fit import Sample, fit_profile
 
-    samples = [Sample(s["group"], s["label"], s["features"], s["seconds"], s.get("runs") or [s["seconds"]])
-               for s in prof.get("samples") or []]
+    samples = [Sample.from_json(s) for s in prof.get("samples") or []]
     if not samples:
         raise SystemExit("the profile keeps no grid samples: cannot draw its replay's trace again")
     return fit_profile(samples)[0]

@@ -240,8 +240,7 @@ def _profile_for(info, samples, block=None):
     from analysis.fit import Sample, fit_profile
 
     meta = info.metadata()
-    coef, report = fit_profile([Sample(s["group"], s["label"], s["features"], s["seconds"], s["runs"])
-                                for s in samples])
+    coef, report = fit_profile([Sample.from_json(s) for s in samples])
     prof = {"schema": "schedlab-profile/1", "model": meta["model"], "dtype": meta["dtype"],
             "parameters": meta["parameters"], "blas": _blas_key(meta["blas"]), "machine": meta["machine"],
             "kv_tokens": 262144, "calibration": {"grid": "synthetic", "seed": 0, "samples": len(samples), "wall_s": 0.0},
