@@ -439,8 +439,10 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     model, capacity, cost_meta = _pick_cost(profile, kv_tokens, hardware, model_config, quant, cost)
     result = run_loop(arrivals, pol, model, kv_capacity=capacity, trace_name=tr.name, block_size=block_size,
                       prefix_caching=bool(prefix_caching), record_passes=bool(passes))
-    with gc_paused():
-        summary = summarize(result, slo=slos or None)
+    @gc_paused()
+    def summary():  # when first needed (saving writes the large tables meanwhile)
+        return summarize(result, slo=slos or None)
+
     return Run(result, summary, {**cost_meta, "kv_tokens": result.kv_capacity, "block_size": block_size,
                                  "prefix_caching": bool(prefix_caching), "seed": seed,
                                  "policy_options": _policy_options(pol)})

@@ -12,7 +12,7 @@ import copy
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .errors import SchedlabError
 
@@ -51,18 +51,28 @@ class Run:
     what ran: ``error`` says why; ``rejected`` lists requests larger than the KV capacity.
     """
 
-    def __init__(self, result: Any = None, summary: Mapping[str, Any] | None = None,
+    def __init__(self, result: Any = None, summary: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
                  meta: Mapping[str, Any] | None = None, *, _dir: Path | None = None, _frames=None,
                  _meta_file: Mapping[str, Any] | None = None, _write_texts=None):
         self._result = result
         self._write_texts = _write_texts  # a real run's texts.jsonl (run-real --out writes it)
-        self._summary = dict(summary or {})
+        # the summary, or what computes it when first needed: ``save`` starts writing the large
+        # tables before it asks, so that both go on at once
+        self._summary_of = summary if callable(summary) else None
+        self._summary_dict = None if callable(summary) else dict(summary or {})
         self._meta = dict(meta or {})  # what the command adds to meta.json (cost model, seed, ...)
         self._dir = _dir  # a run read back from a directory (load_run)
         self._frames: dict[str, Any] = dict(_frames or {})
         self._meta_file = dict(_meta_file) if _meta_file is not None else None
 
     # ---------------------------------------------------------------- numbers
+
+    @property
+    def _summary(self) -> dict[str, Any]:
+        if self._summary_dict is None:
+            self._summary_dict = dict(self._summary_of())
+            self._summary_of = None
+        return self._summary_dict
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -262,7 +272,7 @@ class Run:
             if self._result is not None:
                 from sim.output import write_run
 
-                write_run(out, self._result, self._summary, meta=self._meta, passes=passes)
+                write_run(out, self._result, lambda: self._summary, meta=self._meta, passes=passes)
                 if self._write_texts is not None:
                     self._write_texts(out / "texts.jsonl")
                 return out

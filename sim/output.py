@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -48,23 +48,29 @@ STEP_COLUMNS = (
 
 
 @gc_paused()  # millions of rows are made here, almost no cycles
-def write_run(out: str | Path, result, summary: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
-              *, passes: bool = True) -> Path:
+def write_run(out: str | Path, result, summary: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+              meta: Mapping[str, Any] | None = None, *, passes: bool = True) -> Path:
+    """Write the run directory. ``summary``: summary.json's content, or what computes it (asked
+    for once the large tables are being written: the two go on at once)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if not passes:  # an earlier run's timeline must not pass for this one's
         (out / "passes.parquet").unlink(missing_ok=True)
-    stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
-    (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
 
-    # pyarrow writes (and compresses) without the GIL: each table is written in the background
-    # while the next one (and requests.csv) is made
+    # pyarrow writes (and compresses) without the GIL, as numpy computes most of the summary:
+    # each table is made and written in the background while the next one, the summary and
+    # requests.csv are made
+    token_times_flat(result)  # (made once, here: the summary's ITLs read them as well)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        writes = [pool.submit(_write_table, steps_table(result.steps), out / "steps.parquet"),
-                  pool.submit(_write_table, tokens_table(result), out / "tokens.parquet")]
+        writes = [pool.submit(_write_table, tokens_table, out / "tokens.parquet", result),
+                  pool.submit(_write_table, steps_table, out / "steps.parquet", result.steps)]
         if passes:
-            writes.append(pool.submit(_write_table, passes_table(result.requests, result.passes),
-                                      out / "passes.parquet"))
+            writes.append(pool.submit(_write_table, passes_table, out / "passes.parquet", result.requests,
+                                      result.passes))
+        if callable(summary):
+            summary = summary()
+        stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
+        (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
         with open(out / "requests.csv", "w", newline="") as f:
             w = csv.writer(f, lineterminator="\n")
             w.writerow(REQUEST_COLUMNS)
@@ -153,13 +159,14 @@ def _dictionary(codes: np.ndarray, values: list[str]):
     return pa.DictionaryArray.from_arrays(_arrow(codes), _strings(values))
 
 
-def _write_table(table, path: Path) -> None:
-    """A table as Parquet, written for speed: zstd at its fastest level (~8x smaller than CSV),
-    dictionary encoding only where the column already is one (request ids, kinds), no
-    statistics (nothing filters these files by row group)."""
+def _write_table(make, path: Path, *args) -> None:
+    """The table ``make(*args)`` as Parquet, written for speed: zstd at its fastest level (~8x
+    smaller than CSV), dictionary encoding only where the column already is one (request ids,
+    kinds), no statistics (nothing filters these files by row group)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    table = make(*args)
     dicts = [f.name for f in table.schema if pa.types.is_dictionary(f.type)]
     pq.write_table(table, path, compression="zstd", compression_level=1, use_dictionary=dicts or False,
                    write_statistics=False)

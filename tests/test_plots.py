@@ -109,6 +109,30 @@ class StopsAtStep:
         return self.inner.plan(view)
 
 
+def test_a_summary_computed_while_the_tables_are_written_is_the_same(tmp_path):
+    """write_run takes the summary as a function, asked once while the tables are written in
+    the background: on a run that stopped with rows still in the batch (their token times
+    not yet copied out), the files equal those written from a summary made beforehand."""
+    def stopped():
+        return run(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
+
+    eager = stopped()
+    write_run(tmp_path / "eager", eager, summarize(eager))
+    lazy, calls = stopped(), []
+    assert any(r._seg >= 0 and len(r._times) > r._seg for r in lazy.requests)  # times pending in the batch
+
+    def summary():
+        calls.append(1)
+        return summarize(lazy)
+
+    write_run(tmp_path / "lazy", lazy, summary)
+    assert calls == [1]
+    for name in ("summary.json", "requests.csv"):
+        assert (tmp_path / "lazy" / name).read_bytes() == (tmp_path / "eager" / name).read_bytes(), name
+    for name in ("tokens.parquet", "steps.parquet", "passes.parquet"):
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "lazy" / name), pd.read_parquet(tmp_path / "eager" / name))
+
+
 def test_cdfs_of_a_run_that_stopped_early_leave_out_unfinished_requests(tmp_path):
     res = run(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
     assert res.error and any(r.finish_s is None and r.token_times for r in res.requests)
