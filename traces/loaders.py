@@ -156,10 +156,10 @@ def _minute_s(y: str, mo: str, d: str, h: str, mi: str) -> int:
     return (whole - _EPOCH) // _dt.timedelta(seconds=1)
 
 
-def _count(cell: str, column: str, at: str) -> int:
+def _count(cell: str, column: str, p: Path, lineno: int) -> int:
     c = cell.strip()
     if not c.isdigit() or not c.isascii():
-        raise TraceError(f"{at}: {column} must be a non-negative integer, got {cell!r}")
+        raise TraceError(f"{p}: line {lineno}: {column} must be a non-negative integer, got {cell!r}")
     return int(c)
 
 
@@ -193,19 +193,21 @@ def load_azure_csv(path: str | Path, drop_invalid: bool = False) -> Trace:
     for lineno, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
-        at = f"{p}: line {lineno}"
-        try:
-            cells = next(csv.reader([line]))
-        except csv.Error as exc:
-            raise TraceError(f"{at}: bad CSV: {exc}") from None
+        if '"' in line:  # (a line without quotes is its cells joined by commas)
+            try:
+                cells = next(csv.reader([line]))
+            except csv.Error as exc:
+                raise TraceError(f"{p}: line {lineno}: bad CSV: {exc}") from None
+        else:
+            cells = line.split(",")
         if len(cells) != len(header):
-            raise TraceError(f"{at}: expected {len(header)} cells, got {len(cells)}")
+            raise TraceError(f"{p}: line {lineno}: expected {len(header)} cells, got {len(cells)}")
         try:
             ts = parse_azure_timestamp(cells[i_ts])
         except ValueError as exc:
-            raise TraceError(f"{at}: {exc}") from None
-        ctx = _count(cells[i_ctx], "ContextTokens", at)
-        gen = _count(cells[i_gen], "GeneratedTokens", at)
+            raise TraceError(f"{p}: line {lineno}: {exc}") from None
+        ctx = _count(cells[i_ctx], "ContextTokens", p, lineno)
+        gen = _count(cells[i_gen], "GeneratedTokens", p, lineno)
         rid = str(index)
         index += 1
         if ctx < 1 or gen < 1:
@@ -213,7 +215,7 @@ def load_azure_csv(path: str | Path, drop_invalid: bool = False) -> Trace:
                 dropped += 1
                 continue
             what = "empty prompt (ContextTokens 0)" if ctx < 1 else "GeneratedTokens 0 (no output)"
-            raise TraceError(f"{at}: {what}: the request can never be served")
+            raise TraceError(f"{p}: line {lineno}: {what}: the request can never be served")
         stamps.append(ts)
         rows.append((rid, lineno, ctx, gen))
     if not rows:

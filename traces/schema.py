@@ -197,18 +197,17 @@ def validate_requests(requests: Iterable[Request], where: str = "trace") -> None
     a request with neither a count nor text, one with both ``prompt`` and ``messages``."""
     seen: set[str] = set()
     for r in requests:
-        at = f"{where}: request {r.id}"
         if r.id in seen:
-            raise TraceError(f"{at}: duplicate id")
+            raise TraceError(f"{where}: request {r.id}: duplicate id")
         seen.add(r.id)
         if r.prompt is not None and r.messages is not None:
-            raise TraceError(f"{at}: give either 'prompt' or 'messages', not both")
+            raise TraceError(f"{where}: request {r.id}: give either 'prompt' or 'messages', not both")
         if r.prompt_tokens is None:
             if not r.has_text:
-                raise TraceError(f"{at}: no prompt: neither prompt_tokens nor text")
+                raise TraceError(f"{where}: request {r.id}: no prompt: neither prompt_tokens nor text")
         elif r.prompt_tokens < 1:
-            raise TraceError(f"{at}: empty prompt: prompt_tokens must be >= 1, got {r.prompt_tokens}")
+            raise TraceError(f"{where}: request {r.id}: empty prompt: prompt_tokens must be >= 1, got {r.prompt_tokens}")
         if r.output_tokens < 1:
-            raise TraceError(f"{at}: output_tokens must be >= 1, got {r.output_tokens}")
+            raise TraceError(f"{where}: request {r.id}: output_tokens must be >= 1, got {r.output_tokens}")
         if not (r.arrival_s >= 0 and math.isfinite(r.arrival_s)):
-            raise TraceError(f"{at}: arrival_s must be >= 0, got {r.arrival_s}")
+            raise TraceError(f"{where}: request {r.id}: arrival_s must be >= 0, got {r.arrival_s}")
