@@ -65,6 +65,15 @@ def _policies(tree: Path) -> set[str]:
     return set(proc.stdout.strip().split(","))
 
 
+def _typer(tree: Path) -> str:
+    """The typer version a checkout's commands import (its option parsing is part of each
+    command's start-up: 0.29 imports pydantic)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-c", "import typer; print(typer.__version__)"],
+                          env=env, capture_output=True, text=True, cwd=tree, check=True)
+    return proc.stdout.strip()
+
+
 def loop_seconds(tr, policy: str, cost, capacity: int):
     gc.collect()
     t0 = time.perf_counter()
@@ -136,6 +145,8 @@ def main() -> None:
         "baseline": str(args.baseline) if args.baseline else None,
         "baseline_rev": _rev(args.baseline) if args.baseline else None,
         "rev": _rev(ROOT),
+        "typer": _typer(ROOT),
+        "baseline_typer": _typer(args.baseline) if args.baseline else None,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count(), "cpu": _cpu()},
         "policies": rows,
