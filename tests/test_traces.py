@@ -103,6 +103,32 @@ def test_azure_zero_rows_strict_and_dropped(tmp_path):
     assert "2 unservable row(s) dropped" in tr.description
 
 
+def test_azure_csv_quoted_cells_and_bad_lines(tmp_path):
+    """A line with quotes is parsed as CSV (a quoted cell, an escaped quote), one without is
+    split on commas: both give the same requests; a bad line is one error naming its line."""
+    plain = tmp_path / "plain.csv"
+    plain.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,374,44\n"
+                     "2023-11-16 18:15:47.0000000,12,10\n")
+    quoted = tmp_path / "quoted.csv"
+    quoted.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                      '"2023-11-16 18:15:46.6805900","374",44\n'
+                      '2023-11-16 18:15:47.0000000,"12",10\n')
+    a, b = traces.load(str(plain)), traces.load(str(quoted))
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in a.requests] == \
+           [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in b.requests] == [(0.0, 374, 44), (0.31941, 12, 10)]
+    for line, what in [('2023-11-16 18:15:47.0000000,"1,2",10', "ContextTokens must be a non-negative integer, got '1,2'"),
+                       ("2023-11-16 18:15:47.0000000,12", "expected 3 cells, got 2"),
+                       ('2023-11-16 18:15:47.0000000,"12""",10', "ContextTokens must be a non-negative integer"),
+                       ("2023-11-16 18:15:47.0000000,x,10", "ContextTokens must be a non-negative integer"),
+                       ("16/11/2023,12,10", "timestamp")]:
+        bad = tmp_path / "bad.csv"
+        bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" + line + "\n")
+        with pytest.raises(TraceError) as ei:
+            traces.load(str(bad))
+        assert "bad.csv: line 3: " in str(ei.value) and what in str(ei.value), str(ei.value)
+
+
 # ---------------------------------------------------------------------------------------
 # Mooncake JSONL
 
