@@ -18,8 +18,8 @@ longest cached prefix of its tokens already in its KV.
 
 from __future__ import annotations
 
-from itertools import chain, compress, repeat
-from operator import attrgetter, countOf, mod, not_
+from itertools import chain, compress
+from operator import attrgetter, not_
 from typing import Any, Callable, Iterator, Sequence
 
 from policies.base import CostModel, Pass, PassShape, Phase, Plan
@@ -298,8 +298,8 @@ class ReplicaState:
         self.prefix = PrefixCache(bs, token_keys) if prefix_caching else None
         # the last pass shape() checked: (pass, its new blocks, its decode rows, their id set,
         # whether a row is handed off from prefilling, how many rows finish, the ids of the rows
-        # joining the batch)
-        self._shaped: tuple = (None, 0, None, None, False, 0, ())
+        # joining the batch and of those leaving it)
+        self._shaped: tuple = (None, 0, None, None, False, 0, (), ())
         # the decode rows of the last pass applied, and their states (while all stay in the batch,
         # the next pass over the same rows needs no checking again: the common decode step)
         self._last_decode: Sequence[str] | None = None
@@ -324,6 +324,14 @@ class ReplicaState:
         # Rows of the engine's batched decode cache (see PassShape): mirrors what the
         # MLX backend does, so predicted copies match real ones.
         self.batch: set[str] = set()
+        # The batch's rows counted by what stays the same while they decode: each decode pass
+        # moves a row's context up by one, its tokens left down by one, and the pass count
+        # (len(self._times)) up by one. So a pass's rows at a block boundary (context at 1
+        # modulo the block size: a new block) and its rows with one token left (finishing)
+        # are two look-ups, not a count over the rows: by context - passes modulo the block
+        # size, and by tokens left + passes. Kept on joining and leaving (``_count``).
+        self._by_offset = [0] * bs
+        self._by_end: dict[int, int] = {}
         # the end of every decode pass applied: the token times of the batch's rows (see
         # ``RequestState.token_times``); only ever appended to
         self._times: list[float] = []
@@ -377,9 +385,14 @@ class ReplicaState:
         if r._phase is FINISHED or r._left <= 1:
             return
         r.output_tokens = r.output_tokens - r._left + 1
+        inside = r._seg >= 0
+        if inside:
+            self._count(r, len(self._times), -1)
         r._left = 1
-        p, new, rs, dset, handoff, finishing, joiners = self._shaped  # (shape counted it as going on)
-        self._shaped = (p, new, rs, dset, handoff, finishing + 1, joiners)
+        if inside:
+            self._count(r, len(self._times), 1)
+        p, new, rs, dset, handoff, finishing, joiners, leavers = self._shaped  # (shape counted it as going on)
+        self._shaped = (p, new, rs, dset, handoff, finishing + 1, joiners, leavers)
 
     def _blocks_of(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -424,6 +437,7 @@ class ReplicaState:
                 del self.decoding[rid]
             else:
                 raise self._fail(f"preempts request {rid} which is {r._phase.value}")
+            self._leave(r)  # (before its counters change)
             # Recompute: its KV is dropped; re-admitted, it prefills prompt + output so far.
             kv = r.kv_tokens
             self.kv_used -= kv
@@ -438,7 +452,6 @@ class ReplicaState:
             r._ctx = 1
             r._phase = WAITING
             r.preemptions += 1
-            self._leave(r)
             # back to the front of the queue (it arrived before anyone still waiting)
             self.waiting.prepend(rid, r)
             preempted.append(r)
@@ -482,6 +495,7 @@ class ReplicaState:
         ctx: tuple[int, ...] = ()
         rs = dset = None
         joiners: list[str] | tuple = ()
+        leavers: set[str] | tuple = ()
         if decode:
             if decode == self._last_decode and len(batch) == len(decode):
                 # the rows of the last pass applied, every one still in the batch (decoding)
@@ -506,7 +520,23 @@ class ReplicaState:
                     joins = len(joiners)
                 rs = list(map(self.by_id.__getitem__, decode))
             ctx = tuple(map(_CTX, rs))
-            finishing = countOf(map(_LEFT, rs), 1)
+            # its rows with one token left, and at a block boundary: those of the batch (two
+            # look-ups, see ``_by_end``), less the rows leaving it, plus the rows joining it
+            n = len(self._times)
+            bs = self.block_size
+            one = 1 % bs
+            finishing = self._by_end.get(n + 1, 0)
+            starts = self._by_offset[(one - n) % bs]
+            if dset is not batch and len(batch) + len(joiners) > len(rs):
+                leavers = batch - dset
+                for rid in leavers:
+                    r = self.by_id[rid]
+                    finishing -= r._left == 1
+                    starts -= r._ctx % bs == one
+            for rid in joiners:
+                r = self.by_id[rid]
+                finishing += r._left == 1
+                starts += r._ctx % bs == one
         chunks: list[tuple[int, int]] = []
         done: list[bool] = []
         for item in p.prefill:
@@ -533,7 +563,7 @@ class ReplicaState:
             new = len(decode) + sum(n for n, _ in chunks)
         else:
             # a decode row takes a block when its KV (context - 1) is at a block boundary
-            new = countOf(map(mod, ctx, repeat(bs)), 1 % bs) if decode else 0
+            new = starts if decode else 0
             for n, p0 in chunks:
                 new += -(-(p0 + n) // bs) + p0 // -bs
         if self.blocks_used + new > self.kv_blocks:
@@ -541,7 +571,7 @@ class ReplicaState:
                 raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
             raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
                              f"{self.kv_blocks} blocks")
-        self._shaped = (p, new, rs, dset, handoff, finishing, joiners)
+        self._shaped = (p, new, rs, dset, handoff, finishing, joiners, leavers)
         padded = bool(p.padded and chunks)
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
@@ -579,6 +609,18 @@ class ReplicaState:
             r.token_times  # noqa: B018  (reading copies them)
             r._seg = -1
             self.batch.discard(r.id)
+            self._count(r, len(self._times), -1)
+
+    def _count(self, r: RequestState, n: int, d: int) -> None:
+        """Count ``r`` in (``d`` 1: it joins the batch) or out (-1: it leaves) of the batch's
+        rows by block offset and by end (``_by_offset``, ``_by_end``), ``n`` passes so far."""
+        self._by_offset[(r._ctx - n) % self.block_size] += d
+        k = r._left + n
+        c = self._by_end.get(k, 0) + d
+        if c:
+            self._by_end[k] = c
+        else:
+            del self._by_end[k]
 
     def _room(self, pc: PrefixCache) -> None:
         """Blocks just allocated: evict free cached blocks if no empty block was left."""
@@ -604,8 +646,8 @@ class ReplicaState:
         by_id = self.by_id
         if self._shaped[0] is not p:
             self.shape(p)
-        _, new, rs, dset, handoff, finishing, joiners = self._shaped
-        self._shaped = (None, 0, None, None, False, 0, ())
+        _, new, rs, dset, handoff, finishing, joiners, leavers = self._shaped
+        self._shaped = (None, 0, None, None, False, 0, (), ())
         self.blocks_used += new
         pc = self.prefix
         if pc is not None and new:
@@ -614,12 +656,13 @@ class ReplicaState:
             times = self._times
             batch = self.batch
             if dset is not batch:
-                if len(batch) + len(joiners) > len(rs):  # rows of the batch that do not decode leave it
-                    for rid in batch - dset:
-                        self._leave(by_id[rid])
+                for rid in leavers:  # rows of the batch that do not decode leave it
+                    self._leave(by_id[rid])
                 n = len(times)  # this pass's end: the joiners' first time from the batch
                 for rid in joiners:
-                    by_id[rid]._seg = n
+                    r = by_id[rid]
+                    r._seg = n
+                    self._count(r, n, 1)
                 self.batch = dset
             times.append(t)  # (every row's token time: see RequestState.token_times)
             if handoff:

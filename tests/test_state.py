@@ -116,6 +116,66 @@ def test_token_times_follow_each_row_in_and_out_of_the_batch():
     assert bb.token_times == want[bb] and h.token_times == want[h]
 
 
+def test_finishing_and_new_block_counts_equal_a_count_over_the_rows():
+    # shape() looks the batch's finishing rows and block-starting rows up instead of counting
+    # them (sim.state: _by_end, _by_offset, kept as rows join and leave): drive a replica at
+    # block size 4 through joins, parks, rejoins, hand-offs, preemptions and EOS stops in a
+    # fixed random order and check every decode pass's counts against a count over its rows.
+    import random
+
+    rng = random.Random(7)
+    reqs = [req(f"r{i}", rng.randint(3, 40), rng.randint(2, 30)) for i in range(80)]
+    b = Bench(reqs, block_size=4)
+    st = b.state
+    checked = stops = preempts = parks = 0
+    for _ in range(1000):
+        waiting = [r.id for r in st.waiting_q]
+        prefilling = [r for r in st.prefilling_q]
+        decoding = [r.id for r in st.decoding_q]
+        if waiting and rng.random() < 0.3:
+            b.apply(Plan(admit=(waiting[0],)))
+            continue
+        if decoding and rng.random() < 0.05:
+            b.apply(Plan(preempt=(rng.choice(decoding),)))
+            preempts += 1
+            continue
+        rows = [x for x in decoding if rng.random() < 0.9]  # the others are parked
+        parks += len(decoding) - len(rows)
+        chunks = []
+        for r in prefilling:
+            left = r.prefill_target - r.prefilled
+            if left == 1 and rng.random() < 0.5:
+                rows.append(r.id)  # hand-off: its last prompt token is the decode input
+            else:
+                chunks.append((r.id, min(left, rng.randint(1, 12))))
+        if not rows and not chunks:
+            if not waiting and not prefilling and not decoding:
+                break
+            continue
+        p = Pass(decode=tuple(rows), prefill=tuple(chunks))
+        st.apply_admin(Plan(), b.t)
+        shape = st.shape(p)
+        new, finishing = st._shaped[1], st._shaped[5]
+        ctxs = [st.by_id[x].context for x in rows]
+        assert finishing == sum(st.by_id[x].tokens_left == 1 for x in rows)
+        want = sum(c % 4 == 1 for c in ctxs)
+        for rid, n in chunks:
+            p0 = st.by_id[rid].prefilled
+            want += -(-(p0 + n) // 4) - -(-p0 // 4)
+        assert new == want
+        if rows:  # (a pass without decode rows leaves the batch as it is)
+            assert shape.leaves == len(st.batch) - (len(rows) - shape.joins) + finishing
+        if rows and rng.random() < 0.1:  # EOS: the row's token from this pass is its last
+            st.stop(rng.choice(rows))
+            stops += 1
+        b.t += 0.01
+        st.apply_pass(p, b.t)
+        st.step_index += 1
+        checked += bool(rows)
+    assert checked > 100 and stops and preempts and parks
+    assert st.finished > 20
+
+
 def test_shape_reports_contexts_joins_and_leaves():
     b = Bench([req("a", 10, 2), req("b", 20, 9), req("c", 30, 9)])
     for rid in "abc":
