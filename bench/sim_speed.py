@@ -8,7 +8,9 @@ most 3 s wall; the loop at least 500x faster than the simulated makespan.
 
 ``--baseline DIR``: a checkout of another version (e.g. ``git worktree add /tmp/old REV``):
 its ``simulate`` command is timed in the same rounds, interleaved with this one (A, B, A, B:
-this machine drifts by up to 35 % within minutes), and the ratio reported per policy.
+this machine drifts by up to 35 % within minutes), and the ratio reported per policy. The typer
+each side imports is recorded (its option parsing is part of every command's start-up); a
+baseline checkout gets the typer its own install had from a ``typer/`` package put in its root.
 
 Two cost models for the loop: the bundled measured profile (the tiny model on this CPU) and
 the analytic model of an H100 running Llama 3.1 8B (closer to serving the hour).
