@@ -59,21 +59,23 @@ def cli_seconds(tree: Path, policy: str, trace: str, extra: list[str]) -> float:
     return wall
 
 
+def _ask(tree: Path, code: str) -> str:
+    """What ``code`` prints in a fresh process importing checkout ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree,
+                          check=True)
+    return proc.stdout.strip()
+
+
 def _policies(tree: Path) -> set[str]:
     """The bundled policy names of another checkout."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", "from policies import POLICIES; print(','.join(POLICIES))"],
-                          env=env, capture_output=True, text=True, cwd=tree, check=True)
-    return set(proc.stdout.strip().split(","))
+    return set(_ask(tree, "from policies import POLICIES; print(','.join(POLICIES))").split(","))
 
 
 def _typer(tree: Path) -> str:
     """The typer version a checkout's commands import (its option parsing is part of each
     command's start-up: 0.29 imports pydantic)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", "import typer; print(typer.__version__)"],
-                          env=env, capture_output=True, text=True, cwd=tree, check=True)
-    return proc.stdout.strip()
+    return _ask(tree, "import typer; print(typer.__version__)")
 
 
 def loop_seconds(tr, policy: str, cost, capacity: int):

@@ -40,6 +40,8 @@ from .gcpause import gc_paused
 from .features import step_table, write_features
 from .metrics import REQUEST_COLUMNS, request_table, token_times_flat
 
+# requests.csv's integer columns (the rest but id and status are floats, empty where None)
+_INT_COLUMNS = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens")
 STEP_COLUMNS = (
     "step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens",
     "passes", "kv_tokens",
@@ -89,9 +91,6 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any] | Callable[[],
     return out
 
 
-_INT_COLUMNS = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens")
-
-
 def _write_requests(path: Path, rows: list[tuple]) -> None:
     """requests.csv from ``request_table``'s rows, as columns through pyarrow's CSV writer
     (a few times faster than the csv module's float formatting): None is an empty cell,
@@ -119,11 +118,10 @@ def requests_frame(result):
 
     df = pd.DataFrame(request_table(result), columns=list(REQUEST_COLUMNS))
     df["id"] = df["id"].astype(str)
-    ints = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens")
-    for c in ints:
+    for c in _INT_COLUMNS:
         df[c] = df[c].astype(np.int64)
     for c in REQUEST_COLUMNS[1:]:
-        if c not in ints and c != "status":
+        if c not in _INT_COLUMNS and c != "status":
             df[c] = pd.to_numeric(df[c], errors="raise").astype(np.float64)
     df["status"] = df["status"].astype(str)
     return df

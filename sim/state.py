@@ -385,12 +385,12 @@ class ReplicaState:
         if r._phase is FINISHED or r._left <= 1:
             return
         r.output_tokens = r.output_tokens - r._left + 1
-        inside = r._seg >= 0
-        if inside:
+        if r._seg >= 0:  # a batch row: counted again under its new end
             self._count(r, len(self._times), -1)
-        r._left = 1
-        if inside:
+            r._left = 1
             self._count(r, len(self._times), 1)
+        else:
+            r._left = 1
         p, new, rs, dset, handoff, finishing, joiners, leavers = self._shaped  # (shape counted it as going on)
         self._shaped = (p, new, rs, dset, handoff, finishing + 1, joiners, leavers)
 
