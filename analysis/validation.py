@@ -130,6 +130,13 @@ def format_table(v: Mapping[str, Any]) -> str:
         lines.append(f"drift-adjusted (the simulation with every pass x{adj['speed_factor']:.2f}, the machine's "
                      f"measured speed): median |error| {adj['median_abs_error_pct']:.1f} %, max "
                      f"{adj['max_abs_error_pct']:.1f} %, step median |{adj['step_error_pct']['p50']:.1f}| %")
+    sm = v.get("speed_matched")
+    if sm and sm.get("median_abs_error_pct") is not None:
+        speeds = sm["speeds"]
+        at = f"x{speeds[0]:.2f}" if len(speeds) == 1 else f"x{min(speeds):.2f}-{max(speeds):.2f}"
+        lines.append(f"speed-matched (the simulation made again at each real run's own speed, {at} the "
+                     f"cost model's): median |error| {sm['median_abs_error_pct']:.1f} %, max "
+                     f"{sm['max_abs_error_pct']:.1f} %: the model's share; the rest is the machine's speed")
     return "\n".join(lines)
 
 

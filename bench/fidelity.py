@@ -14,6 +14,9 @@ runs interleaved round by round, so that the machine's drift meets every policy 
 - pairwise direction: for every pair of policies on a trace and every metric where the real
   runs differ by more than their spread (the medians further apart than either policy's
   max - min), whether the simulation orders the two the same way; the share per metric.
+- speed-matched: the simulation made again at each real run's own speed (its total measured /
+  predicted step time; the policy still plans with the profile), compared as above: the errors
+  left once the machine's speed during the runs is taken out — the model's share.
 
 Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and a
 seeded ``random:`` trace; for smollm2-135m (~20x slower passes) two seeded ``random:`` traces
@@ -175,7 +178,10 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> d
     checkout: a change to the simulator or the cost model, checked against the same reality in
     seconds. The step figures (bias, per-step error) are the kept run's: they describe its real
     steps against its profile, which a re-score does not change."""
+    import pandas as pd
+
     from analysis.validation import compare
+    from schedlab.api import run_speed, speed_matched
     from sim import run, summarize
 
     path = kept / "profile.json"
@@ -199,6 +205,11 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> d
             v = compare(summarize(sim), reals, policy=pname, trace=tr.name)
             v["step_error_pct"] = old.get("step_error_pct")
             v["step_bias"] = old.get("step_bias")
+            speeds = [run_speed(pd.read_parquet(pdir / d / "steps.parquet", columns=["measured_s", "predicted_s"])
+                                .itertuples()) for d in old["real_dirs"]]
+            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds)
+            if matched is not None:
+                v["speed_matched"] = matched
             _record(res, model, key, pname, v)
     return _summarise(res, policies)
 
@@ -212,6 +223,7 @@ def _record(res: dict, model: str, key: str, pname: str, v: dict) -> None:
 def _summarise(res: dict, policies: list[str]) -> dict:
     res["per_policy"] = {p: _per_policy([res["traces"][t][p] for t in res["traces"]]) for p in policies}
     res["pairwise"] = pairwise(res["traces"])
+    res["overall"] = overall([row for t in res["traces"].values() for row in t.values()])
     return res
 
 
@@ -232,6 +244,7 @@ def _row(v: dict) -> dict:
                                     and r["error_pct"] is not None and abs(r["error_pct"]) > r["spread_pct"]),
         "machine_speed": v.get("machine_speed"),
         "drift_adjusted": v.get("drift_adjusted"),
+        "speed_matched": v.get("speed_matched"),
         "metrics": {k: {"sim": r["sim"], "real": r["real"], "error_pct": r["error_pct"],
                         "spread_pct": r.get("spread_pct"), "real_runs": r.get("real_runs")}
                     for k, r in v["metrics"].items()},
@@ -251,6 +264,33 @@ def _per_policy(rows: list[dict]) -> dict:
     if adj:
         out["drift_adjusted"] = {"median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in adj),
                                  "max_abs_error_pct": max(a["max_abs_error_pct"] for a in adj)}
+    sm = [r["speed_matched"] for r in rows if r.get("speed_matched")]
+    if sm:
+        speeds = [f for a in sm for f in a["speeds"]]
+        out["speed_matched"] = {"median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in sm),
+                                "max_abs_error_pct": max(a["max_abs_error_pct"] for a in sm),
+                                "speed_min": min(speeds), "speed_max": max(speeds)}
+    return out
+
+
+def overall(rows: list[dict]) -> dict:
+    """Over every (trace, policy) row of a model: the median of the rows' median |error| and of
+    their worst, plain and speed-matched, and how many rows meet the goal each way."""
+    def agg(get):
+        got = [(get(r)["median_abs_error_pct"], get(r)["max_abs_error_pct"]) for r in rows if get(r)]
+        if not got:
+            return None
+        return {"rows": len(got), "median_of_median_abs_error_pct": statistics.median(m for m, _ in got),
+                "median_of_max_abs_error_pct": statistics.median(w for _, w in got),
+                "rows_median_within_goal": sum(1 for m, _ in got if m <= GOAL["median_abs_error_pct"]),
+                "rows_max_within_goal": sum(1 for _, w in got if w <= GOAL["max_abs_error_pct"])}
+    out = {"plain": agg(lambda r: r)}
+    sm = agg(lambda r: r.get("speed_matched"))
+    if sm:
+        out["speed_matched"] = sm
+        speeds = [f for r in rows if r.get("speed_matched") for f in r["speed_matched"]["speeds"]]
+        out["run_speeds"] = {"min": min(speeds), "median": statistics.median(speeds), "max": max(speeds),
+                             "runs": len(speeds)}
     return out
 
 
@@ -298,8 +338,8 @@ def format_markdown(out: dict) -> str:
                      + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else f" ({cal.get('profile')})"))
         keys = list(res["traces"])
         head = "| policy | " + " | ".join(f"{_short(k)} median / max |err| %" for k in keys) + \
-            " | step bias (meas/pred) | total step time % | real spread % (median) |"
-        lines += [head, "|---|" + "---:|" * (len(keys) + 3)]
+            " | step bias (meas/pred) | total step time % | real spread % (median) | speed-matched median / max |err| % |"
+        lines += [head, "|---|" + "---:|" * (len(keys) + 4)]
         for p, agg in res["per_policy"].items():
             cells = [f"{res['traces'][k][p]['median_abs_error_pct']:.1f} / {res['traces'][k][p]['max_abs_error_pct']:.1f}"
                      for k in keys]
@@ -307,7 +347,21 @@ def format_markdown(out: dict) -> str:
                        if res["traces"][k][p]["real_spread_pct_median"] is not None]
             lines.append(f"| {p} | " + " | ".join(cells)
                          + f" | {_n(agg.get('step_bias_median'), 3)} | {_n(agg.get('total_step_time_pct'), 1, True)} | "
-                         + (f"{statistics.median(spreads):.1f}" if spreads else "-") + " |")
+                         + (f"{statistics.median(spreads):.1f}" if spreads else "-") + " | "
+                         + (f"{agg['speed_matched']['median_abs_error_pct']:.1f} / {agg['speed_matched']['max_abs_error_pct']:.1f}"
+                            if agg.get("speed_matched") else "-") + " |")
+        ov = res.get("overall") or {}
+        for what in ("plain", "speed_matched"):
+            o = ov.get(what)
+            if o:
+                lines.append(f"{what.replace('_', '-')}: median over the {o['rows']} rows of their median |error| "
+                             f"{o['median_of_median_abs_error_pct']:.1f} %, of their worst "
+                             f"{o['median_of_max_abs_error_pct']:.1f} %; median within the goal in "
+                             f"{o['rows_median_within_goal']}, worst in {o['rows_max_within_goal']}")
+        if ov.get("run_speeds"):
+            rs = ov["run_speeds"]
+            lines.append(f"real runs' own speed (measured / predicted step time): {rs['min']:.2f}-{rs['max']:.2f}x, "
+                         f"median {rs['median']:.2f}x over {rs['runs']} runs")
         pw = res["pairwise"]
         lines.append("pairwise direction right: " + ", ".join(
             f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"]))

@@ -11,8 +11,13 @@ machine drifts by up to 35 % within minutes), and records per setting:
 - the steps' own jitter: over every measured step of every round, measured/predicted's
   (p90 - p10) / p50 (%), and p99 / p50 (the tail that ITL p99 sees).
 
+``--blas-threads 1,2`` adds OpenBLAS's thread count as a setting: OpenBLAS reads it once, when
+the library loads, so each round's runs for a count go in a child process of their own
+(``OPENBLAS_NUM_THREADS`` set for it), the counts alternating round by round like the rest.
+
     python bench/noise.py [--model tiny] [--policies mlx-default,chunked-prefill]
-                          [--traces real-smoke] [--rounds 6] [--out bench/results/noise.json]
+                          [--traces real-smoke] [--rounds 6] [--settings "none|gc-off"]
+                          [--blas-threads 1,2] [--out bench/results/noise.json]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +53,36 @@ def spread_pct(values: list[float]) -> float | None:
     return 100.0 * (max(values) - min(values)) / med if med else None
 
 
+def label(setting: str, threads: int | None) -> str:
+    name = setting or "none"
+    return name if threads is None else f"{name} blas-threads={threads}"
+
+
+def one_round(model: str, cases: list[tuple[str, str]], settings: list[str]) -> dict[tuple, tuple]:
+    """Every case under every setting once, in this process: metric values and the steps'
+    measured/predicted ratios per (setting, policy, trace)."""
+    rows = {}
+    for p, t in cases:
+        for s in settings:
+            # the bundled profile: what is measured here is the real runs, not a prediction
+            run = api.run_real(p, t, model=model, no_calibrate=True, noise=s or None, log=lambda kind, msg: None)
+            f = run.features
+            ratio = (f["measured_s"] / f["predicted_s"]).to_numpy()
+            rows[(s, p, t)] = (metric_values(run.summary), ratio[np.isfinite(ratio)])
+    return rows
+
+
+def child_round(args: argparse.Namespace, threads: int) -> dict[tuple, tuple]:
+    """``one_round`` in a child process whose OpenBLAS runs ``threads`` threads."""
+    cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--policies", args.policies,
+           "--traces", args.traces, "--settings", args.settings]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"noise: the round with OPENBLAS_NUM_THREADS={threads} failed:\n{proc.stderr[-2000:]}")
+    return {(s, p, t): (values, np.asarray(ratio)) for s, p, t, values, ratio in json.loads(proc.stdout.splitlines()[-1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -55,26 +91,33 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--settings", default="none|gc-off|warmup=3|gc-off,warmup=3",
                     help="noise specs separated by | ('none': no setting)")
+    ap.add_argument("--blas-threads", default="",
+                    help="OpenBLAS thread counts to compare, e.g. 1,2 (each round's runs per count in a child process)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "noise.json"))
     args = ap.parse_args()
     settings = ["" if x.strip().lower() in ("", "none") else x.strip() for x in args.settings.split("|")]
     cases = [(p, t) for t in args.traces.split(",") for p in args.policies.split(",")]
-    runs: dict[tuple, list] = {(s, p, t): [] for s in settings for p, t in cases}
+    if args.worker:  # one round, in this process, for the parent (--blas-threads)
+        rows = one_round(args.model, cases, settings)
+        print(json.dumps([[s, p, t, values, ratio.tolist()] for (s, p, t), (values, ratio) in rows.items()]))
+        return
+    threads = [int(x) for x in args.blas_threads.split(",")] if args.blas_threads else [None]
+    labels = [(s, n) for s in settings for n in threads]
+    runs: dict[tuple, list] = {(label(s, n), p, t): [] for s, n in labels for p, t in cases}
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        for p, t in cases:
-            for s in settings:
-                # the bundled profile: what is measured here is the real runs, not a prediction
-                run = api.run_real(p, t, model=args.model, no_calibrate=True, noise=s or None,
-                                   log=lambda kind, msg: None)
-                f = run.features
-                ratio = (f["measured_s"] / f["predicted_s"]).to_numpy()
-                runs[(s, p, t)].append((metric_values(run.summary), ratio[np.isfinite(ratio)]))
-                print(f"round {r + 1}/{args.rounds} {t} {p} [{s or 'none'}]: makespan "
-                      f"{run.summary['makespan_s']:.2f} s, ITL p99 {run.summary['itl_ms']['p99']:.2f} ms", flush=True)
+        for n in threads:
+            rows = one_round(args.model, cases, settings) if n is None else child_round(args, n)
+            for (s, p, t), (values, ratio) in rows.items():
+                runs[(label(s, n), p, t)].append((values, ratio))
+                print(f"round {r + 1}/{args.rounds} {t} {p} [{label(s, n)}]: makespan "
+                      f"{values['makespan_s']:.2f} s, ITL p99 {values['itl_ms.p99']:.2f} ms", flush=True)
+    settings = [label(s, n) for s, n in labels]
     out = {"benchmark": "noise", "model": args.model, "rounds": args.rounds,
            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads")},
            "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+           "blas_threads_compared": threads if args.blas_threads else None,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "settings": {}}
     for s in settings:
         per_case = {}
@@ -91,7 +134,7 @@ def main() -> None:
                 "steps": int(ratio.size),
                 "makespan_s": [row[0]["makespan_s"] for row in rows],
             }
-        out["settings"][s or "none"] = {
+        out["settings"][s] = {
             "cases": per_case,
             "spread_pct_median": statistics.median(c["spread_pct_median"] for c in per_case.values()),
             "itl_p99_spread_pct_median": statistics.median(c["spread_pct"]["itl_ms.p99"] for c in per_case.values()),

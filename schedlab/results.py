@@ -545,8 +545,8 @@ class Validation:
     def errors(self) -> "pd.DataFrame":
         """One row per policy: median/max |error| % over the metrics, the per-step cost-model
         error (p50/p90 |%|, mean signed %, total predicted vs measured %, steps), the machine's
-        speed before/after the real runs (ratio to the calibration) and the drift-adjusted
-        median/max |error| %."""
+        speed before/after the real runs (ratio to the calibration), the drift-adjusted and the
+        speed-matched (the simulation made again at each real run's own speed) median/max |error| %."""
         import pandas as pd
 
         rows = []
@@ -554,6 +554,7 @@ class Validation:
             se = v.get("step_error_pct") or {}
             speed = v.get("machine_speed") or {}
             adj = v.get("drift_adjusted") or {}
+            matched = v.get("speed_matched") or {}
             rows.append({
                 "policy": pol, "median_abs_error_pct": v.get("median_abs_error_pct"),
                 "max_abs_error_pct": v.get("max_abs_error_pct"),
@@ -564,6 +565,8 @@ class Validation:
                 "speed_after": (speed.get("after") or {}).get("ratio"),
                 "drift_adjusted_median_abs_error_pct": adj.get("median_abs_error_pct"),
                 "drift_adjusted_max_abs_error_pct": adj.get("max_abs_error_pct"),
+                "speed_matched_median_abs_error_pct": matched.get("median_abs_error_pct"),
+                "speed_matched_max_abs_error_pct": matched.get("max_abs_error_pct"),
             })
         return pd.DataFrame(rows).set_index("policy")
 

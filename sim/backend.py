@@ -21,6 +21,7 @@ token) runs them one by one, still without asking the policy.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, Protocol, Sequence
 
 from policies.base import CostModel, Pass, PassShape
@@ -45,13 +46,25 @@ class Backend(Protocol):
 
 
 class SimBackend:
-    """Simulation: every pass takes the seconds the cost model predicts for its shape."""
+    """Simulation: every pass takes the seconds the cost model predicts for its shape.
+
+    ``time_scale``: a machine that runs everything — passes, the scheduler's own work, waking
+    from idle — ``time_scale`` times as long as the cost model says, while the policy still
+    plans with the model's estimates (as a real engine's policy does on a machine that has
+    sped up or slowed down since its calibration). ``validate``'s speed-matched comparison
+    simulates each real run again at that run's own measured speed this way."""
 
     mode = "sim"
 
-    def __init__(self, cost_model: CostModel):
+    def __init__(self, cost_model: CostModel, time_scale: float = 1.0):
+        if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
+            raise ValueError(f"time_scale must be a positive number, got {time_scale!r}")
         self.cost_model = cost_model
-        self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: _predict(shape)
+        self.time_scale = f = float(time_scale)
+        if f == 1.0:
+            self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: _predict(shape)
+        else:
+            self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: f * _predict(shape)
 
     def make_clock(self) -> SimClock:
         return SimClock()
@@ -60,15 +73,19 @@ class SimBackend:
         pass
 
     def step_overhead(self, predicted_s: float) -> float:
-        return predicted_s
+        return predicted_s if self.time_scale == 1.0 else self.time_scale * predicted_s
 
     def repeat_decode(self, shape: PassShape, k: int) -> Iterator[float]:
         run = getattr(self.cost_model, "decode_run_seconds", None)
         if run is not None:
-            return run(shape, k)
-        rows = len(shape.decode_contexts)
-        return (self.cost_model.pass_seconds(PassShape(tuple(c + j for c in shape.decode_contexts), (), False, rows))
-                for j in range(1, k + 1))
+            seconds = run(shape, k)
+        else:
+            rows = len(shape.decode_contexts)
+            seconds = (self.cost_model.pass_seconds(PassShape(tuple(c + j for c in shape.decode_contexts), (), False,
+                                                              rows))
+                       for j in range(1, k + 1))
+        f = self.time_scale
+        return seconds if f == 1.0 else (f * t for t in seconds)
 
     def release(self, r) -> None:
         pass

@@ -291,3 +291,41 @@ def test_noise_settings_parse_and_apply():
     with Noise(gc_off=True).active():
         assert not gc.isenabled()
     assert gc.isenabled() == was
+
+
+def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
+    """Two stand-in real runs of a bundled real trace on a machine 1.25x and 0.85x as slow as the
+    cost model says (every pass, the scheduler's work and waking from idle; the policy plans with
+    the model, as a real run's does): the plain comparison is off by about that much, each run's
+    own speed is read back from its steps, and the simulations at those speeds match the runs."""
+    import traces
+    from schedlab.api import run_speed, speed_matched
+    from sim import summarize
+    from sim.backend import SimBackend
+    from analysis.validation import compare
+
+    cost = LinearCostModel.from_profile(Path(__file__).resolve().parents[1] / "sim" / "profiles" / "tiny-cpu.json")
+    tr = traces.load("real-mixed")
+    cap = 200_000
+    planted = [1.25, 0.85]
+    reals, speeds = [], []
+    for f in planted:
+        machine = LinearCostModel(dict(cost.coefficients), meta=cost.meta)  # not the policy's object: a measured run
+        res = run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap,
+                  backend=SimBackend(machine, time_scale=f), trace_name=tr.name)
+        assert res.error is None
+        reals.append(summarize(res))
+        speeds.append(run_speed(res.steps))
+    assert speeds == pytest.approx(planted, rel=1e-3)
+    plain = compare(summarize(run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap,
+                                  trace_name=tr.name)), reals[:1], policy="chunked-prefill", trace=tr.name)
+    assert plain["metrics"]["itl_ms.p50"]["error_pct"] == pytest.approx(-20.0, abs=2.0)  # 1/1.25
+    m = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, speeds)
+    assert m["speeds"] == pytest.approx(planted, rel=1e-3)
+    assert m["max_abs_error_pct"] < 0.5, m["error_pct"]
+    # no speed taken out: the simulation at 1.0 against the runs' median (about 1.05x)
+    none = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, [1.0, 1.0])
+    assert none["error_pct"]["itl_ms.p50"] == pytest.approx(100 * (1 / 1.05 - 1), abs=1.0)
+    assert speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, [None, 1.0]) is None
+    with pytest.raises(ValueError):
+        SimBackend(cost, time_scale=0.0)
