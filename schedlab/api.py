@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Union
 
 from .errors import SchedlabError, SchedlabWarning, opt, user_error_types
-from .results import CostModel, Figures, Profile, Run, Validation
+from .results import CostModel, Figures, Profile, Run, Validation, real_dir_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -862,7 +862,7 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
                            backend=MLXBackend(info, seed=seed, ignore_eos=True), trace_name=tr.name)
             real = Run(res, summarize(res), metas[name])
             if dirs.get(name) is not None:
-                real.save(dirs[name] / ("real" if k == 0 else f"real-{k + 1}"))
+                real.save(dirs[name] / real_dir_name(k))
             if res.error:
                 _fail(f"{pol.name}: real run stopped: {res.error}")
             reals[name].append(real)
@@ -887,7 +887,7 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
         v["model"] = info.name
         v["cost_model"] = cost_meta
         v["sim_dir"] = "sim"
-        v["real_dirs"] = ["real" if k == 0 else f"real-{k + 1}" for k in range(repeat)]
+        v["real_dirs"] = [real_dir_name(k) for k in range(repeat)]
         if dirs.get(name) is not None:
             (dirs[name] / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
         out[name] = (v, sims[name], reals[name])

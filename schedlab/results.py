@@ -20,6 +20,12 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from matplotlib.figure import Figure
 
+
+def real_dir_name(k: int) -> str:
+    """The directory of a validation's ``k``-th real run (from 0): real, real-2, real-3, ..."""
+    return "real" if k == 0 else f"real-{k + 1}"
+
+
 RUN_FILES = ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet", "features.parquet",
              "meta.json", "texts.jsonl")
 
@@ -593,7 +599,7 @@ class Validation:
                 pdir = out if len(self.results) == 1 else out / pol
                 self.sim[pol].save(pdir / "sim")
                 for k, r in enumerate(self.real[pol]):
-                    r.save(pdir / ("real" if k == 0 else f"real-{k + 1}"))
+                    r.save(pdir / real_dir_name(k))
                 (pdir / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
             if len(self.results) > 1:
                 (out / "validation.json").write_text(json.dumps(self.overview(), indent=2) + "\n")
