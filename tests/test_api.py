@@ -500,6 +500,14 @@ def test_validate_and_compare(micro, tmp_path):
     assert set(v.table.index.get_level_values("metric")) == {k for k, _, _ in METRICS}
     assert list(v.errors.index) == v.policies and (v.errors["steps"] > 0).all()
     assert (v.errors["speed_before"] > 0).all() and v.errors["drift_adjusted_median_abs_error_pct"].notna().all()
+    # each real run's own speed, read back from its steps, and the simulation made again at it
+    from schedlab.api import run_speed
+
+    for pol in v.policies:
+        speeds = [run_speed(r._result.steps) for r in v.real[pol]]
+        assert v[pol]["speed_matched"]["speeds"] == pytest.approx(speeds, abs=1e-4) and min(speeds) > 0
+    assert v.errors["speed_matched_median_abs_error_pct"].notna().all()
+    assert "speed-matched" in v.report()
     for pol in v.policies:  # what validate --out wrote is what the Validation holds
         assert json.loads((out / pol / "validation.json").read_text()) == json.loads(json.dumps(v[pol]))
         assert_run_is_dir(v.sim[pol], out / pol / "sim")
