@@ -9,7 +9,8 @@ a regime the replay does not cover (a model error). This separates the two: the 
 calibration, then ``--rounds`` rounds of [the calibration's replay again, then each held-out
 case], every run scored against the profile by its speed. The replay's speed in a round is the
 machine's at that moment; a held-out case's speed over the replay's in the same round is the
-regime's share, with the drift divided out.
+regime's share, with the drift divided out. The held-out cases rotate from round to round, so
+that no case always runs last (after the machine has been busy longest).
 
     python bench/regime.py [--model tiny] [--rounds 5] [--out bench/results/regime_tiny.json]
 """
@@ -80,17 +81,21 @@ def main() -> None:
         dirs = record_replay(info, grid_cost, work / f"replay-{k}", seconds=seconds, seed=0)
         row["replay"] = {d.name: speed(coef, d) for d in dirs}
         row["held_out"] = {}
-        for key, (trace, seed, pol) in zip(keys, CASES[args.model]):
+        cases = list(zip(keys, CASES[args.model]))
+        shift = (k - 1) % len(cases)  # each case takes each place in the round in turn
+        for key, (trace, seed, pol) in cases[shift:] + cases[:shift]:
             d = work / f"round-{k}" / key.replace("/", "_").replace("@", "_")
             api.run_real(pol, trace, model=args.model, profile=str(path), seed=seed,
                          log=lambda kind, msg: None).save(d)
             row["held_out"][key] = speed(coef, d)
         rep = statistics.median(row["replay"].values())
         row["replay_median"] = rep
-        row["held_out_over_replay"] = {key: v / rep for key, v in row["held_out"].items()}
+        row["held_out_over_replay"] = {key: row["held_out"][key] / rep for key in keys}
+        row["order"] = list(row["held_out"])
         rounds.append(row)
         print(f"round {k} (+{row['minutes']} min): replay {rep:.3f}  "
-              + "  ".join(f"{key} {v:.3f} ({v / rep:.3f})" for key, v in row["held_out"].items()), flush=True)
+              + "  ".join(f"{key} {row['held_out'][key]:.3f} ({row['held_out'][key] / rep:.3f})" for key in keys),
+              flush=True)
     later = rounds[1:]
     summary = {
         "replay_speed": {"min": min(r["replay_median"] for r in later), "max": max(r["replay_median"] for r in later),
