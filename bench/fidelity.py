@@ -178,8 +178,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> d
     checkout: a change to the simulator or the cost model, checked against the same reality in
     seconds. The step figures (bias, per-step error) are the kept run's: they describe its real
     steps against its profile, which a re-score does not change."""
-    import pandas as pd
-
+    from analysis.runfit import load_runs
     from analysis.validation import compare
     from schedlab.api import run_speed, speed_matched
     from sim import run, summarize
@@ -205,8 +204,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> d
             v = compare(summarize(sim), reals, policy=pname, trace=tr.name)
             v["step_error_pct"] = old.get("step_error_pct")
             v["step_bias"] = old.get("step_bias")
-            speeds = [run_speed(pd.read_parquet(pdir / d / "steps.parquet", columns=["measured_s", "predicted_s"])
-                                .itertuples()) for d in old["real_dirs"]]
+            speeds = [run_speed(run.cols) for run in load_runs([pdir / d for d in old["real_dirs"]])]
             matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds)
             if matched is not None:
                 v["speed_matched"] = matched

@@ -873,7 +873,8 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
         summaries = [r._summary for r in reals[name]]
         steps = [st for r in reals[name] for st in r._result.steps]
         v = compare_runs(sims[name]._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
-        feats = concat([step_table(r._result) for r in reals[name]])
+        tables = [step_table(r._result) for r in reals[name]]
+        feats = concat(tables)
         v["step_bias"] = bias(feats)
         v["residuals"] = residual_table(feats)
         if speed_ref is not None:
@@ -881,7 +882,7 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
             adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps)
             if adj is not None:
                 v["drift_adjusted"] = adj
-        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(r._result.steps) for r in reals[name]])
+        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables])
         if matched is not None:
             v["speed_matched"] = matched
         v["model"] = info.name
@@ -916,15 +917,15 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
             "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
 
 
-def run_speed(steps: Iterable[Any]) -> float | None:
+def run_speed(cols) -> float | None:
     """A real run's own speed against its cost model: its steps' total measured seconds over
-    their total predicted seconds (None without measured steps)."""
-    measured = predicted = 0.0
-    for st in steps:
-        if st.measured_s is not None:
-            measured += st.measured_s
-            predicted += st.predicted_s
-    return measured / predicted if measured > 0 and predicted > 0 else None
+    their total predicted seconds, from its step table (``sim.features.step_table``, or a run
+    directory's features.parquet as ``analysis.runfit.load_runs`` reads it); None without
+    measured steps."""
+    from analysis.residuals import bias
+
+    b = bias(cols)
+    return b["measured_s"] / b["predicted_s"] if b else None
 
 
 def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | None:

@@ -502,9 +502,10 @@ def test_validate_and_compare(micro, tmp_path):
     assert (v.errors["speed_before"] > 0).all() and v.errors["drift_adjusted_median_abs_error_pct"].notna().all()
     # each real run's own speed, read back from its steps, and the simulation made again at it
     from schedlab.api import run_speed
+    from sim.features import step_table
 
     for pol in v.policies:
-        speeds = [run_speed(r._result.steps) for r in v.real[pol]]
+        speeds = [run_speed(step_table(r._result)) for r in v.real[pol]]
         assert v[pol]["speed_matched"]["speeds"] == pytest.approx(speeds, abs=1e-4) and min(speeds) > 0
     assert v.errors["speed_matched_median_abs_error_pct"].notna().all()
     assert "speed-matched" in v.report()

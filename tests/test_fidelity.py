@@ -315,7 +315,7 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
                   backend=SimBackend(machine, time_scale=f), trace_name=tr.name)
         assert res.error is None
         reals.append(summarize(res))
-        speeds.append(run_speed(res.steps))
+        speeds.append(run_speed(step_table(res)))
     assert speeds == pytest.approx(planted, rel=1e-3)
     plain = compare(summarize(run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap,
                                   trace_name=tr.name)), reals[:1], policy="chunked-prefill", trace=tr.name)
