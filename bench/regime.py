@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from analysis.runfit import load_runs, predict  # noqa: E402
+from analysis.runfit import load_runs  # noqa: E402
 from bench.drift import _grid_coefficients  # noqa: E402
 from engine import blas  # noqa: E402
 from engine.calibrate import calibrate_default, record_replay, write_profile  # noqa: E402
@@ -54,7 +54,7 @@ CASES = {
 def speed(coef: dict, run_dir: Path) -> float:
     """A run's steps' total measured seconds over their total predicted under ``coef``."""
     (r,) = load_runs([run_dir])
-    return float(r.cols["measured_s"].sum() / predict(coef, r.cols).sum())
+    return api.run_speed(r.cols, coef)
 
 
 def main() -> None:

@@ -917,14 +917,14 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
             "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
 
 
-def run_speed(cols) -> float | None:
+def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
     """A real run's own speed against its cost model: its steps' total measured seconds over
     their total predicted seconds, from its step table (``sim.features.step_table``, or a run
-    directory's features.parquet as ``analysis.runfit.load_runs`` reads it); None without
-    measured steps."""
+    directory's features.parquet as ``analysis.runfit.load_runs`` reads it); ``coef``: predicted
+    by these coefficients instead of the run's own predictions. None without measured steps."""
     from analysis.residuals import bias
 
-    b = bias(cols)
+    b = bias(cols, coef)
     return b["measured_s"] / b["predicted_s"] if b else None
 
 
