@@ -5,7 +5,10 @@ sampling, state updates, batch-cache joins and leaves, SimPy's real-time hops an
 Every real run writes ``features.parquet`` (``sim.features``): per measured step, its
 seconds and every cost term's feature summed over its passes. The step's seconds are linear
 in the coefficients (``sum coef[k] * feature[k]``, the loop's own prediction), so a fit is
-non-negative least squares over steps, relative error weighted.
+non-negative least squares over steps, relative error weighted — relative to the prediction,
+not to the measurement (``fit_config``): a step's measured seconds on a shared machine are skewed
+to the slow side, and weighting by them lets a slow step count less than a fast one of the
+same shape, so the fit lands below the mean time the latencies add up.
 
 Two ways to fit, both scored on whole held-out runs (leave one run out; with a single run,
 its first and second half):
@@ -56,6 +59,8 @@ CANDIDATES = ("s_pass", "s_row", "i_step", "i_gap", "c_join_row", "c_leave_row")
 GRID_TERMS = DECODE + COPY + PREFILL  # what a grid fit determines
 GROUPS = ("decode", "prefill", "mixed", "join/leave", "after idle")
 BLAS_KEYS = ("name", "threads", "thread_timeout", "path", "config", "active")  # as calibrate stores them
+WEIGHTINGS = ("prediction", "measured")  # Config.weigh_by
+_WEIGHT_WORDS = {"prediction": "predicted", "measured": "measured"}
 MIN_GAIN = 0.2  # a candidate must lower the score by this many percentage points
 
 
@@ -159,6 +164,11 @@ class Config:
     mode: str  # "scaled" or "joint"
     terms: tuple[str, ...]  # additive terms fitted to the runs (besides the scales / grid terms)
     balance: float = 1.0  # 0: every step weighs the same (relative); 1: every group the same in total
+    weigh_by: str = "prediction"  # a step's error relative to: its prediction, or its measured seconds
+
+    def __post_init__(self) -> None:
+        if self.weigh_by not in WEIGHTINGS:
+            raise ValueError(f"weigh_by: one of {', '.join(WEIGHTINGS)}, not {self.weigh_by!r}")
 
 
 def _design(cfg: Config, base: dict[str, float] | None, cols: dict[str, np.ndarray], overhead: bool = False
@@ -191,9 +201,10 @@ def _design(cfg: Config, base: dict[str, float] | None, cols: dict[str, np.ndarr
     return names, (np.column_stack(parts) if parts else np.zeros((len(cols["measured_s"]), 0)))
 
 
-def _weights(cols: dict[str, np.ndarray], balance: float) -> np.ndarray:
-    meas = cols["measured_s"]
-    w = 1.0 / meas
+def _weights(cols: dict[str, np.ndarray], balance: float, denom: np.ndarray | None = None) -> np.ndarray:
+    """Each step's weight: 1 / ``denom`` (default: its measured seconds), times the group
+    balance."""
+    w = 1.0 / (cols["measured_s"] if denom is None else denom)
     if balance:
         g = step_groups(cols)
         counts = {k: int((g == k).sum()) for k in set(g)}
@@ -207,8 +218,30 @@ def fit_config(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] 
                ) -> dict[str, float]:
     """Coefficients (every FEATURES key) of one configuration fitted to ``cols`` (concatenated
     runs); ``grid``: (features matrix over GRID_TERMS + s_step, seconds, names) joined as rows
-    in the joint mode."""
-    w = _weights(cols, cfg.balance)  # relative to the whole step's seconds
+    in the joint mode.
+
+    ``cfg.weigh_by="prediction"`` (the default) fits twice: first weighing each step's error
+    relative to its measured seconds, then (returned) relative to that first fit's prediction
+    for it. Step times on a shared machine are skewed to the slow side (the same pass now 5.5 ms,
+    now 7.6), and with 1/measured weights a slow step counts less than a fast one of the same
+    shape: the fit predicts less than their mean, and the total step time falls short.
+    Weighted by the prediction, the steps of one shape count alike and the fit targets their
+    mean (``bench/long_context.py`` records both weightings on the same runs).
+    ``"measured"``: the first fit only."""
+    first = _fit_once(cfg, cols, base, grid, grid_weight, None)
+    if cfg.weigh_by == "measured":
+        return first
+    pred = predict(first, cols)
+    if not np.all(np.isfinite(pred)) or not np.any(pred > 0):
+        return first
+    floor = max(float(np.median(cols["measured_s"])) * 1e-3, 1e-9)  # a step predicted ~0 must not dominate
+    return _fit_once(cfg, cols, base, grid, grid_weight, np.maximum(pred, floor))
+
+
+def _fit_once(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] | None,
+              grid: tuple[np.ndarray, np.ndarray, list[str]] | None, grid_weight: float,
+              denom: np.ndarray | None) -> dict[str, float]:
+    w = _weights(cols, cfg.balance, denom)  # relative to the whole step's seconds
     got: dict[str, float] = {}
     # the loop's own time (measured apart: the step minus its passes) ...
     names, a = _design(cfg, base, cols, overhead=True)
@@ -299,7 +332,7 @@ class RunFit:
 def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
              grid: tuple[np.ndarray, np.ndarray, list[str]] | None = None,
              candidates: Sequence[str] = CANDIDATES, modes: Sequence[str] | None = None,
-             balances: Sequence[float] = (0.0, 1.0)) -> RunFit:
+             balances: Sequence[float] = (0.0, 1.0), weigh_by: str = "prediction") -> RunFit:
     """Fit the cost model to ``runs`` (and ``base``: a grid fit's coefficients; ``grid``: its
     samples as rows), choosing the mode, the weighting and the candidate terms by the score
     on whole held-out runs. The final coefficients are fitted to every run."""
@@ -314,15 +347,16 @@ def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
     for mode in modes:
         for bal in balances:
             terms = list(BASE_ADDITIVE)
-            cfg = Config(mode, tuple(terms), bal)
+            cfg = Config(mode, tuple(terms), bal, weigh_by)
             cv = cross_validate(cfg, runs, base, grid)
             tries.append(_row(cfg, cv, "base"))
             left = [c for c in candidates if c not in terms]
             while left:
                 trial = []
                 for c in left:
-                    cv_c = cross_validate(Config(mode, tuple(terms + [c]), bal), runs, base, grid)
-                    tries.append(_row(Config(mode, tuple(terms + [c]), bal), cv_c, f"+{c}"))
+                    c_cfg = Config(mode, tuple(terms + [c]), bal, weigh_by)
+                    cv_c = cross_validate(c_cfg, runs, base, grid)
+                    tries.append(_row(c_cfg, cv_c, f"+{c}"))
                     trial.append((cv_c["score"], c, cv_c))
                 s, c, cv_c = min(trial, key=lambda t: t[0])
                 if s > cv["score"] - MIN_GAIN:
@@ -331,7 +365,7 @@ def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
                 left.remove(c)
                 cv = cv_c
                 tries[-len(trial) + [t[1] for t in trial].index(c)]["kept"] = True
-            cfg = Config(mode, tuple(terms), bal)
+            cfg = Config(mode, tuple(terms), bal, weigh_by)
             if best is None or cv["score"] < best[0]:
                 best = (cv["score"], cfg, cv)
     score_, cfg, cv = best
@@ -346,7 +380,8 @@ def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
     report = {
         "runs": [r.name for r in runs],
         "steps": int(len(all_cols["measured_s"])),
-        "chosen": {"mode": cfg.mode, "balance": cfg.balance, "terms": list(cfg.terms), "scales": scales},
+        "chosen": {"mode": cfg.mode, "balance": cfg.balance, "terms": list(cfg.terms), "scales": scales,
+                   "weigh_by": cfg.weigh_by},
         "score": score_,
         "folds": cv["folds"],
         "held_out": cv["held_out"],
@@ -409,10 +444,11 @@ def _run_key(meta: dict[str, Any]) -> tuple:
 
 
 def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None = None,
-                      *, kind: str = "runs", wall_s: float | None = None) -> dict[str, Any]:
+                      *, kind: str = "runs", wall_s: float | None = None, weigh_by: str = "prediction"
+                      ) -> dict[str, Any]:
     """A profile fitted to real runs (``analysis.runfit``), on top of a grid profile's fit when
     one is given (its samples are kept: ``speed_check`` times them again). Every run, and the
-    grid, must come from one model and machine."""
+    grid, must come from one model and machine. ``weigh_by``: ``Config.weigh_by``."""
     keys = {_run_key(r.meta) for r in runs}
     if len(keys) > 1 or None in next(iter(keys))[:3]:
         raise RunsError("the runs are not all of one model and machine (or lack meta.json): "
@@ -426,7 +462,7 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
     base = dict(grid_profile["coefficients"]) if grid_profile else None
     samples = (grid_profile or {}).get("samples") or []
     grid = grid_rows(samples) if samples else None
-    fit = fit_runs(runs, base=base, grid=grid)
+    fit = fit_runs(runs, base=base, grid=grid, weigh_by=weigh_by)
     src = grid_profile or meta
     return {
         "schema": PROFILE_SCHEMA,
@@ -457,6 +493,7 @@ def format_runs_report(rep: dict[str, Any]) -> str:
     ch = rep["chosen"]
     lines = [f"fitted to {rep['steps']} real steps of {len(rep['runs'])} run(s); held out: {rep['folds']}",
              f"chosen: {ch['mode']} fit, group balance {ch['balance']:g}, terms {', '.join(ch['terms'])}"
+             + f", each step's error relative to its {_WEIGHT_WORDS[ch.get('weigh_by', 'measured')]} seconds"
              + (", scales " + ", ".join(f"{k[2:]} x{v:.3f}" for k, v in ch["scales"].items() if v is not None)
                 if ch.get("scales") else "")]
     lines.append(f"{'held-out steps':<16}{'n':>7}{'med |%|':>9}{'p90 |%|':>9}{'meas/pred':>10}{'total %':>9}")

@@ -611,15 +611,16 @@ def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float =
 
 
 def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds: float = 8.0,
-                  policies: Sequence[str] = REPLAY_POLICIES, seed: int = 0,
+                  policies: Sequence[str] = REPLAY_POLICIES, seed: int = 0, max_prompt: int = 256,
                   say: Callable[[str], None] = lambda m: None) -> list[Path]:
-    """Real runs of ``policies`` on a ``replay_trace`` (each ~``seconds``), written as run
-    directories under ``out`` (features.parquet included). Returns their paths."""
+    """Real runs of ``policies`` on a ``replay_trace`` (each ~``seconds``, prompts up to
+    ``max_prompt`` tokens), written as run directories under ``out`` (features.parquet
+    included). Returns their paths."""
     from sim.loop import run as run_loop_
     from sim.metrics import summarize
     from sim.output import write_run
 
-    trace = replay_trace(cost, seconds, seed)
+    trace = replay_trace(cost, seconds, seed, max_prompt=max_prompt)
     dirs = []
     for k, name in enumerate(policies):
         say(f"replay: {name} on {len(trace)} requests (~{seconds:.0f} s)")

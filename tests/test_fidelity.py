@@ -76,10 +76,12 @@ def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_predi
 # ---------------------------------------------------------------------------- the fit
 
 
-def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float = 0.02, seed: int = 0):
+def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float = 0.02, seed: int = 0,
+                   slow: tuple[float, float] = (0.0, 1.0)):
     """Step logs shaped like real runs (decode batches with joins and leaves, prefill chunks,
     arrivals to an idle replica), timed by ``truth`` (a linear model: planted terms included)
-    with relative noise."""
+    with relative noise; ``slow``: (share, factor): that share of the steps, drawn at random,
+    takes ``factor`` times as long (a machine's slow spells: step times skewed to the slow side)."""
     from analysis.runfit import RunSteps
 
     cm = LinearCostModel(truth)
@@ -122,7 +124,7 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
             cols["passes"][j] = 1
             over = cm.step_overhead_seconds(1, n_rows)
             passes = cm.pass_seconds(shape) + (cm.idle_seconds(idle_s)[1] if idle_s else 0.0)
-            f = 1 + rng.uniform(-noise, noise)
+            f = (1 + rng.uniform(-noise, noise)) * (slow[1] if rng.random() < slow[0] else 1.0)
             cols["passes_s"][j] = passes * f
             cols["overhead_s"][j] = over * f
             cols["measured_s"][j] = (passes + over) * f
@@ -157,6 +159,30 @@ def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
     # predictions use the final coefficients exactly as the loop would
     p = predict(fit.coefficients, runs[0].cols)
     assert np.median(np.abs(p / runs[0].cols["measured_s"] - 1)) < 0.02
+
+
+def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_steps():
+    from analysis.runfit import _concat, fit_runs, predict
+
+    # a fifth of the steps take 1.5x: every shape's mean is 1.1x the truth, its median 1.0x
+    runs = synthetic_runs(KNOWN, noise=0.02, seed=7, slow=(0.2, 1.5))
+    cols = _concat(runs)
+    planted = (cols["measured_s"].sum() / predict(KNOWN, cols).sum())
+    assert 1.07 < planted < 1.13  # the skew is there
+    fit = fit_runs(runs)
+    assert fit.report["chosen"]["weigh_by"] == "prediction"
+    total = predict(fit.coefficients, cols).sum() / cols["measured_s"].sum() - 1
+    assert abs(total) < 0.01  # the total step time: what latencies add up
+    # on whole held-out runs, and in every group of steps (every shape skewed alike)
+    held = fit.report["held_out"]
+    assert set(held) == {"all", "decode", "prefill", "join/leave", "after idle"}
+    assert all(abs(g["total_pct"]) < 2.0 for g in held.values()), held
+    # weighted by each step's measured seconds, a slow step counts less and the fit falls short
+    old = fit_runs(runs, weigh_by="measured")
+    assert predict(old.coefficients, cols).sum() / cols["measured_s"].sum() - 1 < -0.03
+    assert all(g["total_pct"] < -2.5 for g in old.report["held_out"].values()), old.report["held_out"]
+    with pytest.raises(ValueError, match="weigh_by"):
+        fit_runs(runs, weigh_by="median")
 
 
 def test_a_scaled_fit_keeps_the_grid_shapes_and_finds_the_loops_slowdown():
