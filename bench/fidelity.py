@@ -30,7 +30,11 @@ within +-3 %, pairwise direction right; default calibration <= 3 minutes.
 
 ``--rescore DIR`` (DIR: an earlier run's ``--keep``) runs no real engine: it simulates again with
 this checkout and the kept profiles and compares with the kept real runs, for checking a change
-to the simulator against the same reality in seconds.
+to the simulator against the same reality in seconds. ``--refit`` (with ``--rescore``): the kept
+profile fitted again by this checkout from its own data (the kept grid samples and replay runs),
+for checking a change to the fit the same way; the step figures are then the kept real steps
+against the refitted profile. (The kept real runs' policies planned with the kept profile: a
+policy whose plan depends on the cost model may differ a little from its re-simulation.)
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
     ap.add_argument("--rescore", default=None, help="a --keep directory of an earlier run: simulate again with "
                     "this checkout and its kept profiles, compared with its kept real runs (no real run)")
+    ap.add_argument("--refit", action="store_true", help="with --rescore: fit each kept profile again from its "
+                    "kept grid samples and replay runs with this checkout's fit")
     args = ap.parse_args()
     if args.noise is not None:
         from engine.noise import ENV, Noise
@@ -98,12 +104,15 @@ def main() -> None:
            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "models": {}}
     t_all = time.perf_counter()
+    if args.refit and not args.rescore:
+        raise SystemExit("--refit goes with --rescore DIR")
     if args.rescore:
         out["rescored_from"] = str(args.rescore)
+        out["refit"] = bool(args.refit)
     for model in args.models.split(","):
         if args.rescore:
             out["models"][model] = rescore_model(model, policies, overrides.get(model, TRACES.get(model)),
-                                                 Path(args.rescore) / model.replace("/", "_"))
+                                                 Path(args.rescore) / model.replace("/", "_"), args.refit)
             continue
         out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
                                          work / model.replace("/", "_"))
@@ -172,23 +181,53 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
     return _summarise(res, policies)
 
 
-def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> dict:
+def _refit(path: Path, kept: Path) -> tuple[Path, dict]:
+    """The kept profile fitted again from its own data by this checkout: its grid samples (the
+    grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them."""
+    from analysis.runfit import load_runs, profile_from_runs
+    from bench.drift import _grid_coefficients
+    from engine.calibrate import write_profile
+
+    prof = json.loads(path.read_text())
+    if not (kept / "replay").is_dir():
+        raise SystemExit(f"{kept / 'replay'}: no kept replay runs to fit again")
+    runs = load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
+    for r in runs:
+        r.name = Path(r.name).name
+    new = profile_from_runs(runs, dict(prof, coefficients=_grid_coefficients(prof)),
+                            kind=prof["calibration"].get("kind", "grid+replay"))
+    out = write_profile(new, Path(tempfile.mkdtemp(prefix="fidelity-refit-")) / "profile.json")
+    rr = new.get("runs_report") or {}
+    return Path(out), {"kind": "kept, fitted again", "profile": str(path), "chosen": rr.get("chosen"),
+                       "held_out_replay": rr.get("held_out"), "coefficients": new["coefficients"]}
+
+
+def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
     seconds. The step figures (bias, per-step error) are the kept run's: they describe its real
-    steps against its profile, which a re-score does not change."""
-    from analysis.runfit import load_runs
-    from analysis.validation import compare
+    steps against its profile, which a re-score does not change — except with ``refit`` (the
+    profile fitted again from the kept calibration data): then they are the kept steps against
+    the new profile."""
+    from types import SimpleNamespace
+
+    from analysis.residuals import bias, concat
+    from analysis.runfit import load_runs, predict
+    from analysis.validation import compare, step_errors
     from schedlab.api import run_speed, speed_matched
     from sim import run, summarize
 
     path = kept / "profile.json"
     if not path.is_file():
         raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
+    cal = {"kind": "kept", "profile": str(path)}
+    if refit:
+        path, cal = _refit(path, kept)
     cost = LinearCostModel.from_profile(path)
+    coef = dict(cost.coefficients) if refit else None  # None: each step's own kept prediction
     capacity = int(cost.meta.get("kv_tokens", 262144))
-    res: dict = {"calibration": {"kind": "kept", "profile": str(path)}, "traces": {}}
+    res: dict = {"calibration": cal, "traces": {}}
     for spec, seed in trace_specs:
         tr = traces.load(spec, seed=seed)
         key = spec if spec.startswith("real-") else f"{spec}@{seed}"
@@ -202,9 +241,16 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path) -> d
             reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
             sim = run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name)
             v = compare(summarize(sim), reals, policy=pname, trace=tr.name)
-            v["step_error_pct"] = old.get("step_error_pct")
-            v["step_bias"] = old.get("step_bias")
-            speeds = [run_speed(run.cols) for run in load_runs([pdir / d for d in old["real_dirs"]])]
+            kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
+            if refit:
+                cols = concat([r.cols for r in kept_runs])
+                v["step_bias"] = bias(cols, coef)
+                v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
+                                                   for p, m in zip(predict(coef, cols), cols["measured_s"])])
+            else:
+                v["step_error_pct"] = old.get("step_error_pct")
+                v["step_bias"] = old.get("step_bias")
+            speeds = [run_speed(r.cols, coef) for r in kept_runs]
             matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds)
             if matched is not None:
                 v["speed_matched"] = matched
