@@ -241,6 +241,9 @@ def fit_config(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] 
 def _fit_once(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] | None,
               grid: tuple[np.ndarray, np.ndarray, list[str]] | None, grid_weight: float,
               denom: np.ndarray | None) -> dict[str, float]:
+    """One fit of ``fit_config``: each step's error relative to ``denom`` (None: its measured
+    seconds). The grid's rows (joint mode) stay relative to their own seconds: each is already
+    the median of repeated timings of one pass, not a single draw of a skewed time."""
     w = _weights(cols, cfg.balance, denom)  # relative to the whole step's seconds
     got: dict[str, float] = {}
     # the loop's own time (measured apart: the step minus its passes) ...
