@@ -148,8 +148,11 @@ def speed_line(speed: Mapping[str, Any] | None) -> str | None:
            if isinstance(r := speed.get(w), Mapping) and r.get("ratio")}
     if not got:
         return None
-    line = ("machine speed: the profile's reference passes ran at "
-            + " and ".join(f"{x:.2f}x ({w} the real runs)" for w, x in got.items()) + " their calibrated time")
+    replay = all(isinstance(r := speed.get(w), Mapping) and r.get("kind") == "replay" for w in got)
+    line = (("machine speed: the profile's own replay ran at " if replay
+             else "machine speed: the profile's reference passes ran at ")
+            + " and ".join(f"{x:.2f}x ({w} the real runs)" for w, x in got.items())
+            + (" the time the profile predicts" if replay else " their calibrated time"))
     worst = max(got.values(), key=lambda x: abs(x - 1.0))
     if abs(worst - 1.0) >= 0.05:
         line += (f": this machine ran up to {100 * abs(worst - 1.0):.0f} % {'slower' if worst > 1 else 'faster'} "

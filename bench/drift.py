@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import engine  # noqa: E402,F401  (OpenBLAS before mlx)
 from analysis.runfit import errors, load_runs, predict  # noqa: E402
 from engine import blas  # noqa: E402
-from engine.calibrate import calibrate_default, record_replay, write_profile  # noqa: E402
+from engine.calibrate import calibrate_default, grid_coefficients, record_replay, write_profile  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from sim.cost import LinearCostModel, read_profile  # noqa: E402
 
@@ -96,12 +96,10 @@ def main() -> None:
 
 def _grid_coefficients(prof: dict) -> dict:
     """The grid's own fit (what ``calibrate_default`` drew the replay's trace from)."""
-    from analysis.fit import Sample, fit_profile
-
-    samples = [Sample.from_json(s) for s in prof.get("samples") or []]
-    if not samples:
+    coef = grid_coefficients(prof)
+    if coef is None:
         raise SystemExit("the profile keeps no grid samples: cannot draw its replay's trace again")
-    return fit_profile(samples)[0]
+    return coef
 
 
 def _print(r: dict) -> None:

@@ -14,6 +14,9 @@ runs interleaved round by round, so that the machine's drift meets every policy 
 - pairwise direction: for every pair of policies on a trace and every metric where the real
   runs differ by more than their spread (the medians further apart than either policy's
   max - min), whether the simulation orders the two the same way; the share per metric.
+- drift-adjusted: the simulation made again at the machine's speed timed before and after the
+  policies' real runs (``--speed-probe``: the calibration's own replay run again, default, or
+  the profile's isolated reference passes): a prediction made without the runs' own timings;
 - speed-matched: the simulation made again at each real run's own speed (its total measured /
   predicted step time; the policy still plans with the profile), compared as above: the errors
   left once the machine's speed during the runs is taken out — the model's share.
@@ -84,6 +87,9 @@ def main() -> None:
                                                   "(gc-off, pin=0-1, warmup=N)")
     ap.add_argument("--no-speed-check", action="store_true", help="skip validate's machine-speed checks "
                     "(and so the drift-adjusted comparison): ~2x faster on smollm2")
+    ap.add_argument("--speed-probe", default="replay", choices=("replay", "passes"),
+                    help="how validate times the machine's speed before and after the runs (drift-adjusted): the "
+                    "calibration's own replay run again (default), or the profile's isolated reference passes")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
     ap.add_argument("--rescore", default=None, help="a --keep directory of an earlier run: simulate again with "
@@ -100,6 +106,7 @@ def main() -> None:
     overrides = _parse_traces(args.traces)
     policies = args.policies.split(",")
     out = {"benchmark": "fidelity", "goal": GOAL, "repeat": args.repeat, "noise": args.noise,
+           "speed_probe": None if args.rescore else args.speed_probe,
            "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "models": {}}
@@ -175,7 +182,7 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
                            {p: work / _safe(key) / p for p in policies}, args.repeat, seed,
                            {"kind": "linear", "profile": str(path)},
                            lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
-                           speed_check_runs=not args.no_speed_check)
+                           speed_check_runs=not args.no_speed_check, speed_probe=args.speed_probe)
         for pname in policies:
             _record(res, model, key, pname, vs[pname][0])
     return _summarise(res, policies)
@@ -319,7 +326,8 @@ def _per_policy(rows: list[dict]) -> dict:
 
 def overall(rows: list[dict]) -> dict:
     """Over every (trace, policy) row of a model: the median of the rows' median |error| and of
-    their worst, plain and speed-matched, and how many rows meet the goal each way."""
+    their worst, plain, drift-adjusted and speed-matched, and how many rows meet the goal each
+    way."""
     def agg(get):
         got = [(get(r)["median_abs_error_pct"], get(r)["max_abs_error_pct"]) for r in rows if get(r)]
         if not got:
@@ -329,6 +337,9 @@ def overall(rows: list[dict]) -> dict:
                 "rows_median_within_goal": sum(1 for m, _ in got if m <= GOAL["median_abs_error_pct"]),
                 "rows_max_within_goal": sum(1 for _, w in got if w <= GOAL["max_abs_error_pct"])}
     out = {"plain": agg(lambda r: r)}
+    da = agg(lambda r: r.get("drift_adjusted"))
+    if da:  # the simulation at the speed timed before and after the runs: a prediction, unlike the next
+        out["drift_adjusted"] = da
     sm = agg(lambda r: r.get("speed_matched"))
     if sm:
         out["speed_matched"] = sm
@@ -395,7 +406,7 @@ def format_markdown(out: dict) -> str:
                          + (f"{agg['speed_matched']['median_abs_error_pct']:.1f} / {agg['speed_matched']['max_abs_error_pct']:.1f}"
                             if agg.get("speed_matched") else "-") + " |")
         ov = res.get("overall") or {}
-        for what in ("plain", "speed_matched"):
+        for what in ("plain", "drift_adjusted", "speed_matched"):
             o = ov.get(what)
             if o:
                 lines.append(f"{what.replace('_', '-')}: median over the {o['rows']} rows of their median |error| "

@@ -467,6 +467,42 @@ def speed_check(info: ModelInfo, profile: dict[str, Any], rounds: int = 3, seed:
             "rounds": rounds, "wall_s": round(time.perf_counter() - t0, 2)}
 
 
+def grid_coefficients(profile: dict[str, Any]) -> dict[str, float] | None:
+    """The grid's own fit of a profile (its stored samples): what ``calibrate_default`` drew its
+    replay's trace from. None when the profile keeps no samples."""
+    samples = [Sample.from_json(x) for x in profile.get("samples") or []]
+    return fit_profile(samples)[0] if samples else None
+
+
+def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str = "mlx-default",
+                       seed: int = 0) -> dict[str, Any] | None:
+    """How fast this machine runs a default calibration's own replay *now*: its trace (drawn again
+    from the profile's grid, as the calibration drew it) run by ``policy`` in the real loop, the
+    steps' total measured over predicted seconds under the profile. ``ratio`` > 1: slower than
+    the profile says. Unlike ``speed_check``'s isolated passes, these steps run in the regime
+    of a real run (the loop, sampling, joins, idle gaps), and the profile was fitted to their
+    mean, so at calibration time the ratio is ~1. None unless the profile is a default
+    calibration (``grid+replay``) with its samples. ~``replay_s`` seconds (8)."""
+    cal = profile.get("calibration") or {}
+    if cal.get("kind") != "grid+replay":
+        return None
+    coef = grid_coefficients(profile)
+    if coef is None:
+        return None
+    from analysis.residuals import bias
+    from sim.features import step_table
+
+    t0 = time.perf_counter()
+    trace = replay_trace(LinearCostModel(coef), float(cal.get("replay_s") or 8.0), seed)
+    res = run_loop(trace, make_policy(policy), LinearCostModel(dict(profile["coefficients"])),
+                   kv_capacity=10**9, backend=MLXBackend(info, seed=seed), trace_name="replay")
+    b = None if res.error else bias(step_table(res))
+    if not b or not b["predicted_s"]:
+        return None
+    return {"ratio": round(b["measured_s"] / b["predicted_s"], 4), "kind": "replay", "policy": policy,
+            "steps": b["steps"], "wall_s": round(time.perf_counter() - t0, 2)}
+
+
 # ---------------------------------------------------------------------- matching profiles
 
 

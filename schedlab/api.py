@@ -816,7 +816,7 @@ def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = Fals
 
 
 def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None], repeat: int,
-                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True
+                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True, speed_probe: str = "passes"
                   ) -> dict[str, tuple[dict, Run, list[Run]]]:
     """Policies side by side: each one's simulation, then the real runs round by round — run k
     of every policy before run k + 1 of any — and the machine's speed timed once before the
@@ -826,13 +826,18 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
     Then, per policy, the comparison (validation.json's content, written under its directory
     when given), its simulated run and its real runs.
 
+    ``speed_probe``: how the machine's speed is timed before and after: ``"passes"`` (the
+    profile's reference passes, isolated: ``engine.calibrate.speed_check``) or ``"replay"`` (a
+    default calibration's own replay run again by one policy in the real loop:
+    ``replay_speed_check``; the reference passes where the profile has no replay).
+
     The real runs plan and predict with the same cost model as the simulation: the policy
     sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)
     is that model's, analytic with ``hardware``."""
     import json
 
     from engine.backend import MLXBackend
-    from engine.calibrate import speed_check
+    from engine.calibrate import replay_speed_check, speed_check
     from sim import run as run_loop
     from sim.features import step_table
     from sim.metrics import summarize
@@ -849,11 +854,22 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
         sims[name] = Run(sim_res, summarize(sim_res), metas[name])
         if dirs.get(name) is not None:
             sims[name].save(dirs[name] / "sim")
+    if speed_probe not in ("passes", "replay"):
+        raise ValueError(f"speed_probe: 'passes' or 'replay', not {speed_probe!r}")
     speed_ref = _speed_reference(cost_meta) if speed_check_runs else None
     speed = {}
+
+    def time_speed():
+        if speed_probe == "replay":
+            got = replay_speed_check(info, speed_ref, seed=seed)
+            if got is not None:
+                return got
+        return speed_check(info, speed_ref, seed=seed)
+
     if speed_ref is not None:
-        say("timing the profile's reference passes (the machine's speed now)")
-        speed["before"] = speed_check(info, speed_ref, seed=seed)
+        say("running the profile's replay again (the machine's speed now)" if speed_probe == "replay"
+            else "timing the profile's reference passes (the machine's speed now)")
+        speed["before"] = time_speed()
     reals: dict[str, list[Run]] = {name: [] for name in pols}
     for k in range(repeat):
         for name, pol in pols.items():
@@ -867,7 +883,7 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
                 _fail(f"{pol.name}: real run stopped: {res.error}")
             reals[name].append(real)
     if speed_ref is not None:
-        speed["after"] = speed_check(info, speed_ref, seed=seed)
+        speed["after"] = time_speed()
     out = {}
     for name, pol in pols.items():
         summaries = [r._summary for r in reals[name]]

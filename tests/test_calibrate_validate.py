@@ -248,3 +248,54 @@ def test_a_scaled_cost_model_scales_every_second_and_the_whole_schedule():
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError):
             ScaledCostModel(base, bad)
+
+
+def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path):
+    """``speed_probe="replay"``: the machine's speed before and after the real runs is the
+    default calibration's own replay trace run again in the real loop (drawn again from the
+    profile's grid samples), and the drift-adjusted simulation runs at its mean; a profile
+    without a replay falls back to the reference passes."""
+    import pandas as pd
+
+    import traces
+    from engine.calibrate import (calibrate_default, grid_coefficients, replay_speed_check, replay_trace,
+                                  write_profile)
+    from engine.models import load_model
+    from policies import make_policy
+    from schedlab.api import validate_many
+    from analysis.validation import speed_line
+
+    info = load_model("micro")
+    prof = calibrate_default(info, replay_s=2.0, keep=tmp_path / "replay")
+    assert prof["calibration"]["kind"] == "grid+replay"
+    # the grid's own fit draws the very trace the calibration replayed
+    again = replay_trace(LinearCostModel(grid_coefficients(prof)), 2.0, 0)
+    kept = pd.read_csv(tmp_path / "replay" / "mlx-default" / "requests.csv")
+    assert [r.prompt_tokens for r in again] == kept["prompt_tokens"].tolist()
+    assert [r.output_tokens for r in again] == kept["output_tokens"].tolist() and len(again) >= 4
+    path = write_profile(prof, tmp_path / "profile.json")
+    probe = replay_speed_check(info, prof)
+    assert probe["kind"] == "replay" and probe["policy"] == "mlx-default" and probe["steps"] > len(again)
+    assert 0.2 < probe["ratio"] < 5
+    cost = LinearCostModel.from_profile(path)
+    tr = traces.load("real-smoke", seed=0)
+    tr.requests = tr.requests[:4]
+    said = []
+    out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
+                        {"kind": "linear", "profile": str(path)}, said.append, speed_probe="replay")
+    v = out["unified"][0]
+    ms = v["machine_speed"]
+    assert ms["before"]["kind"] == ms["after"]["kind"] == "replay" and "points" not in ms["before"]
+    assert v["drift_adjusted"]["speed_factor"] == pytest.approx((ms["before"]["ratio"] + ms["after"]["ratio"]) / 2)
+    assert sum("replay again" in m for m in said) == 1  # said once, before the runs
+    assert speed_line(ms).startswith("machine speed: the profile's own replay ran at")
+    # a grid-only profile has no replay to run: the reference passes
+    grid_only = write_profile({k: v for k, v in prof.items() if k != "calibration"} | {"calibration": {"kind": "grid"}},
+                              tmp_path / "grid.json")
+    assert replay_speed_check(info, json.loads(grid_only.read_text())) is None
+    out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
+                        {"kind": "linear", "profile": str(grid_only)}, said.append, speed_probe="replay")
+    assert out["unified"][0]["machine_speed"]["before"]["points"] >= 2
+    with pytest.raises(ValueError, match="speed_probe"):
+        validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
+                      {"kind": "linear", "profile": str(path)}, said.append, speed_probe="wall")
