@@ -474,18 +474,20 @@ def grid_coefficients(profile: dict[str, Any]) -> dict[str, float] | None:
     return fit_profile(samples)[0] if samples else None
 
 
-def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str = "mlx-default",
-                       seed: int = 0) -> dict[str, Any] | None:
+def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str = "mlx-default"
+                       ) -> dict[str, Any] | None:
     """How fast this machine runs a default calibration's own replay *now*: its trace (drawn again
     from the profile's grid, as the calibration drew it) run by ``policy`` in the real loop, the
     steps' total measured over predicted seconds under the profile. ``ratio`` > 1: slower than
     the profile says. Unlike ``speed_check``'s isolated passes, these steps run in the regime
     of a real run (the loop, sampling, joins, idle gaps), and the profile was fitted to their
     mean, so at calibration time the ratio is ~1. None unless the profile is a default
-    calibration (``grid+replay``) with its samples. ~``replay_s`` seconds (8)."""
-    cal = profile.get("calibration") or {}
-    if cal.get("kind") != "grid+replay":
+    calibration (``grid+replay``) with its samples. ~``replay_s`` seconds (8). The trace and
+    the engine take the calibration's seed, whatever the validation's."""
+    if not has_replay(profile):
         return None
+    cal = profile["calibration"]
+    seed = int((cal.get("grid") or {}).get("seed") or 0)
     coef = grid_coefficients(profile)
     if coef is None:
         return None
@@ -500,7 +502,13 @@ def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str 
     if not b or not b["predicted_s"]:
         return None
     return {"ratio": round(b["measured_s"] / b["predicted_s"], 4), "kind": "replay", "policy": policy,
-            "steps": b["steps"], "wall_s": round(time.perf_counter() - t0, 2)}
+            "requests": len(trace), "seed": seed, "steps": b["steps"], "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def has_replay(profile: dict[str, Any] | None) -> bool:
+    """Whether a profile is a default calibration (grid + replay) whose replay can be run again."""
+    return bool(profile) and (profile.get("calibration") or {}).get("kind") == "grid+replay" \
+        and bool(profile.get("samples"))
 
 
 # ---------------------------------------------------------------------- matching profiles

@@ -837,7 +837,7 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
     import json
 
     from engine.backend import MLXBackend
-    from engine.calibrate import replay_speed_check, speed_check
+    from engine.calibrate import has_replay, replay_speed_check, speed_check
     from sim import run as run_loop
     from sim.features import step_table
     from sim.metrics import summarize
@@ -859,15 +859,14 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
     speed_ref = _speed_reference(cost_meta) if speed_check_runs else None
     speed = {}
 
+    replay = speed_probe == "replay" and has_replay(speed_ref)
+
     def time_speed():
-        if speed_probe == "replay":
-            got = replay_speed_check(info, speed_ref, seed=seed)
-            if got is not None:
-                return got
-        return speed_check(info, speed_ref, seed=seed)
+        got = replay_speed_check(info, speed_ref) if replay else None
+        return got if got is not None else speed_check(info, speed_ref, seed=seed)
 
     if speed_ref is not None:
-        say("running the profile's replay again (the machine's speed now)" if speed_probe == "replay"
+        say("running the profile's replay again (the machine's speed now)" if replay
             else "timing the profile's reference passes (the machine's speed now)")
         speed["before"] = time_speed()
     reals: dict[str, list[Run]] = {name: [] for name in pols}

@@ -276,16 +276,18 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     path = write_profile(prof, tmp_path / "profile.json")
     probe = replay_speed_check(info, prof)
     assert probe["kind"] == "replay" and probe["policy"] == "mlx-default" and probe["steps"] > len(again)
+    assert probe["requests"] == len(again) and probe["seed"] == 0  # the calibration's trace
     assert 0.2 < probe["ratio"] < 5
     cost = LinearCostModel.from_profile(path)
     tr = traces.load("real-smoke", seed=0)
     tr.requests = tr.requests[:4]
     said = []
-    out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
+    out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 5,
                         {"kind": "linear", "profile": str(path)}, said.append, speed_probe="replay")
     v = out["unified"][0]
     ms = v["machine_speed"]
     assert ms["before"]["kind"] == ms["after"]["kind"] == "replay" and "points" not in ms["before"]
+    assert ms["before"]["requests"] == len(again)  # the calibration's replay, not one of the validation's seed
     assert v["drift_adjusted"]["speed_factor"] == pytest.approx((ms["before"]["ratio"] + ms["after"]["ratio"]) / 2)
     assert sum("replay again" in m for m in said) == 1  # said once, before the runs
     assert speed_line(ms).startswith("machine speed: the profile's own replay ran at")
@@ -296,6 +298,7 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
                         {"kind": "linear", "profile": str(grid_only)}, said.append, speed_probe="replay")
     assert out["unified"][0]["machine_speed"]["before"]["points"] >= 2
+    assert sum(m.startswith("timing the profile's reference passes") for m in said) == 1  # this call's
     with pytest.raises(ValueError, match="speed_probe"):
         validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
                       {"kind": "linear", "profile": str(path)}, said.append, speed_probe="wall")
