@@ -119,6 +119,14 @@ def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None
             "total_pct": float(100.0 * (pred[ok].sum() - meas[ok].sum()) / meas[ok].sum())}
 
 
+def run_speed(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> float | None:
+    """A run's own speed against its cost model: its steps' total measured seconds over their
+    total predicted seconds (``bias``'s totals); ``coef``: predicted by these coefficients
+    instead of the steps' own predictions. None without measured steps."""
+    b = bias(cols, coef)
+    return b["measured_s"] / b["predicted_s"] if b else None
+
+
 def bias_line(b: Mapping[str, Any] | None) -> str | None:
     """'cost model on this run: measured/predicted median 1.12 over 245 steps (back to back
     1.10, after idle 1.35 over 7); total predicted 2.31 s vs measured 2.71 s (-14.8 %)'."""

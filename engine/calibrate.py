@@ -488,21 +488,18 @@ def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str 
         return None
     cal = profile["calibration"]
     seed = int((cal.get("grid") or {}).get("seed") or 0)
-    coef = grid_coefficients(profile)
-    if coef is None:
-        return None
-    from analysis.residuals import bias
+    from analysis.residuals import run_speed
     from sim.features import step_table
 
     t0 = time.perf_counter()
-    trace = replay_trace(LinearCostModel(coef), float(cal.get("replay_s") or 8.0), seed)
-    res = run_loop(trace, make_policy(policy), LinearCostModel(dict(profile["coefficients"])),
-                   kv_capacity=10**9, backend=MLXBackend(info, seed=seed), trace_name="replay")
-    b = None if res.error else bias(step_table(res))
-    if not b or not b["predicted_s"]:
+    trace = replay_trace(LinearCostModel(grid_coefficients(profile)), float(cal.get("replay_s") or 8.0), seed)
+    res = _replay_run(info, trace, policy, LinearCostModel(dict(profile["coefficients"])), seed)
+    table = None if res.error else step_table(res)
+    ratio = run_speed(table) if table else None
+    if not ratio:
         return None
-    return {"ratio": round(b["measured_s"] / b["predicted_s"], 4), "kind": "replay", "policy": policy,
-            "requests": len(trace), "seed": seed, "steps": b["steps"], "wall_s": round(time.perf_counter() - t0, 2)}
+    return {"ratio": round(ratio, 4), "kind": "replay", "policy": policy, "requests": len(trace), "seed": seed,
+            "steps": len(table["step"]), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
 def has_replay(profile: dict[str, Any] | None) -> bool:
@@ -654,13 +651,18 @@ def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float =
     return make(n)
 
 
+def _replay_run(info: ModelInfo, trace: list[Request], policy: str, cost: LinearCostModel, seed: int):
+    """One real run of a replay trace (no KV limit), as the default calibration runs it."""
+    return run_loop(trace, make_policy(policy), cost, kv_capacity=10**9, backend=MLXBackend(info, seed=seed),
+                    trace_name="replay")
+
+
 def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds: float = 8.0,
                   policies: Sequence[str] = REPLAY_POLICIES, seed: int = 0, max_prompt: int = 256,
                   say: Callable[[str], None] = lambda m: None) -> list[Path]:
     """Real runs of ``policies`` on a ``replay_trace`` (each ~``seconds``, prompts up to
     ``max_prompt`` tokens), written as run directories under ``out`` (features.parquet
     included). Returns their paths."""
-    from sim.loop import run as run_loop_
     from sim.metrics import summarize
     from sim.output import write_run
 
@@ -668,8 +670,7 @@ def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds:
     dirs = []
     for k, name in enumerate(policies):
         say(f"replay: {name} on {len(trace)} requests (~{seconds:.0f} s)")
-        res = run_loop_(trace, make_policy(name), cost, kv_capacity=10**9,
-                        backend=MLXBackend(info, seed=seed + k), trace_name="replay")
+        res = _replay_run(info, trace, name, cost, seed + k)
         if res.error:
             raise RuntimeError(res.error)
         dirs.append(write_run(Path(out) / name, res, summarize(res), meta={"replay_seed": seed}))

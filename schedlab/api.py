@@ -937,10 +937,9 @@ def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
     their total predicted seconds, from its step table (``sim.features.step_table``, or a run
     directory's features.parquet as ``analysis.runfit.load_runs`` reads it); ``coef``: predicted
     by these coefficients instead of the run's own predictions. None without measured steps."""
-    from analysis.residuals import bias
+    from analysis.residuals import run_speed as speed
 
-    b = bias(cols, coef)
-    return b["measured_s"] / b["predicted_s"] if b else None
+    return speed(cols, coef)
 
 
 def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | None:
