@@ -222,9 +222,10 @@ def fit_config(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] 
 
     ``cfg.weigh_by="prediction"`` (the default) fits twice: first weighing each step's error
     relative to its measured seconds, then (returned) relative to that first fit's prediction
-    for it. Step times on a shared machine are skewed to the slow side (the same pass now 5.5 ms,
-    now 7.6), and with 1/measured weights a slow step counts less than a fast one of the same
-    shape: the fit predicts less than their mean, and the total step time falls short.
+    for it. Step times on a shared machine are skewed to the slow side (a real run's p99 step
+    1.65-2.05x its median: bench/results/noise_blas_threads.json), and with 1/measured weights
+    a slow step counts less than a fast one of the same shape: the fit predicts less than their
+    mean, and the total step time falls short.
     Weighted by the prediction, the steps of one shape count alike and the fit targets their
     mean (``bench/long_context.py`` records both weightings on the same runs).
     ``"measured"``: the first fit only."""
