@@ -36,6 +36,21 @@ def _get(summary: Mapping[str, Any], path: Sequence[str]) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def median_summary(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per metric (``METRICS``), the median over ``summaries`` (several simulations of one run
+    with different jitter draws, compared as one with the median of the real runs)."""
+    out: dict[str, Any] = {}
+    for _, path, _ in METRICS:
+        vals = [v for v in (_get(s, path) for s in summaries) if v is not None]
+        if not vals:
+            continue
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = statistics.median(vals)
+    return out
+
+
 def step_errors(steps: Sequence[Any]) -> dict[str, float | None]:
     """|predicted - measured| / measured over real steps, in %: p50 and p90 (and mean signed)."""
     errs = []

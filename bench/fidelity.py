@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
     ap.add_argument("--rescore", default=None, help="a --keep directory of an earlier run: simulate again with "
                     "this checkout and its kept profiles, compared with its kept real runs (no real run)")
+    ap.add_argument("--jitter", type=int, default=0, help="with --rescore: simulate each run this many times "
+                    "with the profile's step jitter (seeds 0..N-1) and compare the metrics' medians (0: none)")
     ap.add_argument("--refit", action="store_true", help="with --rescore: fit each kept profile again from its "
                     "kept grid samples and replay runs with this checkout's fit")
     args = ap.parse_args()
@@ -116,10 +118,12 @@ def main() -> None:
     if args.rescore:
         out["rescored_from"] = str(args.rescore)
         out["refit"] = bool(args.refit)
+        out["jitter"] = args.jitter
     for model in args.models.split(","):
         if args.rescore:
             out["models"][model] = rescore_model(model, policies, overrides.get(model, TRACES.get(model)),
-                                                 Path(args.rescore) / model.replace("/", "_"), args.refit)
+                                                 Path(args.rescore) / model.replace("/", "_"), args.refit,
+                                                 jitter=args.jitter)
             continue
         out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
                                          work / model.replace("/", "_"))
@@ -209,7 +213,8 @@ def _refit(path: Path, kept: Path) -> tuple[Path, dict]:
                        "held_out_replay": rr.get("held_out"), "coefficients": new["coefficients"]}
 
 
-def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False) -> dict:
+def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False,
+                  jitter: int = 0) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
@@ -221,9 +226,10 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
 
     from analysis.residuals import bias, concat
     from analysis.runfit import load_runs, predict
-    from analysis.validation import compare, step_errors
+    from analysis.validation import compare, median_summary, step_errors
     from schedlab.api import run_speed, speed_matched
     from sim import run, summarize
+    from sim.backend import SimBackend
 
     path = kept / "profile.json"
     if not path.is_file():
@@ -234,6 +240,19 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
     cost = LinearCostModel.from_profile(path)
     coef = dict(cost.coefficients) if refit else None  # None: each step's own kept prediction
     capacity = int(cost.meta.get("kv_tokens", 262144))
+    jit = None
+    if jitter:
+        from analysis.runfit import step_jitter
+        from sim.jitter import StepJitter
+
+        if cost.meta.get("step_jitter"):
+            jit = StepJitter.from_dict(cost.meta["step_jitter"])
+        else:  # a kept profile from before step jitter: its own replay runs under its coefficients
+            reps = load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
+            jit = step_jitter(reps, dict(cost.coefficients))
+        if jit is None:
+            raise SystemExit(f"{kept}: no step jitter to be had (no replay runs)")
+        cal["step_jitter"] = jit.summary()
     res: dict = {"calibration": cal, "traces": {}}
     for spec, seed in trace_specs:
         tr = traces.load(spec, seed=seed)
@@ -246,8 +265,13 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                 raise SystemExit(f"{old_path}: not kept")
             old = json.loads(old_path.read_text())
             reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
-            sim = run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name)
-            v = compare(summarize(sim), reals, policy=pname, trace=tr.name)
+            if jit is None:
+                sim = summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name))
+            else:
+                sim = median_summary([summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity,
+                                                    trace_name=tr.name, backend=SimBackend(cost, jitter=jit, seed=i)))
+                                      for i in range(jitter)])
+            v = compare(sim, reals, policy=pname, trace=tr.name)
             kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
             if refit:
                 cols = concat([r.cols for r in kept_runs])
@@ -258,7 +282,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                 v["step_error_pct"] = old.get("step_error_pct")
                 v["step_bias"] = old.get("step_bias")
             speeds = [run_speed(r.cols, coef) for r in kept_runs]
-            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds)
+            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds, jitter=jit)
             if matched is not None:
                 v["speed_matched"] = matched
             _record(res, model, key, pname, v)

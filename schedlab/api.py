@@ -942,7 +942,7 @@ def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
     return speed(cols, coef)
 
 
-def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | None:
+def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list, jitter=None) -> dict | None:
     """The comparison again with the simulation made at each real run's own speed (``run_speed``:
     the one number a real run tells about the machine as a whole while it ran; the policy still
     plans with the cost model, as it did in the real run): per metric the median of those
@@ -950,7 +950,8 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | 
     shared machine that speed moves by tens of percent between identical runs minutes apart;
     this takes it out, so what remains is the model's — the order and shape of the steps, the
     queueing they cause — while the speeds are reported beside it. Reported beside the plain
-    comparison, never instead of it."""
+    comparison, never instead of it. ``jitter`` (``sim.jitter.StepJitter``): each simulation
+    with that step jitter (seed: the real run's index)."""
     from sim import run as run_loop
     from sim.backend import SimBackend
     from sim.metrics import summarize
@@ -958,8 +959,8 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | 
 
     if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
         return None
-    sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, backend=SimBackend(cost, time_scale=f),
-                               trace_name=tr.name)) for f in speeds]
+    sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, backend=SimBackend(cost, time_scale=f, jitter=jitter, seed=i),
+                               trace_name=tr.name)) for i, f in enumerate(speeds)]
     errors: dict[str, float | None] = {}
     for key, path, _ in METRICS:
         s = [x for x in (_get(r, path) for r in sims) if x is not None]

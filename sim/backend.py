@@ -52,16 +52,28 @@ class SimBackend:
     from idle — ``time_scale`` times as long as the cost model says, while the policy still
     plans with the model's estimates (as a real engine's policy does on a machine that has
     sped up or slowed down since its calibration). ``validate``'s speed-matched comparison
-    simulates each real run again at that run's own measured speed this way."""
+    simulates each real run again at that run's own measured speed this way.
+
+    ``jitter`` (``sim.jitter.StepJitter``): each step's seconds — its passes and the scheduler's
+    own work — multiplied by one draw from that mean-1 distribution (``seed``: the draws'), the
+    step-to-step spread a real engine shows (measured per step, so drawn per step: a step's
+    passes share its draw); the policy still plans with the model's own estimates. None: every
+    step exactly as predicted."""
 
     mode = "sim"
 
-    def __init__(self, cost_model: CostModel, time_scale: float = 1.0):
+    def __init__(self, cost_model: CostModel, time_scale: float = 1.0, jitter=None, seed: int = 0):
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
             raise ValueError(f"time_scale must be a positive number, got {time_scale!r}")
         self.cost_model = cost_model
         self.time_scale = f = float(time_scale)
-        if f == 1.0:
+        self.jitter = jitter
+        self._draw = jitter.sampler(seed) if jitter is not None else None
+        self._step = [f]  # this step's factor: time_scale x its draw (step_overhead draws it)
+        if jitter is not None:
+            step = self._step
+            self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: step[0] * _predict(shape)
+        elif f == 1.0:
             self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: _predict(shape)
         else:
             self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: f * _predict(shape)
@@ -73,6 +85,9 @@ class SimBackend:
         pass
 
     def step_overhead(self, predicted_s: float) -> float:
+        if self._draw is not None:  # a new step (or a wake-up): its draw
+            self._step[0] = self.time_scale * self._draw()
+            return self._step[0] * predicted_s
         return predicted_s if self.time_scale == 1.0 else self.time_scale * predicted_s
 
     def repeat_decode(self, shape: PassShape, k: int) -> Iterator[float]:
@@ -84,11 +99,13 @@ class SimBackend:
             seconds = (self.cost_model.pass_seconds(PassShape(tuple(c + j for c in shape.decode_contexts), (), False,
                                                               rows))
                        for j in range(1, k + 1))
-        f = self.time_scale
+        f, draw = self.time_scale, self._draw
+        if draw is not None:  # one step each (their shared overhead keeps the step's draw)
+            return (f * t * draw() for t in seconds)
         return seconds if f == 1.0 else (f * t for t in seconds)
 
     def release(self, r) -> None:
         pass
 
     def finish(self) -> dict[str, Any]:
-        return {}
+        return {"step_jitter": self.jitter.summary()} if self.jitter is not None else {}

@@ -266,6 +266,15 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(re
     meas = np.concatenate([c["measured_s"] for c in cols])
     err = np.abs(pred - meas) / meas * 100
     assert np.median(err) == pytest.approx(rep["fit"]["all"]["median_abs_pct"], rel=1e-6)
+    # the steps' spread around the fit, carried for the simulator (sim.jitter) and printed
+    from sim.jitter import StepJitter
+
+    jit = StepJitter.from_dict(prof["step_jitter"])
+    assert jit.steps == len(meas)
+    ratio = meas / pred
+    assert jit.quantile(0.5) == pytest.approx(np.median(ratio) / ratio.mean(), rel=0.02)
+    assert "step spread" in proc.stdout
+    assert rep["step_spread"] == pytest.approx(jit.summary(), abs=1.01e-3)
     assert 100 * (pred.sum() - meas.sum()) / meas.sum() == pytest.approx(rep["fit"]["all"]["total_pct"], rel=1e-6, abs=1e-9)
     assert len(load_runs([tmp_path.parent])) >= 0  # a directory tree is searched, not required flat
     # a real run with the new profile predicts every step as the fit did (one formula)
