@@ -192,7 +192,7 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
     return _summarise(res, policies)
 
 
-def _refit(path: Path, kept: Path) -> tuple[Path, dict]:
+def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None) -> tuple[Path, dict]:
     """The kept profile fitted again from its own data by this checkout: its grid samples (the
     grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them."""
     from analysis.runfit import load_runs, profile_from_runs
@@ -206,7 +206,7 @@ def _refit(path: Path, kept: Path) -> tuple[Path, dict]:
     for r in runs:
         r.name = Path(r.name).name
     new = profile_from_runs(runs, dict(prof, coefficients=_grid_coefficients(prof)),
-                            kind=prof["calibration"].get("kind", "grid+replay"))
+                            kind=prof["calibration"].get("kind", "grid+replay"), modes=modes)
     out = write_profile(new, Path(tempfile.mkdtemp(prefix="fidelity-refit-")) / "profile.json")
     rr = new.get("runs_report") or {}
     return Path(out), {"kind": "kept, fitted again", "profile": str(path), "chosen": rr.get("chosen"),
@@ -214,7 +214,7 @@ def _refit(path: Path, kept: Path) -> tuple[Path, dict]:
 
 
 def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False,
-                  jitter: int = 0) -> dict:
+                  jitter: int = 0, fit_modes: tuple[str, ...] | None = None) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
@@ -236,7 +236,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
         raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
     cal = {"kind": "kept", "profile": str(path)}
     if refit:
-        path, cal = _refit(path, kept)
+        path, cal = _refit(path, kept, fit_modes)
     cost = LinearCostModel.from_profile(path)
     coef = dict(cost.coefficients) if refit else None  # None: each step's own kept prediction
     capacity = int(cost.meta.get("kv_tokens", 262144))

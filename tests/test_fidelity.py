@@ -196,6 +196,10 @@ def test_a_scaled_fit_keeps_the_grid_shapes_and_finds_the_loops_slowdown():
     assert fit.report["chosen"]["scales"]["a_prefill"] == pytest.approx(1.0, rel=0.05)
     assert fit.coefficients["d_kv"] == pytest.approx(1.15 * KNOWN["d_kv"], rel=0.03)
     assert fit.coefficients["i_step"] == pytest.approx(0.003, rel=0.2)
+    # on request only: by default the grid's fit is a base for a joint fit, scaled is not tried
+    default = fit_runs(synthetic_runs(truth, noise=0.01, seed=5, n_runs=2, steps=200), base=dict(KNOWN))
+    assert default.report["chosen"]["mode"] == "joint"
+    assert {t["mode"] for t in default.report["tries"]} == {"joint"}
 
 
 def test_residual_table_shows_a_planted_effect_in_its_bin():
