@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.fidelity import _parse_traces, rescore_model  # noqa: E402
-from bench.jitter import _digest, _kept_traces  # noqa: E402
+from bench.jitter import _digest, kept_models  # noqa: E402
 from policies import POLICIES  # noqa: E402
 
 # "either": both tried, the better on the held-out replay runs kept (the choice before joint became
@@ -46,31 +46,25 @@ def main() -> None:
     overrides = _parse_traces(args.traces)
     out: dict = {"benchmark": "fit_modes", "kept": {}, "totals": {}}
     t0 = time.perf_counter()
-    for kept in args.kept.split(","):
-        kp = Path(kept)
-        out["kept"][kp.name] = {}
-        for model in args.models.split(","):
-            if not (kp / model).is_dir():
-                continue
-            specs = overrides.get(model) or _kept_traces(kp, model)
-            got = {}
-            for name, modes in MODES.items():
-                with redirect_stdout(io.StringIO()):
-                    res = rescore_model(model, list(POLICIES), specs, kp / model, refit=True, fit_modes=modes)
-                got[name] = {**_digest(res), "chosen": res["calibration"].get("chosen")}
-                o = res["overall"]
-                tot = out["totals"].setdefault(name, {"rows": 0, "plain_median_within": 0, "plain_max_within": 0,
-                                                       "matched_median_within": 0, "matched_max_within": 0})
-                tot["rows"] += o["plain"]["rows"]
-                tot["plain_median_within"] += o["plain"]["rows_median_within_goal"]
-                tot["plain_max_within"] += o["plain"]["rows_max_within_goal"]
-                tot["matched_median_within"] += o["speed_matched"]["rows_median_within_goal"]
-                tot["matched_max_within"] += o["speed_matched"]["rows_max_within_goal"]
-                print(f"{kp.name} {model} {name:<8} ({got[name]['chosen']['mode']}) plain "
-                      f"{o['plain']['median_of_median_abs_error_pct']:5.1f} / {o['plain']['median_of_max_abs_error_pct']:5.1f}"
-                      f"  matched {o['speed_matched']['median_of_median_abs_error_pct']:5.1f} / "
-                      f"{o['speed_matched']['median_of_max_abs_error_pct']:5.1f}", flush=True)
-            out["kept"][kp.name][model] = {"traces": [f"{s}@{seed}" for s, seed in specs], **got}
+    for kp, model, specs in kept_models(args.kept, args.models, overrides):
+        got = {}
+        for name, modes in MODES.items():
+            with redirect_stdout(io.StringIO()):
+                res = rescore_model(model, list(POLICIES), specs, kp / model, refit=True, fit_modes=modes)
+            got[name] = {**_digest(res), "chosen": res["calibration"].get("chosen")}
+            o = res["overall"]
+            tot = out["totals"].setdefault(name, {"rows": 0, "plain_median_within": 0, "plain_max_within": 0,
+                                                   "matched_median_within": 0, "matched_max_within": 0})
+            tot["rows"] += o["plain"]["rows"]
+            tot["plain_median_within"] += o["plain"]["rows_median_within_goal"]
+            tot["plain_max_within"] += o["plain"]["rows_max_within_goal"]
+            tot["matched_median_within"] += o["speed_matched"]["rows_median_within_goal"]
+            tot["matched_max_within"] += o["speed_matched"]["rows_max_within_goal"]
+            print(f"{kp.name} {model} {name:<8} ({got[name]['chosen']['mode']}) plain "
+                  f"{o['plain']['median_of_median_abs_error_pct']:5.1f} / {o['plain']['median_of_max_abs_error_pct']:5.1f}"
+                  f"  matched {o['speed_matched']['median_of_median_abs_error_pct']:5.1f} / "
+                  f"{o['speed_matched']['median_of_max_abs_error_pct']:5.1f}", flush=True)
+        out["kept"].setdefault(kp.name, {})[model] = {"traces": [f"{s}@{seed}" for s, seed in specs], **got}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print("rows within the goal (plain median / worst, matched median / worst):")

@@ -49,6 +49,16 @@ def _kept_traces(kept: Path, model: str) -> list[tuple[str, int]]:
     return known
 
 
+def kept_models(kept_dirs: str, models: str, overrides: dict):
+    """(kept directory, model, trace specs) for every model a comma-separated list of
+    ``bench/fidelity.py --keep`` directories holds (``overrides``: ``--traces``, parsed)."""
+    for kept in kept_dirs.split(","):
+        kp = Path(kept)
+        for model in models.split(","):
+            if (kp / model).is_dir():
+                yield kp, model, overrides.get(model) or _kept_traces(kp, model)
+
+
 def spread_by_size(kept: Path) -> list[dict]:
     """The kept replay runs' measured / predicted step times under the kept profile, by the
     step's predicted seconds (bins at its 50th, 80th and 95th percentiles): is the spread
@@ -106,26 +116,20 @@ def main() -> None:
     draws = [0] + [int(x) for x in args.draws.split(",") if x.strip()]
     out: dict = {"benchmark": "jitter", "draws": draws, "kept": {}}
     t0 = time.perf_counter()
-    for kept in args.kept.split(","):
-        kp = Path(kept)
-        out["kept"][kp.name] = {}
-        for model in args.models.split(","):
-            if not (kp / model).is_dir():
-                continue
-            specs = overrides.get(model) or _kept_traces(kp, model)
-            got = {}
-            for n in draws:
-                with redirect_stdout(io.StringIO()):
-                    res = rescore_model(model, list(POLICIES), specs, kp / model, jitter=n)
-                got["none" if n == 0 else f"jitter_{n}"] = _digest(res)
-                o = res["overall"]
-                print(f"{kp.name} {model} {'no jitter' if n == 0 else f'jitter x{n}':<10} "
-                      f"plain {o['plain']['median_of_median_abs_error_pct']:5.1f} / "
-                      f"{o['plain']['median_of_max_abs_error_pct']:5.1f}  matched "
-                      f"{o['speed_matched']['median_of_median_abs_error_pct']:5.1f} / "
-                      f"{o['speed_matched']['median_of_max_abs_error_pct']:5.1f}", flush=True)
-            out["kept"][kp.name][model] = {"traces": [f"{s}@{seed}" for s, seed in specs], **got,
-                                           "spread_by_size": spread_by_size(kp / model)}
+    for kp, model, specs in kept_models(args.kept, args.models, overrides):
+        got = {}
+        for n in draws:
+            with redirect_stdout(io.StringIO()):
+                res = rescore_model(model, list(POLICIES), specs, kp / model, jitter=n)
+            got["none" if n == 0 else f"jitter_{n}"] = _digest(res)
+            o = res["overall"]
+            print(f"{kp.name} {model} {'no jitter' if n == 0 else f'jitter x{n}':<10} "
+                  f"plain {o['plain']['median_of_median_abs_error_pct']:5.1f} / "
+                  f"{o['plain']['median_of_max_abs_error_pct']:5.1f}  matched "
+                  f"{o['speed_matched']['median_of_median_abs_error_pct']:5.1f} / "
+                  f"{o['speed_matched']['median_of_max_abs_error_pct']:5.1f}", flush=True)
+        out["kept"].setdefault(kp.name, {})[model] = {"traces": [f"{s}@{seed}" for s, seed in specs], **got,
+                                                      "spread_by_size": spread_by_size(kp / model)}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
