@@ -550,7 +550,7 @@ def format_runs_report(rep: dict[str, Any]) -> str:
     if sp:
         lines.append("step spread (measured / predicted, rescaled to mean 1): "
                      + ", ".join(f"{k} {v:.2f}" for k, v in sp.items())
-                     + " — the same shape runs faster than the mean most of the time, slower in spells")
+                     + " (the simulator predicts the mean; most steps run below it, a few far above)")
     w = rep["wake"]
     if w["n"]:
         lines.append(f"wake-up after idle: median {w['i_wake'] * 1e3:.2f} ms over {w['n']} wakes"

@@ -959,8 +959,9 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list, jitter=Non
 
     if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
         return None
-    sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, backend=SimBackend(cost, time_scale=f, jitter=jitter, seed=i),
-                               trace_name=tr.name)) for i, f in enumerate(speeds)]
+    sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name,
+                               backend=SimBackend(cost, time_scale=f, jitter=jitter, seed=i)))
+            for i, f in enumerate(speeds)]
     errors: dict[str, float | None] = {}
     for key, path, _ in METRICS:
         s = [x for x in (_get(r, path) for r in sims) if x is not None]
