@@ -20,10 +20,10 @@ first and second half):
   batch-cache copies, prefill), i.e. how much slower the same passes run inside the real loop,
   plus the additive terms below. It used to be tried beside ``joint`` and kept when it scored
   better on the held-out replay runs; but those are runs of one trace. On the kept real runs
-  of other traces (three recordings, both models: 84 trace x policy rows; each recording's
+  of other traces (four recordings, both models: 119 trace x policy rows; each recording's
   calibration data fitted again every way, ``bench/fit_modes.py``) ``joint`` alone had the most
-  rows within the goal: speed-matched median <= 5 % in 71 (the old choice 65, ``scaled`` 56),
-  worst <= 15 % in 61 (59, 50); plain 47 / 38 (46 / 34, 42 / 25). The old choice fell on
+  rows within the goal: speed-matched median <= 5 % in 88 (the old choice 82, ``scaled`` 72),
+  worst <= 15 % in 72 (70, 58); plain 58 / 43 (57 / 39, 54 / 34). The old choice fell on
   ``scaled`` once, and that recording's ``tiny`` rows within 5 % went 10 -> 16 of 21 with ``joint``.
 
 Terms the grid cannot see are candidates, each kept only when it lowers the held-out score
