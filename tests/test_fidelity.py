@@ -288,7 +288,7 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(re
     assert proc.returncode == 0, proc.stderr
     t = read_features(d)
     assert np.allclose(predict(coef, t), t["predicted_s"], rtol=1e-9, atol=1e-12)
-    # with the grid underneath: a scaled or joint fit, and the grid's samples kept for speed checks
+    # with the grid underneath: a joint fit with the grid's passes as rows, its samples kept for speed checks
     grid = tmp_path / "grid.json"
     proc = cli("calibrate", "--quick", "--model", "micro", "--out", str(grid), "-q")
     assert proc.returncode == 0, proc.stderr
