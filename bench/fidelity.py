@@ -38,6 +38,9 @@ profile fitted again by this checkout from its own data (the kept grid samples a
 for checking a change to the fit the same way; the step figures are then the kept real steps
 against the refitted profile. (The kept real runs' policies planned with the kept profile: a
 policy whose plan depends on the cost model may differ a little from its re-simulation.)
+``--jitter N`` (with ``--rescore``): each simulation made N times with the profile's step
+jitter (``sim.jitter``; from the kept replay runs for an older profile), the metrics' medians
+compared (``bench/jitter.py`` runs it side by side with none).
 """
 
 from __future__ import annotations
