@@ -195,17 +195,24 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
     return _summarise(res, policies)
 
 
+def kept_replay(kept: Path) -> list:
+    """The replay runs a ``--keep`` run kept of its default calibration (``analysis.runfit`` runs)."""
+    from analysis.runfit import load_runs
+
+    if not (kept / "replay").is_dir():
+        raise SystemExit(f"{kept / 'replay'}: no kept replay runs")
+    return load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
+
+
 def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None) -> tuple[Path, dict]:
     """The kept profile fitted again from its own data by this checkout: its grid samples (the
     grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them."""
-    from analysis.runfit import load_runs, profile_from_runs
+    from analysis.runfit import profile_from_runs
     from bench.drift import _grid_coefficients
     from engine.calibrate import write_profile
 
     prof = json.loads(path.read_text())
-    if not (kept / "replay").is_dir():
-        raise SystemExit(f"{kept / 'replay'}: no kept replay runs to fit again")
-    runs = load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
+    runs = kept_replay(kept)
     for r in runs:
         r.name = Path(r.name).name
     new = profile_from_runs(runs, dict(prof, coefficients=_grid_coefficients(prof)),
@@ -251,8 +258,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
         if cost.meta.get("step_jitter"):
             jit = StepJitter.from_dict(cost.meta["step_jitter"])
         else:  # a kept profile from before step jitter: its own replay runs under its coefficients
-            reps = load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
-            jit = step_jitter(reps, dict(cost.coefficients))
+            jit = step_jitter(kept_replay(kept), dict(cost.coefficients))
         if jit is None:
             raise SystemExit(f"{kept}: no step jitter to be had (no replay runs)")
         cal["step_jitter"] = jit.summary()
@@ -268,13 +274,10 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                 raise SystemExit(f"{old_path}: not kept")
             old = json.loads(old_path.read_text())
             reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
-            if jit is None:
-                sim = summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name))
-            else:
-                sim = median_summary([summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity,
-                                                    trace_name=tr.name, backend=SimBackend(cost, jitter=jit, seed=i)))
-                                      for i in range(jitter)])
-            v = compare(sim, reals, policy=pname, trace=tr.name)
+            sims = [summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name,
+                                  backend=SimBackend(cost, jitter=jit, seed=i)))
+                    for i in range(jitter if jit is not None else 1)]
+            v = compare(median_summary(sims), reals, policy=pname, trace=tr.name)
             kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
             if refit:
                 cols = concat([r.cols for r in kept_runs])

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fidelity import TRACES, rescore_model  # noqa: E402
+from bench.fidelity import TRACES, kept_replay, rescore_model  # noqa: E402
 from policies import POLICIES  # noqa: E402
 
 
@@ -65,11 +65,11 @@ def spread_by_size(kept: Path) -> list[dict]:
     relative (the same ratios for small and large steps) or not?"""
     import numpy as np
 
-    from analysis.runfit import load_runs, predict
+    from analysis.runfit import predict
     from sim.cost import LinearCostModel
 
     coef = dict(LinearCostModel.from_profile(kept / "profile.json").coefficients)
-    runs = load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
+    runs = kept_replay(kept)
     pred = np.concatenate([predict(coef, r.cols) for r in runs])
     meas = np.concatenate([r.cols["measured_s"] for r in runs])
     ok = pred > 0

@@ -955,24 +955,17 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list, jitter=Non
     from sim import run as run_loop
     from sim.backend import SimBackend
     from sim.metrics import summarize
-    from analysis.validation import METRICS, _get
+    from analysis.validation import compare as compare_runs, median_summary
 
     if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
         return None
     sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name,
                                backend=SimBackend(cost, time_scale=f, jitter=jitter, seed=i)))
             for i, f in enumerate(speeds)]
-    errors: dict[str, float | None] = {}
-    for key, path, _ in METRICS:
-        s = [x for x in (_get(r, path) for r in sims) if x is not None]
-        m = [x for x in (_get(r, path) for r in reals) if x is not None]
-        sim, real = (statistics.median(s) if s else None), (statistics.median(m) if m else None)
-        errors[key] = 100.0 * (sim - real) / real if sim is not None and real else None
-    abs_errors = [abs(e) for e in errors.values() if e is not None]
+    c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name)
     return {"speeds": [round(f, 4) for f in speeds],
-            "median_abs_error_pct": statistics.median(abs_errors) if abs_errors else None,
-            "max_abs_error_pct": max(abs_errors) if abs_errors else None,
-            "error_pct": errors}
+            "median_abs_error_pct": c["median_abs_error_pct"], "max_abs_error_pct": c["max_abs_error_pct"],
+            "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
 
 
 def _speed_reference(cost_meta: dict) -> dict | None:
