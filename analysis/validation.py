@@ -3,7 +3,10 @@
 Compares summary metrics (simulated vs measured: error % = (sim - real) / real) and the
 cost model's per-step error over every real step (predicted vs measured seconds). With
 several real runs, the measured value is their median and an error smaller than the
-run-to-run spread is labelled as such. No mlx here: it works on run directories' data.
+run-to-run spread is labelled as such, and each real run is held out in turn against the
+others: the simulation's error there sits beside a real run's own (``hold_one_out``), the
+error a simulator as steady as the machine would make. No mlx here: it works on run
+directories' data.
 """
 
 from __future__ import annotations
@@ -49,6 +52,36 @@ def median_summary(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             node = node.setdefault(k, {})
         node[path[-1]] = statistics.median(vals)
     return out
+
+
+def hold_one_out(sim: float | None, runs: Sequence[float]) -> tuple[float, float] | None:
+    """Each real run held out in turn against the median of the others: (the simulation's mean
+    |error| %, the held-out run's own mean |error| %) against those same references. The second
+    is the machine's repeat error, what predicting one run from the others costs a perfect
+    simulator that is only as steady as the machine; the first, the simulation put in the same
+    place. None with fewer than two runs or no simulated value."""
+    if sim is None or len(runs) < 2:
+        return None
+    se, re_ = [], []
+    for i, held in enumerate(runs):
+        ref = statistics.median(runs[:i] + runs[i + 1:])
+        if ref:
+            se.append(100.0 * abs(sim - ref) / abs(ref))
+            re_.append(100.0 * abs(held - ref) / abs(ref))
+    return (statistics.fmean(se), statistics.fmean(re_)) if se else None
+
+
+def repeat_summary(metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, float] | None:
+    """Over a comparison's metrics: the median and worst of the simulation's and of a real run's
+    hold-one-out error (``hold_one_out``); None without several real runs."""
+    pairs = [hold_one_out(r.get("sim"), list(r.get("real_runs") or [])) for r in metrics.values()]
+    pairs = [p for p in pairs if p is not None]
+    if not pairs:
+        return None
+    sim, real = [p[0] for p in pairs], [p[1] for p in pairs]
+    return {"sim_median_pct": float(statistics.median(sim)), "sim_max_pct": float(max(sim)),
+            "real_median_pct": float(statistics.median(real)), "real_max_pct": float(max(real)),
+            "metrics": len(pairs)}
 
 
 def step_errors(steps: Sequence[Any]) -> dict[str, float | None]:
@@ -99,6 +132,9 @@ def compare(sim: Mapping[str, Any], reals: Sequence[Mapping[str, Any]], *, polic
         "max_abs_error_pct": float(max(errs)) if errs else None,
         "step_error_pct": step_errors(real_steps),
     }
+    rep = repeat_summary(metrics)
+    if rep is not None:
+        out["hold_one_out"] = rep
     return out
 
 
@@ -129,6 +165,12 @@ def format_table(v: Mapping[str, Any]) -> str:
         if rows:
             lines.append(f"{len(beyond)} of {len(rows)} metrics' |error| exceed the real runs' spread "
                          f"(spread median {spreads[len(spreads) // 2]:.1f} %, max {spreads[-1]:.1f} %)")
+    hoo = v.get("hold_one_out")
+    if hoo:
+        lines.append(f"each real run held out against the others' median: the simulation is off by "
+                     f"{hoo['sim_median_pct']:.1f} % (median over metrics; worst {hoo['sim_max_pct']:.1f} %), "
+                     f"a real run by {hoo['real_median_pct']:.1f} % (worst {hoo['real_max_pct']:.1f} %): "
+                     f"the machine's own repeat error")
     if se.get("n"):
         lines.append(f"per-step cost-model error over {se['n']} real steps: median |{se['p50']:.1f}| %, "
                      f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %")

@@ -326,6 +326,7 @@ def _row(v: dict) -> dict:
         "machine_speed": v.get("machine_speed"),
         "drift_adjusted": v.get("drift_adjusted"),
         "speed_matched": v.get("speed_matched"),
+        "hold_one_out": v.get("hold_one_out"),
         "metrics": {k: {"sim": r["sim"], "real": r["real"], "error_pct": r["error_pct"],
                         "spread_pct": r.get("spread_pct"), "real_runs": r.get("real_runs")}
                     for k, r in v["metrics"].items()},
@@ -376,7 +377,29 @@ def overall(rows: list[dict]) -> dict:
         speeds = [f for r in rows if r.get("speed_matched") for f in r["speed_matched"]["speeds"]]
         out["run_speeds"] = {"min": min(speeds), "median": statistics.median(speeds), "max": max(speeds),
                              "runs": len(speeds)}
+    hoo = hold_one_out_overall(rows)
+    if hoo:
+        out["hold_one_out"] = hoo
     return out
+
+
+def hold_one_out_overall(rows: list[dict]) -> dict | None:
+    """Over the rows (each with its metrics' ``sim`` and ``real_runs``): every real run held out
+    against the others' median, the simulation's error beside a real run's own
+    (``analysis.validation.hold_one_out``) — median over the rows of each row's median and worst
+    over metrics, and in how many rows the simulation is no further off than a real run."""
+    from analysis.validation import repeat_summary
+
+    got = [h for h in (repeat_summary(r["metrics"]) for r in rows) if h]
+    if not got:
+        return None
+    med = statistics.median
+    return {"rows": len(got),
+            "sim_median_pct": med(h["sim_median_pct"] for h in got), "sim_worst_pct": med(h["sim_max_pct"] for h in got),
+            "real_median_pct": med(h["real_median_pct"] for h in got),
+            "real_worst_pct": med(h["real_max_pct"] for h in got),
+            "rows_sim_median_within_real": sum(h["sim_median_pct"] <= h["real_median_pct"] for h in got),
+            "rows_sim_worst_within_real": sum(h["sim_max_pct"] <= h["real_max_pct"] for h in got)}
 
 
 def pairwise(by_trace: dict) -> dict:
@@ -443,6 +466,13 @@ def format_markdown(out: dict) -> str:
                              f"{o['median_of_median_abs_error_pct']:.1f} %, of their worst "
                              f"{o['median_of_max_abs_error_pct']:.1f} %; median within the goal in "
                              f"{o['rows_median_within_goal']}, worst in {o['rows_max_within_goal']}")
+        h = ov.get("hold_one_out")
+        if h:
+            lines.append(f"each real run held out against the others' median (median over {h['rows']} rows): the "
+                         f"simulation {h['sim_median_pct']:.1f} % / worst {h['sim_worst_pct']:.1f} %, a real run "
+                         f"{h['real_median_pct']:.1f} % / {h['real_worst_pct']:.1f} % (the machine's repeat error); the "
+                         f"simulation no further off than a real run in {h['rows_sim_median_within_real']} rows "
+                         f"(worst: {h['rows_sim_worst_within_real']})")
         if ov.get("run_speeds"):
             rs = ov["run_speeds"]
             lines.append(f"real runs' own speed (measured / predicted step time): {rs['min']:.2f}-{rs['max']:.2f}x, "

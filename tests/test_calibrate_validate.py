@@ -13,10 +13,11 @@ import pytest
 from policies.base import PassShape
 from sim.cost import FEATURES, LinearCostModel, pass_features, step_features
 from analysis.fit import Sample, fit_profile
-from analysis.validation import METRICS, compare
+from analysis.validation import METRICS, compare, format_table, hold_one_out
 from simkit import KNOWN
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(name, *args, cwd=None):
@@ -101,6 +102,57 @@ def test_compare_errors_and_spread():
     assert one["median_abs_error_pct"] == pytest.approx(0.0) and one["max_abs_error_pct"] == pytest.approx(10.0)
 
 
+def test_hold_one_out_puts_the_simulation_where_a_real_run_stands():
+    # each run against the median of the others; the simulation against the same medians
+    runs = [100.0, 110.0, 130.0]
+    refs = [120.0, 115.0, 105.0]
+    sim_err, real_err = hold_one_out(105.0, runs)
+    assert sim_err == pytest.approx(sum(100 * abs(105 - r) / r for r in refs) / 3)
+    assert real_err == pytest.approx(sum(100 * abs(x - r) / r for x, r in zip(runs, refs)) / 3)
+    # a simulation that sits at the runs' median is no further off than a run; one far off is
+    assert hold_one_out(110.0, runs)[0] < real_err < hold_one_out(150.0, runs)[0]
+    assert hold_one_out(105.0, [100.0]) is None and hold_one_out(None, runs) is None
+    # in compare: with several real runs, per comparison (median and worst over the metrics)
+    sim = {"ttft_ms": {"p50": 100.0, "p90": 200.0, "p99": 300.0}, "itl_ms": {"p50": 10.0, "p99": 50.0},
+           "tpot_ms": {"p50": 12.0}, "e2e_ms": {"p50": 900.0}, "output_throughput_tok_s": 95.0, "makespan_s": 10.0}
+    reals = [json.loads(json.dumps(sim)) for _ in runs]
+    for r, x in zip(reals, runs):
+        r["ttft_ms"]["p50"] = x
+    v = compare(sim, reals, policy="p", trace="t")
+    h = v["hold_one_out"]
+    assert h["metrics"] == len(METRICS)
+    assert h["sim_max_pct"] == pytest.approx(hold_one_out(100.0, runs)[0])
+    assert h["real_max_pct"] == pytest.approx(real_err)
+    assert h["sim_median_pct"] == 0.0 and h["real_median_pct"] == 0.0  # the other metrics agree exactly
+    assert "the machine's own repeat error" in format_table(v)
+    assert "hold_one_out" not in compare(sim, reals[:1], policy="p", trace="t")
+
+
+def test_hold_one_out_bench_reads_recorded_results(tmp_path):
+    def row(sim_scale):
+        return {"metrics": {m: {"sim": 10.0 * sim_scale, "real": 10.0, "real_runs": [9.0, 10.0, 11.0]}
+                            for m, _, _ in METRICS}}
+    data = {"models": {"tiny": {"traces": {"t": {"a": row(1.0), "b": row(1.5)}},
+                                "overall": {"plain": {"median_of_median_abs_error_pct": 25.0,
+                                                      "median_of_max_abs_error_pct": 50.0}}}}}
+    f = tmp_path / "fidelity_x.json"
+    f.write_text(json.dumps(data))
+    out = tmp_path / "hoo.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(f), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    h = json.loads(out.read_text())["files"]["fidelity_x.json"]["tiny"]
+    assert h["rows"] == 2 and h["rows_sim_median_within_real"] == 1  # the simulation at the median, not at 1.5x
+    assert h["real_median_pct"] == pytest.approx(hold_one_out(10.0, [9.0, 10.0, 11.0])[1])
+    assert h["goal_median_pct"] == 25.0
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(bad), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and "not a bench/fidelity.py result" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 # ---------------------------------------------------------------------------- real runs
 
 
@@ -169,6 +221,11 @@ def test_validate_end_to_end(micro_profile, tmp_path):
     assert v["max_abs_error_pct"] == pytest.approx(max(errs))
     se = v["step_error_pct"]
     assert se["n"] > 0 and 0 <= se["p50"] <= se["p90"]
+    # each real run held out against the other: the simulation's error beside a real run's own
+    h = v["hold_one_out"]
+    ttft = v["metrics"]["ttft_ms.p50"]["real_runs"]
+    assert h["metrics"] == len(METRICS) and h["real_max_pct"] >= 100 * abs(ttft[0] - ttft[1]) / max(ttft)
+    assert "the machine's own repeat error" in proc.stdout
     # the machine's speed, before and after the real runs, against the profile it was timed with
     for when in ("before", "after"):
         sp = v["machine_speed"][when]

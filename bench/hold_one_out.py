@@ -1,0 +1,73 @@
+"""The simulation against the machine's own repeat error, from recorded fidelity results.
+
+The fidelity goal (median |error| <= 5 %, worst metric <= 15 %) is measured against the median
+of a few real runs, and the real runs disagree among themselves: how far off would a simulator
+be that is exactly as good as the machine is steady? Hold each real run out in turn and compare
+it with the median of the others: that is a real run's own error, the machine's repeat error.
+Put the simulation in the same place (against the same medians of the others) and the two sit
+side by side, measured the same way on the same runs (``analysis.validation.hold_one_out``).
+
+Reads ``bench/fidelity.py`` result files (every row keeps its metrics' simulated value and
+real runs), runs nothing, and writes per file and model the median over the rows of the
+simulation's and a real run's median and worst error, and in how many rows the simulation is
+no further off than a real run (``bench.fidelity.hold_one_out_overall``).
+
+    python bench/hold_one_out.py [bench/results/fidelity_*.json ...] [--out bench/results/hold_one_out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.fidelity import hold_one_out_overall  # noqa: E402
+
+
+def from_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        models = data["models"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path}: not a bench/fidelity.py result ({e})")
+    out = {}
+    for model, res in models.items():
+        rows = [r for t in (res.get("traces") or {}).values() for r in t.values() if r.get("metrics")]
+        h = hold_one_out_overall(rows)
+        if h:
+            plain = (res.get("overall") or {}).get("plain") or {}
+            out[model] = {**h, "goal_median_pct": plain.get("median_of_median_abs_error_pct"),
+                          "goal_worst_pct": plain.get("median_of_max_abs_error_pct")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*", help="fidelity result files (default: bench/results/fidelity*.json)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "hold_one_out.json"))
+    args = ap.parse_args()
+    files = [Path(f) for f in args.files] or sorted((ROOT / "bench" / "results").glob("fidelity*.json"))
+    out: dict = {"benchmark": "hold_one_out", "files": {}}
+    print(f"{'file':34s} {'model':13s} {'rows':>4s}  {'sim median/worst':>17s}  {'real run median/worst':>22s}  "
+          f"{'sim <= real (median, worst)':>27s}  {'plain vs median of all runs':>27s}")
+    for f in files:
+        got = from_file(f)
+        if not got:
+            continue
+        out["files"][f.name] = got
+        for model, h in got.items():
+            print(f"{f.name:34s} {model:13s} {h['rows']:4d}  {h['sim_median_pct']:8.1f} / {h['sim_worst_pct']:5.1f}  "
+                  f"{h['real_median_pct']:13.1f} / {h['real_worst_pct']:5.1f}  "
+                  f"{h['rows_sim_median_within_real']:18d}, {h['rows_sim_worst_within_real']:2d}      "
+                  + (f"{h['goal_median_pct']:12.1f} / {h['goal_worst_pct']:5.1f}" if h["goal_median_pct"] is not None
+                     else f"{'-':>12s} / {'-':>5s}"))
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
