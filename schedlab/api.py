@@ -1066,14 +1066,21 @@ def analytic_cost(hardware: str, info):
 
 
 def format_overview(results: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = [f"{'policy':<18}{'median |err| %':>16}{'max |err| %':>13}{'step p50 %':>12}{'step p90 %':>12}"]
+    """One line per policy; with several real runs also each run held out against the others'
+    median (``analysis.validation.hold_one_out``): the simulation's median error there beside a
+    real run's own, the machine's repeat error."""
+    held = any(v.get("hold_one_out") for v in results.values())
+    lines = [f"{'policy':<18}{'median |err| %':>16}{'max |err| %':>13}{'step p50 %':>12}{'step p90 %':>12}"
+             + (f"{'held out: sim / a real run %':>31}" if held else "")]
+
+    def f(x):
+        return "-" if x is None else f"{x:.1f}"
     for n, v in results.items():
         se = v["step_error_pct"]
-
-        def f(x):
-            return "-" if x is None else f"{x:.1f}"
+        h = v.get("hold_one_out")
         lines.append(f"{n:<18}{f(v['median_abs_error_pct']):>16}{f(v['max_abs_error_pct']):>13}"
-                     f"{f(se.get('p50')):>12}{f(se.get('p90')):>12}")
+                     f"{f(se.get('p50')):>12}{f(se.get('p90')):>12}"
+                     + (f"{(f(h['sim_median_pct']) + ' / ' + f(h['real_median_pct'])) if h else '-':>31}" if held else ""))
     return "\n".join(lines)
 
 

@@ -552,7 +552,9 @@ class Validation:
         """One row per policy: median/max |error| % over the metrics, the per-step cost-model
         error (p50/p90 |%|, mean signed %, total predicted vs measured %, steps), the machine's
         speed before/after the real runs (ratio to the calibration), the drift-adjusted and the
-        speed-matched (the simulation made again at each real run's own speed) median/max |error| %."""
+        speed-matched (the simulation made again at each real run's own speed) median/max |error| %,
+        and with several real runs each held out against the others' median: the simulation's
+        median |error| % there and a real run's own (the machine's repeat error)."""
         import pandas as pd
 
         rows = []
@@ -561,6 +563,7 @@ class Validation:
             speed = v.get("machine_speed") or {}
             adj = v.get("drift_adjusted") or {}
             matched = v.get("speed_matched") or {}
+            held = v.get("hold_one_out") or {}
             rows.append({
                 "policy": pol, "median_abs_error_pct": v.get("median_abs_error_pct"),
                 "max_abs_error_pct": v.get("max_abs_error_pct"),
@@ -573,6 +576,8 @@ class Validation:
                 "drift_adjusted_max_abs_error_pct": adj.get("max_abs_error_pct"),
                 "speed_matched_median_abs_error_pct": matched.get("median_abs_error_pct"),
                 "speed_matched_max_abs_error_pct": matched.get("max_abs_error_pct"),
+                "held_out_sim_median_abs_pct": held.get("sim_median_pct"),
+                "held_out_real_median_abs_pct": held.get("real_median_pct"),
             })
         return pd.DataFrame(rows).set_index("policy")
 

@@ -509,6 +509,10 @@ def test_validate_and_compare(micro, tmp_path):
         assert v[pol]["speed_matched"]["speeds"] == pytest.approx(speeds, abs=1e-4) and min(speeds) > 0
     assert v.errors["speed_matched_median_abs_error_pct"].notna().all()
     assert "speed-matched" in v.report()
+    # each real run held out against the other: the simulation beside a real run's own error
+    for pol in v.policies:
+        assert v.errors.loc[pol, "held_out_real_median_abs_pct"] == v[pol]["hold_one_out"]["real_median_pct"] >= 0
+    assert "held out: sim / a real run %" in v.report()
     for pol in v.policies:  # what validate --out wrote is what the Validation holds
         assert json.loads((out / pol / "validation.json").read_text()) == json.loads(json.dumps(v[pol]))
         assert_run_is_dir(v.sim[pol], out / pol / "sim")
