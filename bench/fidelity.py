@@ -404,7 +404,8 @@ def hold_one_out_overall(rows: list[dict]) -> dict | None:
 
 def pairwise(by_trace: dict) -> dict:
     """Per metric: of the policy pairs whose real runs differ by more than their spread, the
-    share the simulation orders the same way."""
+    share the simulation orders the same way, and how many of the others it calls equal
+    (``tied``: the two policies made the same simulated schedule; counted as not right)."""
     counts: dict[str, list[int]] = {}
     for rows in by_trace.values():
         for a, b in itertools.combinations(sorted(rows), 2):
@@ -416,13 +417,17 @@ def pairwise(by_trace: dict) -> dict:
                 diff = ra["real"] - rb["real"]
                 if abs(diff) <= spread or diff == 0:
                     continue
-                c = counts.setdefault(m, [0, 0])
+                c = counts.setdefault(m, [0, 0, 0])
                 c[1] += 1
                 if (ra["sim"] - rb["sim"]) * diff > 0:
                     c[0] += 1
-    out = {m: {"right": r, "considered": n, "share": r / n if n else None} for m, (r, n) in counts.items()}
-    tot = [sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())]
-    out["all"] = {"right": tot[0], "considered": tot[1], "share": tot[0] / tot[1] if tot[1] else None}
+                elif abs(ra["sim"] - rb["sim"]) <= 1e-9 * max(abs(ra["sim"]), abs(rb["sim"])):
+                    c[2] += 1
+    out = {m: {"right": r, "considered": n, "share": r / n if n else None, "tied": t}
+           for m, (r, n, t) in counts.items()}
+    tot = [sum(c[i] for c in counts.values()) for i in range(3)]
+    out["all"] = {"right": tot[0], "considered": tot[1], "share": tot[0] / tot[1] if tot[1] else None,
+                  "tied": tot[2]}
     return out
 
 
@@ -479,7 +484,8 @@ def format_markdown(out: dict) -> str:
                          f"median {rs['median']:.2f}x over {rs['runs']} runs")
         pw = res["pairwise"]
         lines.append("pairwise direction right: " + ", ".join(
-            f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"]))
+            f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"])
+            + (f" ({pw['all']['tied']} of the others simulated as equal)" if (pw.get("all") or {}).get("tied") else ""))
     return "\n".join(lines)
 
 

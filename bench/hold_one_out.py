@@ -10,7 +10,8 @@ side by side, measured the same way on the same runs (``analysis.validation.hold
 Reads ``bench/fidelity.py`` result files (every row keeps its metrics' simulated value and
 real runs), runs nothing, and writes per file and model the median over the rows of the
 simulation's and a real run's median and worst error, and in how many rows the simulation is
-no further off than a real run (``bench.fidelity.hold_one_out_overall``).
+no further off than a real run (``bench.fidelity.hold_one_out_overall``); and the pairwise
+directions again, with the pairs the simulation calls equal counted apart (``tied``).
 
     python bench/hold_one_out.py [bench/results/fidelity_*.json ...] [--out bench/results/hold_one_out.json]
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fidelity import hold_one_out_overall  # noqa: E402
+from bench.fidelity import hold_one_out_overall, pairwise  # noqa: E402
 
 
 def from_file(path: Path) -> dict:
@@ -41,7 +42,8 @@ def from_file(path: Path) -> dict:
         if h:
             plain = (res.get("overall") or {}).get("plain") or {}
             out[model] = {**h, "goal_median_pct": plain.get("median_of_median_abs_error_pct"),
-                          "goal_worst_pct": plain.get("median_of_max_abs_error_pct")}
+                          "goal_worst_pct": plain.get("median_of_max_abs_error_pct"),
+                          "pairwise": pairwise(res.get("traces") or {})["all"]}
     return out
 
 
@@ -53,7 +55,7 @@ def main() -> None:
     files = [Path(f) for f in args.files] or sorted((ROOT / "bench" / "results").glob("fidelity*.json"))
     out: dict = {"benchmark": "hold_one_out", "files": {}}
     print(f"{'file':34s} {'model':13s} {'rows':>4s}  {'sim median/worst':>17s}  {'real run median/worst':>22s}  "
-          f"{'sim <= real (median, worst)':>27s}  {'plain vs median of all runs':>27s}")
+          f"{'sim <= real (median, worst)':>27s}  {'plain vs median of all runs':>27s}  pairwise right (tied)")
     for f in files:
         got = from_file(f)
         if not got:
@@ -64,7 +66,8 @@ def main() -> None:
                   f"{h['real_median_pct']:13.1f} / {h['real_worst_pct']:5.1f}  "
                   f"{h['rows_sim_median_within_real']:18d}, {h['rows_sim_worst_within_real']:2d}      "
                   + (f"{h['goal_median_pct']:12.1f} / {h['goal_worst_pct']:5.1f}" if h["goal_median_pct"] is not None
-                     else f"{'-':>12s} / {'-':>5s}"))
+                     else f"{'-':>12s} / {'-':>5s}")
+                  + f"  {h['pairwise']['right']}/{h['pairwise']['considered']} ({h['pairwise']['tied']})")
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

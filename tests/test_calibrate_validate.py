@@ -145,12 +145,28 @@ def test_hold_one_out_bench_reads_recorded_results(tmp_path):
     assert h["rows"] == 2 and h["rows_sim_median_within_real"] == 1  # the simulation at the median, not at 1.5x
     assert h["real_median_pct"] == pytest.approx(hold_one_out(10.0, [9.0, 10.0, 11.0])[1])
     assert h["goal_median_pct"] == 25.0
+    assert h["pairwise"]["considered"] == 0  # both rows' real runs are the same: no pair differs
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(bad), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "not a bench/fidelity.py result" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
+    sys.path.insert(0, str(ROOT))
+    from bench.fidelity import pairwise
+
+    def row(sim, runs):
+        return {"metrics": {"makespan_s": {"sim": sim, "real": sorted(runs)[1], "real_runs": runs}}}
+    rows = {"a": row(10.0, [10.0, 10.1, 9.9]), "b": row(12.0, [12.0, 12.1, 11.9]),
+            "c": row(10.0, [11.0, 11.1, 10.9]), "d": row(11.0, [10.05, 10.0, 10.1])}
+    pw = pairwise({"t": rows})
+    # a-d differ by less than their runs' spread: not considered; a-b, b-c, b-d ordered right;
+    # a-c simulated as equal (tied: not right); c-d ordered the wrong way
+    assert pw["makespan_s"] == {"right": 3, "considered": 5, "share": 3 / 5, "tied": 1}
+    assert pw["all"]["right"] == 3 and pw["all"]["tied"] == 1
 
 
 # ---------------------------------------------------------------------------- real runs
