@@ -33,6 +33,8 @@ def from_file(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         models = data["models"]
+        if not isinstance(models, dict) or not all(isinstance(r, dict) for r in models.values()):
+            raise TypeError("'models' is not an object of models")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a bench/fidelity.py result ({e})")
     out = {}

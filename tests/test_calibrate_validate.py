@@ -147,11 +147,12 @@ def test_hold_one_out_bench_reads_recorded_results(tmp_path):
     assert h["goal_median_pct"] == 25.0
     assert h["pairwise"]["considered"] == 0  # both rows' real runs are the same: no pair differs
     bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(bad), "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode != 0 and "not a bench/fidelity.py result" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    for text in ("{}", '{"models": [1]}', "not json"):
+        bad.write_text(text)
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(bad), "--out", str(out)],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode != 0 and "not a bench/fidelity.py result" in proc.stderr, text
+        assert "Traceback" not in proc.stderr
 
 
 def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
