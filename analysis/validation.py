@@ -184,8 +184,10 @@ def format_table(v: Mapping[str, Any]) -> str:
         lines.append(speed)
     adj = v.get("drift_adjusted")
     if adj and adj.get("median_abs_error_pct") is not None:
-        lines.append(f"drift-adjusted (the simulation with every pass x{adj['speed_factor']:.2f}, the machine's "
-                     f"measured speed): median |error| {adj['median_abs_error_pct']:.1f} %, max "
+        how = (f"the simulation made at each run's speed probed between the rounds, x{min(adj['speeds']):.2f}-"
+               f"{max(adj['speeds']):.2f}" if adj.get("speeds")
+               else f"the simulation with every pass x{adj['speed_factor']:.2f}, the machine's measured speed")
+        lines.append(f"drift-adjusted ({how}): median |error| {adj['median_abs_error_pct']:.1f} %, max "
                      f"{adj['max_abs_error_pct']:.1f} %, step median |{adj['step_error_pct']['p50']:.1f}| %")
     sm = v.get("speed_matched")
     if sm and sm.get("median_abs_error_pct") is not None:
@@ -215,6 +217,9 @@ def speed_line(speed: Mapping[str, Any] | None) -> str | None:
         line += (f": this machine ran up to {100 * abs(worst - 1.0):.0f} % {'slower' if worst > 1 else 'faster'} "
                  "than when the profile was measured; errors of that size are the machine, not the cost "
                  "model (recalibrate to follow it)")
+    mid = [r["ratio"] for r in (speed.get("probes") or [])[1:-1] if isinstance(r, Mapping) and r.get("ratio")]
+    if mid:
+        line += f"; between the rounds at {', '.join(f'{x:.2f}x' for x in mid)}"
     if len(got) == 2:
         change = got["after"] / got["before"] - 1.0
         if abs(change) >= 0.1:  # one factor cannot stand for the runs: their speed moved under them

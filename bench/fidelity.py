@@ -14,16 +14,18 @@ runs interleaved round by round, so that the machine's drift meets every policy 
 - pairwise direction: for every pair of policies on a trace and every metric where the real
   runs differ by more than their spread (the medians further apart than either policy's
   max - min), whether the simulation orders the two the same way; the share per metric.
-- drift-adjusted: the simulation made again at the machine's speed timed before and after the
-  policies' real runs (``--speed-probe``: the calibration's own replay run again, default, or
-  the profile's isolated reference passes): a prediction made without the runs' own timings;
+- drift-adjusted: the simulation made again at the machine's speed timed before every round
+  of the policies' real runs and after the last (``--speed-probe``: the calibration's own
+  replay run again, default, or the profile's isolated reference passes), each real run's speed
+  interpolated in time between the probes around it (``--probe-ends-only``: before and after
+  all the runs, their mean): a prediction made without the runs' own timings;
 - speed-matched: the simulation made again at each real run's own speed (its total measured /
   predicted step time; the policy still plans with the profile), compared as above: the errors
   left once the machine's speed during the runs is taken out — the model's share.
 
 Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and a
-seeded ``random:`` trace; for smollm2-135m (~20x slower passes) two seeded ``random:`` traces
-sized so one real run takes <= ~20 s.
+seeded ``random:`` trace of 150 requests; for smollm2-135m (~20x slower passes) two seeded
+``random:`` traces sized so one real run takes <= ~25 s (24 and 10 requests).
 
 Goal (issue 13): per policy, median |error| <= 5 %, worst <= 15 %, total predicted step time
 within +-3 %, pairwise direction right; default calibration <= 3 minutes.
@@ -68,12 +70,20 @@ from schedlab.validate import validate_many  # noqa: E402
 from sim.cost import LinearCostModel  # noqa: E402
 
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
+# The random traces are long enough that a tail percentile is not one request's or one
+# interval's luck (150 requests on tiny, 24 on SmolLM2: its runs take ~20x longer per token).
 TRACES = {
     "tiny": [("real-smoke", 0), ("real-mixed", 0),
-             ("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13)],
-    "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11),
+             ("random:n=150,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 21)],
+    "smollm2-135m": [("random:n=24,input_len=80,output_len=28,range_ratio=0.5,rate=1.2", 22),
                      ("random:n=10,input_len=64,output_len=32,range_ratio=0.5,rate=1.5,burstiness=0.5", 12)],
     "micro": [("real-smoke", 0)],  # smoke runs of this script
+}
+# the defaults of earlier recordings (bench/results/fidelity_*.json), so that their kept runs
+# re-score without naming their traces
+EARLIER_TRACES = {
+    "tiny": [("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13)],
+    "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11)],
 }
 GOAL = {"median_abs_error_pct": 5.0, "max_abs_error_pct": 15.0, "total_step_time_pct": 3.0,
         "calibration_s": 180.0}
@@ -93,6 +103,8 @@ def main() -> None:
     ap.add_argument("--speed-probe", default="replay", choices=("replay", "passes"),
                     help="how validate times the machine's speed before and after the runs (drift-adjusted): the "
                     "calibration's own replay run again (default), or the profile's isolated reference passes")
+    ap.add_argument("--probe-ends-only", action="store_true", help="time the machine's speed only before and "
+                    "after the real runs (drift-adjusted at their mean), not also before every round")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
     ap.add_argument("--rescore", default=None, help="a --keep directory of an earlier run: simulate again with "
@@ -112,6 +124,7 @@ def main() -> None:
     policies = args.policies.split(",")
     out = {"benchmark": "fidelity", "goal": GOAL, "repeat": args.repeat, "noise": args.noise,
            "speed_probe": None if args.rescore else args.speed_probe,
+           "probe_each_round": None if args.rescore else not args.probe_ends_only,
            "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "models": {}}
@@ -124,7 +137,8 @@ def main() -> None:
         out["jitter"] = args.jitter
     for model in args.models.split(","):
         if args.rescore:
-            out["models"][model] = rescore_model(model, policies, overrides.get(model, TRACES.get(model)),
+            out["models"][model] = rescore_model(model, policies,
+                                                 overrides.get(model) or kept_traces(Path(args.rescore), model),
                                                  Path(args.rescore) / model.replace("/", "_"), args.refit,
                                                  jitter=args.jitter)
             continue
@@ -189,10 +203,26 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
                            {p: work / _safe(key) / p for p in policies}, args.repeat, seed,
                            {"kind": "linear", "profile": str(path)},
                            lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
-                           speed_check_runs=not args.no_speed_check, speed_probe=args.speed_probe)
+                           speed_check_runs=not args.no_speed_check, speed_probe=args.speed_probe,
+                           probe_each_round=not args.probe_ends_only)
         for pname in policies:
             _record(res, model, key, pname, vs[pname][0])
     return _summarise(res, policies)
+
+
+def kept_traces(kept: Path, model: str) -> list[tuple[str, int]]:
+    """The trace specs a ``--keep`` directory's model ran (its run directories name them; the
+    bench's own TRACES and EARLIER_TRACES where they match)."""
+    base = kept / model.replace("/", "_")
+    if not base.is_dir():
+        raise SystemExit(f"{base}: not kept (was the earlier run made with --keep, and with this model?)")
+    names = {d.name for d in base.iterdir() if d.is_dir() and d.name != "replay"}
+    known = {_safe(s if s.startswith("real-") else f"{s}@{seed}"): (s, seed)
+             for s, seed in TRACES.get(model, []) + EARLIER_TRACES.get(model, [])}
+    if not names <= set(known):
+        raise SystemExit(f"{base}: trace directories {sorted(names - set(known))} are not the bench's traces; "
+                         f"give --traces as the earlier run took them")
+    return [known[n] for n in sorted(names)]
 
 
 def kept_replay(kept: Path) -> list:

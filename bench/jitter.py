@@ -31,22 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fidelity import TRACES, kept_replay, rescore_model  # noqa: E402
+from bench.fidelity import kept_replay, kept_traces, rescore_model  # noqa: E402
 from policies import POLICIES  # noqa: E402
-
-
-def _kept_traces(kept: Path, model: str) -> list[tuple[str, int]]:
-    """The trace specs a kept run used (its fidelity JSON is not needed: the run directories
-    name them; the bench's own TRACES where they match)."""
-    names = {d.name for d in (kept / model).iterdir() if d.is_dir() and d.name != "replay"}
-    from bench.fidelity import _safe
-
-    known = [(s, seed) for s, seed in TRACES.get(model, []) if _safe(s if s.startswith("real-") else f"{s}@{seed}")
-             in names]
-    if len(known) != len(names):
-        raise SystemExit(f"{kept / model}: trace directories {sorted(names)} are not all the bench's TRACES; "
-                         f"give --traces as bench/fidelity.py takes them")
-    return known
 
 
 def kept_models(kept_dirs: str, models: str, overrides: dict):
@@ -56,7 +42,7 @@ def kept_models(kept_dirs: str, models: str, overrides: dict):
         kp = Path(kept)
         for model in models.split(","):
             if (kp / model).is_dir():
-                yield kp, model, overrides.get(model) or _kept_traces(kp, model)
+                yield kp, model, overrides.get(model) or kept_traces(kp, model)
 
 
 def spread_by_size(kept: Path) -> list[dict]:

@@ -376,3 +376,33 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     with pytest.raises(ValueError, match="speed_probe"):
         validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
                       {"kind": "linear", "profile": str(path)}, said.append, speed_probe="wall")
+    # probed before every round too: each real run simulated at the speed between its probes
+    said.clear()
+    out = validate_many({"unified": make_policy("unified"), "slots": make_policy("slots")}, tr, info, cost, 10**6,
+                        {}, 2, 5, {"kind": "linear", "profile": str(path)}, said.append, speed_probe="replay",
+                        probe_each_round=True)
+    ms = out["unified"][0]["machine_speed"]
+    probes = ms["probes"]
+    assert len(probes) == 3 and probes[0] == ms["before"] and probes[-1] == ms["after"]
+    assert all(p["kind"] == "replay" for p in probes)
+    assert probes[0]["at_s"] < probes[1]["at_s"] < probes[2]["at_s"]
+    assert sum("before round 2/2" in m for m in said) == 1
+    for name in ("unified", "slots"):
+        adj = out[name][0]["drift_adjusted"]
+        assert adj["kind"] == "probed each round" and len(adj["speeds"]) == 2
+        # run k lies between probe k and probe k + 1: its speed between theirs
+        for k, f in enumerate(adj["speeds"]):
+            lo, hi = sorted((probes[k]["ratio"], probes[k + 1]["ratio"]))
+            assert lo - 1e-4 <= f <= hi + 1e-4
+        assert adj["speed_factor"] == pytest.approx(sum(adj["speeds"]) / 2, rel=1e-3)
+        assert adj["step_error_pct"]["n"] == sum(len(r._result.steps) for r in out[name][2])
+    assert "between the rounds at" in speed_line(ms)
+
+
+def test_probe_speeds_interpolate_in_time_between_the_probes_around_each_run():
+    from schedlab.api import probe_speeds
+
+    probes = [{"at_s": 0.0, "ratio": 1.0}, None, {"at_s": 10.0, "ratio": 2.0}, {"at_s": 20.0, "ratio": 1.0},
+              {"at_s": 30.0, "ratio": None}]
+    assert probe_speeds(probes, [5.0, 15.0, 10.0, -3.0, 25.0]) == pytest.approx([1.5, 1.5, 2.0, 1.0, 1.0])
+    assert probe_speeds(probes[:2], [1.0]) is None  # one timed probe: nothing to interpolate
