@@ -48,6 +48,7 @@ compared (``bench/jitter.py`` runs it side by side with none).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -435,30 +436,56 @@ def hold_one_out_overall(rows: list[dict]) -> dict | None:
 def pairwise(by_trace: dict) -> dict:
     """Per metric: of the policy pairs whose real runs differ by more than their spread, the
     share the simulation orders the same way, and how many of the others it calls equal
-    (``tied``: the two policies made the same simulated schedule; counted as not right)."""
+    (``tied``: the two policies made the same simulated schedule; counted as not right).
+    ``simulated_equal``: every pair the simulation calls equal, considered or not; in ``all``,
+    ``null_pass_share``: how often the spread test passes two policies whose real runs are
+    identically distributed (``spread_test_null_share``, at the runs' usual count) — what the
+    share of simulated-equal pairs that pass it would be if those pairs were equal for real."""
     counts: dict[str, list[int]] = {}
+    n_runs: list[int] = []
     for rows in by_trace.values():
         for a, b in itertools.combinations(sorted(rows), 2):
             for m, ra in rows[a]["metrics"].items():
                 rb = rows[b]["metrics"][m]
                 if None in (ra["real"], rb["real"], ra["sim"], rb["sim"]):
                     continue
+                c = counts.setdefault(m, [0, 0, 0, 0])
+                equal = abs(ra["sim"] - rb["sim"]) <= 1e-9 * max(abs(ra["sim"]), abs(rb["sim"]))
+                c[3] += equal
+                n_runs.append(min(len(ra.get("real_runs") or []), len(rb.get("real_runs") or [])))
                 spread = max(_abs_spread(ra), _abs_spread(rb))
                 diff = ra["real"] - rb["real"]
                 if abs(diff) <= spread or diff == 0:
                     continue
-                c = counts.setdefault(m, [0, 0, 0])
                 c[1] += 1
                 if (ra["sim"] - rb["sim"]) * diff > 0:
                     c[0] += 1
-                elif abs(ra["sim"] - rb["sim"]) <= 1e-9 * max(abs(ra["sim"]), abs(rb["sim"])):
+                elif equal:
                     c[2] += 1
-    out = {m: {"right": r, "considered": n, "share": r / n if n else None, "tied": t}
-           for m, (r, n, t) in counts.items()}
-    tot = [sum(c[i] for c in counts.values()) for i in range(3)]
+    out = {m: {"right": r, "considered": n, "share": r / n if n else None, "tied": t, "simulated_equal": e}
+           for m, (r, n, t, e) in counts.items()}
+    tot = [sum(c[i] for c in counts.values()) for i in range(4)]
+    runs = int(statistics.median(n_runs)) if n_runs else 0
     out["all"] = {"right": tot[0], "considered": tot[1], "share": tot[0] / tot[1] if tot[1] else None,
-                  "tied": tot[2]}
+                  "tied": tot[2], "simulated_equal": tot[3], "runs": runs,
+                  "null_pass_share": spread_test_null_share(runs) if runs >= 2 else None}
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def spread_test_null_share(runs: int, draws: int = 200_000, seed: int = 0) -> float:
+    """The share of pairs of policies whose ``runs`` real runs each are drawn from one and the
+    same distribution (normal: the test is scale-free) that ``pairwise``'s test still counts as
+    different: their medians further apart than either set's max - min. With 3 runs ~6 %: the
+    goal's "every pair that differs by more than the runs' spread" holds some equal pairs,
+    whose order no simulation can get right but by chance."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((draws, runs))
+    b = rng.standard_normal((draws, runs))
+    spread = np.maximum(np.ptp(a, axis=1), np.ptp(b, axis=1))
+    return float(np.mean(np.abs(np.median(a, axis=1) - np.median(b, axis=1)) > spread))
 
 
 def _abs_spread(r: dict) -> float:
@@ -516,6 +543,12 @@ def format_markdown(out: dict) -> str:
         lines.append("pairwise direction right: " + ", ".join(
             f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"])
             + (f" ({pw['all']['tied']} of the others simulated as equal)" if (pw.get("all") or {}).get("tied") else ""))
+        if (pw.get("all") or {}).get("simulated_equal"):
+            a = pw["all"]
+            lines.append(f"pairs the simulation calls equal: {a['simulated_equal']}, of which {a['tied']} "
+                         f"({100 * a['tied'] / a['simulated_equal']:.1f} %) pass the real-spread test; two policies "
+                         f"whose {a['runs']} runs are identically distributed pass it "
+                         f"{100 * a['null_pass_share']:.1f} % of the time")
     return "\n".join(lines)
 
 

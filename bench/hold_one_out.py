@@ -11,7 +11,10 @@ Reads ``bench/fidelity.py`` result files (every row keeps its metrics' simulated
 real runs), runs nothing, and writes per file and model the median over the rows of the
 simulation's and a real run's median and worst error, and in how many rows the simulation is
 no further off than a real run (``bench.fidelity.hold_one_out_overall``); and the pairwise
-directions again, with the pairs the simulation calls equal counted apart (``tied``).
+directions again, with the pairs the simulation calls equal counted apart (``tied``), and over
+all files how many of every pair the simulation calls equal pass the real-spread test, beside
+the share that identically distributed runs pass it (``bench.fidelity.spread_test_null_share``):
+if the two match, the pairs it calls equal behave as equal pairs do.
 
     python bench/hold_one_out.py [bench/results/fidelity_*.json ...] [--out bench/results/hold_one_out.json]
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fidelity import hold_one_out_overall, pairwise  # noqa: E402
+from bench.fidelity import hold_one_out_overall, pairwise, spread_test_null_share  # noqa: E402
 
 
 def from_file(path: Path) -> dict:
@@ -70,6 +73,17 @@ def main() -> None:
                   + (f"{h['goal_median_pct']:12.1f} / {h['goal_worst_pct']:5.1f}" if h["goal_median_pct"] is not None
                      else f"{'-':>12s} / {'-':>5s}")
                   + f"  {h['pairwise']['right']}/{h['pairwise']['considered']} ({h['pairwise']['tied']})")
+    pw = [h["pairwise"] for got in out["files"].values() for h in got.values()]
+    eq = sum(p.get("simulated_equal") or 0 for p in pw)
+    if eq:
+        tied = sum(p["tied"] for p in pw if p.get("simulated_equal") is not None)
+        runs = sorted(p["runs"] for p in pw if p.get("runs"))
+        null = spread_test_null_share(runs[len(runs) // 2]) if runs else None
+        out["simulated_equal"] = {"pairs": eq, "pass_spread_test": tied, "share": tied / eq,
+                                  "runs": runs[len(runs) // 2] if runs else None, "null_pass_share": null}
+        print(f"pairs the simulation calls equal: {eq}, of which {tied} ({100 * tied / eq:.1f} %) pass the "
+              f"real-spread test" + (f"; identically distributed runs pass it {100 * null:.1f} % of the time"
+                                     if null is not None else ""))
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -157,17 +157,42 @@ def test_hold_one_out_bench_reads_recorded_results(tmp_path):
 
 def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
     sys.path.insert(0, str(ROOT))
-    from bench.fidelity import pairwise
+    from bench.fidelity import pairwise, spread_test_null_share
 
     def row(sim, runs):
         return {"metrics": {"makespan_s": {"sim": sim, "real": sorted(runs)[1], "real_runs": runs}}}
     rows = {"a": row(10.0, [10.0, 10.1, 9.9]), "b": row(12.0, [12.0, 12.1, 11.9]),
-            "c": row(10.0, [11.0, 11.1, 10.9]), "d": row(11.0, [10.05, 10.0, 10.1])}
+            "c": row(10.0, [11.0, 11.1, 10.9]), "d": row(11.0, [10.05, 10.0, 10.1]),
+            "e": row(12.0, [12.0, 12.05, 11.95])}
     pw = pairwise({"t": rows})
-    # a-d differ by less than their runs' spread: not considered; a-b, b-c, b-d ordered right;
-    # a-c simulated as equal (tied: not right); c-d ordered the wrong way
-    assert pw["makespan_s"] == {"right": 3, "considered": 5, "share": 3 / 5, "tied": 1}
-    assert pw["all"]["right"] == 3 and pw["all"]["tied"] == 1
+    # a-d and b-e differ by less than their runs' spread: not considered; a-b, b-c, b-d, a-e,
+    # c-e, d-e ordered right; a-c simulated as equal (tied: not right); c-d ordered the wrong way;
+    # b-e simulated as equal too, but not considered
+    assert pw["makespan_s"] == {"right": 6, "considered": 8, "share": 6 / 8, "tied": 1, "simulated_equal": 2}
+    assert pw["all"]["right"] == 6 and pw["all"]["tied"] == 1 and pw["all"]["runs"] == 3
+    assert pw["all"]["null_pass_share"] == spread_test_null_share(3)
+
+
+def test_the_spread_tests_null_share_is_the_share_pairwise_passes_for_identical_runs():
+    """``spread_test_null_share`` (vectorised) and ``pairwise`` (row by row) are the same test:
+    on pairs of policies whose runs come from one distribution, pairwise counts as different
+    the share the former says, within the binomial error; more runs pass fewer such pairs."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from bench.fidelity import pairwise, spread_test_null_share
+
+    rng = np.random.default_rng(7)
+    pairs = 4000
+    by_trace = {}
+    for i in range(pairs):
+        runs = [list(rng.lognormal(0.0, 0.1, 3)) for _ in range(2)]
+        by_trace[i] = {p: {"metrics": {"makespan_s": {"sim": 1.0 + k, "real": float(np.median(r)), "real_runs": r}}}
+                       for k, (p, r) in enumerate(zip("ab", runs))}
+    got = pairwise(by_trace)["makespan_s"]["considered"] / pairs
+    want = spread_test_null_share(3)
+    assert abs(got - want) < 4 * (want * (1 - want) / pairs) ** 0.5
+    assert 0.0 < spread_test_null_share(5) < want < spread_test_null_share(2)
 
 
 # ---------------------------------------------------------------------------- real runs
