@@ -318,12 +318,43 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
             else:
                 v["step_error_pct"] = old.get("step_error_pct")
                 v["step_bias"] = old.get("step_bias")
+            if old.get("machine_speed"):  # the drift-adjusted comparison again, at the kept probes' speeds
+                _drift_again(v, old, make_policy, pname, tr, cost, capacity, reals, kept_runs, coef)
             speeds = [run_speed(r.cols, coef) for r in kept_runs]
             matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds, jitter=jit)
             if matched is not None:
                 v["speed_matched"] = matched
             _record(res, model, key, pname, v)
     return _summarise(res, policies)
+
+
+def _drift_again(v: dict, old: dict, make, pname: str, tr, cost, capacity, reals: list, kept_runs: list,
+                 coef: dict | None) -> None:
+    """A re-score's drift-adjusted comparison, from the kept probes: per run at the speeds the
+    probes between the rounds gave it (kept in its validation.json) with the ends-only figure
+    beside it, or (a recording probed only before and after) at the two ends' mean as it was
+    made then. Each run's steps predicted as the kept run predicted them (by ``coef`` when the
+    profile was fitted again)."""
+    from collections import namedtuple
+
+    from analysis.runfit import predict
+    from schedlab.api import drift_adjusted, ends_only
+
+    ms = old["machine_speed"]
+    v["machine_speed"] = ms
+    Step = namedtuple("Step", "predicted_s measured_s")
+    run_steps = [[Step(float(p), float(m)) for p, m in zip(r.cols["predicted_s"] if coef is None
+                                                           else predict(coef, r.cols), r.cols["measured_s"])]
+                 for r in kept_runs]
+    speeds = (old.get("drift_adjusted") or {}).get("speeds")
+    if speeds and len(speeds) == len(reals):
+        adj = drift_adjusted(make(pname), tr, cost, capacity, ms, reals, [], run_speeds=speeds, run_steps=run_steps)
+        if adj is not None:
+            adj["ends_only"] = ends_only(make(pname), tr, cost, capacity, ms, reals, run_steps)
+    else:
+        adj = drift_adjusted(make(pname), tr, cost, capacity, ms, reals, [s for st in run_steps for s in st])
+    if adj is not None:
+        v["drift_adjusted"] = adj
 
 
 def _record(res: dict, model: str, key: str, pname: str, v: dict) -> None:
@@ -402,6 +433,9 @@ def overall(rows: list[dict]) -> dict:
     da = agg(lambda r: r.get("drift_adjusted"))
     if da:  # the simulation at the speed timed before and after the runs: a prediction, unlike the next
         out["drift_adjusted"] = da
+    ends = agg(lambda r: (r.get("drift_adjusted") or {}).get("ends_only"))
+    if ends:  # the same, the speed probed only before and after all the runs
+        out["drift_adjusted_ends_only"] = ends
     sm = agg(lambda r: r.get("speed_matched"))
     if sm:
         out["speed_matched"] = sm
@@ -521,7 +555,7 @@ def format_markdown(out: dict) -> str:
                          + (f"{agg['speed_matched']['median_abs_error_pct']:.1f} / {agg['speed_matched']['max_abs_error_pct']:.1f}"
                             if agg.get("speed_matched") else "-") + " |")
         ov = res.get("overall") or {}
-        for what in ("plain", "drift_adjusted", "speed_matched"):
+        for what in ("plain", "drift_adjusted", "drift_adjusted_ends_only", "speed_matched"):
             o = ov.get(what)
             if o:
                 lines.append(f"{what.replace('_', '-')}: median over the {o['rows']} rows of their median |error| "

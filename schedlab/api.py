@@ -923,6 +923,10 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
             at = probe_speeds(probes, run_at[name]) if probe_each_round else None
             adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps, run_speeds=at,
                                  run_steps=[r._result.steps for r in reals[name]])
+            if adj is not None and at is not None:
+                ends = ends_only(pol, tr, cost, capacity, speed, summaries, [r._result.steps for r in reals[name]])
+                if ends is not None:
+                    adj["ends_only"] = ends
             if adj is not None:
                 v["drift_adjusted"] = adj
         matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables])
@@ -958,6 +962,20 @@ def probe_speeds(probes: list[dict], at: list[float]) -> list[float] | None:
     return out
 
 
+def ends_only(pol, tr, cost, capacity, speed: dict, reals: list, run_steps: list[list]) -> dict | None:
+    """Beside a drift-adjusted comparison probed each round: the same made with every run at the
+    mean of the first and last probes only (as ``drift_adjusted`` without the probes between the
+    rounds, the policy planning with the cost model the same way): what the probes between the
+    rounds added. Its speed factor and median / worst |error|."""
+    ratios = [r["ratio"] for r in (speed.get("before"), speed.get("after")) if r and r.get("ratio")]
+    if not ratios:
+        return None
+    factor = sum(ratios) / len(ratios)
+    got = drift_adjusted(pol, tr, cost, capacity, speed, reals, [], run_speeds=[factor] * len(reals),
+                         run_steps=run_steps)
+    return None if got is None else {k: got[k] for k in ("speed_factor", "median_abs_error_pct", "max_abs_error_pct")}
+
+
 def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: list,
                    run_speeds: list[float] | None = None, run_steps: list[list] | None = None) -> dict | None:
     """The simulation again with every pass scaled by the machine's measured speed during the
@@ -981,7 +999,7 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
             return None
         scaled = [s._replace(predicted_s=s.predicted_s * f) for f, st in zip(run_speeds, run_steps) for s in st]
         return {"kind": "probed each round", "speed_factor": sum(run_speeds) / len(run_speeds),
-                "speeds": got["speeds"], "median_abs_error_pct": got["median_abs_error_pct"],
+                "speeds": [float(f) for f in run_speeds], "median_abs_error_pct": got["median_abs_error_pct"],
                 "max_abs_error_pct": got["max_abs_error_pct"], "step_error_pct": step_errors(scaled),
                 "error_pct": got["error_pct"]}
     ratios = [r["ratio"] for r in (speed.get("before"), speed.get("after")) if r and r.get("ratio")]

@@ -421,6 +421,9 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
             assert lo - 1e-4 <= f <= hi + 1e-4
         assert adj["speed_factor"] == pytest.approx(sum(adj["speeds"]) / 2, rel=1e-3)
         assert adj["step_error_pct"]["n"] == sum(len(r._result.steps) for r in out[name][2])
+        # beside it, the same made at the two ends' mean only
+        assert adj["ends_only"]["speed_factor"] == pytest.approx((probes[0]["ratio"] + probes[-1]["ratio"]) / 2)
+        assert adj["ends_only"]["median_abs_error_pct"] >= 0
     assert "between the rounds at" in speed_line(ms)
 
 
@@ -431,3 +434,38 @@ def test_probe_speeds_interpolate_in_time_between_the_probes_around_each_run():
               {"at_s": 30.0, "ratio": None}]
     assert probe_speeds(probes, [5.0, 15.0, 10.0, -3.0, 25.0]) == pytest.approx([1.5, 1.5, 2.0, 1.0, 1.0])
     assert probe_speeds(probes[:2], [1.0]) is None  # one timed probe: nothing to interpolate
+
+
+def test_fidelity_bench_records_with_probes_each_round_and_a_rescore_reproduces_it(tmp_path):
+    """bench/fidelity.py end to end on the micro model (a real default calibration, real runs,
+    the speed probed before every round): its JSON holds the per-round drift-adjusted comparison
+    with the ends-only one beside it; ``--rescore`` of its kept runs (no real run) makes the
+    same comparisons again — plain, drift-adjusted both ways, speed-matched — and a kept
+    directory without the model is one clear line."""
+    bench = [sys.executable, str(ROOT / "bench" / "fidelity.py"), "--models", "micro", "--policies", "unified,slots"]
+    kept, first, again = tmp_path / "kept", tmp_path / "first.json", tmp_path / "again.json"
+    proc = subprocess.run(bench + ["--repeat", "2", "--speed-probe", "passes", "--keep", str(kept), "--out", str(first)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(first.read_text())
+    assert rec["probe_each_round"] is True
+    proc = subprocess.run(bench + ["--rescore", str(kept), "--out", str(again)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    re = json.loads(again.read_text())
+    for pname in ("unified", "slots"):
+        a = rec["models"]["micro"]["traces"]["real-smoke"][pname]
+        b = re["models"]["micro"]["traces"]["real-smoke"][pname]
+        assert len(a["machine_speed"]["probes"]) == 3
+        assert a["drift_adjusted"]["kind"] == "probed each round" and len(a["drift_adjusted"]["speeds"]) == 2
+        for key in ("median_abs_error_pct", "max_abs_error_pct"):
+            assert b[key] == pytest.approx(a[key])
+            assert b["speed_matched"][key] == pytest.approx(a["speed_matched"][key])
+            assert b["drift_adjusted"][key] == pytest.approx(a["drift_adjusted"][key])
+            assert b["drift_adjusted"]["ends_only"][key] == pytest.approx(a["drift_adjusted"]["ends_only"][key])
+        assert b["drift_adjusted"]["step_error_pct"]["total_pct"] == pytest.approx(
+            a["drift_adjusted"]["step_error_pct"]["total_pct"])
+    assert re["models"]["micro"]["overall"]["drift_adjusted_ends_only"]["rows"] == 2
+    proc = subprocess.run(bench[:2] + ["--models", "tiny", "--rescore", str(kept), "--out", str(again)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and "not kept" in proc.stderr and "Traceback" not in proc.stderr
