@@ -12,7 +12,8 @@ real runs), runs nothing, and writes per file and model the median over the rows
 simulation's and a real run's median and worst error, and in how many rows the simulation is
 no further off than a real run (``bench.fidelity.hold_one_out_overall``); and the pairwise
 directions again, with the pairs the simulation calls equal counted apart (``tied``), and over
-all files how many of every pair the simulation calls equal pass the real-spread test, beside
+all recordings (a re-score's real runs are another file's) how many of every pair the
+simulation calls equal pass the real-spread test, beside
 the share that identically distributed runs pass it (``bench.fidelity.spread_test_null_share``):
 if the two match, the pairs it calls equal behave as equal pairs do.
 
@@ -33,6 +34,11 @@ from bench.fidelity import hold_one_out_overall, pairwise, spread_test_null_shar
 
 
 def from_file(path: Path) -> dict:
+    return _read(path)[0]
+
+
+def _read(path: Path) -> tuple[dict, bool]:
+    """(per model: the file's figures, whether it is a re-score of real runs recorded elsewhere)"""
     try:
         data = json.loads(path.read_text())
         models = data["models"]
@@ -49,7 +55,7 @@ def from_file(path: Path) -> dict:
             out[model] = {**h, "goal_median_pct": plain.get("median_of_median_abs_error_pct"),
                           "goal_worst_pct": plain.get("median_of_max_abs_error_pct"),
                           "pairwise": pairwise(res.get("traces") or {})["all"]}
-    return out
+    return out, bool(data.get("rescored_from"))
 
 
 def main() -> None:
@@ -61,11 +67,14 @@ def main() -> None:
     out: dict = {"benchmark": "hold_one_out", "files": {}}
     print(f"{'file':34s} {'model':13s} {'rows':>4s}  {'sim median/worst':>17s}  {'real run median/worst':>22s}  "
           f"{'sim <= real (median, worst)':>27s}  {'plain vs median of all runs':>27s}  pairwise right (tied)")
+    rescores = set()
     for f in files:
-        got = from_file(f)
+        got, rescored = _read(f)
         if not got:
             continue
         out["files"][f.name] = got
+        if rescored:
+            rescores.add(f.name)
         for model, h in got.items():
             print(f"{f.name:34s} {model:13s} {h['rows']:4d}  {h['sim_median_pct']:8.1f} / {h['sim_worst_pct']:5.1f}  "
                   f"{h['real_median_pct']:13.1f} / {h['real_worst_pct']:5.1f}  "
@@ -73,17 +82,19 @@ def main() -> None:
                   + (f"{h['goal_median_pct']:12.1f} / {h['goal_worst_pct']:5.1f}" if h["goal_median_pct"] is not None
                      else f"{'-':>12s} / {'-':>5s}")
                   + f"  {h['pairwise']['right']}/{h['pairwise']['considered']} ({h['pairwise']['tied']})")
-    pw = [h["pairwise"] for got in out["files"].values() for h in got.values()]
+    # each recording's real runs once: a re-score (--rescore) compares the same runs again
+    pw = [h["pairwise"] for name, got in out["files"].items() if name not in rescores for h in got.values()]
     eq = sum(p.get("simulated_equal") or 0 for p in pw)
     if eq:
-        tied = sum(p["tied"] for p in pw if p.get("simulated_equal") is not None)
-        runs = sorted(p["runs"] for p in pw if p.get("runs"))
-        null = spread_test_null_share(runs[len(runs) // 2]) if runs else None
-        out["simulated_equal"] = {"pairs": eq, "pass_spread_test": tied, "share": tied / eq,
-                                  "runs": runs[len(runs) // 2] if runs else None, "null_pass_share": null}
-        print(f"pairs the simulation calls equal: {eq}, of which {tied} ({100 * tied / eq:.1f} %) pass the "
-              f"real-spread test" + (f"; identically distributed runs pass it {100 * null:.1f} % of the time"
-                                     if null is not None else ""))
+        tied = sum(p["tied"] for p in pw if p.get("simulated_equal"))
+        # what equal pairs would give: each recording's pairs at the pass share of its runs' count
+        null = sum(p["simulated_equal"] * spread_test_null_share(p["runs"]) for p in pw
+                   if p.get("simulated_equal") and (p.get("runs") or 0) >= 2) / eq
+        out["simulated_equal"] = {"recordings": sorted(set(out["files"]) - rescores),
+                                  "pairs": eq, "pass_spread_test": tied, "share": tied / eq, "null_pass_share": null}
+        print(f"pairs the simulation calls equal (recordings, not re-scores): {eq}, of which {tied} "
+              f"({100 * tied / eq:.1f} %) pass the real-spread test; identically distributed runs (as many as each "
+              f"recording's) would pass it {100 * null:.1f} % of the time")
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 

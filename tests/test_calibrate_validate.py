@@ -129,6 +129,9 @@ def test_hold_one_out_puts_the_simulation_where_a_real_run_stands():
 
 
 def test_hold_one_out_bench_reads_recorded_results(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bench.fidelity import spread_test_null_share
+
     def row(sim_scale):
         return {"metrics": {m: {"sim": 10.0 * sim_scale, "real": 10.0, "real_runs": [9.0, 10.0, 11.0]}
                             for m, _, _ in METRICS}}
@@ -146,6 +149,22 @@ def test_hold_one_out_bench_reads_recorded_results(tmp_path):
     assert h["real_median_pct"] == pytest.approx(hold_one_out(10.0, [9.0, 10.0, 11.0])[1])
     assert h["goal_median_pct"] == 25.0
     assert h["pairwise"]["considered"] == 0  # both rows' real runs are the same: no pair differs
+    # simulated-equal pairs over the recordings: a pair of policies the simulation calls equal
+    # whose runs differ beyond their spread, in a recording and in a re-score of it (counted once)
+    eq = {"metrics": {m: dict(r, sim=10.0) for m, r in row(1.0)["metrics"].items()}}
+    eq["metrics"]["makespan_s"]["real_runs"] = [13.0, 13.1, 12.9]
+    eq["metrics"]["makespan_s"]["real"] = 13.0
+    data["models"]["tiny"]["traces"]["t"]["c"] = eq
+    f.write_text(json.dumps(data))
+    again = tmp_path / "fidelity_y.json"
+    again.write_text(json.dumps(dict(data, rescored_from="somewhere")))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(f), str(again), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    se = json.loads(out.read_text())["simulated_equal"]
+    assert se["recordings"] == ["fidelity_x.json"]
+    assert se["pairs"] == len(METRICS) and se["pass_spread_test"] == 1  # a-c: every metric tied, one passes
+    assert se["null_pass_share"] == pytest.approx(spread_test_null_share(3))
     bad = tmp_path / "bad.json"
     for text in ("{}", '{"models": [1]}', "not json"):
         bad.write_text(text)
