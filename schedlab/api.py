@@ -836,6 +836,9 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
     round's length from a probe, not the whole validation's — this machine's speed moves by
     several percent from one run to the next, so the two ends' mean misses the run's speed by
     5 % (median over 798 recorded runs) where the runs of the same round miss it by 3.6 %.
+    Measured in two recordings (``bench/fidelity.py --probe-each-round``): no better than the
+    two ends' mean — one probe is itself a noisy reading, missing a run's own speed by 4-8 %
+    (median) — so it is not the default.
 
     The real runs plan and predict with the same cost model as the simulation: the policy
     sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)

@@ -463,7 +463,8 @@ def test_fidelity_bench_records_with_probes_each_round_and_a_rescore_reproduces_
     directory without the model is one clear line."""
     bench = [sys.executable, str(ROOT / "bench" / "fidelity.py"), "--models", "micro", "--policies", "unified,slots"]
     kept, first, again = tmp_path / "kept", tmp_path / "first.json", tmp_path / "again.json"
-    proc = subprocess.run(bench + ["--repeat", "2", "--speed-probe", "passes", "--keep", str(kept), "--out", str(first)],
+    proc = subprocess.run(bench + ["--repeat", "2", "--speed-probe", "passes", "--probe-each-round", "--keep", str(kept),
+                                   "--out", str(first)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rec = json.loads(first.read_text())
