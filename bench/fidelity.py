@@ -24,9 +24,11 @@ runs interleaved round by round, so that the machine's drift meets every policy 
   predicted step time; the policy still plans with the profile), compared as above: the errors
   left once the machine's speed during the runs is taken out — the model's share.
 
-Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and a
-seeded ``random:`` trace of 150 requests; for smollm2-135m (~20x slower passes) two seeded
-``random:`` traces sized so one real run takes <= ~25 s (24 and 10 requests).
+Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and
+azure-conv-150 (150 consecutive requests of the Azure 2023 conversation hour, scaled); for
+smollm2-135m (~20x slower passes) a seeded ``random:`` trace of 24 requests and azure-conv-24,
+sized so one real run takes ~20-60 s. (Earlier recordings held out seeded ``random:`` traces
+instead: EARLIER_TRACES.)
 
 Goal (issue 13): per policy, median |error| <= 5 %, worst <= 15 %, total predicted step time
 within +-3 %, pairwise direction right; default calibration <= 3 minutes.
@@ -72,20 +74,23 @@ from schedlab.validate import validate_many  # noqa: E402
 from sim.cost import LinearCostModel  # noqa: E402
 
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
-# The random traces are long enough that a tail percentile is not one request's or one
-# interval's luck (150 requests on tiny, 24 on SmolLM2: its runs take ~20x longer per token).
+# Long enough that a tail percentile is not one request's or one interval's luck (150
+# requests on tiny, 24 on SmolLM2: its runs take ~20x longer per token); the azure-conv
+# slices are production traffic (the Azure 2023 conversation hour's order, bursts and
+# length mix, scaled to these models: traces/data/README.md).
 TRACES = {
-    "tiny": [("real-smoke", 0), ("real-mixed", 0),
-             ("random:n=150,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 21)],
+    "tiny": [("real-smoke", 0), ("real-mixed", 0), ("azure-conv-150", 0)],
     "smollm2-135m": [("random:n=24,input_len=80,output_len=28,range_ratio=0.5,rate=1.2", 22),
-                     ("random:n=10,input_len=64,output_len=32,range_ratio=0.5,rate=1.5,burstiness=0.5", 12)],
+                     ("azure-conv-24", 0)],
     "micro": [("real-smoke", 0)],  # smoke runs of this script
 }
 # the defaults of earlier recordings (bench/results/fidelity_*.json), so that their kept runs
 # re-score without naming their traces
 EARLIER_TRACES = {
-    "tiny": [("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13)],
-    "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11)],
+    "tiny": [("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13),
+             ("random:n=150,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 21)],
+    "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11),
+                     ("random:n=10,input_len=64,output_len=32,range_ratio=0.5,rate=1.5,burstiness=0.5", 12)],
 }
 GOAL = {"median_abs_error_pct": 5.0, "max_abs_error_pct": 15.0, "total_step_time_pct": 3.0,
         "calibration_s": 180.0}

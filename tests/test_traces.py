@@ -524,3 +524,24 @@ def test_build_bad_arguments_are_one_line(tmp_path):
         assert res.returncode != 0
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_azure_slices_are_the_hours_consecutive_requests_scaled():
+    conv = traces.load("azure2023_conv")
+    by_id = {r.id: r for r in conv.requests}
+    order = [r.id for r in conv.requests]
+    for name, (n, start_s, fp, fo, rate) in tbuild.AZURE_SLICES.items():
+        tr = traces.load(name)
+        ids = [r.id for r in tr.requests]
+        assert len(ids) == n
+        first = order.index(ids[0])
+        assert ids == order[first:first + n]  # consecutive, in the hour's order
+        assert conv.requests[first].arrival_s >= start_s > conv.requests[first - 1].arrival_s
+        src = [by_id[i] for i in ids]
+        assert [r.prompt_tokens for r in tr.requests] == [max(1, int(s.prompt_tokens * fp + 0.5)) for s in src]
+        assert [r.output_tokens for r in tr.requests] == [max(1, int(s.output_tokens * fo + 0.5)) for s in src]
+        assert mean_rate(tr) == pytest.approx(rate, rel=1e-4)
+        # the real gaps' shape is kept: each gap is the source's times one factor
+        k = (src[-1].arrival_s - src[0].arrival_s) / tr.requests[-1].arrival_s
+        for a, b, s, t in zip(tr.requests, tr.requests[1:], src, src[1:]):
+            assert (b.arrival_s - a.arrival_s) * k == pytest.approx(t.arrival_s - s.arrival_s, abs=1e-4)

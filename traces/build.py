@@ -59,7 +59,15 @@ COPIES = {  # bundled name -> path under the source directory
 }
 MOONCAKE_SOURCE = "mooncake_fast25/mooncake_fast25_conversation.jsonl"
 MOONCAKE_WINDOW = "mooncake_conv_10min.jsonl"
-SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json", "real-mixed.json")
+SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json", "real-mixed.json",
+             "azure-conv-150.json", "azure-conv-24.json")
+#: Slices of the Azure conversation hour for real runs (name -> n, start s, prompt and output
+#: length factors, rate req/s): its middle (1800 s, fixed before any run), real order and
+#: length mix, sized for the tiny model (150 requests) and for SmolLM2-135M (24) on 2 cores.
+AZURE_SLICES = {
+    "azure-conv-150.json": (150, 1800.0, 0.2, 0.25, 5.0),
+    "azure-conv-24.json": (24, 1800.0, 0.08, 0.15, 1.0),
+}
 #: Shipped as they are (not generated, no source directory needed): copied to --out.
 VENDORED = ("sonnet.txt",)
 #: sonnet.json's dataset parameters when it is built with a tokenizer (vLLM's prefix_len
@@ -96,6 +104,8 @@ def synthetic_traces(conv: Trace, mixed_rate: float = MIXED_RATE_RPS,
         "sonnet.json": sonnet,
         "real-smoke.json": generate.real_smoke(seed=SEED),
         "real-mixed.json": generate.real_mixed(seed=SEED),
+        **{name: generate.azure_slice(conv, *args, name=name.removesuffix(".json"))
+           for name, args in AZURE_SLICES.items()},
     }
 
 
@@ -211,6 +221,14 @@ long-context, `s###` sonnet; the number is the position in arrival order):
 - `real-mixed.json`: 28 requests for real runs, Poisson at 1.5 req/s: 23 short (prompts
   32-256, outputs 16-64) and 5 long (prompts 1000-2000, outputs 16-48) overlapping them.
 
+Derived from the Azure 2023 conversation hour (`AZURE_SLICES` in `traces/build.py`; ids are
+the hour's rows):
+
+- `azure-conv-150.json`, `azure-conv-24.json`: the 150 (24) consecutive requests arriving
+  from 1800 s into the hour, in their real order, burstiness and prompt/output mix, with
+  prompts x0.2 (x0.08) and outputs x0.25 (x0.15) and arrivals rescaled to 5 (1) req/s: a
+  production-shaped workload sized for real runs of the tiny model (SmolLM2-135M) on 2 cores.
+
 Vendored:
 
 - `sonnet.txt`: the first 37 of Shakespeare's sonnets, 518 lines, as vLLM ships them
@@ -250,7 +268,8 @@ details, and where they differ from vLLM, are in `traces/datasets.py`.
   vLLM's main at e5fd201a.
 - Azure LLM inference trace 2023: Azure/AzurePublicDataset, `data/AzureLLMInferenceTrace_conv.csv`
   and `data/AzureLLMInferenceTrace_code.csv` (commit {AZURE_COMMIT}). License: CC-BY-4.0,
-  `LICENSE_AzurePublicDataset.txt`. `mixed.json` is derived from the conversation hour.
+  `LICENSE_AzurePublicDataset.txt`. `mixed.json` and `azure-conv-*.json` are derived from the
+  conversation hour.
   Cite: Pratyush Patel, Esha Choukse, Chaojie Zhang, Aashaka Shah, Íñigo Goiri, Saeed Maleki,
   Ricardo Bianchini. "Splitwise: Efficient generative LLM inference using phase splitting",
   ISCA 2024.

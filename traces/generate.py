@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from typing import Sequence
 
 from .schema import Request, Trace, TraceError
@@ -190,4 +191,20 @@ def real_mixed(seed: int = 0, n: int = 28, n_long: int = 5, rate: float = 1.5) -
     return Trace(name="real-mixed", description=desc, requests=reqs)
 
 
-__all__ = ["poisson_arrivals", "length_pairs", "mixed", "long_context", "sonnet", "real_smoke", "real_mixed"]
+def azure_slice(conv: Trace, n: int, start_s: float, prompt: float, output: float, rate: float,
+                name: str) -> Trace:
+    """``n`` consecutive requests of a real trace (the Azure 2023 conversation hour) from
+    ``start_s``: their order, burstiness and prompt/output mix as served, lengths scaled by
+    ``prompt`` and ``output`` (rounded half up, never below 1) and arrival times rescaled to
+    a mean ``rate`` req/s, so that a small model on a laptop-class CPU serves them in under
+    a minute. Ids are the source's."""
+    from .transforms import head, scale_lengths, to_rate, window
+
+    tr = to_rate(scale_lengths(head(window(conv, start_s, math.inf), n), prompt, output), rate)
+    desc = (f"{n} consecutive requests of the Azure 2023 conversation hour from {start_s:g} s, "
+            f"prompts x{prompt:g}, outputs x{output:g}, arrivals rescaled to {rate:g} req/s")
+    return Trace(name=name, description=desc,
+                 requests=[replace(r, arrival_s=round(r.arrival_s, 6)) for r in tr.requests])
+
+
+__all__ = ["poisson_arrivals", "length_pairs", "mixed", "long_context", "sonnet", "real_smoke", "real_mixed", "azure_slice"]
