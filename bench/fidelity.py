@@ -594,7 +594,10 @@ def format_markdown(out: dict) -> str:
 
 
 def _short(key: str) -> str:
-    return key if key.startswith("real-") else "random@" + key.rsplit("@", 1)[-1]
+    """A trace's column label: a random spec by its seed, a named trace by its name."""
+    if key.startswith("random:"):
+        return "random@" + key.rsplit("@", 1)[-1]
+    return key.rsplit("@", 1)[0]
 
 
 def _n(x, d, sign=False):
