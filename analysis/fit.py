@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 from sim.cost import FEATURES, PASS_FEATURES, LinearCostModel, fit_linear
 
 DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
-JOIN_TERMS = ("c_join0", "c_join")
+JOIN_TERMS = ("c_join0", "c_join", "c_join_row", "c_join_ctx", "c_extend")
 LEAVE_TERMS = ("c_leave0", "c_leave")
 PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
 STEP_TERMS = ("s_step", "s_row")

@@ -59,7 +59,7 @@ from sim.features import STEP_TERMS, read_features
 from sim.jitter import JitterError, StepJitter
 
 DECODE = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
-COPY = ("c_join0", "c_join", "c_leave0", "c_leave")
+COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")
 PREFILL = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
 SCALES = {"a_decode": DECODE, "a_copy": COPY, "a_prefill": PREFILL}
 BASE_ADDITIVE = ("s_step",)

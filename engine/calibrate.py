@@ -9,8 +9,9 @@ on shapes, not values), so the grid reaches 4k-token contexts in seconds.
 Groups, each fitted apart (decode and prefill terms fitted apart fit best here):
 
 - decode: steady batched decode passes, batch x context grid -> d_pass, d_rows, d_kv
-- join / leave: the first pass of a batch (rows join: extend) and a pass where rows finish
-  (filter) -> c_join, c_leave, on top of the decode terms
+- join / leave: the first pass of a batch (rows join from nothing: merge; half the batches
+  heavy-tailed), newcomers joining it (extend) and a pass where rows finish (filter) ->
+  c_join, c_join_row, c_join_ctx, c_extend, c_leave, on top of the decode terms
 - prefill: one chunk (size x context grid), and padded multi-prompt passes -> p_pass,
   p_tokens, p_attn
 - step: the real loop (``sim.loop.run`` with the MLX backend on a small trace, several
@@ -183,19 +184,26 @@ def _median_sample(group: str, label: str, runs: list[tuple[dict, float]]) -> Sa
 # ---------------------------------------------------------------------- measurements
 
 
-def measure_decode(rig: Rig, batch: int, ctx: int, reps: int) -> list[Sample]:
+def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = False) -> list[Sample]:
     """A batch forms (rows join from nothing: merge), decodes ``reps`` steady passes, takes
-    in newcomers (extend), then half its rows finish (filter): one sample of each."""
+    in newcomers (extend), then half its rows finish (filter): one sample of each.
+
+    The rows' contexts lie within 75-100 % of ``ctx``; ``skewed``: one row at ``ctx``, the
+    others at 1/8-3/8 of it, as heavy-tailed prompts make them. A merge copies each row's own
+    length but allocates rows x longest: only both kinds of batch tell the two costs apart."""
     newcomers = max(1, batch // 8)
     finish_at = reps + 3  # join, reps steady, extend, then the leave pass
-    specs = [(ctx - (i * 37) % max(1, ctx // 4), finish_at if i % 2 == 0 else finish_at + 3)
-             for i in range(batch)]
+    if skewed:
+        lengths = [ctx] + [max(2, ctx // 8 + (i * 37) % max(1, ctx // 4)) for i in range(1, batch)]
+    else:
+        lengths = [ctx - (i * 37) % max(1, ctx // 4) for i in range(batch)]
+    specs = [(n, finish_at if i % 2 == 0 else finish_at + 3) for i, n in enumerate(lengths)]
     specs += [(max(2, ctx // 2 + 1), finish_at + 3)] * newcomers
     state, ids = rig.scenario(specs)
     base, new = ids[:batch], ids[batch:]
     for rid in ids:
         rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
-    label = f"B={batch} C={ctx}"
+    label = f"B={batch} C={ctx}" + (" skewed" if skewed else "")
     join = rig.timed(state, Pass(decode=tuple(base)))  # hand-off: the batch forms (merge)
     steady = [rig.timed(state, Pass(decode=tuple(base))) for _ in range(reps)]
     extend = rig.timed(state, Pass(decode=tuple(base + new)))  # newcomers join (extend)
@@ -328,10 +336,12 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         measure_prefill(rig, 64, 64, 1)
         measure_padded(rig, 2, 32, 0, 1)
     jobs: list[tuple[str, Callable[[], list[Sample]]]] = []
-    for b in grid.decode_batches:
-        for c in grid.decode_contexts:
+    for k, b in enumerate(grid.decode_batches):
+        for j, c in enumerate(grid.decode_contexts):
             if b * c <= grid.max_decode_kv:
-                jobs.append((f"decode B={b} C={c}", lambda b=b, c=c: measure_decode(rig, b, c, grid.decode_reps)))
+                skew = b > 2 and (k + j) % 2 == 1  # half the batches heavy-tailed, checkerboard
+                jobs.append((f"decode B={b} C={c}" + (" skewed" if skew else ""),
+                             lambda b=b, c=c, s=skew: measure_decode(rig, b, c, grid.decode_reps, s)))
     for k, n in enumerate(grid.prefill_chunks):
         for j, c in enumerate(grid.prefill_contexts):
             if n * (c + n) <= grid.max_attention:

@@ -135,6 +135,8 @@ class PassShape(NamedTuple):
       On a lazy framework (MLX) a chunk that does not complete needs only the KV cache of
       the last layer, not its attention output and MLP: measured here, a completing chunk
       costs ~1/3 more. Empty when unknown (treated as not completing).
+    join_context: the joining rows' contexts, summed: what merging their own caches copies
+      (each row its own length, however long the longest row is). 0 when nothing joins.
     """
 
     decode_contexts: tuple[int, ...] = ()
@@ -144,6 +146,7 @@ class PassShape(NamedTuple):
     joins: int = 0
     leaves: int = 0
     prefill_done: tuple[bool, ...] = ()
+    join_context: int = 0
 
     @property
     def decode_rows(self) -> int:

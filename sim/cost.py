@@ -14,8 +14,14 @@ d_rows          decode rows
 d_kv            rows x longest context: attention over the left-padded batch cache
 d_ctx           longest context: per-pass work that grows with the cache, not the rows
 c_join0         1 when rows join the batch cache (merge / extend: fixed part)
-c_join          rows after x longest context, when rows join (the copy)
+c_join          rows after x longest context, when rows join (the batch cache allocated at the
+                longest row and zero-filled)
 c_join_row      rows joining (per-row work of a join: each row's own cache read and freed)
+c_join_ctx      the joining rows' contexts, summed (merging their caches copies each row's own
+                length: far below rows x longest when the prompts are heavy-tailed)
+c_extend        rows after x longest context, when rows join a batch that already holds rows
+                (extend: the batch and the merged newcomers are padded and concatenated; measured
+                here at ~2x a merge of the same rows x context)
 c_leave0        1 when rows leave the batch cache (filter: fixed part)
 c_leave         rows kept x longest context, when rows leave (the copy)
 c_leave_row     rows leaving (per-row work of a leave)
@@ -55,7 +61,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from policies.base import PassShape
 
 PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "c_join0", "c_join", "c_join_row",
-                 "c_leave0", "c_leave", "c_leave_row",
+                 "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",
                  "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
 STEP_FEATURES = ("s_step", "s_pass", "s_row")
 IDLE_FEATURES = ("i_wake", "i_step", "i_gap")
@@ -121,8 +127,8 @@ class LinearCostModel:
         self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES)
 
     def pass_seconds(self, s: PassShape) -> float:
-        (d_pass, d_multi, d_rows, d_kv, d_ctx, c_join0, c_join, c_join_row, c_leave0, c_leave, c_leave_row,
-         p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn) = self._d
+        (d_pass, d_multi, d_rows, d_kv, d_ctx, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
+         c_leave0, c_leave, c_leave_row, p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn) = self._d
         t = 0.0
         ctx = s.decode_contexts
         if ctx:
@@ -133,7 +139,9 @@ class LinearCostModel:
             if rows > 1:
                 t += d_multi
             if s.joins:
-                t += c_join0 + c_join * kv + c_join_row * s.joins
+                t += c_join0 + c_join * kv + c_join_row * s.joins + c_join_ctx * s.join_context
+                if rows > s.joins:
+                    t += c_extend * kv
             if s.leaves:
                 kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
                 t += c_leave0 + c_leave * kept * longest + c_leave_row * s.leaves

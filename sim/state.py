@@ -490,7 +490,7 @@ class ReplicaState:
             raise self._fail(f"plan holds {type(p).__name__}, not a Pass")
         batch = self.batch
         decode = p.decode
-        joins = finishing = 0
+        joins = finishing = join_ctx = 0
         handoff = False
         ctx: tuple[int, ...] = ()
         rs = dset = None
@@ -537,6 +537,7 @@ class ReplicaState:
                 r = self.by_id[rid]
                 finishing += r._left == 1
                 starts += r._ctx % bs == one
+                join_ctx += r._ctx
         chunks: list[tuple[int, int]] = []
         done: list[bool] = []
         for item in p.prefill:
@@ -576,7 +577,7 @@ class ReplicaState:
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
         leaves = len(batch) - (len(decode) - joins) + finishing
-        return PassShape(ctx, tuple(chunks), padded, len(batch), joins, leaves, tuple(done))
+        return PassShape(ctx, tuple(chunks), padded, len(batch), joins, leaves, tuple(done), join_ctx)
 
     def repeat_decode(self, p: Pass, times: Sequence[float]) -> None:
         """Apply the same decode pass again, once per time in ``times`` (each a pass end), to

@@ -41,14 +41,17 @@ def synthetic_samples(coef: dict[str, float], noise: float, seed: int = 1) -> li
         secs *= 1 + rng.uniform(-noise, noise)
         out.append(Sample(group, label, feats, secs, [secs]))
 
-    for b in (1, 2, 3, 4, 8, 16, 32, 64):
-        for c in (40, 300, 1000, 2500):
-            ctx = tuple(c - (i * 37) % max(1, c // 4) for i in range(b))
+    for bi, b in enumerate((1, 2, 3, 4, 8, 16, 32, 64)):
+        for ci, c in enumerate((40, 300, 1000, 2500)):
+            if b > 2 and (bi + ci) % 2:  # heavy-tailed: one long row, the rest short (as the grid)
+                ctx = (c,) + tuple(max(2, c // 8 + (i * 37) % max(1, c // 4)) for i in range(1, b))
+            else:
+                ctx = tuple(c - (i * 37) % max(1, c // 4) for i in range(b))
             add("decode", f"B={b} C={c}", PassShape(decode_contexts=ctx))
-            add("join", f"B={b} C={c} merge", PassShape(decode_contexts=ctx, joins=b))
+            add("join", f"B={b} C={c} merge", PassShape(decode_contexts=ctx, joins=b, join_context=sum(ctx)))
             k = max(1, b // 8)
             add("join", f"B={b} C={c} +{k}", PassShape(decode_contexts=ctx + (c // 2,) * k,
-                                                       batch_rows_before=b, joins=k))
+                                                       batch_rows_before=b, joins=k, join_context=c // 2 * k))
             add("leave", f"B={b} C={c}", PassShape(decode_contexts=ctx, batch_rows_before=b,
                                                    leaves=(b + 1) // 2))
     for i, n in enumerate((1, 16, 64, 256, 1024, 2048)):
@@ -67,9 +70,12 @@ def synthetic_samples(coef: dict[str, float], noise: float, seed: int = 1) -> li
 
 
 def test_fit_recovers_known_coefficients():
-    coef, report = fit_profile(synthetic_samples(KNOWN, noise=0.0))
+    # a merge's copy of each row's own length and an extend's concatenation planted beside the
+    # zero-filled allocation: the grid's uniform and heavy-tailed batches tell the three apart
+    truth = {**KNOWN, "c_join_ctx": 1.5e-8, "c_extend": 2e-8}
+    coef, report = fit_profile(synthetic_samples(truth, noise=0.0))
     for k in FEATURES:
-        assert coef[k] == pytest.approx(KNOWN.get(k, 0.0), rel=1e-6, abs=1e-12), k
+        assert coef[k] == pytest.approx(truth.get(k, 0.0), rel=1e-6, abs=1e-12), k
     for group in ("decode", "join", "leave", "prefill", "mixed"):
         assert report[group]["held_out"]["max_abs_pct"] < 1e-6
     # with 2 % noise: the terms that dominate some samples are recovered, and predictions

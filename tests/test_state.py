@@ -183,11 +183,14 @@ def test_shape_reports_contexts_joins_and_leaves():
     st = b.state
     s = st.shape(Pass(decode=("a", "b")))
     assert s.decode_contexts == (11, 21) and s.joins == 2 and s.batch_rows_before == 0
+    assert s.join_context == 11 + 21  # both rows' own caches are merged
     assert s.leaves == 1  # a finishes in this pass and is filtered out
     b.apply(Plan(passes=(Pass(decode=("a", "b")),)))
     assert st.batch == {"b"}
     s = st.shape(Pass(decode=("b", "c")))
     assert (s.batch_rows_before, s.joins, s.leaves) == (1, 1, 0)
+    assert s.join_context == st.by_id["c"].context  # only the newcomer's cache is merged
+    assert st.shape(Pass(decode=("b",))).join_context == 0
     s = st.shape(Pass(decode=("c",)))  # b would be parked: it leaves the batch
     assert (s.batch_rows_before, s.joins, s.leaves) == (1, 1, 1)
 
@@ -198,7 +201,7 @@ def test_cost_model_features_and_prediction_agree():
 
     from sim.cost import IDLE_CAP_S, idle_features, step_features
 
-    known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "s_pass": 1e-4,
+    known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "c_join_ctx": 3e-7, "c_extend": 5e-8, "s_pass": 1e-4,
              "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3}
     assert set(known) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(known))
@@ -225,6 +228,12 @@ def test_cost_model_features_and_prediction_agree():
     b.apply(Plan(passes=(Pass(decode=("0", "1", "2")),)))
     shapes.append(b.state.shape(Pass(decode=("0", "1"))))  # 2 leaves (parked) the batch
     assert shapes[-1].leaves == 1 and pass_features(shapes[-1])["c_leave"] > 0
+    b.decoding(5)
+    shapes.append(b.state.shape(Pass(decode=("0", "1", "2", "5"))))  # 5 joins the batch: extend
+    f = pass_features(shapes[-1])
+    assert f["c_join_ctx"] == shapes[-1].join_context == b.state.by_id["5"].context
+    assert f["c_extend"] == f["c_join"] == 4 * max(shapes[-1].decode_contexts)
+    assert pass_features(shapes[0])["c_extend"] == 0 < pass_features(shapes[0])["c_join"]  # a merge from nothing
     for s in shapes:
         f = pass_features(s)
         assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN_[k] * v for k, v in f.items()), rel=1e-12)

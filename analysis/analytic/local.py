@@ -67,7 +67,7 @@ def shape_from_sample(sample: Any) -> PassShape | None:
         return None
     g = lambda k: float(f.get(k, 0.0))  # noqa: E731
     decode: tuple[int, ...] = ()
-    before = joins = leaves = 0
+    before = joins = leaves = join_ctx = 0
     if g("d_pass"):
         rows, longest = int(round(g("d_rows"))), int(round(g("d_ctx")))
         if rows < 1 or longest < 1:
@@ -78,6 +78,7 @@ def shape_from_sample(sample: Any) -> PassShape | None:
             # rows joining: c_join_row counts them (samples stored before it existed: say 1)
             joins = int(round(g("c_join_row"))) if "c_join_row" in f else 1
             before = rows - joins
+            join_ctx = int(round(g("c_join_ctx")))
         if g("c_leave0"):
             kept = int(round(g("c_leave") / longest))
             leaves = before + joins - kept
@@ -106,9 +107,9 @@ def shape_from_sample(sample: Any) -> PassShape | None:
             done = (bool(g("p_done0")),)
     if not decode and not prefill:
         return None
-    shape = PassShape(decode, prefill, padded, before, joins, leaves, done)
+    shape = PassShape(decode, prefill, padded, before, joins, leaves, done, join_ctx)
     back = pass_features(shape)
-    for k in ("c_join_row", "c_leave_row"):  # terms newer than the sample: not in its features
+    for k in ("c_join_row", "c_leave_row", "c_join_ctx", "c_extend"):  # terms newer than the sample: not in its features
         if k not in f:
             back.pop(k, None)
     if any(not _close(back.get(k, 0.0), float(f.get(k, 0.0))) for k in set(back) | set(f)):

@@ -1,0 +1,130 @@
+"""Join cost: what rows joining the decode batch cache cost, against the joining rows' shape.
+
+A decode pass where rows join the engine's batch cache merges their own caches into one
+(``engine.backend._merge_with_headroom``: a zero-filled batch cache as wide as the longest row,
+then each row's own length copied in) and, when the batch already holds rows, extends it
+(mlx-lm's ``BatchKVCache.extend``: both padded to one width and concatenated). Each case is
+timed as the join pass minus the median of the steady passes over the same rows right after
+it, for batches whose rows are alike (contexts within 75-100 % of the longest, as the
+calibration grid's batches were) and heavy-tailed (one long row, the others a tenth of it, as
+production prompts make them), from nothing (merge) and into a batch of as many rows
+(extend). Rounds are interleaved (every case once per round), medians over the rounds.
+
+Least squares over the cases' medians then gives seconds per unit of what each operation
+touches: merges on rows x longest context (the zero-filled allocation) and the joining rows'
+contexts summed (the copy); extends on rows after x longest (the concatenation) on top.
+
+    python bench/join_cost.py [--model tiny] [--rounds 5] [--out bench/results/join_cost_tiny.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from engine import blas  # noqa: E402
+from engine.calibrate import Rig  # noqa: E402
+from engine.models import load_model  # noqa: E402
+from policies.base import Pass  # noqa: E402
+
+BATCHES = (4, 8, 16)
+CONTEXTS = {"tiny": (400, 800, 1600)}  # other models: (300, 600, 1000)
+
+
+def contexts(kind: str, rows: int, longest: int) -> list[int]:
+    if kind == "uniform":
+        return [longest - (i * 37) % max(1, longest // 4) for i in range(rows)]
+    return [longest] + [max(8, longest // 10)] * (rows - 1)  # one long row, the rest short
+
+
+def one_case(rig: Rig, kind: str, rows: int, longest: int, mode: str) -> dict:
+    """mode "merge": ``rows`` rows join from nothing; "extend": rows/2 rows decode as a batch,
+    rows/2 (shaped by ``kind``) join it."""
+    if mode == "merge":
+        base_c, join_c = [], contexts(kind, rows, longest)
+    else:
+        base_c, join_c = contexts("uniform", rows // 2, longest), contexts(kind, rows // 2, longest)
+    state, ids = rig.scenario([(c, 40) for c in base_c + join_c])
+    for rid in ids:
+        rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
+    base = ids[:len(base_c)]
+    for _ in range(3 if base else 0):  # the batch forms, then decodes
+        rig.timed(state, Pass(decode=tuple(base)))
+    feats, join_s = rig.timed(state, Pass(decode=tuple(ids)))
+    steady = [rig.timed(state, Pass(decode=tuple(ids)))[1] for _ in range(3)]
+    rig.close(state)
+    return {"join_s": join_s, "steady_s": statistics.median(steady), "rows_x_longest": feats["c_join"],
+            "join_context": feats["c_join_ctx"], "extend": feats["c_extend"]}
+
+
+def fit(cases: list[dict]) -> dict:
+    """Seconds per unit: extra = a + b rows x longest + c joining contexts (+ e rows x longest
+    when extending), least squares over the cases' medians."""
+    x = np.array([[1.0, c["rows_x_longest"], c["join_context"], c["extend"]] for c in cases])
+    y = np.array([c["extra_s_median"] for c in cases])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    pred = x @ coef
+    names = ("fixed_s", "per_row_x_longest_s", "per_join_context_token_s", "per_extend_row_x_longest_s")
+    return {"coefficients": dict(zip(names, (float(v) for v in coef))),
+            "median_abs_error_pct": float(np.median(np.abs(pred - y) / y) * 100)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out_path = Path(args.out or ROOT / "bench" / "results" / f"join_cost_{args.model}.json")
+    info = load_model(args.model)
+    rig = Rig(info)
+    one_case(rig, "uniform", 4, 64, "merge")  # warm-up
+    lengths = CONTEXTS.get(args.model, (300, 600, 1000))
+    keys = [(mode, b, c, kind) for mode in ("merge", "extend") for b in BATCHES for c in lengths
+            for kind in ("uniform", "skewed")]
+    runs: dict = {k: [] for k in keys}
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        for k in keys:
+            runs[k].append(one_case(rig, k[3], k[1], k[2], k[0]))
+        print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - t0:.0f} s", flush=True)
+    cases = []
+    for (mode, b, c, kind), rs in runs.items():
+        extra = [x["join_s"] - x["steady_s"] for x in rs]
+        cases.append({"mode": mode, "rows": b, "longest": c, "kind": kind,
+                      "extra_s_median": statistics.median(extra), "steady_s_median": statistics.median(x["steady_s"] for x in rs),
+                      "extra_s": extra, "rows_x_longest": rs[0]["rows_x_longest"],
+                      "join_context": rs[0]["join_context"], "extend": rs[0]["extend"]})
+    skew = {f"{m} rows={b} longest={c}": round(
+        next(x for x in cases if x["mode"] == m and x["rows"] == b and x["longest"] == c and x["kind"] == "skewed")["extra_s_median"]
+        / next(x for x in cases if x["mode"] == m and x["rows"] == b and x["longest"] == c and x["kind"] == "uniform")["extra_s_median"], 3)
+        for m in ("merge", "extend") for b in BATCHES for c in lengths}
+    res = {"benchmark": "join_cost", "model": args.model, "rounds": args.rounds,
+           "wall_s": round(time.perf_counter() - t0, 1),
+           "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads")},
+           "machine": {"platform": platform.platform()},
+           "skewed_over_uniform_extra": skew,
+           "fit_merges_and_extends": fit(cases), "cases": cases}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{'mode':<7} {'rows':>4} {'longest':>7} {'kind':<8} {'extra ms':>9} {'steady ms':>9}")
+    for x in cases:
+        print(f"{x['mode']:<7} {x['rows']:>4} {x['longest']:>7} {x['kind']:<8} {1e3 * x['extra_s_median']:9.2f} "
+              f"{1e3 * x['steady_s_median']:9.2f}")
+    print("fit:", json.dumps(res["fit_merges_and_extends"]))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
