@@ -43,6 +43,8 @@ profile fitted again by this checkout from its own data (the kept grid samples a
 for checking a change to the fit the same way; the step figures are then the kept real steps
 against the refitted profile. (The kept real runs' policies planned with the kept profile: a
 policy whose plan depends on the cost model may differ a little from its re-simulation.)
+``--without TERMS`` (with ``--refit``): those cost terms left out of the refit (their features
+zeroed in the kept samples and runs): an ablation, what the terms bring on the same real runs.
 ``--jitter N`` (with ``--rescore``): each simulation made N times with the profile's step
 jitter (``sim.jitter``; from the kept replay runs for an older profile), the metrics' medians
 compared (``bench/jitter.py`` runs it side by side with none).
@@ -71,7 +73,7 @@ from engine import blas  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from policies import POLICIES, make_policy  # noqa: E402
 from schedlab.validate import validate_many  # noqa: E402
-from sim.cost import LinearCostModel  # noqa: E402
+from sim.cost import FEATURES, LinearCostModel  # noqa: E402
 
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
 # Long enough that a tail percentile is not one request's or one interval's luck (150
@@ -121,6 +123,8 @@ def main() -> None:
                     "with the profile's step jitter (seeds 0..N-1) and compare the metrics' medians (0: none)")
     ap.add_argument("--refit", action="store_true", help="with --rescore: fit each kept profile again from its "
                     "kept grid samples and replay runs with this checkout's fit")
+    ap.add_argument("--without", default=None, help="with --refit: cost terms (comma-separated) left out of the fit, "
+                    "their features zeroed in the kept samples and runs: what the terms bring, on the same real runs")
     args = ap.parse_args()
     if args.noise is not None:
         from engine.noise import ENV, Noise
@@ -139,15 +143,22 @@ def main() -> None:
     t_all = time.perf_counter()
     if args.refit and not args.rescore:
         raise SystemExit("--refit goes with --rescore DIR")
+    without = tuple(t for t in (args.without or "").split(",") if t)
+    if without and not args.refit:
+        raise SystemExit("--without goes with --rescore DIR --refit")
+    if set(without) - set(FEATURES):
+        raise SystemExit(f"--without: unknown cost term(s) {', '.join(sorted(set(without) - set(FEATURES)))}")
     if args.rescore:
         out["rescored_from"] = str(args.rescore)
         out["refit"] = bool(args.refit)
+        out["without"] = list(without)
         out["jitter"] = args.jitter
     for model in args.models.split(","):
         if args.rescore:
             out["models"][model] = rescore_model(model, policies,
                                                  overrides.get(model) or kept_traces(Path(args.rescore), model),
                                                  Path(args.rescore) / model.replace("/", "_"), args.refit,
+                                                 without=without,
                                                  jitter=args.jitter)
             continue
         out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
@@ -242,9 +253,12 @@ def kept_replay(kept: Path) -> list:
     return load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
 
 
-def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None) -> tuple[Path, dict]:
+def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without: tuple[str, ...] = ()
+           ) -> tuple[Path, dict]:
     """The kept profile fitted again from its own data by this checkout: its grid samples (the
-    grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them."""
+    grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them. The
+    ``without`` terms' features are zeroed in both first: every fit leaves a term whose feature
+    is 0 throughout at 0."""
     from analysis.runfit import profile_from_runs
     from bench.drift import _grid_coefficients
     from engine.calibrate import write_profile
@@ -253,16 +267,22 @@ def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None) -> tupl
     runs = kept_replay(kept)
     for r in runs:
         r.name = Path(r.name).name
+        for k in without:
+            r.cols[k] = r.cols[k] * 0.0
+    for s in prof.get("samples") or []:
+        for k in without:
+            s["features"].pop(k, None)
     new = profile_from_runs(runs, dict(prof, coefficients=_grid_coefficients(prof)),
                             kind=prof["calibration"].get("kind", "grid+replay"), modes=modes)
     out = write_profile(new, Path(tempfile.mkdtemp(prefix="fidelity-refit-")) / "profile.json")
     rr = new.get("runs_report") or {}
-    return Path(out), {"kind": "kept, fitted again", "profile": str(path), "chosen": rr.get("chosen"),
+    return Path(out), {"kind": "kept, fitted again", "without": list(without), "profile": str(path),
+                       "chosen": rr.get("chosen"),
                        "held_out_replay": rr.get("held_out"), "coefficients": new["coefficients"]}
 
 
 def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False,
-                  jitter: int = 0, fit_modes: tuple[str, ...] | None = None) -> dict:
+                  jitter: int = 0, fit_modes: tuple[str, ...] | None = None, without: tuple[str, ...] = ()) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
@@ -284,7 +304,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
         raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
     cal = {"kind": "kept", "profile": str(path)}
     if refit:
-        path, cal = _refit(path, kept, fit_modes)
+        path, cal = _refit(path, kept, fit_modes, without)
     cost = LinearCostModel.from_profile(path)
     coef = dict(cost.coefficients) if refit else None  # None: each step's own kept prediction
     capacity = int(cost.meta.get("kv_tokens", 262144))
