@@ -15,6 +15,9 @@ touches: merges on rows x longest context (the zero-filled allocation) and the j
 contexts summed (the copy); extends on rows after x longest (the concatenation) on top.
 
     python bench/join_cost.py [--model tiny] [--rounds 5] [--out bench/results/join_cost_tiny.json]
+
+``$SCHEDLAB_NOISE`` (``engine/noise.py``: e.g. ``malloc-keep``) applies to the whole measurement,
+as ``calibrate`` applies it; the JSON records it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import engine  # noqa: E402,F401  (OpenBLAS before mlx)
 from engine import blas  # noqa: E402
 from engine.calibrate import Rig  # noqa: E402
 from engine.models import load_model  # noqa: E402
+from engine.noise import Noise  # noqa: E402
 from policies.base import Pass  # noqa: E402
 
 BATCHES = (4, 8, 16)
@@ -88,6 +92,21 @@ def main() -> None:
     args = ap.parse_args()
     out_path = Path(args.out or ROOT / "bench" / "results" / f"join_cost_{args.model}.json")
     info = load_model(args.model)
+    noise = Noise.from_env()
+    with noise.active():
+        res = measure(info, args)
+    res["noise"] = noise.describe()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"{'mode':<7} {'rows':>4} {'longest':>7} {'kind':<8} {'extra ms':>9} {'steady ms':>9}")
+    for x in res["cases"]:
+        print(f"{x['mode']:<7} {x['rows']:>4} {x['longest']:>7} {x['kind']:<8} {1e3 * x['extra_s_median']:9.2f} "
+              f"{1e3 * x['steady_s_median']:9.2f}")
+    print("fit:", json.dumps(res["fit_merges_and_extends"]))
+    print(f"wrote {out_path}")
+
+
+def measure(info, args) -> dict:
     rig = Rig(info)
     one_case(rig, "uniform", 4, 64, "merge")  # warm-up
     lengths = CONTEXTS.get(args.model, (300, 600, 1000))
@@ -110,20 +129,12 @@ def main() -> None:
         next(x for x in cases if x["mode"] == m and x["rows"] == b and x["longest"] == c and x["kind"] == "skewed")["extra_s_median"]
         / next(x for x in cases if x["mode"] == m and x["rows"] == b and x["longest"] == c and x["kind"] == "uniform")["extra_s_median"], 3)
         for m in ("merge", "extend") for b in BATCHES for c in lengths}
-    res = {"benchmark": "join_cost", "model": args.model, "rounds": args.rounds,
-           "wall_s": round(time.perf_counter() - t0, 1),
-           "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads")},
-           "machine": {"platform": platform.platform()},
-           "skewed_over_uniform_extra": skew,
-           "fit_merges_and_extends": fit(cases), "cases": cases}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"{'mode':<7} {'rows':>4} {'longest':>7} {'kind':<8} {'extra ms':>9} {'steady ms':>9}")
-    for x in cases:
-        print(f"{x['mode']:<7} {x['rows']:>4} {x['longest']:>7} {x['kind']:<8} {1e3 * x['extra_s_median']:9.2f} "
-              f"{1e3 * x['steady_s_median']:9.2f}")
-    print("fit:", json.dumps(res["fit_merges_and_extends"]))
-    print(f"wrote {out_path}")
+    return {"benchmark": "join_cost", "model": args.model, "rounds": args.rounds,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads")},
+            "machine": {"platform": platform.platform()},
+            "skewed_over_uniform_extra": skew,
+            "fit_merges_and_extends": fit(cases), "cases": cases}
 
 
 if __name__ == "__main__":

@@ -472,7 +472,7 @@ def _check_model(model: str, dtype: str) -> None:
 
 @contextlib.contextmanager
 def _noise(spec: str | None):
-    """The engine's noise settings (``engine.noise``: gc-off, pin=CPUS, warmup=N), checked; in
+    """The engine's noise settings (``engine.noise``: gc-off, pin=CPUS, warmup=N, malloc-keep), checked; in
     the environment while the call runs, so that every backend and calibration it makes uses
     them (as the commands' ``--noise`` does). Yields the settings."""
     import os
