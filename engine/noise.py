@@ -12,9 +12,10 @@ Things that could lower it, each a switch so that a measurement can compare them
 - ``malloc-keep``: glibc's malloc keeps freed memory in the process (no trimming of the heap,
   blocks up to 32 MiB from the heap, not from fresh mmaps) for the rest of the process. A join
   or leave allocates a new batch cache and frees the old one; by default the freed pages go
-  back to the system and the next allocation faults them in again, and on this VM a page
-  faulted in costs ~2-10 µs (SmolLM2, 8 rows x 300 tokens: the merge alone 54 ms with its memory
-  reused, 70-100 ms refaulted, 90-500 ms when it grows the process). Linux (glibc) only.
+  back to the system and the next allocation faults them in again, which on a VM costs more
+  than the copy itself. Measured with ``bench/join_cost.py`` on SmolLM2 (README, *Real-run noise
+  settings*): a join's extra time halved (median over 36 shapes), decode steps unchanged.
+  Linux (glibc) only.
 
 The BLAS thread count is the environment's ``OPENBLAS_NUM_THREADS`` (read when the library
 loads; the profile records it, so a profile measured with another count is not used).
