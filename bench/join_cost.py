@@ -17,7 +17,12 @@ contexts summed (the copy); extends on rows after x longest (the concatenation) 
     python bench/join_cost.py [--model tiny] [--rounds 5] [--out bench/results/join_cost_tiny.json]
 
 ``$SCHEDLAB_NOISE`` (``engine/noise.py``: e.g. ``malloc-keep``) applies to the whole measurement,
-as ``calibrate`` applies it; the JSON records it.
+as ``calibrate`` applies it; the JSON records it. ``--alternate none,malloc-keep``: settings
+compared side by side, each round of each in a child process of its own (a setting such as
+malloc-keep holds for the rest of a process), the settings alternating round by round; the JSON
+holds each setting's cases (medians over all its rounds) and the per-case ratios to the first.
+
+    python bench/join_cost.py --model smollm2-135m --rounds 2 --alternate none,malloc-keep
 """
 
 from __future__ import annotations
@@ -89,7 +94,10 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--alternate", default=None, help="noise settings to compare side by side (none, malloc-keep, ...)")
     args = ap.parse_args()
+    if args.alternate:
+        return alternate(args)
     out_path = Path(args.out or ROOT / "bench" / "results" / f"join_cost_{args.model}.json")
     info = load_model(args.model)
     noise = Noise.from_env()
@@ -103,6 +111,65 @@ def main() -> None:
         print(f"{x['mode']:<7} {x['rows']:>4} {x['longest']:>7} {x['kind']:<8} {1e3 * x['extra_s_median']:9.2f} "
               f"{1e3 * x['steady_s_median']:9.2f}")
     print("fit:", json.dumps(res["fit_merges_and_extends"]))
+    print(f"wrote {out_path}")
+
+
+def alternate(args) -> None:
+    import os
+    import subprocess
+    import tempfile
+
+    settings = [s.strip() for s in args.alternate.split(",") if s.strip()]
+    from engine.errors import EngineError
+
+    for s in settings:
+        try:
+            if s != "none":
+                Noise.parse(s)  # a bad setting stops here, before any round
+        except EngineError as e:
+            raise SystemExit(f"--alternate: {e}") from None
+    out_path = Path(args.out or ROOT / "bench" / "results" / f"join_cost_{args.model}_alternate.json")
+    tmp = Path(tempfile.mkdtemp(prefix="join-cost-"))
+    rounds: dict[str, list[dict]] = {s: [] for s in settings}
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        for s in settings:
+            path = tmp / f"{r}-{s}.json"
+            env = dict(os.environ, SCHEDLAB_NOISE="" if s == "none" else s)
+            subprocess.run([sys.executable, __file__, "--model", args.model, "--rounds", "1", "--out", str(path)],
+                           env=env, check=True, stdout=subprocess.DEVNULL)
+            rounds[s].append(json.loads(path.read_text()))
+            print(f"round {r + 1}/{args.rounds} {s}: {time.perf_counter() - t0:.0f} s", flush=True)
+    per: dict[str, dict] = {}
+    for s, rs in rounds.items():
+        cases = {}
+        for res in rs:
+            for c in res["cases"]:
+                k = (c["mode"], c["rows"], c["longest"], c["kind"])
+                got = cases.setdefault(k, dict(c, extra_s=[], steady_s=[]))
+                got["extra_s"] += c["extra_s"]
+                got["steady_s"].append(c["steady_s_median"])
+        for c in cases.values():
+            c["extra_s_median"] = statistics.median(c["extra_s"])
+            c["steady_s_median"] = statistics.median(c["steady_s"])
+        per[s] = {"noise": rs[0]["noise"], "cases": list(cases.values()),
+                  "extra_s_sum": sum(c["extra_s_median"] for c in cases.values())}
+    base = {(c["mode"], c["rows"], c["longest"], c["kind"]): c for c in per[settings[0]]["cases"]}
+    ratios = {}
+    for s in settings[1:]:
+        ex = [c["extra_s_median"] / base[(c["mode"], c["rows"], c["longest"], c["kind"])]["extra_s_median"]
+              for c in per[s]["cases"]]
+        st = [c["steady_s_median"] / base[(c["mode"], c["rows"], c["longest"], c["kind"])]["steady_s_median"]
+              for c in per[s]["cases"]]
+        ratios[s] = {"extra_median": statistics.median(ex), "extra_min": min(ex), "extra_max": max(ex),
+                     "steady_median": statistics.median(st)}
+        print(f"{s} / {settings[0]}: join extra x{ratios[s]['extra_median']:.2f} (median over {len(ex)} shapes; "
+              f"{ratios[s]['extra_min']:.2f}-{ratios[s]['extra_max']:.2f}), summed {per[settings[0]]['extra_s_sum']:.1f} s"
+              f" -> {per[s]['extra_s_sum']:.1f} s; decode steps x{ratios[s]['steady_median']:.3f}")
+    res = {"benchmark": "join_cost", "model": args.model, "rounds": args.rounds, "alternate": settings,
+           "wall_s": round(time.perf_counter() - t0, 1), "ratios_to_first": ratios, "settings": per}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {out_path}")
 
 
