@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402,F401  (OpenBLAS before mlx)
 from engine import blas  # noqa: E402
-from engine.calibrate import Rig  # noqa: E402
+from engine.calibrate import Rig, batch_contexts  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
 from engine.models import load_model  # noqa: E402
 from engine.noise import Noise  # noqa: E402
 from policies.base import Pass  # noqa: E402
@@ -53,8 +54,12 @@ CONTEXTS = {"tiny": (400, 800, 1600)}  # other models: (300, 600, 1000)
 
 def contexts(kind: str, rows: int, longest: int) -> list[int]:
     if kind == "uniform":
-        return [longest - (i * 37) % max(1, longest // 4) for i in range(rows)]
+        return batch_contexts(rows, longest)  # as the calibration grid's alike batches
     return [longest] + [max(8, longest // 10)] * (rows - 1)  # one long row, the rest short
+
+
+def _key(case: dict) -> tuple:
+    return case["mode"], case["rows"], case["longest"], case["kind"]
 
 
 def one_case(rig: Rig, kind: str, rows: int, longest: int, mode: str) -> dict:
@@ -120,8 +125,6 @@ def alternate(args) -> None:
     import tempfile
 
     settings = [s.strip() for s in args.alternate.split(",") if s.strip()]
-    from engine.errors import EngineError
-
     for s in settings:
         try:
             if s != "none":
@@ -145,8 +148,7 @@ def alternate(args) -> None:
         cases = {}
         for res in rs:
             for c in res["cases"]:
-                k = (c["mode"], c["rows"], c["longest"], c["kind"])
-                got = cases.setdefault(k, dict(c, extra_s=[], steady_s=[]))
+                got = cases.setdefault(_key(c), dict(c, extra_s=[], steady_s=[]))
                 got["extra_s"] += c["extra_s"]
                 got["steady_s"].append(c["steady_s_median"])
         for c in cases.values():
@@ -154,13 +156,11 @@ def alternate(args) -> None:
             c["steady_s_median"] = statistics.median(c["steady_s"])
         per[s] = {"noise": rs[0]["noise"], "cases": list(cases.values()),
                   "extra_s_sum": sum(c["extra_s_median"] for c in cases.values())}
-    base = {(c["mode"], c["rows"], c["longest"], c["kind"]): c for c in per[settings[0]]["cases"]}
+    base = {_key(c): c for c in per[settings[0]]["cases"]}
     ratios = {}
     for s in settings[1:]:
-        ex = [c["extra_s_median"] / base[(c["mode"], c["rows"], c["longest"], c["kind"])]["extra_s_median"]
-              for c in per[s]["cases"]]
-        st = [c["steady_s_median"] / base[(c["mode"], c["rows"], c["longest"], c["kind"])]["steady_s_median"]
-              for c in per[s]["cases"]]
+        ex = [c["extra_s_median"] / base[_key(c)]["extra_s_median"] for c in per[s]["cases"]]
+        st = [c["steady_s_median"] / base[_key(c)]["steady_s_median"] for c in per[s]["cases"]]
         ratios[s] = {"extra_median": statistics.median(ex), "extra_min": min(ex), "extra_max": max(ex),
                      "steady_median": statistics.median(st)}
         print(f"{s} / {settings[0]}: join extra x{ratios[s]['extra_median']:.2f} (median over {len(ex)} shapes; "
@@ -192,10 +192,9 @@ def measure(info, args) -> dict:
                       "extra_s_median": statistics.median(extra), "steady_s_median": statistics.median(x["steady_s"] for x in rs),
                       "extra_s": extra, "rows_x_longest": rs[0]["rows_x_longest"],
                       "join_context": rs[0]["join_context"], "extend": rs[0]["extend"]})
-    skew = {f"{m} rows={b} longest={c}": round(
-        next(x for x in cases if x["mode"] == m and x["rows"] == b and x["longest"] == c and x["kind"] == "skewed")["extra_s_median"]
-        / next(x for x in cases if x["mode"] == m and x["rows"] == b and x["longest"] == c and x["kind"] == "uniform")["extra_s_median"], 3)
-        for m in ("merge", "extend") for b in BATCHES for c in lengths}
+    by = {_key(x): x["extra_s_median"] for x in cases}
+    skew = {f"{m} rows={b} longest={c}": round(by[(m, b, c, "skewed")] / by[(m, b, c, "uniform")], 3)
+            for m in ("merge", "extend") for b in BATCHES for c in lengths}
     return {"benchmark": "join_cost", "model": args.model, "rounds": args.rounds,
             "wall_s": round(time.perf_counter() - t0, 1),
             "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads")},

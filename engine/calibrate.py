@@ -184,6 +184,14 @@ def _median_sample(group: str, label: str, runs: list[tuple[dict, float]]) -> Sa
 # ---------------------------------------------------------------------- measurements
 
 
+def batch_contexts(batch: int, ctx: int, skewed: bool = False) -> list[int]:
+    """The grid's batch of ``batch`` rows up to ``ctx`` tokens: contexts within 75-100 % of
+    ``ctx``; ``skewed``: one row at ``ctx``, the others at 1/8-3/8 of it."""
+    if skewed:
+        return [ctx] + [max(2, ctx // 8 + (i * 37) % max(1, ctx // 4)) for i in range(1, batch)]
+    return [ctx - (i * 37) % max(1, ctx // 4) for i in range(batch)]
+
+
 def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = False) -> list[Sample]:
     """A batch forms (rows join from nothing: merge), decodes ``reps`` steady passes, takes
     in newcomers (extend), then half its rows finish (filter): one sample of each.
@@ -193,11 +201,8 @@ def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = Fal
     length but allocates rows x longest: only both kinds of batch tell the two costs apart."""
     newcomers = max(1, batch // 8)
     finish_at = reps + 3  # join, reps steady, extend, then the leave pass
-    if skewed:
-        lengths = [ctx] + [max(2, ctx // 8 + (i * 37) % max(1, ctx // 4)) for i in range(1, batch)]
-    else:
-        lengths = [ctx - (i * 37) % max(1, ctx // 4) for i in range(batch)]
-    specs = [(n, finish_at if i % 2 == 0 else finish_at + 3) for i, n in enumerate(lengths)]
+    specs = [(n, finish_at if i % 2 == 0 else finish_at + 3)
+             for i, n in enumerate(batch_contexts(batch, ctx, skewed))]
     specs += [(max(2, ctx // 2 + 1), finish_at + 3)] * newcomers
     state, ids = rig.scenario(specs)
     base, new = ids[:batch], ids[batch:]
