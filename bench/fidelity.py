@@ -38,7 +38,9 @@ within +-3 %, pairwise direction right; default calibration <= 3 minutes.
 
 ``--rescore DIR`` (DIR: an earlier run's ``--keep``) runs no real engine: it simulates again with
 this checkout and the kept profiles and compares with the kept real runs, for checking a change
-to the simulator against the same reality in seconds. ``--refit`` (with ``--rescore``): the kept
+to the simulator against the same reality in seconds. A trace where the recording was cut off
+(no ``validation.json`` beside a policy's runs) is scored from the runs that finished
+(``partial_runs`` in its row; no spread, no drift probe, left out of pairwise). ``--refit`` (with ``--rescore``): the kept
 profile fitted again by this checkout from its own data (the kept grid samples and replay runs),
 for checking a change to the fit the same way; the step figures are then the kept real steps
 against the refitted profile. (The kept real runs' policies planned with the kept profile: a
@@ -328,9 +330,13 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
         for pname in policies:
             pdir = kept / _safe(key) / pname
             old_path = pdir / "validation.json"
-            if not old_path.is_file():
-                raise SystemExit(f"{old_path}: not kept")
-            old = json.loads(old_path.read_text())
+            if old_path.is_file():
+                old = json.loads(old_path.read_text())
+            else:  # a recording cut off inside this trace: the real runs that finished, no probes
+                done = sorted(d.name for d in pdir.glob("real*") if (d / "summary.json").is_file())
+                if not done:
+                    raise SystemExit(f"{old_path}: not kept, and no finished real run beside it")
+                old = {"real_dirs": done, "partial": True}
             reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
             sims = [summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name,
                                   backend=SimBackend(cost, jitter=jit, seed=i)))
@@ -342,9 +348,16 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                 v["step_bias"] = bias(cols, coef)
                 v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
                                                    for p, m in zip(predict(coef, cols), cols["measured_s"])])
+            elif old.get("partial"):  # the kept runs' own predictions, as validate would have scored them
+                cols = concat([r.cols for r in kept_runs])
+                v["step_bias"] = bias(cols, None)
+                v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
+                                                   for p, m in zip(cols["predicted_s"], cols["measured_s"])])
             else:
                 v["step_error_pct"] = old.get("step_error_pct")
                 v["step_bias"] = old.get("step_bias")
+            if old.get("partial"):
+                v["partial_runs"] = len(reals)
             if old.get("machine_speed"):  # the drift-adjusted comparison again, at the kept probes' speeds
                 _drift_again(v, old, make_policy, pname, tr, cost, capacity, reals, kept_runs, coef)
             speeds = [run_speed(r.cols, coef) for r in kept_runs]
@@ -403,7 +416,8 @@ def _safe(key: str) -> str:
 
 def _row(v: dict) -> dict:
     spreads = [r["spread_pct"] for r in v["metrics"].values() if r.get("spread_pct") is not None]
-    return {
+    row = {"partial_runs": v["partial_runs"]} if v.get("partial_runs") else {}
+    return row | {
         "median_abs_error_pct": v["median_abs_error_pct"],
         "max_abs_error_pct": v["max_abs_error_pct"],
         "worst_metric": max(v["metrics"], key=lambda k: abs(v["metrics"][k]["error_pct"] or 0)),
@@ -513,7 +527,10 @@ def pairwise(by_trace: dict) -> dict:
                 c = counts.setdefault(m, [0, 0, 0, 0])
                 equal = abs(ra["sim"] - rb["sim"]) <= 1e-9 * max(abs(ra["sim"]), abs(rb["sim"]))
                 c[3] += equal
-                n_runs.append(min(len(ra.get("real_runs") or []), len(rb.get("real_runs") or [])))
+                runs = min(len(ra.get("real_runs") or []), len(rb.get("real_runs") or []))
+                if runs < 2:
+                    continue  # one real run (a recording cut off): no spread to tell a difference by
+                n_runs.append(runs)
                 spread = max(_abs_spread(ra), _abs_spread(rb))
                 diff = ra["real"] - rb["real"]
                 if abs(diff) <= spread or diff == 0:
@@ -558,7 +575,9 @@ def _line(model, key, pname, r) -> str:
     sb = r["step_bias"] or {}
     return (f"{model:12s} {key[:28]:28s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
             f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step bias {sb.get('median', float('nan')):.3f} "
-            f"total {sb.get('total_pct', float('nan')):+.1f}%  spread {r['real_spread_pct_median'] or 0:5.1f}%")
+            f"total {sb.get('total_pct', float('nan')):+.1f}%  "
+            + (f"spread {r['real_spread_pct_median']:5.1f}%" if r["real_spread_pct_median"] is not None
+               else f"{r.get('partial_runs', 1)} real run, no spread"))
 
 
 def format_markdown(out: dict) -> str:
@@ -604,7 +623,7 @@ def format_markdown(out: dict) -> str:
         lines.append("pairwise direction right: " + ", ".join(
             f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"])
             + (f" ({pw['all']['tied']} of the others simulated as equal)" if (pw.get("all") or {}).get("tied") else ""))
-        if (pw.get("all") or {}).get("simulated_equal"):
+        if (pw.get("all") or {}).get("simulated_equal") and pw["all"].get("null_pass_share") is not None:
             a = pw["all"]
             lines.append(f"pairs the simulation calls equal: {a['simulated_equal']}, of which {a['tied']} "
                          f"({100 * a['tied'] / a['simulated_equal']:.1f} %) pass the real-spread test; two policies "

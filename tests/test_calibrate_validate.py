@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -188,7 +189,9 @@ def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
         return {"metrics": {"makespan_s": {"sim": sim, "real": sorted(runs)[1], "real_runs": runs}}}
     rows = {"a": row(10.0, [10.0, 10.1, 9.9]), "b": row(12.0, [12.0, 12.1, 11.9]),
             "c": row(10.0, [11.0, 11.1, 10.9]), "d": row(11.0, [10.05, 10.0, 10.1]),
-            "e": row(12.0, [12.0, 12.05, 11.95])}
+            "e": row(12.0, [12.0, 12.05, 11.95]),
+            # one real run (a recording cut off): no spread to judge a difference by, never considered
+            "f": {"metrics": {"makespan_s": {"sim": 30.0, "real": 5.0}}}}
     pw = pairwise({"t": rows})
     # a-d and b-e differ by less than their runs' spread: not considered; a-b, b-c, b-d, a-e,
     # c-e, d-e ordered right; a-c simulated as equal (tied: not right); c-d ordered the wrong way;
@@ -492,6 +495,28 @@ def test_fidelity_bench_records_with_probes_each_round_and_a_rescore_reproduces_
         assert b["drift_adjusted"]["step_error_pct"]["total_pct"] == pytest.approx(
             a["drift_adjusted"]["step_error_pct"]["total_pct"])
     assert re["models"]["micro"]["overall"]["drift_adjusted_ends_only"]["rows"] == 2
+    # a recording cut off inside the trace: slots' second run and its validation.json never came
+    slots = kept / "micro" / "real-smoke" / "slots"
+    (slots / "validation.json").unlink()
+    shutil.rmtree(slots / "real-2")
+    proc = subprocess.run(bench + ["--rescore", str(kept), "--out", str(again)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cut = json.loads(again.read_text())["models"]["micro"]
+    s1, u1 = cut["traces"]["real-smoke"]["slots"], cut["traces"]["real-smoke"]["unified"]
+    assert s1["partial_runs"] == 1 and s1["real_spread_pct_median"] is None and s1["drift_adjusted"] is None
+    assert s1["step_bias"]["steps"] > 0 and s1["speed_matched"] is not None
+    for m, r in s1["metrics"].items():  # measured: the one run that finished, as it was recorded
+        if r["real"] is not None:
+            assert r["real"] == pytest.approx(rec["models"]["micro"]["traces"]["real-smoke"]["slots"]["metrics"][m]
+                                              ["real_runs"][0]), m
+    assert u1["median_abs_error_pct"] == pytest.approx(
+        re["models"]["micro"]["traces"]["real-smoke"]["unified"]["median_abs_error_pct"])
+    assert all(v["considered"] == 0 for v in cut["pairwise"].values())  # every pair has slots' one run
+    shutil.rmtree(slots / "real")
+    proc = subprocess.run(bench + ["--rescore", str(kept), "--out", str(again)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode != 0 and "no finished real run" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run(bench[:2] + ["--models", "tiny", "--rescore", str(kept), "--out", str(again)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "not kept" in proc.stderr and "Traceback" not in proc.stderr
