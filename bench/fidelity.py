@@ -13,7 +13,8 @@ runs interleaved round by round, so that the machine's drift meets every policy 
   and the total predicted vs measured step time;
 - pairwise direction: for every pair of policies on a trace and every metric where the real
   runs differ by more than their spread (the medians further apart than either policy's
-  max - min), whether the simulation orders the two the same way; the share per metric.
+  max - min), whether the simulation orders the two the same way; the share per metric; and
+  the same with each policy simulated at its runs' own speed (``pairwise_speed_matched``).
 - drift-adjusted: the simulation made again at the machine's speed timed before and after the
   policies' real runs (``--speed-probe``: the calibration's own replay run again, default, or
   the profile's isolated reference passes), at their mean: a prediction made without the runs'
@@ -406,6 +407,7 @@ def _record(res: dict, model: str, key: str, pname: str, v: dict) -> None:
 def _summarise(res: dict, policies: list[str]) -> dict:
     res["per_policy"] = {p: _per_policy([res["traces"][t][p] for t in res["traces"]]) for p in policies}
     res["pairwise"] = pairwise(res["traces"])
+    res["pairwise_speed_matched"] = pairwise_speed_matched(res["traces"])
     res["overall"] = overall([row for t in res["traces"].values() for row in t.values()])
     return res
 
@@ -508,21 +510,23 @@ def hold_one_out_overall(rows: list[dict]) -> dict | None:
             "rows_sim_worst_within_real": sum(h["sim_max_pct"] <= h["real_max_pct"] for h in got)}
 
 
-def pairwise(by_trace: dict) -> dict:
+def pairwise(by_trace: dict, order_by: str = "sim") -> dict:
     """Per metric: of the policy pairs whose real runs differ by more than their spread, the
     share the simulation orders the same way, and how many of the others it calls equal
     (``tied``: the two policies made the same simulated schedule; counted as not right).
     ``simulated_equal``: every pair the simulation calls equal, considered or not; in ``all``,
     ``null_pass_share``: how often the spread test passes two policies whose real runs are
     identically distributed (``spread_test_null_share``, at the runs' usual count) — what the
-    share of simulated-equal pairs that pass it would be if those pairs were equal for real."""
+    share of simulated-equal pairs that pass it would be if those pairs were equal for real.
+    ``order_by``: the metric row's key whose value orders the pair (``sim``: the simulation as
+    made; ties are always judged on ``sim``, the schedule the simulation made)."""
     counts: dict[str, list[int]] = {}
     n_runs: list[int] = []
     for rows in by_trace.values():
         for a, b in itertools.combinations(sorted(rows), 2):
             for m, ra in rows[a]["metrics"].items():
                 rb = rows[b]["metrics"][m]
-                if None in (ra["real"], rb["real"], ra["sim"], rb["sim"]):
+                if None in (ra["real"], rb["real"], ra["sim"], rb["sim"], ra.get(order_by), rb.get(order_by)):
                     continue
                 c = counts.setdefault(m, [0, 0, 0, 0])
                 equal = abs(ra["sim"] - rb["sim"]) <= 1e-9 * max(abs(ra["sim"]), abs(rb["sim"]))
@@ -536,10 +540,10 @@ def pairwise(by_trace: dict) -> dict:
                 if abs(diff) <= spread or diff == 0:
                     continue
                 c[1] += 1
-                if (ra["sim"] - rb["sim"]) * diff > 0:
-                    c[0] += 1
-                elif equal:
+                if equal:
                     c[2] += 1
+                elif (ra[order_by] - rb[order_by]) * diff > 0:
+                    c[0] += 1
     out = {m: {"right": r, "considered": n, "share": r / n if n else None, "tied": t, "simulated_equal": e}
            for m, (r, n, t, e) in counts.items()}
     tot = [sum(c[i] for c in counts.values()) for i in range(4)]
@@ -548,6 +552,22 @@ def pairwise(by_trace: dict) -> dict:
                   "tied": tot[2], "simulated_equal": tot[3], "runs": runs,
                   "null_pass_share": spread_test_null_share(runs) if runs >= 2 else None}
     return out
+
+
+def pairwise_speed_matched(by_trace: dict) -> dict:
+    """``pairwise`` with each policy's simulation made again at its real runs' own speeds (the
+    rows' ``speed_matched`` errors): which orderings the model gets wrong once the machine's
+    speed during each policy's runs is taken out. A pair the simulation made the same schedule
+    for stays tied (not right): the runs' speeds alone would otherwise order it."""
+    rows = {}
+    for t, tv in by_trace.items():
+        rows[t] = {}
+        for p, row in tv.items():
+            errs = (row.get("speed_matched") or {}).get("error_pct") or {}
+            rows[t][p] = {"metrics": {m: r | {"sim_speed_matched": None if errs.get(m) is None or r["real"] is None
+                                              else r["real"] * (1.0 + errs[m] / 100.0)}
+                                      for m, r in row["metrics"].items()}}
+    return pairwise(rows, order_by="sim_speed_matched")
 
 
 @functools.lru_cache(maxsize=None)
@@ -623,6 +643,10 @@ def format_markdown(out: dict) -> str:
         lines.append("pairwise direction right: " + ", ".join(
             f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"])
             + (f" ({pw['all']['tied']} of the others simulated as equal)" if (pw.get("all") or {}).get("tied") else ""))
+        pws = (res.get("pairwise_speed_matched") or {}).get("all") or {}
+        if pws.get("considered"):
+            lines.append(f"pairwise direction right, speed-matched (each policy simulated at its runs' own speed): "
+                         f"{pws['right']}/{pws['considered']} (plain {pw['all']['right']}/{pw['all']['considered']})")
         if (pw.get("all") or {}).get("simulated_equal") and pw["all"].get("null_pass_share") is not None:
             a = pw["all"]
             lines.append(f"pairs the simulation calls equal: {a['simulated_equal']}, of which {a['tied']} "

@@ -183,7 +183,7 @@ def test_hold_one_out_bench_reads_recorded_results(tmp_path):
 
 def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
     sys.path.insert(0, str(ROOT))
-    from bench.fidelity import pairwise, spread_test_null_share
+    from bench.fidelity import pairwise, pairwise_speed_matched, spread_test_null_share
 
     def row(sim, runs):
         return {"metrics": {"makespan_s": {"sim": sim, "real": sorted(runs)[1], "real_runs": runs}}}
@@ -199,6 +199,18 @@ def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
     assert pw["makespan_s"] == {"right": 6, "considered": 8, "share": 6 / 8, "tied": 1, "simulated_equal": 2}
     assert pw["all"]["right"] == 6 and pw["all"]["tied"] == 1 and pw["all"]["runs"] == 3
     assert pw["all"]["null_pass_share"] == spread_test_null_share(3)
+    # at the runs' own speeds: each simulation moved onto its real median orders every considered
+    # pair right, except a-c, whose simulated schedules were the same (still tied, not right)
+    for r in rows.values():
+        r["speed_matched"] = {"error_pct": {"makespan_s": 0.0}}
+    sm = pairwise_speed_matched({"t": rows})["makespan_s"]
+    assert (sm["right"], sm["considered"], sm["tied"]) == (7, 8, 1)
+    # d simulated 20 % slow at its speed: now above b, c and e, whose real runs are above its own
+    rows["d"]["speed_matched"]["error_pct"]["makespan_s"] = 20.0
+    sm = pairwise_speed_matched({"t": rows})["makespan_s"]
+    assert (sm["right"], sm["considered"], sm["tied"]) == (4, 8, 1)
+    del rows["d"]["speed_matched"]  # no speed-matched simulation: d's pairs are not judged
+    assert pairwise_speed_matched({"t": rows})["makespan_s"]["considered"] == 5
 
 
 def test_the_spread_tests_null_share_is_the_share_pairwise_passes_for_identical_runs():
