@@ -344,16 +344,13 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                     for i in range(jitter if jit is not None else 1)]
             v = compare(median_summary(sims), reals, policy=pname, trace=tr.name)
             kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
-            if refit:
+            if refit or old.get("partial"):  # the kept steps against the refit, or (a run validate never
+                # scored) against their own predictions (coef None)
                 cols = concat([r.cols for r in kept_runs])
                 v["step_bias"] = bias(cols, coef)
+                pred = cols["predicted_s"] if coef is None else predict(coef, cols)
                 v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
-                                                   for p, m in zip(predict(coef, cols), cols["measured_s"])])
-            elif old.get("partial"):  # the kept runs' own predictions, as validate would have scored them
-                cols = concat([r.cols for r in kept_runs])
-                v["step_bias"] = bias(cols, None)
-                v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
-                                                   for p, m in zip(cols["predicted_s"], cols["measured_s"])])
+                                                   for p, m in zip(pred, cols["measured_s"])])
             else:
                 v["step_error_pct"] = old.get("step_error_pct")
                 v["step_bias"] = old.get("step_bias")
