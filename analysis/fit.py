@@ -14,9 +14,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from sim.cost import FEATURES, PASS_FEATURES, LinearCostModel, fit_linear
+from sim.cost import DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, LinearCostModel, decode_shape_features, fit_linear
 
-DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
+DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
+DECODE_BASE = DECODE_TERMS[:5]  # always fitted; DECODE_SHAPE_TERMS only where they pay (decode_terms)
+SHAPE_MIN_GAIN = 0.5  # percentage points of leave-one-out median |error| a shape term must save
 JOIN_TERMS = ("c_join0", "c_join", "c_join_row", "c_join_ctx", "c_extend")
 LEAVE_TERMS = ("c_leave0", "c_leave")
 PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
@@ -38,7 +40,10 @@ class Sample:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Sample":
         """A sample as ``to_json`` wrote it into a profile."""
-        return cls(d["group"], d["label"], d["features"], d["seconds"], d.get("runs") or [d["seconds"]])
+        f = dict(d["features"])
+        if f.get("d_rows") and not any(k in f for k in DECODE_SHAPE_TERMS):  # recorded before them
+            f.update({k: v for k, v in decode_shape_features(int(f["d_rows"]), int(f.get("d_ctx", 0))).items() if v})
+        return cls(d["group"], d["label"], f, d["seconds"], d.get("runs") or [d["seconds"]])
 
 
 def merge_rounds(same: Sequence[Sample]) -> Sample:
@@ -96,6 +101,8 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
         fit, held = split(group)
         if not fit:
             return
+        if name == "decode":
+            terms, report["decode_shape_tries"] = decode_terms(fit)
         y = [s.seconds - (base(s) if base else 0.0) for s in fit]
         got = fit_linear([s.features for s in fit], y, terms, relative=relative,
                          scale_by=[s.seconds for s in fit] if relative else None)
@@ -121,6 +128,45 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
         by["prefill"] + by["padded"])[1] + by["mixed"]
     report["held_out_passes"] = _errors(model, held, passes)
     return coef, report
+
+
+def _loo_median(samples: Sequence[Sample], terms: Sequence[str]) -> float:
+    """Median |error| (%) of each sample predicted by a fit of ``terms`` to the others."""
+    errs = []
+    for i, s in enumerate(samples):
+        rest = [x for j, x in enumerate(samples) if j != i]
+        got = fit_linear([x.features for x in rest], [x.seconds for x in rest], terms)
+        errs.append(abs(100.0 * (_dot(got, s.features, terms) - s.seconds) / s.seconds))
+    return statistics.median(errs)
+
+
+def decode_terms(samples: Sequence[Sample]) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """The decode terms to fit to ``samples``: ``DECODE_BASE``, plus each of
+    ``DECODE_SHAPE_TERMS`` (forward selection) that lowers the leave-one-out median |error| of
+    the decode points by ``SHAPE_MIN_GAIN`` points. Whether a batch's second to fourth rows
+    cost more than later ones, and attention past a few hundred tokens of context more than
+    below, differs from machine to machine (measured on three: both on one, the first on
+    another, neither on a third); where it does not show, a term would only add variance.
+    Returns (terms, tries: each tried set's score)."""
+    terms = list(DECODE_BASE)
+    ok = [s for s in samples if s.seconds > 0]
+    if len(ok) < len(DECODE_TERMS) + 3:  # too few points to judge a term: the base terms
+        return tuple(terms), []
+    best = _loo_median(ok, terms)
+    tries = [{"terms": list(terms), "loo_median_abs_pct": round(best, 2), "kept": True}]
+    left = [k for k in DECODE_SHAPE_TERMS if any(s.features.get(k) for s in ok)]
+    while left:
+        scored = [(_loo_median(ok, terms + [k]), k) for k in left]
+        for sc, k in scored:
+            tries.append({"terms": terms + [k], "loo_median_abs_pct": round(sc, 2), "kept": False})
+        sc, k = min(scored)
+        if sc > best - SHAPE_MIN_GAIN:
+            break
+        terms.append(k)
+        left.remove(k)
+        best = sc
+        next(t for t in tries if t["terms"] == terms)["kept"] = True
+    return tuple(terms), tries
 
 
 def format_report(profile: dict[str, Any]) -> str:
@@ -154,6 +200,12 @@ def _grid_lines(rep: dict[str, Any]) -> list[str]:
         fit_med = r.get("fit", {}).get("median_abs_pct")
         lines.append(f"{g:<10} {_f(r2, 4):>7} {_f(fit_med, 1):>11} {h.get('n', 0):>11} "
                      f"{_f(h.get('median_abs_pct'), 1):>8} {_f(h.get('max_abs_pct'), 1):>8}")
+    tries = rep.get("decode_shape_tries")
+    if tries:
+        lines.append("decode terms (leave-one-out median |%| of the decode points; a shape term kept when it "
+                     f"drops by >= {SHAPE_MIN_GAIN}): " + ", ".join(
+                         f"{'+'.join(t['terms'][len(DECODE_BASE):]) or 'base'} {t['loo_median_abs_pct']:.1f}"
+                         + (" kept" if t["kept"] and len(t["terms"]) > len(DECODE_BASE) else "") for t in tries))
     h = rep["held_out_passes"]
     lines.append(f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
                  f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}")

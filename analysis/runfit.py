@@ -54,11 +54,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sim.cost import DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, STEP_FEATURES, nnls
+from sim.cost import DECODE_SHAPE_TERMS, DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, STEP_FEATURES, nnls
 from sim.features import STEP_TERMS, read_features
 from sim.jitter import JitterError, StepJitter
 
-DECODE = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx")
+DECODE = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
 COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")
 PREFILL = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
 SCALES = {"a_decode": DECODE, "a_copy": COPY, "a_prefill": PREFILL}
@@ -199,6 +199,8 @@ def _design(cfg: Config, base: dict[str, float] | None, cols: dict[str, np.ndarr
                 parts.append(np.asarray(x, dtype=float))
     else:
         for k in GRID_TERMS:
+            if k in DECODE_SHAPE_TERMS and base is not None and not base.get(k):
+                continue  # the grid's fit left it out (analysis.fit.decode_terms)
             if np.any(cols[k]):
                 names.append(k)
                 parts.append(cols[k])
@@ -437,12 +439,14 @@ def grid_rows(samples: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[str]
     groups) as rows for the joint fit."""
     names = list(GRID_TERMS)
     rows, secs = [], []
+    from analysis.fit import Sample
+
     for s in samples:
-        group = s["group"] if isinstance(s, dict) else s.group
-        if group in ("step", "mixed"):
+        if isinstance(s, dict):
+            s = Sample.from_json(s)
+        if s.group in ("step", "mixed"):
             continue
-        f = s["features"] if isinstance(s, dict) else s.features
-        sec = s["seconds"] if isinstance(s, dict) else s.seconds
+        f, sec = s.features, s.seconds
         if sec and sec > 0:
             rows.append([float(f.get(k, 0.0)) for k in names])
             secs.append(float(sec))

@@ -11,8 +11,14 @@ d_pass          1 when the pass has decode rows (dispatch floor of a decode forw
 d_multi         1 when the pass has 2+ decode rows (BLAS leaves its matrix-vector path:
                 measured here, the second row costs 3x what each later one does)
 d_rows          decode rows
+d_few           min(rows, FEW_ROWS) - 1: the second to the fourth decode row each cost this more
+                than later ones (measured here: 0.4-0.5 ms for `tiny`, ~5 ms for SmolLM2 on top
+                of a later row's 0.1-0.2 ms / 1.8 ms; BLAS's small-matrix path)
 d_kv            rows x longest context: attention over the left-padded batch cache
 d_ctx           longest context: per-pass work that grows with the cache, not the rows
+d_kv_long       rows x (longest context - KV_KNEE), where positive: attention per token of cache
+                costs more past a few hundred tokens (measured here for `tiny`: 0.5 us per row x
+                token below, 1.1 us above); linear beyond, so long contexts extrapolate linearly
 c_join0         1 when rows join the batch cache (merge / extend: fixed part)
 c_join          rows after x longest context, when rows join (the batch cache allocated at the
                 longest row and zero-filled)
@@ -60,13 +66,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from policies.base import PassShape
 
-PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "c_join0", "c_join", "c_join_row",
+PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "d_few", "d_kv_long", "c_join0", "c_join", "c_join_row",
                  "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",
                  "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
 STEP_FEATURES = ("s_step", "s_pass", "s_row")
 IDLE_FEATURES = ("i_wake", "i_step", "i_gap")
 IDLE_STEP_FEATURES = ("i_step", "i_gap")  # the ones charged inside the step (i_wake comes before it)
 IDLE_CAP_S = 1.0  # idle seconds beyond this add nothing more (i_gap)
+FEW_ROWS = 4  # d_few: rows up to this many cost extra
+KV_KNEE = 512  # d_kv_long: context tokens per row past which attention costs extra
+DECODE_SHAPE_TERMS = ("d_few", "d_kv_long")  # fitted only where the grid's held-out points show them
 FEATURES = PASS_FEATURES + STEP_FEATURES + IDLE_FEATURES
 PROFILE_SCHEMA = "schedlab-profile/1"
 DEFAULT_KV_TOKENS = 262_144  # KV capacity when neither --kv-tokens nor the profile gives one (a setting, not a measurement)
@@ -82,6 +91,17 @@ def pass_features(s: PassShape) -> dict[str, float]:
     it returns exactly that term's feature (the model is linear), so the fit and the
     prediction cannot disagree."""
     return {k: m.pass_seconds(s) for k, m in _unit_models().items()}
+
+
+def decode_shape_features(rows: int, longest: int) -> dict[str, float]:
+    """``DECODE_SHAPE_TERMS``' features of a decode pass of ``rows`` rows whose longest context
+    is ``longest``, from ``pass_seconds`` as ``pass_features`` does. For samples and step tables
+    recorded before these terms existed: they keep the rows and the longest context (exact for
+    a step with one decode pass, as every bundled policy's steps have)."""
+    if rows <= 0:
+        return dict.fromkeys(DECODE_SHAPE_TERMS, 0.0)
+    s = PassShape(decode_contexts=(int(longest),) * int(rows))
+    return {k: _unit_models()[k].pass_seconds(s) for k in DECODE_SHAPE_TERMS}
 
 
 def step_features(n_passes: int, n_rows: int) -> dict[str, float]:
@@ -127,7 +147,7 @@ class LinearCostModel:
         self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES)
 
     def pass_seconds(self, s: PassShape) -> float:
-        (d_pass, d_multi, d_rows, d_kv, d_ctx, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
+        (d_pass, d_multi, d_rows, d_kv, d_ctx, d_few, d_kv_long, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
          c_leave0, c_leave, c_leave_row, p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn) = self._d
         t = 0.0
         ctx = s.decode_contexts
@@ -137,7 +157,9 @@ class LinearCostModel:
             kv = rows * longest
             t += d_pass + d_rows * rows + d_kv * kv + d_ctx * longest
             if rows > 1:
-                t += d_multi
+                t += d_multi + d_few * (min(rows, FEW_ROWS) - 1)
+            if longest > KV_KNEE:
+                t += d_kv_long * rows * (longest - KV_KNEE)
             if s.joins:
                 t += c_join0 + c_join * kv + c_join_row * s.joins + c_join_ctx * s.join_context
                 if rows > s.joins:
@@ -175,14 +197,17 @@ class LinearCostModel:
         context one longer each time, nothing joining or leaving: the same terms in the same
         order, so a run of steps costs exactly what planning them one by one would. Lazy: the
         loop stops taking them at the first arrival."""
-        d_pass, d_multi, d_rows, d_kv, d_ctx = self._d[:5]
+        d_pass, d_multi, d_rows, d_kv, d_ctx, d_few, d_kv_long = self._d[:7]
         rows = len(s.decode_contexts)
         base = d_pass + d_rows * rows  # evaluated first in pass_seconds as well
-        multi = d_multi if rows > 1 else None
+        multi = d_multi + d_few * (min(rows, FEW_ROWS) - 1) if rows > 1 else None
         first = max(s.decode_contexts) + 1
         out = (base + d_kv * (rows * longest) + d_ctx * longest for longest in range(first, first + k))
         if multi is not None:
             out = (t + multi for t in out)
+        if d_kv_long:
+            out = (t + d_kv_long * rows * (longest - KV_KNEE) if longest > KV_KNEE else t
+                   for t, longest in zip(out, range(first, first + k)))
         return out
 
     # ------------------------------------------------------------------ profiles

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .cost import FEATURES, idle_features, pass_features, step_features
+from .cost import DECODE_SHAPE_TERMS, FEATURES, decode_shape_features, idle_features, pass_features, step_features
 
 STEP_TERMS = tuple(k for k in FEATURES if k != "i_wake")  # i_wake is charged before the step
 RAW = ("passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
@@ -133,4 +133,9 @@ def read_features(path: str | Path) -> dict[str, np.ndarray]:
     if p.is_dir():
         p = p / "features.parquet"
     table = pq.read_table(p)
-    return {name: table.column(name).to_numpy(zero_copy_only=False).astype(float) for name in table.column_names}
+    cols = {name: table.column(name).to_numpy(zero_copy_only=False).astype(float) for name in table.column_names}
+    if not any(k in cols for k in DECODE_SHAPE_TERMS) and "decode_rows" in cols:  # written before them
+        derived = [decode_shape_features(int(r), int(c)) for r, c in zip(cols["decode_rows"], cols["decode_ctx"])]
+        for k in DECODE_SHAPE_TERMS:
+            cols[k] = np.array([d[k] for d in derived], dtype=float)
+    return cols

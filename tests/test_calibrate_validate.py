@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from policies.base import PassShape
@@ -86,6 +87,54 @@ def test_fit_recovers_known_coefficients():
         assert coef[k] == pytest.approx(KNOWN[k], rel=0.15), k
     assert report["held_out_passes"]["median_abs_pct"] < 2.0
     assert report["held_out_passes"]["max_abs_pct"] < 6.0
+
+
+def test_fit_keeps_the_decode_shape_terms_only_where_the_grid_shows_them():
+    """A planted small-batch cost (rows 2-4) and a context knee are found and recovered; on a
+    grid timed without them neither is added (analysis.fit.decode_terms)."""
+    planted = {**KNOWN, "d_few": 5e-4, "d_kv_long": 3e-7}
+    coef, report = fit_profile(synthetic_samples(planted, noise=0.02))
+    assert set(report["decode"]["terms"]) >= {"d_few", "d_kv_long"}
+    assert coef["d_few"] == pytest.approx(5e-4, rel=0.25)
+    assert coef["d_kv_long"] == pytest.approx(3e-7, rel=0.25)
+    assert report["decode"]["held_out"]["median_abs_pct"] < 2.0
+    tries = report["decode_shape_tries"]  # the base decode terms alone missed by far more
+    assert tries[0]["loo_median_abs_pct"] > 2 * min(t["loo_median_abs_pct"] for t in tries if t["kept"])
+    coef, report = fit_profile(synthetic_samples(KNOWN, noise=0.02))
+    assert not {"d_few", "d_kv_long"} & set(report["decode"]["terms"])
+    assert coef["d_few"] == coef["d_kv_long"] == 0.0
+    assert any(t["terms"][-1] == "d_few" for t in report["decode_shape_tries"])  # it was tried
+
+
+def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them(tmp_path):
+    """A profile's samples and a run's features.parquet written before d_few / d_kv_long
+    existed: the terms' features are derived from the rows and longest context they kept, equal
+    to what pass_features gives the same pass."""
+    from analysis.fit import Sample
+    from sim.cost import DECODE_SHAPE_TERMS, KV_KNEE
+    from sim.features import COLUMNS, features_table, read_features
+    import pyarrow.parquet as pq
+
+    shapes = [PassShape(decode_contexts=(KV_KNEE + 300,) + (40,) * 5), PassShape(decode_contexts=(90,)),
+              PassShape(decode_contexts=(KV_KNEE + 1, 7))]
+    for shape in shapes:
+        f = pass_features(shape)
+        old = {k: v for k, v in f.items() if v and k not in DECODE_SHAPE_TERMS}
+        got = Sample.from_json({"group": "decode", "label": "x", "seconds": 0.01, "features": old}).features
+        for k in DECODE_SHAPE_TERMS:
+            assert got.get(k, 0.0) == f[k], (shape, k)
+    assert pass_features(shapes[0])["d_kv_long"] > 0 and pass_features(shapes[0])["d_few"] > 0
+    cols = {k: np.zeros(len(shapes)) for k in COLUMNS}
+    for j, shape in enumerate(shapes):
+        cols["decode_rows"][j] = len(shape.decode_contexts)
+        cols["decode_ctx"][j] = max(shape.decode_contexts)
+        for k, v in pass_features(shape).items():
+            cols[k][j] = v
+    table = features_table(cols)
+    pq.write_table(table.drop_columns(list(DECODE_SHAPE_TERMS)), tmp_path / "features.parquet")
+    back = read_features(tmp_path)
+    for k in DECODE_SHAPE_TERMS:
+        assert list(back[k]) == list(cols[k]), k
 
 
 def test_compare_errors_and_spread():

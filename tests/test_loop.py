@@ -181,11 +181,16 @@ def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
     from policies.base import PassShape
     from sim.profiles import resolve_profile
 
-    cm = LinearCostModel.from_profile(resolve_profile(None))
-    for ctx in [(5,), (100, 37, 2048), (1, 1)]:
-        shape = PassShape(ctx, (), False, len(ctx), 0, 0)
-        want = [cm.pass_seconds(PassShape(tuple(c + j for c in ctx), (), False, len(ctx))) for j in range(1, 40)]
-        assert list(cm.decode_run_seconds(shape, 39)) == want
+    from sim.cost import KV_KNEE
+
+    bundled = LinearCostModel.from_profile(resolve_profile(None))
+    # the decode shape terms planted too: a run crossing KV_KNEE, batches below and above FEW_ROWS
+    shaped = LinearCostModel({**bundled.coefficients, "d_few": 4e-4, "d_kv_long": 6e-7})
+    for cm in (bundled, shaped):
+        for ctx in [(5,), (100, 37, 2048), (1, 1), (KV_KNEE - 10, 3, 7), (KV_KNEE,) * 6]:
+            shape = PassShape(ctx, (), False, len(ctx), 0, 0)
+            want = [cm.pass_seconds(PassShape(tuple(c + j for c in ctx), (), False, len(ctx))) for j in range(1, 40)]
+            assert list(cm.decode_run_seconds(shape, 39)) == want
 
 
 def test_a_real_backends_warm_up_is_not_part_of_the_run():
