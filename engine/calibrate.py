@@ -192,15 +192,25 @@ def batch_contexts(batch: int, ctx: int, skewed: bool = False) -> list[int]:
     return [ctx - (i * 37) % max(1, ctx // 4) for i in range(batch)]
 
 
-def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = False) -> list[Sample]:
-    """A batch forms (rows join from nothing: merge), decodes ``reps`` steady passes, takes
-    in newcomers (extend), then half its rows finish (filter): one sample of each.
+DECODE_WARM = 5  # untimed passes between a batch forming and its steady passes
+
+
+def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = False,
+                   warm: int = DECODE_WARM) -> list[Sample]:
+    """A batch forms (rows join from nothing: merge), decodes ``warm`` passes untimed, then
+    ``reps`` steady passes, takes in newcomers (extend), then half its rows finish (filter):
+    one sample of each.
+
+    The passes right after a batch forms run slower than the ones that follow (measured here
+    on `tiny`, 14 passes after the join, medians of 3: the first three 1.04-1.15x the ones from
+    the seventh on, by the fifth within a few %); a request decodes for tens to hundreds of
+    steps, most of them past that, so the steady sample skips them.
 
     The rows' contexts lie within 75-100 % of ``ctx``; ``skewed``: one row at ``ctx``, the
     others at 1/8-3/8 of it, as heavy-tailed prompts make them. A merge copies each row's own
     length but allocates rows x longest: only both kinds of batch tell the two costs apart."""
     newcomers = max(1, batch // 8)
-    finish_at = reps + 3  # join, reps steady, extend, then the leave pass
+    finish_at = warm + reps + 3  # join, warm, reps steady, extend, then the leave pass
     specs = [(n, finish_at if i % 2 == 0 else finish_at + 3)
              for i, n in enumerate(batch_contexts(batch, ctx, skewed))]
     specs += [(max(2, ctx // 2 + 1), finish_at + 3)] * newcomers
@@ -210,6 +220,8 @@ def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = Fal
         rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
     label = f"B={batch} C={ctx}" + (" skewed" if skewed else "")
     join = rig.timed(state, Pass(decode=tuple(base)))  # hand-off: the batch forms (merge)
+    for _ in range(warm):
+        rig.timed(state, Pass(decode=tuple(base)))
     steady = [rig.timed(state, Pass(decode=tuple(base))) for _ in range(reps)]
     extend = rig.timed(state, Pass(decode=tuple(base + new)))  # newcomers join (extend)
     leave = rig.timed(state, Pass(decode=tuple(base + new)))  # even base rows finish: filter
@@ -396,6 +408,7 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         "machine": meta["machine"],
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "calibration": {"grid": grid.name, "seed": seed, "samples": len(samples), "rounds": rounds_done,
+                        "decode_warm": DECODE_WARM,
                         "wall_s": round(time.perf_counter() - t_start, 1)},
         "coefficients": coef,
         "fit_report": report,
@@ -449,6 +462,15 @@ def speed_points(profile: dict[str, Any], per_kind: int = 3) -> list[tuple[str, 
     return spread(dec) + spread(pre)
 
 
+def decode_warm(profile: dict[str, Any]) -> int:
+    """The untimed passes the profile's grid ran before each steady decode sample
+    (``measure_decode``): 0 for profiles calibrated before it skipped any, so that they are
+    timed again as they were measured."""
+    cal = profile.get("calibration") or {}
+    grid = cal.get("grid") if isinstance(cal.get("grid"), dict) else cal
+    return int(grid.get("decode_warm", 0) or 0)
+
+
 def speed_check(info: ModelInfo, profile: dict[str, Any], rounds: int = 3, seed: int = 0) -> dict[str, Any] | None:
     """How fast this machine runs the profile's passes *now*: a few of its grid points timed
     again (``speed_points``, each the median over ``rounds`` spread runs) against the seconds
@@ -460,6 +482,7 @@ def speed_check(info: ModelInfo, profile: dict[str, Any], rounds: int = 3, seed:
     points = speed_points(profile)
     if not points:
         return None
+    warm = decode_warm(profile)
     t0 = time.perf_counter()
     rig = Rig(info, seed=seed)
     measure_decode(rig, 4, 64, 2)  # warm-up, untimed
@@ -468,7 +491,7 @@ def speed_check(info: ModelInfo, profile: dict[str, Any], rounds: int = 3, seed:
     for _ in range(rounds):
         for i, (kind, args, _) in enumerate(points):
             if kind == "decode":
-                smp = next(x for x in measure_decode(rig, args[0], args[1], 3) if x.group == "decode")
+                smp = next(x for x in measure_decode(rig, args[0], args[1], 3, warm=warm) if x.group == "decode")
             else:
                 smp = measure_prefill(rig, args[0], args[1], 1, args[2])
             runs[i].append(smp.seconds)

@@ -307,6 +307,8 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
         assert rep[group]["held_out"]["n"] >= 1 and rep[group]["r2"] is not None
     assert rep["mixed"]["held_out"]["n"] >= 1
     assert len(prof["samples"]) == prof["calibration"]["samples"]
+    from engine.calibrate import DECODE_WARM, decode_warm
+    assert decode_warm(prof) == DECODE_WARM  # its steady decode samples skipped the passes after the join
     assert micro_profile.with_suffix(".md").read_text().startswith("# Cost profile: micro")
     # simulate takes it as it is
     proc = cli("simulate", "-p", "unified", "-t", "real-smoke", "--profile", str(micro_profile), "-q")
@@ -436,6 +438,31 @@ def test_a_scaled_cost_model_scales_every_second_and_the_whole_schedule():
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError):
             ScaledCostModel(base, bad)
+
+
+def test_the_grids_steady_decode_sample_skips_the_passes_right_after_the_batch_forms():
+    """measure_decode times its steady passes after ``warm`` untimed ones (the passes right
+    after a join run slower than later ones): the sample's shapes are those passes' (each
+    context ``warm`` tokens longer), and a profile says how many it skipped, so that a speed
+    check times its points as they were measured (0 for profiles from before)."""
+    from engine.calibrate import DECODE_WARM, Rig, decode_warm, measure_decode
+    from engine.models import load_model
+
+    rig = Rig(load_model("micro"), seed=0)
+    cold = {(s.group, s.label): s for s in measure_decode(rig, 3, 40, 1, warm=0)}
+    warm = {(s.group, s.label): s for s in measure_decode(rig, 3, 40, 1, warm=4)}
+    assert set(cold) == set(warm) and len(cold) == 4
+    d0, d4 = cold["decode", "B=3 C=40"].features, warm["decode", "B=3 C=40"].features
+    assert d4["d_ctx"] - d0["d_ctx"] == 4 and d4["d_rows"] == d0["d_rows"] == 3
+    for key in cold:  # the extend and the leave come after the warm passes too
+        if key != ("join", "B=3 C=40 merge"):
+            assert warm[key].features["d_ctx"] - cold[key].features["d_ctx"] == 4, key
+    merge = ("join", "B=3 C=40 merge")
+    assert warm[merge].features == cold[merge].features  # the join itself comes first
+    assert DECODE_WARM > 0
+    assert decode_warm({"calibration": {"grid": "quick", "decode_warm": DECODE_WARM}}) == DECODE_WARM
+    assert decode_warm({"calibration": {"kind": "grid+replay", "grid": {"decode_warm": 2}}}) == 2
+    assert decode_warm({"calibration": {"grid": "quick"}}) == 0 and decode_warm({}) == 0
 
 
 def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path):
