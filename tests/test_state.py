@@ -202,7 +202,7 @@ def test_cost_model_features_and_prediction_agree():
     from sim.cost import IDLE_CAP_S, idle_features, step_features
 
     known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "c_join_ctx": 3e-7, "c_extend": 5e-8, "s_pass": 1e-4,
-             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3}
+             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "d_few": 4e-4, "d_kv_long": 6e-7}
     assert set(known) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(known))
     for n_passes, rows in ((1, 1), (2, 9)):
@@ -234,6 +234,18 @@ def test_cost_model_features_and_prediction_agree():
     assert f["c_join_ctx"] == shapes[-1].join_context == b.state.by_id["5"].context
     assert f["c_extend"] == f["c_join"] == 4 * max(shapes[-1].decode_contexts)
     assert pass_features(shapes[0])["c_extend"] == 0 < pass_features(shapes[0])["c_join"]  # a merge from nothing
+    from sim.cost import FEW_ROWS, KV_KNEE
+
+    long = Bench([req(i, KV_KNEE + 40 * i, 20) for i in range(6)])
+    for i in range(6):
+        long.decoding(i)
+    for ids in (("0",), ("1",), ("0", "1", "2"), ("0", "1", "2", "3", "4", "5")):
+        s = long.state.shape(Pass(decode=ids))
+        f = pass_features(s)
+        assert f["d_few"] == min(len(ids), FEW_ROWS) - 1
+        assert f["d_kv_long"] == len(ids) * max(max(s.decode_contexts) - KV_KNEE, 0)
+        shapes.append(s)
+    assert pass_features(shapes[-1])["d_kv_long"] > 0
     for s in shapes:
         f = pass_features(s)
         assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN_[k] * v for k, v in f.items()), rel=1e-12)
