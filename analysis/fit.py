@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from sim.cost import DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, LinearCostModel, decode_shape_features, fit_linear
+from sim.cost import (DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, LinearCostModel,
+                      decode_shape_features, fit_linear, prefill_shape_features)
 
 DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
-DECODE_BASE = DECODE_TERMS[:5]  # always fitted; DECODE_SHAPE_TERMS only where they pay (decode_terms)
+DECODE_BASE = DECODE_TERMS[:5]  # always fitted; DECODE_SHAPE_TERMS only where they pay (shape_terms)
 SHAPE_MIN_GAIN = 0.5  # percentage points of leave-one-out median |error| a shape term must save
 JOIN_TERMS = ("c_join0", "c_join", "c_join_row", "c_join_ctx", "c_extend")
 LEAVE_TERMS = ("c_leave0", "c_leave")
-PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
+PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn") + PREFILL_SHAPE_TERMS
+PREFILL_BASE = PREFILL_TERMS[:7]
 STEP_TERMS = ("s_step", "s_row")
 
 
@@ -43,6 +46,10 @@ class Sample:
         f = dict(d["features"])
         if f.get("d_rows") and not any(k in f for k in DECODE_SHAPE_TERMS):  # recorded before them
             f.update({k: v for k, v in decode_shape_features(int(f["d_rows"]), int(f.get("d_ctx", 0))).items() if v})
+        if f.get("p_tokens") and not any(k in f for k in PREFILL_SHAPE_TERMS):
+            rows = re.match(r"rows=(\d+) ", d["label"]) if d["group"] == "padded" else None
+            chunks = int(rows[1]) if rows else int(f.get("p_pass", 1))
+            f.update({k: v for k, v in prefill_shape_features(chunks, int(f["p_tokens"]), rows is not None).items() if v})
         return cls(d["group"], d["label"], f, d["seconds"], d.get("runs") or [d["seconds"]])
 
 
@@ -101,8 +108,12 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
         fit, held = split(group)
         if not fit:
             return
+        # which shape terms: leave-one-out over all the group's points (a held-out measure of
+        # its own, not the fit's quarter alone: 13-15 points judge a term poorly)
         if name == "decode":
-            terms, report["decode_shape_tries"] = decode_terms(fit)
+            terms, report["decode_shape_tries"] = shape_terms(group, DECODE_BASE, DECODE_SHAPE_TERMS)
+        elif name == "prefill":
+            terms, report["prefill_shape_tries"] = shape_terms(group, PREFILL_BASE, PREFILL_SHAPE_TERMS)
         y = [s.seconds - (base(s) if base else 0.0) for s in fit]
         got = fit_linear([s.features for s in fit], y, terms, relative=relative,
                          scale_by=[s.seconds for s in fit] if relative else None)
@@ -140,21 +151,23 @@ def _loo_median(samples: Sequence[Sample], terms: Sequence[str]) -> float:
     return statistics.median(errs)
 
 
-def decode_terms(samples: Sequence[Sample]) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
-    """The decode terms to fit to ``samples``: ``DECODE_BASE``, plus each of
-    ``DECODE_SHAPE_TERMS`` (forward selection) that lowers the leave-one-out median |error| of
-    the decode points by ``SHAPE_MIN_GAIN`` points. Whether a batch's second to fourth rows
-    cost more than later ones, and attention past a few hundred tokens of context more than
-    below, differs from machine to machine (measured on three: both on one, the first on
-    another, neither on a third); where it does not show, a term would only add variance.
+def shape_terms(samples: Sequence[Sample], base: Sequence[str], candidates: Sequence[str]
+                ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+    """The terms to fit to a group's ``samples``: ``base``, plus each of ``candidates`` (the
+    group's shape terms, forward selection) that lowers the leave-one-out median |error| of
+    the group's points by ``SHAPE_MIN_GAIN`` points. Whether a batch's second to fourth rows
+    cost more than later ones, attention past a few hundred tokens of context more than below,
+    or a short chunk's tokens more than a long one's, differs from machine to machine and model
+    to model (measured on three machines: both decode terms on one, the first on another,
+    neither on a third); where it does not show, a term would only add variance.
     Returns (terms, tries: each tried set's score)."""
-    terms = list(DECODE_BASE)
+    terms = list(base)
     ok = [s for s in samples if s.seconds > 0]
-    if len(ok) < len(DECODE_TERMS) + 3:  # too few points to judge a term: the base terms
+    if len(ok) < len(base) + len(candidates) + 3:  # too few points to judge a term: the base terms
         return tuple(terms), []
     best = _loo_median(ok, terms)
     tries = [{"terms": list(terms), "loo_median_abs_pct": round(best, 2), "kept": True}]
-    left = [k for k in DECODE_SHAPE_TERMS if any(s.features.get(k) for s in ok)]
+    left = [k for k in candidates if any(s.features.get(k) for s in ok)]
     while left:
         scored = [(_loo_median(ok, terms + [k]), k) for k in left]
         for sc, k in scored:
@@ -200,12 +213,13 @@ def _grid_lines(rep: dict[str, Any]) -> list[str]:
         fit_med = r.get("fit", {}).get("median_abs_pct")
         lines.append(f"{g:<10} {_f(r2, 4):>7} {_f(fit_med, 1):>11} {h.get('n', 0):>11} "
                      f"{_f(h.get('median_abs_pct'), 1):>8} {_f(h.get('max_abs_pct'), 1):>8}")
-    tries = rep.get("decode_shape_tries")
-    if tries:
-        lines.append("decode terms (leave-one-out median |%| of the decode points; a shape term kept when it "
-                     f"drops by >= {SHAPE_MIN_GAIN}): " + ", ".join(
-                         f"{'+'.join(t['terms'][len(DECODE_BASE):]) or 'base'} {t['loo_median_abs_pct']:.1f}"
-                         + (" kept" if t["kept"] and len(t["terms"]) > len(DECODE_BASE) else "") for t in tries))
+    for group, base in (("decode", DECODE_BASE), ("prefill", PREFILL_BASE)):
+        tries = rep.get(f"{group}_shape_tries")
+        if tries:
+            lines.append(f"{group} terms (leave-one-out median |%| of the {group} points; a shape term kept when "
+                         f"it drops by >= {SHAPE_MIN_GAIN}): " + ", ".join(
+                             f"{'+'.join(t['terms'][len(base):]) or 'base'} {t['loo_median_abs_pct']:.1f}"
+                             + (" kept" if t["kept"] and len(t["terms"]) > len(base) else "") for t in tries))
     h = rep["held_out_passes"]
     lines.append(f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
                  f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}")

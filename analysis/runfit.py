@@ -54,13 +54,13 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sim.cost import DECODE_SHAPE_TERMS, DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, STEP_FEATURES, nnls
+from sim.cost import DECODE_SHAPE_TERMS, DEFAULT_KV_TOKENS, FEATURES, PREFILL_SHAPE_TERMS, SHAPE_TERMS, PASS_FEATURES, PROFILE_SCHEMA, STEP_FEATURES, nnls
 from sim.features import STEP_TERMS, read_features
 from sim.jitter import JitterError, StepJitter
 
 DECODE = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
 COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")
-PREFILL = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
+PREFILL = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn") + PREFILL_SHAPE_TERMS
 SCALES = {"a_decode": DECODE, "a_copy": COPY, "a_prefill": PREFILL}
 BASE_ADDITIVE = ("s_step",)
 CANDIDATES = ("s_pass", "s_row", "i_step", "i_gap", "c_join_row", "c_leave_row")
@@ -199,8 +199,8 @@ def _design(cfg: Config, base: dict[str, float] | None, cols: dict[str, np.ndarr
                 parts.append(np.asarray(x, dtype=float))
     else:
         for k in GRID_TERMS:
-            if k in DECODE_SHAPE_TERMS and base is not None and not base.get(k):
-                continue  # the grid's fit left it out (analysis.fit.decode_terms)
+            if k in SHAPE_TERMS and base is not None and not base.get(k):
+                continue  # the grid's fit left it out (analysis.fit.shape_terms)
             if np.any(cols[k]):
                 names.append(k)
                 parts.append(cols[k])

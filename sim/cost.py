@@ -39,6 +39,10 @@ p_done0         chunks that complete their prompt (head and sampling of the firs
 p_done          tokens of chunks that complete their prompt (the last layer runs in full
                 for them; rows x longest when padded and any row completes)
 p_done_attn     chunk x (context + chunk) of completing chunks (the last layer's attention)
+p_small         each chunk's first PREFILL_SMALL tokens (rows x that when padded): a short chunk
+                costs more per token than a long one (BLAS's small-matrix path; measured here for
+                SmolLM2: 1 -> 16 tokens 3.6 ms per token, 16 -> 64 1.4 ms), which a line through
+                the long chunks under-prices (short chat prompts ran 1.04-1.3x their prediction)
 s_step          1 per step (the scheduler loop's own overhead)
 s_pass          passes in the step (the loop's work per pass: shape, state update, timing)
 s_row           decode rows + prefill chunks in the step (bookkeeping per row)
@@ -68,7 +72,7 @@ from policies.base import PassShape
 
 PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "d_few", "d_kv_long", "c_join0", "c_join", "c_join_row",
                  "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",
-                 "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn")
+                 "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn", "p_small")
 STEP_FEATURES = ("s_step", "s_pass", "s_row")
 IDLE_FEATURES = ("i_wake", "i_step", "i_gap")
 IDLE_STEP_FEATURES = ("i_step", "i_gap")  # the ones charged inside the step (i_wake comes before it)
@@ -76,6 +80,9 @@ IDLE_CAP_S = 1.0  # idle seconds beyond this add nothing more (i_gap)
 FEW_ROWS = 4  # d_few: rows up to this many cost extra
 KV_KNEE = 512  # d_kv_long: context tokens per row past which attention costs extra
 DECODE_SHAPE_TERMS = ("d_few", "d_kv_long")  # fitted only where the grid's held-out points show them
+PREFILL_SMALL = 16  # p_small: a chunk's tokens up to this many cost extra
+PREFILL_SHAPE_TERMS = ("p_small",)  # the same, for the prefill terms
+SHAPE_TERMS = DECODE_SHAPE_TERMS + PREFILL_SHAPE_TERMS
 FEATURES = PASS_FEATURES + STEP_FEATURES + IDLE_FEATURES
 PROFILE_SCHEMA = "schedlab-profile/1"
 DEFAULT_KV_TOKENS = 262_144  # KV capacity when neither --kv-tokens nor the profile gives one (a setting, not a measurement)
@@ -91,6 +98,18 @@ def pass_features(s: PassShape) -> dict[str, float]:
     it returns exactly that term's feature (the model is linear), so the fit and the
     prediction cannot disagree."""
     return {k: m.pass_seconds(s) for k, m in _unit_models().items()}
+
+
+def prefill_shape_features(chunks: int, tokens: int, padded: bool) -> dict[str, float]:
+    """``PREFILL_SHAPE_TERMS``' features of a prefill of ``chunks`` chunks and ``tokens`` tokens
+    computed (rows x the longest chunk when ``padded``), for samples and step tables recorded
+    before these terms existed: exact for one chunk and for a padded pass; for several
+    unpadded chunks, as if they were of one size."""
+    if chunks <= 0 or tokens <= 0:
+        return dict.fromkeys(PREFILL_SHAPE_TERMS, 0.0)
+    n = max(1, round(tokens / chunks))
+    s = PassShape(prefill=((n, 0),) * int(chunks), padded=bool(padded))
+    return {k: _unit_models()[k].pass_seconds(s) for k in PREFILL_SHAPE_TERMS}
 
 
 def decode_shape_features(rows: int, longest: int) -> dict[str, float]:
@@ -148,7 +167,8 @@ class LinearCostModel:
 
     def pass_seconds(self, s: PassShape) -> float:
         (d_pass, d_multi, d_rows, d_kv, d_ctx, d_few, d_kv_long, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
-         c_leave0, c_leave, c_leave_row, p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn) = self._d
+         c_leave0, c_leave, c_leave_row, p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn,
+         p_small) = self._d
         t = 0.0
         ctx = s.decode_contexts
         if ctx:
@@ -173,11 +193,15 @@ class LinearCostModel:
                 ctx0 = max(b for _, b in s.prefill)
                 rows = len(s.prefill)
                 t += p_pass + p_tokens * rows * n + p_attn * rows * n * (ctx0 + n) + p_ctx * rows * ctx0
+                if p_small:
+                    t += p_small * rows * min(n, PREFILL_SMALL)
                 if any(s.prefill_done):
                     t += p_done0 + p_done * rows * n + p_done_attn * rows * n * (ctx0 + n)
             else:
                 for c, b in s.prefill:
                     t += p_pass + p_tokens * c + p_attn * c * (b + c) + p_ctx * b
+                    if p_small:
+                        t += p_small * min(c, PREFILL_SMALL)
                 for (c, b), d in zip(s.prefill, s.prefill_done):
                     if d:
                         t += p_done0 + p_done * c + p_done_attn * c * (b + c)

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .cost import DECODE_SHAPE_TERMS, FEATURES, decode_shape_features, idle_features, pass_features, step_features
+from .cost import (DECODE_SHAPE_TERMS, FEATURES, PREFILL_SHAPE_TERMS, decode_shape_features, idle_features,
+                   pass_features, prefill_shape_features, step_features)
 
 STEP_TERMS = tuple(k for k in FEATURES if k != "i_wake")  # i_wake is charged before the step
 RAW = ("passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
@@ -137,5 +138,10 @@ def read_features(path: str | Path) -> dict[str, np.ndarray]:
     if not any(k in cols for k in DECODE_SHAPE_TERMS) and "decode_rows" in cols:  # written before them
         derived = [decode_shape_features(int(r), int(c)) for r, c in zip(cols["decode_rows"], cols["decode_ctx"])]
         for k in DECODE_SHAPE_TERMS:
+            cols[k] = np.array([d[k] for d in derived], dtype=float)
+    if not any(k in cols for k in PREFILL_SHAPE_TERMS) and "prefill_chunks" in cols:
+        derived = [prefill_shape_features(int(n), int(t), bool(p)) for n, t, p in  # p_tokens: rows x longest when padded
+                   zip(cols["prefill_chunks"], cols["p_tokens"], cols["padded"])]
+        for k in PREFILL_SHAPE_TERMS:
             cols[k] = np.array([d[k] for d in derived], dtype=float)
     return cols

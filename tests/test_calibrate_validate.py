@@ -91,18 +91,19 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_keeps_the_decode_shape_terms_only_where_the_grid_shows_them():
     """A planted small-batch cost (rows 2-4) and a context knee are found and recovered; on a
-    grid timed without them neither is added (analysis.fit.decode_terms)."""
-    planted = {**KNOWN, "d_few": 5e-4, "d_kv_long": 3e-7}
+    grid timed without them neither is added (analysis.fit.shape_terms)."""
+    planted = {**KNOWN, "d_few": 5e-4, "d_kv_long": 3e-7, "p_small": 2e-4}
     coef, report = fit_profile(synthetic_samples(planted, noise=0.02))
     assert set(report["decode"]["terms"]) >= {"d_few", "d_kv_long"}
     assert coef["d_few"] == pytest.approx(5e-4, rel=0.25)
     assert coef["d_kv_long"] == pytest.approx(3e-7, rel=0.25)
     assert report["decode"]["held_out"]["median_abs_pct"] < 2.0
+    assert "p_small" in report["prefill"]["terms"] and coef["p_small"] == pytest.approx(2e-4, rel=0.25)
     tries = report["decode_shape_tries"]  # the base decode terms alone missed by far more
     assert tries[0]["loo_median_abs_pct"] > 2 * min(t["loo_median_abs_pct"] for t in tries if t["kept"])
     coef, report = fit_profile(synthetic_samples(KNOWN, noise=0.02))
-    assert not {"d_few", "d_kv_long"} & set(report["decode"]["terms"])
-    assert coef["d_few"] == coef["d_kv_long"] == 0.0
+    assert not {"d_few", "d_kv_long"} & set(report["decode"]["terms"]) and "p_small" not in report["prefill"]["terms"]
+    assert coef["d_few"] == coef["d_kv_long"] == coef["p_small"] == 0.0
     assert any(t["terms"][-1] == "d_few" for t in report["decode_shape_tries"])  # it was tried
 
 
@@ -111,7 +112,7 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
     existed: the terms' features are derived from the rows and longest context they kept, equal
     to what pass_features gives the same pass."""
     from analysis.fit import Sample
-    from sim.cost import DECODE_SHAPE_TERMS, KV_KNEE
+    from sim.cost import DECODE_SHAPE_TERMS, KV_KNEE, PREFILL_SHAPE_TERMS
     from sim.features import COLUMNS, features_table, read_features
     import pyarrow.parquet as pq
 
@@ -123,17 +124,31 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
         got = Sample.from_json({"group": "decode", "label": "x", "seconds": 0.01, "features": old}).features
         for k in DECODE_SHAPE_TERMS:
             assert got.get(k, 0.0) == f[k], (shape, k)
+    # a prefill sample (one chunk) and a padded one (rows from its label, as calibrate writes it)
+    for group, label, shape in (("prefill", "n=9 c=0", PassShape(prefill=((9, 0),))),
+                                ("prefill", "n=300 c=40 done", PassShape(prefill=((300, 40),), prefill_done=(True,))),
+                                ("padded", "rows=3 n<=12 c=0", PassShape(prefill=((12, 0), (5, 0), (7, 0)), padded=True))):
+        f = pass_features(shape)
+        old = {k: v for k, v in f.items() if v and k not in PREFILL_SHAPE_TERMS}
+        got = Sample.from_json({"group": group, "label": label, "seconds": 0.01, "features": old}).features
+        assert got["p_small"] == f["p_small"] > 0, label
     assert pass_features(shapes[0])["d_kv_long"] > 0 and pass_features(shapes[0])["d_few"] > 0
-    cols = {k: np.zeros(len(shapes)) for k in COLUMNS}
-    for j, shape in enumerate(shapes):
+    steps = shapes + [PassShape(prefill=((9, 0),)), PassShape(prefill=((12, 0), (5, 0), (7, 0)), padded=True),
+                      PassShape(decode_contexts=(600, 30), prefill=((40, 100),))]  # a mixed step
+    cols = {k: np.zeros(len(steps)) for k in COLUMNS}
+    for j, shape in enumerate(steps):
         cols["decode_rows"][j] = len(shape.decode_contexts)
-        cols["decode_ctx"][j] = max(shape.decode_contexts)
+        cols["decode_ctx"][j] = max(shape.decode_contexts, default=0)
+        cols["prefill_chunks"][j] = len(shape.prefill)
+        cols["prefill_tokens"][j] = shape.prefill_tokens
+        cols["padded"][j] = int(shape.padded)
         for k, v in pass_features(shape).items():
             cols[k][j] = v
+    assert all(cols["p_small"][len(shapes):] > 0)
     table = features_table(cols)
-    pq.write_table(table.drop_columns(list(DECODE_SHAPE_TERMS)), tmp_path / "features.parquet")
+    pq.write_table(table.drop_columns(list(DECODE_SHAPE_TERMS + PREFILL_SHAPE_TERMS)), tmp_path / "features.parquet")
     back = read_features(tmp_path)
-    for k in DECODE_SHAPE_TERMS:
+    for k in DECODE_SHAPE_TERMS + PREFILL_SHAPE_TERMS:
         assert list(back[k]) == list(cols[k]), k
 
 

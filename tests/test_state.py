@@ -202,7 +202,7 @@ def test_cost_model_features_and_prediction_agree():
     from sim.cost import IDLE_CAP_S, idle_features, step_features
 
     known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "c_join_ctx": 3e-7, "c_extend": 5e-8, "s_pass": 1e-4,
-             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "d_few": 4e-4, "d_kv_long": 6e-7}
+             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "d_few": 4e-4, "d_kv_long": 6e-7, "p_small": 3e-5}
     assert set(known) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(known))
     for n_passes, rows in ((1, 1), (2, 9)):
