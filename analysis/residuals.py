@@ -22,6 +22,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from analysis.runfit import step_predictions
+
 # (name, column, bins as (label, lo, hi) with lo <= x < hi); None column: computed below
 BINS: tuple[tuple[str, str, tuple[tuple[str, float, float], ...]], ...] = (
     ("decode rows", "decode_rows", (("0", 0, 1), ("1", 1, 2), ("2-4", 2, 5), ("5-16", 5, 17), ("17+", 17, np.inf))),
@@ -47,21 +49,13 @@ def concat(tables: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([np.asarray(t[k], dtype=float) for t in tables]) for k in keys}
 
 
-def _predicted(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None) -> np.ndarray:
-    if coef is None:
-        return np.asarray(cols["predicted_s"], dtype=float)
-    from analysis.runfit import predict
-
-    return predict(dict(coef), cols)
-
-
 def residual_table(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
     """One row per (feature, bin) with steps in it: n, median/p10/p90 of measured/predicted,
     share of measured time (%), total predicted vs measured (%)."""
     if not cols or not len(cols.get("measured_s", ())):
         return []
     meas = np.asarray(cols["measured_s"], dtype=float)
-    pred = _predicted(cols, coef)
+    pred = step_predictions(cols, coef)
     ok = (meas > 0) & (pred > 0)
     ratio = np.where(ok, meas / np.where(pred > 0, pred, 1.0), np.nan)
     derived = {
@@ -103,7 +97,7 @@ def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None
     if not cols or not len(cols.get("measured_s", ())):
         return None
     meas = np.asarray(cols["measured_s"], dtype=float)
-    pred = _predicted(cols, coef)
+    pred = step_predictions(cols, coef)
     ok = (meas > 0) & (pred > 0)
     if not ok.any():
         return None

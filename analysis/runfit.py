@@ -54,7 +54,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sim.cost import DECODE_SHAPE_TERMS, DEFAULT_KV_TOKENS, FEATURES, PREFILL_SHAPE_TERMS, SHAPE_TERMS, PASS_FEATURES, PROFILE_SCHEMA, STEP_FEATURES, nnls
+from sim.cost import (DECODE_SHAPE_TERMS, DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS,
+                      PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls)
 from sim.features import STEP_TERMS, read_features
 from sim.jitter import JitterError, StepJitter
 
@@ -134,6 +135,14 @@ def predict(coef: dict[str, float], cols: dict[str, np.ndarray]) -> np.ndarray:
         if c:
             out += c * cols[k]
     return out
+
+
+def step_predictions(cols: dict[str, np.ndarray], coef: dict[str, float] | None = None) -> np.ndarray:
+    """Each step's predicted seconds: as its run predicted them (``predicted_s``), or under
+    ``coef`` (a profile fitted again)."""
+    if coef is None:
+        return np.asarray(cols["predicted_s"], dtype=float)
+    return predict(dict(coef), cols)
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, Any]:

@@ -296,7 +296,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
     from types import SimpleNamespace
 
     from analysis.residuals import bias, concat
-    from analysis.runfit import load_runs, predict
+    from analysis.runfit import load_runs, step_predictions
     from analysis.validation import compare, median_summary, step_errors
     from schedlab.api import run_speed, speed_matched
     from sim import run, summarize
@@ -348,7 +348,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                 # scored) against their own predictions (coef None)
                 cols = concat([r.cols for r in kept_runs])
                 v["step_bias"] = bias(cols, coef)
-                pred = cols["predicted_s"] if coef is None else predict(coef, cols)
+                pred = step_predictions(cols, coef)
                 v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
                                                    for p, m in zip(pred, cols["measured_s"])])
             else:
@@ -375,14 +375,13 @@ def _drift_again(v: dict, old: dict, make, pname: str, tr, cost, capacity, reals
     profile was fitted again)."""
     from collections import namedtuple
 
-    from analysis.runfit import predict
+    from analysis.runfit import step_predictions
     from schedlab.api import drift_adjusted, ends_only
 
     ms = old["machine_speed"]
     v["machine_speed"] = ms
     Step = namedtuple("Step", "predicted_s measured_s")
-    run_steps = [[Step(float(p), float(m)) for p, m in zip(r.cols["predicted_s"] if coef is None
-                                                           else predict(coef, r.cols), r.cols["measured_s"])]
+    run_steps = [[Step(float(p), float(m)) for p, m in zip(step_predictions(r.cols, coef), r.cols["measured_s"])]
                  for r in kept_runs]
     speeds = (old.get("drift_adjusted") or {}).get("speeds")
     if speeds and len(speeds) == len(reals):
