@@ -15,8 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from sim.cost import (DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, LinearCostModel,
-                      decode_shape_features, fit_linear, prefill_shape_features)
+from sim.cost import (DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, SHAPE_TERMS,
+                      LinearCostModel, fit_linear, shape_features)
 
 DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
 DECODE_BASE = DECODE_TERMS[:5]  # always fitted; DECODE_SHAPE_TERMS only where they pay (shape_terms)
@@ -44,12 +44,11 @@ class Sample:
     def from_json(cls, d: dict[str, Any]) -> "Sample":
         """A sample as ``to_json`` wrote it into a profile."""
         f = dict(d["features"])
-        if f.get("d_rows") and not any(k in f for k in DECODE_SHAPE_TERMS):  # recorded before them
-            f.update({k: v for k, v in decode_shape_features(int(f["d_rows"]), int(f.get("d_ctx", 0))).items() if v})
-        if f.get("p_tokens") and not any(k in f for k in PREFILL_SHAPE_TERMS):
+        if not any(k in f for k in SHAPE_TERMS):  # recorded before them (or all 0: derived as 0)
             rows = re.match(r"rows=(\d+) ", d["label"]) if d["group"] == "padded" else None
-            chunks = int(rows[1]) if rows else int(f.get("p_pass", 1))
-            f.update({k: v for k, v in prefill_shape_features(chunks, int(f["p_tokens"]), rows is not None).items() if v})
+            chunks = int(rows[1]) if rows else int(f.get("p_pass", 0))
+            f.update({k: v for k, v in shape_features(int(f.get("d_rows", 0)), int(f.get("d_ctx", 0)), chunks,
+                                                      int(f.get("p_tokens", 0)), rows is not None).items() if v})
         return cls(d["group"], d["label"], f, d["seconds"], d.get("runs") or [d["seconds"]])
 
 
@@ -104,16 +103,13 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
     coef: dict[str, float] = dict.fromkeys(FEATURES, 0.0)
     report: dict[str, Any] = {}
 
-    def fit_group(name, group, terms, base=None, relative=True):
+    def fit_group(name, group, terms, base=None, relative=True, shape=()):
         fit, held = split(group)
         if not fit:
             return
-        # which shape terms: leave-one-out over all the group's points (a held-out measure of
-        # its own, not the fit's quarter alone: 13-15 points judge a term poorly)
-        if name == "decode":
-            terms, report["decode_shape_tries"] = shape_terms(group, DECODE_BASE, DECODE_SHAPE_TERMS)
-        elif name == "prefill":
-            terms, report["prefill_shape_tries"] = shape_terms(group, PREFILL_BASE, PREFILL_SHAPE_TERMS)
+        if shape:  # which of the group's shape terms: leave-one-out over all its points (a held-out
+            # measure of its own, not the fit's three quarters alone: 13-15 points judge a term poorly)
+            terms, report[f"{name}_shape_tries"] = shape_terms(group, terms, shape)
         y = [s.seconds - (base(s) if base else 0.0) for s in fit]
         got = fit_linear([s.features for s in fit], y, terms, relative=relative,
                          scale_by=[s.seconds for s in fit] if relative else None)
@@ -122,11 +118,11 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
         report[name] = {"terms": list(terms), "fit": _errors(None, fit, pred), "r2": _r2(fit, pred),
                         "held_out": _errors(None, held, pred)}
 
-    fit_group("decode", by["decode"], DECODE_TERMS)
+    fit_group("decode", by["decode"], DECODE_BASE, shape=DECODE_SHAPE_TERMS)
     decode_part = lambda s: _dot(coef, s.features, DECODE_TERMS)  # noqa: E731
     fit_group("join", by["join"], JOIN_TERMS, base=decode_part)
     fit_group("leave", by["leave"], LEAVE_TERMS, base=decode_part)
-    fit_group("prefill", by["prefill"] + by["padded"], PREFILL_TERMS)
+    fit_group("prefill", by["prefill"] + by["padded"], PREFILL_BASE, shape=PREFILL_SHAPE_TERMS)
     fit_group("step", by["step"], STEP_TERMS, relative=False)
     # mixed passes: predicted as decode + prefill parts, never fitted
     model = LinearCostModel(dict(coef))

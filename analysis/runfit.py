@@ -54,14 +54,13 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sim.cost import (DECODE_SHAPE_TERMS, DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS,
-                      PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls)
+from sim.cost import DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls
+from analysis.fit import DECODE_TERMS, PREFILL_TERMS, Sample
 from sim.features import STEP_TERMS, read_features
 from sim.jitter import JitterError, StepJitter
 
-DECODE = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
+DECODE, PREFILL = DECODE_TERMS, PREFILL_TERMS  # the grid fit's groups
 COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")
-PREFILL = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn") + PREFILL_SHAPE_TERMS
 SCALES = {"a_decode": DECODE, "a_copy": COPY, "a_prefill": PREFILL}
 BASE_ADDITIVE = ("s_step",)
 CANDIDATES = ("s_pass", "s_row", "i_step", "i_gap", "c_join_row", "c_leave_row")
@@ -448,8 +447,6 @@ def grid_rows(samples: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[str]
     groups) as rows for the joint fit."""
     names = list(GRID_TERMS)
     rows, secs = [], []
-    from analysis.fit import Sample
-
     for s in samples:
         if isinstance(s, dict):
             s = Sample.from_json(s)

@@ -100,27 +100,17 @@ def pass_features(s: PassShape) -> dict[str, float]:
     return {k: m.pass_seconds(s) for k, m in _unit_models().items()}
 
 
-def prefill_shape_features(chunks: int, tokens: int, padded: bool) -> dict[str, float]:
-    """``PREFILL_SHAPE_TERMS``' features of a prefill of ``chunks`` chunks and ``tokens`` tokens
-    computed (rows x the longest chunk when ``padded``), for samples and step tables recorded
-    before these terms existed: exact for one chunk and for a padded pass; for several
-    unpadded chunks, as if they were of one size."""
-    if chunks <= 0 or tokens <= 0:
-        return dict.fromkeys(PREFILL_SHAPE_TERMS, 0.0)
-    n = max(1, round(tokens / chunks))
-    s = PassShape(prefill=((n, 0),) * int(chunks), padded=bool(padded))
-    return {k: _unit_models()[k].pass_seconds(s) for k in PREFILL_SHAPE_TERMS}
-
-
-def decode_shape_features(rows: int, longest: int) -> dict[str, float]:
-    """``DECODE_SHAPE_TERMS``' features of a decode pass of ``rows`` rows whose longest context
-    is ``longest``, from ``pass_seconds`` as ``pass_features`` does. For samples and step tables
-    recorded before these terms existed: they keep the rows and the longest context (exact for
-    a step with one decode pass, as every bundled policy's steps have)."""
-    if rows <= 0:
-        return dict.fromkeys(DECODE_SHAPE_TERMS, 0.0)
-    s = PassShape(decode_contexts=(int(longest),) * int(rows))
-    return {k: _unit_models()[k].pass_seconds(s) for k in DECODE_SHAPE_TERMS}
+def shape_features(rows: int, longest: int, chunks: int, tokens: int, padded: bool) -> dict[str, float]:
+    """``SHAPE_TERMS``' features of a pass of ``rows`` decode rows whose longest context is
+    ``longest`` and ``chunks`` prefill chunks of ``tokens`` tokens computed (rows x the longest
+    chunk when ``padded``), from ``pass_seconds`` as ``pass_features`` does. For samples and
+    step tables recorded before these terms existed, which keep only those counts: exact for
+    one decode pass and one chunk or one padded pass per step (every bundled policy's steps);
+    several unpadded chunks are taken as of one size."""
+    n = max(1, round(tokens / chunks)) if chunks > 0 and tokens > 0 else 0
+    s = PassShape(decode_contexts=(int(longest),) * max(int(rows), 0),
+                  prefill=((n, 0),) * int(chunks) if n else (), padded=bool(padded) and n > 0)
+    return {k: _unit_models()[k].pass_seconds(s) for k in SHAPE_TERMS}
 
 
 def step_features(n_passes: int, n_rows: int) -> dict[str, float]:

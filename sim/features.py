@@ -36,8 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .cost import (DECODE_SHAPE_TERMS, FEATURES, PREFILL_SHAPE_TERMS, decode_shape_features, idle_features,
-                   pass_features, prefill_shape_features, step_features)
+from .cost import FEATURES, SHAPE_TERMS, idle_features, pass_features, shape_features, step_features
 
 STEP_TERMS = tuple(k for k in FEATURES if k != "i_wake")  # i_wake is charged before the step
 RAW = ("passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
@@ -135,13 +134,11 @@ def read_features(path: str | Path) -> dict[str, np.ndarray]:
         p = p / "features.parquet"
     table = pq.read_table(p)
     cols = {name: table.column(name).to_numpy(zero_copy_only=False).astype(float) for name in table.column_names}
-    if not any(k in cols for k in DECODE_SHAPE_TERMS) and "decode_rows" in cols:  # written before them
-        derived = [decode_shape_features(int(r), int(c)) for r, c in zip(cols["decode_rows"], cols["decode_ctx"])]
-        for k in DECODE_SHAPE_TERMS:
-            cols[k] = np.array([d[k] for d in derived], dtype=float)
-    if not any(k in cols for k in PREFILL_SHAPE_TERMS) and "prefill_chunks" in cols:
-        derived = [prefill_shape_features(int(n), int(t), bool(p)) for n, t, p in  # p_tokens: rows x longest when padded
-                   zip(cols["prefill_chunks"], cols["p_tokens"], cols["padded"])]
-        for k in PREFILL_SHAPE_TERMS:
+    missing = [k for k in SHAPE_TERMS if k not in cols]
+    if missing and "decode_rows" in cols:  # written before these terms existed
+        derived = [shape_features(int(r), int(c), int(n), int(t), bool(p)) for r, c, n, t, p in  # p_tokens: rows x
+                   zip(cols["decode_rows"], cols["decode_ctx"], cols["prefill_chunks"], cols["p_tokens"],  # longest
+                       cols["padded"])]                                                                   # when padded
+        for k in missing:
             cols[k] = np.array([d[k] for d in derived], dtype=float)
     return cols
