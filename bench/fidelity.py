@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", default=None, help="use this profile (one model) instead of calibrating")
     ap.add_argument("--noise", default=None, help="engine.noise settings for every run and calibration "
-                                                  "(gc-off, pin=0-1, warmup=N, malloc-keep)")
+                                                  "(gc-off, pin=0-1, warmup=N, malloc-keep, mlx-cache=SIZE)")
     ap.add_argument("--no-speed-check", action="store_true", help="skip validate's machine-speed checks "
                     "(and so the drift-adjusted comparison): ~2x faster on smollm2")
     ap.add_argument("--speed-probe", default="replay", choices=("replay", "passes"),

@@ -23,6 +23,8 @@ malloc-keep holds for the rest of a process), the settings alternating round by 
 holds each setting's cases (medians over all its rounds) and the per-case ratios to the first.
 
     python bench/join_cost.py --model smollm2-135m --rounds 2 --alternate none,malloc-keep
+    python bench/join_cost.py --model smollm2-135m --rounds 2 --alternate none,mlx-cache=2g \
+        --out bench/results/join_cost_smollm2-135m_mlx_cache.json
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ Things that could lower it, each a switch so that a measurement can compare them
   than the copy itself. Measured with ``bench/join_cost.py`` on SmolLM2 (README, *Real-run noise
   settings*): a join's extra time halved (median over 36 shapes), decode steps unchanged.
   Linux (glibc) only.
+- ``mlx-cache=SIZE``: MLX's buffer cache may hold up to SIZE (``2g``, ``512m``, bytes) of freed
+  buffers for reuse. MLX's CPU backend keeps 32 MiB by default (on Apple silicon, Metal's cache
+  may grow to the memory limit): a batch cache larger than that is handed back when it is
+  replaced, and the next join of that size faults its pages in again. Measured with
+  ``bench/join_cost.py --alternate none,mlx-cache=2g`` (README, *Real-run noise settings*).
 
 The BLAS thread count is the environment's ``OPENBLAS_NUM_THREADS`` (read when the library
 loads; the profile records it, so a profile measured with another count is not used).
@@ -44,10 +49,11 @@ class Noise:
     pin: tuple[int, ...] | None = None
     warmup: int = 1
     malloc_keep: bool = False
+    mlx_cache: int | None = None  # bytes; None: MLX's default
 
     @classmethod
     def parse(cls, spec: str | None) -> "Noise":
-        gc_off, pin, warmup, keep = False, None, 1, False
+        gc_off, pin, warmup, keep, cache = False, None, 1, False, None
         for part in (spec or "").split(","):
             part = part.strip()
             if not part:
@@ -61,6 +67,8 @@ class Noise:
             elif key in ("malloc-keep", "malloc_keep") and not value:
                 _mallopt()  # fails here, with one line, where glibc's malloc is not the allocator
                 keep = True
+            elif key in ("mlx-cache", "mlx_cache") and value:
+                cache = _size(value)
             elif key == "warmup" and value:
                 try:
                     warmup = int(value)
@@ -69,8 +77,9 @@ class Noise:
                 if warmup < 0:
                     raise EngineError(f"noise setting warmup={warmup}: must be >= 0")
             else:
-                raise EngineError(f"unknown noise setting {part!r} (gc-off, pin=CPUS, warmup=N, malloc-keep)")
-        return cls(gc_off, pin, warmup, keep)
+                raise EngineError(f"unknown noise setting {part!r} (gc-off, pin=CPUS, warmup=N, malloc-keep, "
+                                  f"mlx-cache=SIZE)")
+        return cls(gc_off, pin, warmup, keep, cache)
 
     @classmethod
     def from_env(cls) -> "Noise":
@@ -82,21 +91,27 @@ class Noise:
             parts.append(f"warmup={self.warmup}")
         if self.malloc_keep:
             parts.append("malloc-keep")
+        if self.mlx_cache is not None:
+            parts.append(f"mlx-cache={self.mlx_cache}")
         return ",".join(parts)
 
     def describe(self) -> dict[str, Any]:
         return {"gc_off": self.gc_off, "pin": list(self.pin) if self.pin else None, "warmup": self.warmup,
-                "malloc_keep": self.malloc_keep,
+                "malloc_keep": self.malloc_keep, "mlx_cache": self.mlx_cache,
                 "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS")}
 
     def enter(self) -> Any:
         """Apply (pin every thread, collect then disable the collector); returns what ``leave``
         restores."""
-        saved = (gc.isenabled(), None)
+        saved = (gc.isenabled(), None, None)
+        if self.mlx_cache is not None:
+            import mlx.core as mx
+
+            saved = (saved[0], None, mx.set_cache_limit(self.mlx_cache))
         if self.malloc_keep:  # for the rest of the process: glibc cannot hand the kept pages back later
             keep_freed_memory()
         if self.pin:
-            saved = (saved[0], _affinity())
+            saved = (saved[0], _affinity(), saved[2])
             _pin_all(self.pin)
         if self.gc_off:
             gc.collect()
@@ -104,11 +119,15 @@ class Noise:
         return saved
 
     def leave(self, saved: Any) -> None:
-        enabled, affinity = saved
+        enabled, affinity, cache = saved
         if self.gc_off and enabled:
             gc.enable()
         if affinity:
             _pin_all(affinity)
+        if cache is not None:
+            import mlx.core as mx
+
+            mx.set_cache_limit(cache)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -142,6 +161,23 @@ def keep_freed_memory() -> None:
     for param, value in KEEP:
         if mallopt(param, value) != 1:
             raise EngineError(f"noise setting malloc-keep: mallopt({param}, {value}) was refused")
+
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _size(value: str) -> int:
+    """``2g``, ``512m``, ``64k``, ``2GiB``, ``1024`` (bytes) -> bytes."""
+    v = value.strip().lower()
+    v = v[:-2] if v.endswith("ib") else v[:-1] if v.endswith("b") else v
+    num, unit = (v[:-1], _UNITS[v[-1]]) if v and v[-1] in _UNITS else (v, 1)
+    try:
+        n = float(num) * unit
+    except ValueError:
+        raise EngineError(f"noise setting mlx-cache={value!r}: give a size such as 2g, 512m or 0") from None
+    if not (n >= 0 and n == n and n < 1 << 50):
+        raise EngineError(f"noise setting mlx-cache={value!r}: must be a size >= 0")
+    return int(n)
 
 
 def _cpus(value: str) -> tuple[int, ...]:

@@ -472,9 +472,9 @@ def _check_model(model: str, dtype: str) -> None:
 
 @contextlib.contextmanager
 def _noise(spec: str | None):
-    """The engine's noise settings (``engine.noise``: gc-off, pin=CPUS, warmup=N, malloc-keep), checked; in
-    the environment while the call runs, so that every backend and calibration it makes uses
-    them (as the commands' ``--noise`` does). Yields the settings."""
+    """The engine's noise settings (``engine.noise``: gc-off, pin=CPUS, warmup=N, malloc-keep,
+    mlx-cache=SIZE), checked; in the environment while the call runs, so that every backend and
+    calibration it makes uses them (as the commands' ``--noise`` does). Yields the settings."""
     import os
 
     from engine.noise import ENV, Noise

@@ -46,7 +46,7 @@ def run_real(
     out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     noise: Optional[str] = typer.Option(None, "--noise", help="settings that may lower the real runs' spread, to compare: "
-                                        "gc-off, pin=CPUS (0-1), warmup=N, malloc-keep (comma-separated; see engine/noise.py; also "
+                                        "gc-off, pin=CPUS (0-1), warmup=N, malloc-keep, mlx-cache=SIZE (comma-separated; see engine/noise.py; also "
                                         "$SCHEDLAB_NOISE)"),
     residuals: bool = typer.Option(False, "--residuals", help="print the per-step residual table (measured/predicted "
                                    "by rows, tokens, context, joins/leaves, idle gap, batch change)"),

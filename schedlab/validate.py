@@ -35,7 +35,7 @@ def validate(
     repeat: int = typer.Option(1, "--repeat", help="real runs per policy (reports their spread)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: validate-<trace>)"),
     noise: Optional[str] = typer.Option(None, "--noise", help="settings that may lower the real runs' spread, to compare: "
-                                        "gc-off, pin=CPUS (0-1), warmup=N, malloc-keep (comma-separated; see engine/noise.py; also "
+                                        "gc-off, pin=CPUS (0-1), warmup=N, malloc-keep, mlx-cache=SIZE (comma-separated; see engine/noise.py; also "
                                         "$SCHEDLAB_NOISE)"),
     residuals: bool = typer.Option(False, "--residuals", help="print the per-step residual table (measured/predicted "
                                    "by rows, tokens, context, joins/leaves, idle gap, batch change)"),

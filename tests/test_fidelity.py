@@ -332,6 +332,36 @@ def test_noise_settings_parse_and_apply():
     assert gc.isenabled() == was
     k = Noise.parse("malloc-keep,gc-off")
     assert k.malloc_keep and k.gc_off and Noise.parse(k.spec()) == k and k.describe()["malloc_keep"]
+    c = Noise.parse("mlx-cache=512m")
+    assert c.mlx_cache == 512 << 20 and Noise.parse(c.spec()) == c and c.describe()["mlx_cache"] == 512 << 20
+    assert Noise.parse("mlx-cache=2GiB").mlx_cache == 2 << 30 and Noise.parse("mlx-cache=0").mlx_cache == 0
+    for bad in ("mlx-cache=lots", "mlx-cache=-1g", "mlx-cache"):
+        with pytest.raises(EngineError):
+            Noise.parse(bad)
+
+
+def test_mlx_cache_keeps_freed_buffers_for_reuse_and_is_restored():
+    """``mlx-cache=SIZE``: a freed 64 MiB MLX array stays in MLX's buffer cache (by default, 32
+    MiB, it is handed back), and the previous limit is back when the setting is left."""
+    code = (
+        "import sys\n"
+        "import engine\n"
+        "import mlx.core as mx\n"
+        "from engine.noise import Noise\n"
+        "before = mx.set_cache_limit(0); mx.set_cache_limit(before)\n"
+        "with Noise.parse(sys.argv[1]).active():\n"
+        "    a = mx.ones((16 << 20,), dtype=mx.float32); mx.eval(a); del a\n"
+        "    kept = mx.get_cache_memory()\n"
+        "after = mx.set_cache_limit(before)\n"
+        "print(kept, before, after)\n")
+    got = {}
+    for spec in ("", "mlx-cache=1g"):
+        r = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[1], timeout=120)
+        assert r.returncode == 0, r.stderr
+        got[spec] = [int(x) for x in r.stdout.split()[-3:]]
+    assert got[""][0] < 64 << 20 <= got["mlx-cache=1g"][0], got
+    assert got["mlx-cache=1g"][1] == got["mlx-cache=1g"][2], got  # the limit it found is restored
 
 
 def test_malloc_keep_keeps_freed_memory_in_the_process():
