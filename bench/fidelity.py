@@ -48,6 +48,8 @@ against the refitted profile. (The kept real runs' policies planned with the kep
 policy whose plan depends on the cost model may differ a little from its re-simulation.)
 ``--without TERMS`` (with ``--refit``): those cost terms left out of the refit (their features
 zeroed in the kept samples and runs): an ablation, what the terms bring on the same real runs.
+``--profile F`` (with ``--rescore``, one model): the kept runs scored against another profile
+(steps included), e.g. a calibration made since with a changed grid, beside one made the old way.
 ``--jitter N`` (with ``--rescore``): each simulation made N times with the profile's step
 jitter (``sim.jitter``; from the kept replay runs for an older profile), the metrics' medians
 compared (``bench/jitter.py`` runs it side by side with none).
@@ -107,7 +109,8 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--traces", default=None, help="MODEL=spec@seed;spec@seed,... overrides (default: TRACES)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--profile", default=None, help="use this profile (one model) instead of calibrating")
+    ap.add_argument("--profile", default=None, help="use this profile (one model) instead of calibrating; with "
+                    "--rescore: score the kept runs (their steps too) against it instead of their own")
     ap.add_argument("--noise", default=None, help="engine.noise settings for every run and calibration "
                                                   "(gc-off, pin=0-1, warmup=N, malloc-keep, mlx-cache=SIZE)")
     ap.add_argument("--no-speed-check", action="store_true", help="skip validate's machine-speed checks "
@@ -146,6 +149,8 @@ def main() -> None:
     t_all = time.perf_counter()
     if args.refit and not args.rescore:
         raise SystemExit("--refit goes with --rescore DIR")
+    if args.rescore and args.profile and (args.refit or len(args.models.split(",")) != 1):
+        raise SystemExit("--rescore with --profile: one model, and no --refit")
     without = tuple(t for t in (args.without or "").split(",") if t)
     if without and not args.refit:
         raise SystemExit("--without goes with --rescore DIR --refit")
@@ -156,13 +161,15 @@ def main() -> None:
         out["refit"] = bool(args.refit)
         out["without"] = list(without)
         out["jitter"] = args.jitter
+        out["profile"] = args.profile
     for model in args.models.split(","):
         if args.rescore:
             out["models"][model] = rescore_model(model, policies,
                                                  overrides.get(model) or kept_traces(Path(args.rescore), model),
                                                  Path(args.rescore) / model.replace("/", "_"), args.refit,
                                                  without=without,
-                                                 jitter=args.jitter)
+                                                 jitter=args.jitter,
+                                                 profile=Path(args.profile) if args.profile else None)
             continue
         out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
                                          work / model.replace("/", "_"))
@@ -285,7 +292,8 @@ def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without
 
 
 def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False,
-                  jitter: int = 0, fit_modes: tuple[str, ...] | None = None, without: tuple[str, ...] = ()) -> dict:
+                  jitter: int = 0, fit_modes: tuple[str, ...] | None = None, without: tuple[str, ...] = (),
+                  profile: Path | None = None) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
@@ -308,8 +316,11 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
     cal = {"kind": "kept", "profile": str(path)}
     if refit:
         path, cal = _refit(path, kept, fit_modes, without)
+    elif profile is not None:  # another profile (a calibration made since): the kept runs against it
+        path, cal = profile, {"kind": "given", "profile": str(profile)}
     cost = LinearCostModel.from_profile(path)
-    coef = dict(cost.coefficients) if refit else None  # None: each step's own kept prediction
+    # None: each step's own kept prediction
+    coef = dict(cost.coefficients) if refit or profile is not None else None
     capacity = int(cost.meta.get("kv_tokens", 262144))
     jit = None
     if jitter:
@@ -344,8 +355,8 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                     for i in range(jitter if jit is not None else 1)]
             v = compare(median_summary(sims), reals, policy=pname, trace=tr.name)
             kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
-            if refit or old.get("partial"):  # the kept steps against the refit, or (a run validate never
-                # scored) against their own predictions (coef None)
+            if coef is not None or old.get("partial"):  # the kept steps against the refit or the given
+                # profile, or (a run validate never scored) against their own predictions (coef None)
                 cols = concat([r.cols for r in kept_runs])
                 v["step_bias"] = bias(cols, coef)
                 pred = step_predictions(cols, coef)

@@ -598,6 +598,26 @@ def test_fidelity_bench_records_with_probes_each_round_and_a_rescore_reproduces_
         assert b["drift_adjusted"]["step_error_pct"]["total_pct"] == pytest.approx(
             a["drift_adjusted"]["step_error_pct"]["total_pct"])
     assert re["models"]["micro"]["overall"]["drift_adjusted_ends_only"]["rows"] == 2
+    # --profile: the kept runs scored against another profile, steps included: the kept one with
+    # every coefficient doubled halves the step bias and leaves the speed-matched errors as they were
+    prof = json.loads((kept / "micro" / "profile.json").read_text())
+    doubled = tmp_path / "doubled.json"
+    doubled.write_text(json.dumps(dict(prof, coefficients={k: 2 * v for k, v in prof["coefficients"].items()})))
+    proc = subprocess.run(bench + ["--rescore", str(kept), "--profile", str(doubled), "--out", str(again)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    two = json.loads(again.read_text())
+    assert two["profile"] == str(doubled)
+    for pname in ("unified", "slots"):
+        a = rec["models"]["micro"]["traces"]["real-smoke"][pname]
+        b = two["models"]["micro"]["traces"]["real-smoke"][pname]
+        assert b["step_bias"]["median"] == pytest.approx(a["step_bias"]["median"] / 2, rel=0.02)
+        assert b["step_error_pct"]["total_pct"] == pytest.approx(100 + 2 * a["step_error_pct"]["total_pct"], rel=0.02)
+        assert b["speed_matched"]["median_abs_error_pct"] == pytest.approx(a["speed_matched"]["median_abs_error_pct"],
+                                                                            abs=1.0)
+    proc = subprocess.run(bench + ["--rescore", str(kept), "--profile", str(doubled), "--refit", "--out", str(again)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and "no --refit" in proc.stderr and "Traceback" not in proc.stderr
     # a recording cut off inside the trace: slots' second run and its validation.json never came
     slots = kept / "micro" / "real-smoke" / "slots"
     (slots / "validation.json").unlink()
