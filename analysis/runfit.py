@@ -513,6 +513,10 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
         "mlx_lm": meta.get("mlx_lm"),
         "device": meta.get("device"),
         "machine": src.get("machine"),
+        # the grid's allocator settings, or the runs' (meta.json's noise): engine.noise.allocator_settings
+        "allocator": (grid_profile or {}).get("allocator") or {
+            "malloc_keep": bool((meta.get("noise") or {}).get("malloc_keep", False)),
+            "mlx_cache": (meta.get("noise") or {}).get("mlx_cache")},
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "calibration": {"kind": kind, "runs": [str(r.name) for r in runs], "steps": fit.report["steps"],
                         "grid": (grid_profile or {}).get("calibration"), "samples": len(samples),

@@ -45,6 +45,7 @@ from traces.schema import Request
 
 from .backend import MLXBackend
 from .models import ModelInfo
+from .noise import Noise, allocator_settings
 
 
 
@@ -336,8 +337,6 @@ def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[
     ``budget_s``: stop starting new rounds once another round would pass this many seconds
     (at least one round is measured: a slow model gets fewer rounds, not fewer points).
     ``loop``: also time the real loop's per-step overhead (the step group)."""
-    from .noise import Noise
-
     with Noise.from_env().active():  # the same pinning / collector as the real runs (engine.noise)
         return _calibrate(info, grid, seed=seed, progress=progress, budget_s=budget_s, loop=loop)
 
@@ -407,6 +406,7 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         "device": meta["device"],
         "machine": meta["machine"],
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "allocator": Noise.from_env().allocator(),
         "calibration": {"grid": grid.name, "seed": seed, "samples": len(samples), "rounds": rounds_done,
                         "decode_warm": DECODE_WARM,
                         "wall_s": round(time.perf_counter() - t_start, 1)},
@@ -564,6 +564,8 @@ def profile_mismatch(meta: dict[str, Any], info: ModelInfo) -> str | None:
         # same passes 1.6x apart here), and OpenBLAS picks its kernels by CPU
         ("CPU model", (meta.get("machine") or {}).get("cpu_model"), here["machine"].get("cpu_model")),
         ("BLAS build", (meta.get("blas") or {}).get("config"), here["blas"].get("config")),
+        # malloc-keep / mlx-cache change what a join costs (engine.noise)
+        ("allocator settings", allocator_settings(meta.get("allocator")), Noise.from_env().allocator()),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

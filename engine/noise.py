@@ -95,6 +95,12 @@ class Noise:
             parts.append(f"mlx-cache={self.mlx_cache}")
         return ",".join(parts)
 
+    def allocator(self) -> dict[str, Any]:
+        """The settings that change what a pass costs, not only how much it varies: how freed
+        memory is kept for reuse. A profile records them (``engine.calibrate``), and is used only
+        under the same ones (``profile_mismatch``)."""
+        return allocator_settings(self.describe())
+
     def describe(self) -> dict[str, Any]:
         return {"gc_off": self.gc_off, "pin": list(self.pin) if self.pin else None, "warmup": self.warmup,
                 "malloc_keep": self.malloc_keep, "mlx_cache": self.mlx_cache,
@@ -136,6 +142,13 @@ class Noise:
             yield
         finally:
             self.leave(saved)
+
+
+def allocator_settings(described: dict[str, Any] | None) -> dict[str, Any]:
+    """``Noise.allocator`` from a ``describe()`` dict as a run's meta.json keeps it (None, or a
+    profile from before these were recorded: the defaults)."""
+    d = described or {}
+    return {"malloc_keep": bool(d.get("malloc_keep", False)), "mlx_cache": d.get("mlx_cache")}
 
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h

@@ -330,7 +330,7 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
-def test_profile_mismatch_names_the_difference(micro_profile):
+def test_profile_mismatch_names_the_difference(micro_profile, monkeypatch):
     import engine  # noqa: F401
     from engine.calibrate import profile_mismatch
     from engine.models import load_model
@@ -344,6 +344,14 @@ def test_profile_mismatch_names_the_difference(micro_profile):
     assert meta["machine"]["cpu_model"]
     assert "CPU model" in profile_mismatch(dict(meta, machine=dict(meta["machine"], cpu_model="Other CPU")), info)
     assert "BLAS build" in profile_mismatch(dict(meta, blas=dict(meta["blas"], config="OpenBLAS 0.3.21 Haswell")), info)
+    # measured under other allocator settings (engine.noise: what a join costs): not used here,
+    # and a profile from before they were recorded counts as measured under the defaults
+    assert meta["allocator"] == {"malloc_keep": False, "mlx_cache": None}
+    kept = dict(meta, allocator={"malloc_keep": True, "mlx_cache": None})
+    assert "allocator settings" in profile_mismatch(kept, info)
+    assert profile_mismatch({k: v for k, v in meta.items() if k != "allocator"}, info) is None
+    monkeypatch.setenv("SCHEDLAB_NOISE", "malloc-keep,gc-off")
+    assert profile_mismatch(kept, info) is None and "allocator settings" in profile_mismatch(meta, info)
 
 
 def test_validate_end_to_end(micro_profile, tmp_path):
@@ -498,6 +506,7 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     info = load_model("micro")
     prof = calibrate_default(info, replay_s=2.0, keep=tmp_path / "replay")
     assert prof["calibration"]["kind"] == "grid+replay"
+    assert prof["allocator"] == {"malloc_keep": False, "mlx_cache": None}  # the grid's, kept by the joint fit
     # the grid's own fit draws the very trace the calibration replayed
     again = replay_trace(LinearCostModel(grid_coefficients(prof)), 2.0, 0)
     kept = pd.read_csv(tmp_path / "replay" / "mlx-default" / "requests.csv")
