@@ -32,7 +32,8 @@ Terms the grid cannot see are candidates, each kept only when it lowers the held
 - ``s_step`` (always: the loop's own time per step, measured in the real loop), ``s_pass``,
   ``s_row``: the loop's overhead per step, per pass, per row;
 - ``i_step``, ``i_gap``: a step right after the replica sat idle waiting for an arrival
-  (fixed, and growing with the idle time up to ``IDLE_CAP_S``);
+  (fixed, and growing with the idle time up to ``IDLE_CAP_S``); ``i_after``: the few steps after
+  that one (halving from the first: ``sim.cost.AFTER_WAKE_STEPS``);
 - ``c_join_row``, ``c_leave_row``: per row joining or leaving the batch cache.
 
 ``i_wake`` (from an arrival to the step it wakes the replica for) is measured directly on
@@ -63,7 +64,7 @@ DECODE, PREFILL = DECODE_TERMS, PREFILL_TERMS  # the grid fit's groups
 COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")
 SCALES = {"a_decode": DECODE, "a_copy": COPY, "a_prefill": PREFILL}
 BASE_ADDITIVE = ("s_step",)
-CANDIDATES = ("s_pass", "s_row", "i_step", "i_gap", "c_join_row", "c_leave_row")
+CANDIDATES = ("s_pass", "s_row", "i_step", "i_gap", "i_after", "c_join_row", "c_leave_row")
 GRID_TERMS = DECODE + COPY + PREFILL  # what a grid fit determines
 GROUPS = ("decode", "prefill", "mixed", "join/leave", "after idle")
 BLAS_KEYS = ("name", "threads", "thread_timeout", "path", "config", "active")  # as calibrate stores them
@@ -354,10 +355,12 @@ class RunFit:
 def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
              grid: tuple[np.ndarray, np.ndarray, list[str]] | None = None,
              candidates: Sequence[str] = CANDIDATES, modes: Sequence[str] | None = None,
-             balances: Sequence[float] = (0.0, 1.0), weigh_by: str = "prediction") -> RunFit:
+             balances: Sequence[float] = (0.0, 1.0), weigh_by: str = "prediction",
+             force: Sequence[str] = ()) -> RunFit:
     """Fit the cost model to ``runs`` (and ``base``: a grid fit's coefficients; ``grid``: its
     samples as rows), choosing the mode, the weighting and the candidate terms by the score
-    on whole held-out runs. The final coefficients are fitted to every run."""
+    on whole held-out runs. The final coefficients are fitted to every run. ``force``:
+    candidate terms fitted whatever the score says (an ablation's other side)."""
     if not runs:
         raise RunsError("no runs to fit")
     if modes is None:
@@ -368,7 +371,7 @@ def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
     best: tuple[float, Config, dict] | None = None
     for mode in modes:
         for bal in balances:
-            terms = list(BASE_ADDITIVE)
+            terms = list(BASE_ADDITIVE) + [t for t in force if t not in BASE_ADDITIVE]
             cfg = Config(mode, tuple(terms), bal, weigh_by)
             cv = cross_validate(cfg, runs, base, grid)
             tries.append(_row(cfg, cv, "base"))
@@ -479,7 +482,7 @@ def _run_key(meta: dict[str, Any]) -> tuple:
 
 def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None = None,
                       *, kind: str = "runs", wall_s: float | None = None, weigh_by: str = "prediction",
-                      modes: Sequence[str] | None = None) -> dict[str, Any]:
+                      modes: Sequence[str] | None = None, force: Sequence[str] = ()) -> dict[str, Any]:
     """A profile fitted to real runs (``analysis.runfit``), on top of a grid profile's fit when
     one is given (its samples are kept: ``speed_check`` times them again). Every run, and the
     grid, must come from one model and machine. ``weigh_by``: ``Config.weigh_by``; ``modes``:
@@ -497,7 +500,7 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
     base = dict(grid_profile["coefficients"]) if grid_profile else None
     samples = (grid_profile or {}).get("samples") or []
     grid = grid_rows(samples) if samples else None
-    fit = fit_runs(runs, base=base, grid=grid, weigh_by=weigh_by, modes=modes)
+    fit = fit_runs(runs, base=base, grid=grid, weigh_by=weigh_by, modes=modes, force=force)
     jitter = step_jitter(runs, fit.coefficients)
     if jitter is not None:
         fit.report["step_spread"] = jitter.summary()

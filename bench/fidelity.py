@@ -47,7 +47,8 @@ for checking a change to the fit the same way; the step figures are then the kep
 against the refitted profile. (The kept real runs' policies planned with the kept profile: a
 policy whose plan depends on the cost model may differ a little from its re-simulation.)
 ``--without TERMS`` (with ``--refit``): those cost terms left out of the refit (their features
-zeroed in the kept samples and runs): an ablation, what the terms bring on the same real runs.
+zeroed in the kept samples and runs): an ablation, what the terms bring on the same real runs;
+``--force TERMS``: candidate terms fitted even where the replay's held-out score would not keep them.
 ``--profile F`` (with ``--rescore``, one model): the kept runs scored against another profile
 (steps included), e.g. a calibration made since with a changed grid, beside one made the old way.
 ``--jitter N`` (with ``--rescore``): each simulation made N times with the profile's step
@@ -131,6 +132,8 @@ def main() -> None:
                     "kept grid samples and replay runs with this checkout's fit")
     ap.add_argument("--without", default=None, help="with --refit: cost terms (comma-separated) left out of the fit, "
                     "their features zeroed in the kept samples and runs: what the terms bring, on the same real runs")
+    ap.add_argument("--force", default=None, help="with --refit: candidate terms (comma-separated, "
+                    "analysis.runfit.CANDIDATES) fitted whether or not the replay's held-out score keeps them")
     args = ap.parse_args()
     if args.noise is not None:
         from engine.noise import ENV, Noise
@@ -156,10 +159,19 @@ def main() -> None:
         raise SystemExit("--without goes with --rescore DIR --refit")
     if set(without) - set(FEATURES):
         raise SystemExit(f"--without: unknown cost term(s) {', '.join(sorted(set(without) - set(FEATURES)))}")
+    from analysis.runfit import CANDIDATES
+
+    force = tuple(t for t in (args.force or "").split(",") if t)
+    if force and not args.refit:
+        raise SystemExit("--force goes with --rescore DIR --refit")
+    if set(force) - set(CANDIDATES):
+        raise SystemExit(f"--force: not a candidate term: {', '.join(sorted(set(force) - set(CANDIDATES)))} "
+                         f"(candidates: {', '.join(CANDIDATES)})")
     if args.rescore:
         out["rescored_from"] = str(args.rescore)
         out["refit"] = bool(args.refit)
         out["without"] = list(without)
+        out["force"] = list(force)
         out["jitter"] = args.jitter
         out["profile"] = args.profile
     for model in args.models.split(","):
@@ -167,7 +179,7 @@ def main() -> None:
             out["models"][model] = rescore_model(model, policies,
                                                  overrides.get(model) or kept_traces(Path(args.rescore), model),
                                                  Path(args.rescore) / model.replace("/", "_"), args.refit,
-                                                 without=without,
+                                                 without=without, force=force,
                                                  jitter=args.jitter,
                                                  profile=Path(args.profile) if args.profile else None)
             continue
@@ -263,8 +275,8 @@ def kept_replay(kept: Path) -> list:
     return load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
 
 
-def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without: tuple[str, ...] = ()
-           ) -> tuple[Path, dict]:
+def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without: tuple[str, ...] = (),
+           force: tuple[str, ...] = ()) -> tuple[Path, dict]:
     """The kept profile fitted again from its own data by this checkout: its grid samples (the
     grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them. The
     ``without`` terms' features are zeroed in both first: every fit leaves a term whose feature
@@ -283,17 +295,18 @@ def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without
         for k in without:
             s["features"].pop(k, None)
     new = profile_from_runs(runs, dict(prof, coefficients=_grid_coefficients(prof)),
-                            kind=prof["calibration"].get("kind", "grid+replay"), modes=modes)
+                            kind=prof["calibration"].get("kind", "grid+replay"), modes=modes, force=force)
     out = write_profile(new, Path(tempfile.mkdtemp(prefix="fidelity-refit-")) / "profile.json")
     rr = new.get("runs_report") or {}
-    return Path(out), {"kind": "kept, fitted again", "without": list(without), "profile": str(path),
+    return Path(out), {"kind": "kept, fitted again", "without": list(without), "force": list(force),
+                       "profile": str(path),
                        "chosen": rr.get("chosen"),
                        "held_out_replay": rr.get("held_out"), "coefficients": new["coefficients"]}
 
 
 def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False,
                   jitter: int = 0, fit_modes: tuple[str, ...] | None = None, without: tuple[str, ...] = (),
-                  profile: Path | None = None) -> dict:
+                  profile: Path | None = None, force: tuple[str, ...] = ()) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
@@ -315,7 +328,7 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
         raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
     cal = {"kind": "kept", "profile": str(path)}
     if refit:
-        path, cal = _refit(path, kept, fit_modes, without)
+        path, cal = _refit(path, kept, fit_modes, without, force)
     elif profile is not None:  # another profile (a calibration made since): the kept runs against it
         path, cal = profile, {"kind": "given", "profile": str(profile)}
     cost = LinearCostModel.from_profile(path)

@@ -51,11 +51,16 @@ i_wake          1 per wake: seconds from an arrival to the step it wakes an idle
 i_step          1 when the step follows a wait for an arrival (the replica sat idle: caches
                 and threads are cold)
 i_gap           min(idle seconds, IDLE_CAP_S) before such a step
+i_after         the steps after that one: 0.5^(k-1) for the k-th step after the wake, k = 1 ..
+                AFTER_WAKE_STEPS (a machine that sat idle runs its next passes slower for a while:
+                measured here for `tiny`, lone decode steps 1.19-1.26x / 1.11-1.19x / ~1.07x their
+                prediction one, two, three to five steps after a wake)
 ==============  =====================================================================
 
 The pass terms are charged per pass (``pass_seconds``), the s_ terms per step
 (``step_overhead_seconds``), the i_ terms once per wake of an idle replica (``idle_seconds``:
-the loop calls it only then, so steps that run back to back never pay them).
+the loop calls it only then, so steps that run back to back never pay them) and on the few
+steps after it (``after_wake_seconds``).
 
 Profiles are JSON written by ``calibrate``; a shipped profile is always measured.
 """
@@ -74,9 +79,10 @@ PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "d_few", "d_kv_
                  "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",
                  "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn", "p_small")
 STEP_FEATURES = ("s_step", "s_pass", "s_row")
-IDLE_FEATURES = ("i_wake", "i_step", "i_gap")
+IDLE_FEATURES = ("i_wake", "i_step", "i_gap", "i_after")
 IDLE_STEP_FEATURES = ("i_step", "i_gap")  # the ones charged inside the step (i_wake comes before it)
 IDLE_CAP_S = 1.0  # idle seconds beyond this add nothing more (i_gap)
+AFTER_WAKE_STEPS = 5  # i_after: the steps after a wake that pay it (halving from the first)
 FEW_ROWS = 4  # d_few: rows up to this many cost extra
 KV_KNEE = 512  # d_kv_long: context tokens per row past which attention costs extra
 DECODE_SHAPE_TERMS = ("d_few", "d_kv_long")  # fitted only where the grid's held-out points show them
@@ -124,6 +130,11 @@ def idle_features(idle_s: float) -> dict[str, float]:
     return {k: _unit_models(IDLE_STEP_FEATURES)[k].idle_seconds(idle_s)[1] for k in IDLE_STEP_FEATURES}
 
 
+def after_wake_features(k: int) -> dict[str, float]:
+    """``i_after``'s feature for the ``k``-th step after a wake (``after_wake_seconds``)."""
+    return {"i_after": _unit_models(("i_after",))["i_after"].after_wake_seconds(k)}
+
+
 _UNIT: dict[tuple[str, ...], dict[str, "LinearCostModel"]] = {}
 
 
@@ -153,7 +164,8 @@ class LinearCostModel:
         self._s_step = float(c.get("s_step", 0.0))
         self._s_pass = float(c.get("s_pass", 0.0))
         self._s_row = float(c.get("s_row", 0.0))
-        self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES)
+        self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES[:3])
+        self._after = float(c.get("i_after", 0.0))
 
     def pass_seconds(self, s: PassShape) -> float:
         (d_pass, d_multi, d_rows, d_kv, d_ctx, d_few, d_kv_long, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
@@ -206,6 +218,11 @@ class LinearCostModel:
         i_wake, i_step, i_gap = self._idle
         return i_wake, i_step + i_gap * min(idle_s, IDLE_CAP_S)
 
+    def after_wake_seconds(self, k: int) -> float:
+        """Extra seconds of the ``k``-th step after a wake (the wake's own step is k = 0 and pays
+        ``idle_seconds``): ``i_after`` x 0.5^(k-1) for k = 1 .. AFTER_WAKE_STEPS, else 0."""
+        return self._after * 0.5 ** (k - 1) if 1 <= k <= AFTER_WAKE_STEPS else 0.0
+
     def decode_run_seconds(self, s: PassShape, k: int) -> Iterator[float]:
         """``pass_seconds`` of the ``k`` decode passes that follow ``s`` over the same rows, each
         context one longer each time, nothing joining or leaving: the same terms in the same
@@ -254,6 +271,10 @@ class ScaledCostModel:
             return 0.0, 0.0
         w, extra = idle(idle_s)
         return self.factor * w, self.factor * extra
+
+    def after_wake_seconds(self, k: int) -> float:
+        after = getattr(self.base, "after_wake_seconds", None)
+        return 0.0 if after is None else self.factor * after(k)
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:

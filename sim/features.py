@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .cost import FEATURES, SHAPE_TERMS, idle_features, pass_features, shape_features, step_features
+from .cost import (FEATURES, SHAPE_TERMS, after_wake_features, idle_features, pass_features, shape_features,
+                   step_features)
 
 STEP_TERMS = tuple(k for k in FEATURES if k != "i_wake")  # i_wake is charged before the step
 RAW = ("passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
@@ -103,10 +104,23 @@ def step_table(result: Any) -> dict[str, np.ndarray] | None:
         cols["wake_s"][j] = wake_s
         for k, v in idle_features(idle_s).items():
             cols[k][j] = v
+    cols["i_after"] = after_wake_column(cols["after_idle"])
     cols["overhead_s"] = cols["measured_s"] - cols["passes_s"]
     cols["batch_changed"] = ((cols["joins"] + cols["leaves"]) > 0).astype(float)
     cols["after_change"][1:] = cols["batch_changed"][:-1]
     return cols
+
+
+def after_wake_column(after_idle: np.ndarray) -> np.ndarray:
+    """``i_after``'s feature per step, from which steps followed a wait (the k-th step after
+    one: the loop's own count; every step of a real run is measured, so steps are consecutive)."""
+    out = np.zeros(len(after_idle))
+    k = None
+    for j, woke in enumerate(after_idle):
+        k = 0 if woke else (None if k is None else k + 1)
+        if k:
+            out[j] = after_wake_features(k)["i_after"]
+    return out
 
 
 def write_features(path: Path, cols: dict[str, np.ndarray]) -> None:
@@ -141,4 +155,6 @@ def read_features(path: str | Path) -> dict[str, np.ndarray]:
                        cols["padded"])]                                                                   # when padded
         for k in missing:
             cols[k] = np.array([d[k] for d in derived], dtype=float)
+    if "i_after" not in cols and "after_idle" in cols:  # written before it
+        cols["i_after"] = after_wake_column(cols["after_idle"])
     return cols

@@ -14,7 +14,9 @@ keeps, for each step that followed a wait for an arrival, how long the replica s
 late the step started after the arrival that woke it (``RunResult.wakes``). A cost model with
 ``idle_seconds(idle_s) -> (wake_s, extra_s)`` is charged for such steps: the replica starts
 ``wake_s`` after the arrival, and the step costs ``extra_s`` more (both 0 where the model has no
-such terms). Neither touches the steps that run back to back.
+such terms). Neither touches the steps that run back to back. A cost model with
+``after_wake_seconds(k)`` is charged that much more for the k-th step after such a step
+(k >= 1; 0 where the model has no such term): a machine that sat idle runs slower for a while.
 """
 
 from __future__ import annotations
@@ -272,6 +274,9 @@ def run(
             _keep(shape)
             return _run(p, shape, state)
     idle_cost = getattr(cost_model, "idle_seconds", None)
+    after_wake = getattr(cost_model, "after_wake_seconds", None)
+    if after_wake is not None and not after_wake(1):
+        after_wake = None  # the model charges nothing after a wake: nothing to count
     next_arrival = source.next_arrival_s
     finished = source.finished
     # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
@@ -312,6 +317,7 @@ def run(
         t_end = None  # when the previous step ended (None after waiting idle)
         idle_from = 0.0  # when the replica last ran out of work (the run's start at first)
         pending = 0.0  # the after-idle cost the next step carries
+        since_wake = None  # steps run since the last wake (None: none to charge any more)
         while not state.done:
             # A step starts where the previous one ended: on a wall clock the SimPy hops and
             # arrival handling between two steps belong to its time, as they do to a user.
@@ -341,6 +347,8 @@ def run(
                     wake = None
                     t_end = None
                     clock.woke()
+                    if after_wake is not None:
+                        since_wake = 0  # the next step is the wake's own
                     arrived = env.now  # the arrival's time (the wall clock is a little later)
                     late = clock.now() - arrived
                     wakes[state.step_index] = (arrived - idle_from, late)
@@ -363,6 +371,14 @@ def run(
             if pending:
                 predicted += pending
                 pending = 0.0
+            if since_wake is not None:
+                if since_wake:
+                    extra = after_wake(since_wake)
+                    if not extra:  # past the steps it charges
+                        since_wake = None
+                    predicted += extra
+                if since_wake is not None:
+                    since_wake += 1
             clock.advance(backend.step_overhead(predicted))  # planning comes first
             rows = ptoks = 0
             ended = False
@@ -402,7 +418,7 @@ def run(
             if on_step is not None:
                 on_step(state)
             if plan.repeat and repeat_decode is not None and not ended and len(passes) == 1 \
-                    and not passes[0].prefill and len(state.prefilling) == prefilling:
+                    and not passes[0].prefill and len(state.prefilling) == prefilling and since_wake is None:
                 # (no row finished and none was handed off from prefilling: the queues are
                 # as the policy saw them)
                 t_end = run_repeats(plan.repeat, passes[0], shape, t_end)

@@ -627,6 +627,17 @@ def test_fidelity_bench_records_with_probes_each_round_and_a_rescore_reproduces_
     proc = subprocess.run(bench + ["--rescore", str(kept), "--profile", str(doubled), "--refit", "--out", str(again)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "no --refit" in proc.stderr and "Traceback" not in proc.stderr
+    for args, frag in ((["--force", "i_after"], "goes with --rescore DIR --refit"),
+                       (["--refit", "--force", "d_pass"], "not a candidate term: d_pass")):
+        proc = subprocess.run(bench + ["--rescore", str(kept), *args, "--out", str(again)],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode != 0 and frag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # --force: the refit keeps the term whatever the replay's score says (micro's wakes: fitted, >= 0)
+    proc = subprocess.run(bench + ["--rescore", str(kept), "--refit", "--force", "i_after", "--out", str(again)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    forced = json.loads(again.read_text())
+    assert forced["force"] == ["i_after"] and "i_after" in forced["models"]["micro"]["calibration"]["chosen"]["terms"]
     # a recording cut off inside the trace: slots' second run and its validation.json never came
     slots = kept / "micro" / "real-smoke" / "slots"
     (slots / "validation.json").unlink()

@@ -17,7 +17,7 @@ from policies import make_policy
 from policies.base import PassShape
 from sim import SimClock, run
 from sim.cost import IDLE_CAP_S, LinearCostModel, idle_features, pass_features, step_features
-from sim.features import COLUMNS, STEP_TERMS, step_table
+from sim.features import COLUMNS, STEP_TERMS, after_wake_column, step_table
 from simkit import KNOWN
 from traces.schema import Request
 
@@ -55,10 +55,49 @@ def test_idle_terms_charge_only_the_step_after_a_wait():
     assert base.steps[-1].start_s == 10.0 and not base.shapes
 
 
+def test_the_steps_after_a_wake_pay_i_after_halving_and_runs_of_repeats_stay_exact():
+    """The k-th step after a wake pays i_after x 0.5^(k-1) (k = 1 .. AFTER_WAKE_STEPS), the wake's own
+    step the idle terms only, later steps nothing; in a real run's prediction and in a simulation's
+    time alike. A simulation that runs repeated decode steps in bulk gives the same steps as one
+    planned step by step (a callback on every step turns the bulk runs off)."""
+    from sim.cost import AFTER_WAKE_STEPS
+
+    reqs = [Request("A", 0.0, 10, 9), Request("B", 5.0, 6, 9), Request("C", 5.05, 6, 4), Request("D", 20.0, 3, 12)]
+    plain = LinearCostModel({"d_pass": 0.001, "p_pass": 0.002, "s_step": 0.0005, "i_step": 0.01})
+    after = LinearCostModel({**plain.coefficients, "i_after": 0.004})
+    a = run(reqs, make_policy("unified"), plain, kv_capacity=1000, backend=FixedBackend())
+    b = run(reqs, make_policy("unified"), after, kv_capacity=1000, backend=FixedBackend())
+    assert a.wakes.keys() == b.wakes.keys() and len(b.wakes) == 2  # B's arrival, D's (A's is at 0)
+
+    def charged(res):
+        out, k = [], None
+        for st in res.steps:
+            k = 0 if st.index in res.wakes else (None if k is None else k + 1)
+            out.append(0.004 * 0.5 ** (k - 1) if k and k <= AFTER_WAKE_STEPS else 0.0)
+        return out
+
+    want = charged(b)
+    extra = [y.predicted_s - x.predicted_s for x, y in zip(a.steps, b.steps)]
+    assert extra == pytest.approx(want, abs=1e-12) and sum(w > 0 for w in want) >= 2 * AFTER_WAKE_STEPS
+    t = step_table(b)  # what a fit reads: the feature, from the wakes alone
+    assert np.allclose(0.004 * t["i_after"], want, atol=1e-12)
+    # a simulation: the steps take that much longer
+    sa = run(reqs, make_policy("unified"), plain, kv_capacity=1000)
+    sb = run(reqs, make_policy("unified"), after, kv_capacity=1000)
+    assert [(s.decode_rows, s.prefill_tokens) for s in sa.steps] == [(s.decode_rows, s.prefill_tokens) for s in sb.steps]
+    durations = [(y.end_s - y.start_s) - (x.end_s - x.start_s) for x, y in zip(sa.steps, sb.steps)]
+    assert durations == pytest.approx(charged(sb), abs=1e-9) and sum(d > 0 for d in durations) >= 2 * AFTER_WAKE_STEPS
+    for name in ("mlx-default", "static", "vllm"):  # policies that plan runs of repeats
+        bulk = run(reqs, make_policy(name), after, kv_capacity=1000)
+        one_by_one = run(reqs, make_policy(name), after, kv_capacity=1000, on_step=lambda state: None)
+        assert [(s.start_s, s.end_s, s.decode_rows) for s in bulk.steps] == \
+               [(s.start_s, s.end_s, s.decode_rows) for s in one_by_one.steps], name
+
+
 def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_prediction():
     reqs = [Request(str(i), 0.3 * i if i % 3 else 2.0 * i, 20 + 7 * i, 3 + i % 4) for i in range(9)]
     cm = LinearCostModel({**KNOWN, "c_join_row": 3e-4, "c_leave_row": 1e-4, "s_pass": 2e-4,
-                          "i_step": 0.01, "i_gap": 0.02})
+                          "i_step": 0.01, "i_gap": 0.02, "i_after": 0.003})
     for name in ("chunked-prefill", "mlx-default", "unified"):
         res = run(reqs, make_policy(name), cm, kv_capacity=10**6, backend=FixedBackend())
         assert len(res.shapes) == len(res.passes) and all(isinstance(s, PassShape) for s in res.shapes)
@@ -106,7 +145,10 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
                 shape = PassShape(decode_contexts=ctx, batch_rows_before=b - joins, joins=joins, leaves=leaves)
             rows.append((shape, idle_s))
         cols = {c: np.zeros(steps) for c in COLUMNS}
+        cols["i_after"] = after_wake_column(np.array([1.0 if idle_s else 0.0 for _, idle_s in rows]))
+        since = None  # steps since the last wake, as the loop counts them
         for j, (shape, idle_s) in enumerate(rows):
+            since = 0 if idle_s else (None if since is None else since + 1)
             for key, v in pass_features(shape).items():
                 cols[key][j] += v
             n_rows = len(shape.decode_contexts) + len(shape.prefill)
@@ -124,6 +166,7 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
             cols["passes"][j] = 1
             over = cm.step_overhead_seconds(1, n_rows)
             passes = cm.pass_seconds(shape) + (cm.idle_seconds(idle_s)[1] if idle_s else 0.0)
+            passes += cm.after_wake_seconds(since) if since else 0.0
             f = (1 + rng.uniform(-noise, noise)) * (slow[1] if rng.random() < slow[0] else 1.0)
             cols["passes_s"][j] = passes * f
             cols["overhead_s"][j] = over * f
@@ -155,10 +198,20 @@ def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
     assert fit.coefficients["i_wake"] == pytest.approx(2e-4)
     # no planted effect: no candidate is kept
     clean = fit_runs(synthetic_runs(KNOWN, noise=0.02, seed=3))
-    assert not {"i_step", "i_gap", "c_join_row", "c_leave_row"} & set(clean.report["chosen"]["terms"])
+    assert not {"i_step", "i_gap", "i_after", "c_join_row", "c_leave_row"} & set(clean.report["chosen"]["terms"])
     # predictions use the final coefficients exactly as the loop would
     p = predict(fit.coefficients, runs[0].cols)
     assert np.median(np.abs(p / runs[0].cols["measured_s"] - 1)) < 0.02
+
+
+def test_a_fit_from_runs_recovers_a_planted_cost_on_the_steps_after_a_wake():
+    from analysis.runfit import fit_runs
+
+    truth = {**KNOWN, "i_step": 0.004, "i_after": 0.003}
+    fit = fit_runs(synthetic_runs(truth, noise=0.02, seed=5))
+    assert "i_after" in fit.report["chosen"]["terms"], fit.report["tries"]
+    assert fit.coefficients["i_after"] == pytest.approx(0.003, rel=0.25)
+    assert fit.coefficients["i_step"] == pytest.approx(0.004, rel=0.25)
 
 
 def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_steps():

@@ -202,7 +202,8 @@ def test_cost_model_features_and_prediction_agree():
     from sim.cost import IDLE_CAP_S, idle_features, step_features
 
     known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "c_join_ctx": 3e-7, "c_extend": 5e-8, "s_pass": 1e-4,
-             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "d_few": 4e-4, "d_kv_long": 6e-7, "p_small": 3e-5}
+             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "i_after": 7e-4, "d_few": 4e-4, "d_kv_long": 6e-7,
+             "p_small": 3e-5}
     assert set(known) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(known))
     for n_passes, rows in ((1, 1), (2, 9)):
@@ -212,6 +213,12 @@ def test_cost_model_features_and_prediction_agree():
         f = idle_features(idle)
         assert f == {"i_step": 1.0, "i_gap": min(idle, IDLE_CAP_S)}
         assert cm.idle_seconds(idle) == pytest.approx((known["i_wake"], sum(known[k] * v for k, v in f.items())))
+    from sim.cost import AFTER_WAKE_STEPS, after_wake_features
+
+    for k in range(AFTER_WAKE_STEPS + 3):
+        f = after_wake_features(k)
+        assert cm.after_wake_seconds(k) == pytest.approx(known["i_after"] * f["i_after"])
+        assert f["i_after"] == (0.5 ** (k - 1) if 1 <= k <= AFTER_WAKE_STEPS else 0.0)  # the wake's own step: 0
     KNOWN_ = known
     b = Bench([req(i, 50 + 10 * i, 20) for i in range(6)])
     for i in range(3):
