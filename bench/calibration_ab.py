@@ -28,7 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from analysis.runfit import step_predictions  # noqa: E402
+from sim.features import read_features  # noqa: E402
 
 CALIBRATE = """
 import sys, time, json
@@ -79,12 +85,6 @@ def profile_summary(path: Path, wall_s: float) -> dict:
 
 def step_bias_by_prefill(kept: Path, model: str, coef: dict) -> dict:
     """The kept real steps' measured / predicted under ``coef``, by prefill tokens in the step."""
-    sys.path.insert(0, str(ROOT))
-    import numpy as np
-
-    from analysis.runfit import step_predictions
-    from sim.features import read_features
-
     meas = {b: [] for b in PREFILL_BINS}
     pred = {b: [] for b in PREFILL_BINS}
     for f in sorted((kept / model.replace("/", "_")).glob("*/*/real*/features.parquet")):
