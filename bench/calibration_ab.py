@@ -83,12 +83,16 @@ def profile_summary(path: Path, wall_s: float) -> dict:
             "terms": {g: rep[g]["terms"] for g in ("decode", "prefill") if rep.get(g)}}
 
 
-def step_bias_by_prefill(kept: Path, model: str, coef: dict) -> dict:
+def kept_steps(kept: Path, model: str) -> list[dict]:
+    """The kept real runs' step tables (``features.parquet``), read once per recording."""
+    return [read_features(f) for f in sorted((kept / model.replace("/", "_")).glob("*/*/real*/features.parquet"))]
+
+
+def step_bias_by_prefill(tables: list[dict], coef: dict) -> dict:
     """The kept real steps' measured / predicted under ``coef``, by prefill tokens in the step."""
     meas = {b: [] for b in PREFILL_BINS}
     pred = {b: [] for b in PREFILL_BINS}
-    for f in sorted((kept / model.replace("/", "_")).glob("*/*/real*/features.parquet")):
-        cols = read_features(f)
+    for cols in tables:
         p = step_predictions(cols, coef)
         for lo, hi in PREFILL_BINS:
             sel = (cols["prefill_tokens"] >= lo) & (cols["prefill_tokens"] <= hi)
@@ -137,13 +141,14 @@ def main() -> None:
             wall = calibrate(checkout, args.model, path)
             profiles[f"{side}{r}"] = {"path": path, **profile_summary(path, wall)}
             print(f"{side}{r}: calibrated in {wall} s", flush=True)
+    tables = {k: kept_steps(k, args.model) for k in kept}
     for tag, prof in profiles.items():
         coef = json.loads(prof["path"].read_text())["coefficients"]
         prof["rescored"] = {}
         for k in kept:
             res = rescore(k, args.model, prof["path"], tmp / f"{tag}_{k.name}.json")
             prof["rescored"][k.name] = {**row_summary(res), "step_bias_by_prefill_tokens":
-                                        step_bias_by_prefill(k, args.model, coef)}
+                                        step_bias_by_prefill(tables[k], coef)}
             sm = prof["rescored"][k.name]["speed_matched"]
             print(f"{tag} {k.name}: speed-matched {sm['median_of_median_abs_error_pct']:.1f} / "
                   f"{sm['median_of_max_abs_error_pct']:.1f} % ({sm['rows_median_within_goal']} / "
