@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.runfit import step_predictions  # noqa: E402
-from sim.features import read_features  # noqa: E402
+from sim.features import read_features, steps_since_wake  # noqa: E402
 
 STEP_BINS = ((1, 1), (2, 2), (3, 3), (4, 5), (6, 10), (11, 20), (21, 40), (41, 80), (81, 10**9))
 TIME_BINS = ((0.0, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, 0.8), (0.8, 1e9))
@@ -33,16 +33,9 @@ TIME_BINS = ((0.0, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, 0.8), (0.8,
 def lone_decode_after_wake(cols: dict, pred: np.ndarray):
     """(ratio, steps since the wake, seconds since the wake) of each one-row decode step that
     follows a wake in its run."""
-    k = np.full(len(pred), -1)
-    t = np.full(len(pred), np.nan)
-    since, t0 = None, 0.0
-    for j, woke in enumerate(cols["after_idle"]):
-        if woke:
-            since, t0 = 0, cols["start_s"][j]
-        elif since is not None:
-            since += 1
-        if since is not None:
-            k[j], t[j] = since, cols["start_s"][j] - t0
+    k = steps_since_wake(cols["after_idle"])
+    idx = np.arange(len(k))
+    t = np.where(k >= 0, cols["start_s"] - cols["start_s"][np.maximum(idx - k, 0)], np.nan)  # from the wake's start
     lone = ((cols["decode_rows"] == 1) & (cols["prefill_tokens"] == 0) & (cols["joins"] == 0)
             & (cols["leaves"] == 0) & (k >= 1))
     return cols["measured_s"][lone] / pred[lone], k[lone], t[lone]

@@ -111,16 +111,21 @@ def step_table(result: Any) -> dict[str, np.ndarray] | None:
     return cols
 
 
-def after_wake_column(after_idle: np.ndarray) -> np.ndarray:
-    """``i_after``'s feature per step, from which steps followed a wait (the k-th step after
-    one: the loop's own count; every step of a real run is measured, so steps are consecutive)."""
-    out = np.zeros(len(after_idle))
-    k = None
+def steps_since_wake(after_idle: np.ndarray) -> np.ndarray:
+    """Per step, how many steps after the last wake it ran (0: the wake's own step; -1: before
+    any wake): the loop's own count (every step of a real run is measured, so steps are
+    consecutive)."""
+    out = np.full(len(after_idle), -1, dtype=np.int64)
+    k = -1
     for j, woke in enumerate(after_idle):
-        k = 0 if woke else (None if k is None else k + 1)
-        if k:
-            out[j] = after_wake_features(k)["i_after"]
+        k = 0 if woke else (k + 1 if k >= 0 else -1)
+        out[j] = k
     return out
+
+
+def after_wake_column(after_idle: np.ndarray) -> np.ndarray:
+    """``i_after``'s feature per step, from which steps followed a wait."""
+    return np.array([after_wake_features(int(k))["i_after"] if k > 0 else 0.0 for k in steps_since_wake(after_idle)])
 
 
 def write_features(path: Path, cols: dict[str, np.ndarray]) -> None:
