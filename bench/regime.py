@@ -36,6 +36,7 @@ from bench.drift import _grid_coefficients  # noqa: E402
 from engine import blas  # noqa: E402
 from engine.calibrate import calibrate_default, record_replay, write_profile  # noqa: E402
 from engine.models import load_model  # noqa: E402
+from engine.noise import Noise  # noqa: E402
 from schedlab import api  # noqa: E402
 from sim.cost import LinearCostModel  # noqa: E402
 
@@ -109,6 +110,7 @@ def main() -> None:
     out = {"benchmark": "regime", "model": args.model, "rounds": args.rounds, "cases": keys,
            "calibration": {"kind": prof["calibration"].get("kind"), "wall_s": prof["calibration"].get("wall_s")},
            "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
+           "noise": Noise.from_env().describe(),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
            "rounds_detail": rounds, "summary": summary, "wall_s": round(time.perf_counter() - t0, 1)}
     out_path.parent.mkdir(parents=True, exist_ok=True)
