@@ -245,6 +245,45 @@ def test_hold_one_out_bench_reads_recorded_results(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+def test_speed_offset_bench_bins_rows_by_their_runs_speed(tmp_path):
+    """bench/speed_offset.py: each row lands in the bin of its runs' median speed, goals are
+    counted plain, speed-matched and for a real run against its siblings, re-scores are skipped."""
+    def row(speeds, plain, matched, real=None):
+        r = {"median_abs_error_pct": plain[0], "max_abs_error_pct": plain[1],
+             "speed_matched": {"speeds": speeds, "median_abs_error_pct": matched[0], "max_abs_error_pct": matched[1]}}
+        if real:
+            r["hold_one_out"] = {"real_median_pct": real[0], "real_max_pct": real[1]}
+        return r
+    data = {"models": {"tiny": {"traces": {"t": {
+        "a": row([0.99, 1.01, 1.02], (2.0, 10.0), (2.0, 9.0), (3.0, 16.0)),  # median speed 1.01: 0-3 %
+        "b": row([1.04, 1.05, 1.20], (5.0, 15.0), (2.5, 8.0)),               # 1.05: 3-6 % (goals inclusive)
+        "c": row([0.90, 0.91, 0.93], (9.0, 20.0), (3.0, 12.0)),              # 0.91: 6-10 %
+        "d": row([1.3, 1.3, 1.3], (30.0, 40.0), (4.0, 14.0)),                # 1.3: > 10 %
+        "e": {"median_abs_error_pct": 1.0, "max_abs_error_pct": 1.0}}}}}}    # no speeds: not a row
+    f, again, out = tmp_path / "fidelity_x.json", tmp_path / "fidelity_y.json", tmp_path / "so.json"
+    f.write_text(json.dumps(data))
+    again.write_text(json.dumps(dict(data, rescored_from="somewhere")))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speed_offset.py"), str(f), str(again), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert list(got["recordings"]) == ["fidelity_x.json"]  # the re-score's runs are the same runs
+    assert got["recordings"]["fidelity_x.json"]["tiny"] == {"runs": 12, "min": 0.9, "median": pytest.approx(1.03), "max": 1.3}
+    bins = got["models"]["tiny"]["bins"]
+    assert [b["plain"]["rows"] for b in bins] == [1, 1, 1, 1]
+    assert [b["plain"]["both_within"] for b in bins] == [1, 1, 0, 0]
+    assert [b["speed_matched"]["both_within"] for b in bins] == [1, 1, 1, 1]
+    assert bins[0]["real_run_vs_siblings"] == {"rows": 1, "median_within": 1, "worst_within": 0, "both_within": 0,
+                                               "median_of_median_pct": 3.0, "median_of_worst_pct": 16.0}
+    assert bins[1]["real_run_vs_siblings"] == {"rows": 0}
+    rho = got["all"]["spearman_offset_vs_error"]
+    assert rho["plain_median"] == pytest.approx(1.0) and rho["speed_matched_median"] == pytest.approx(1.0)
+    only_rescore = subprocess.run([sys.executable, str(ROOT / "bench" / "speed_offset.py"), str(again), "--out", str(out)],
+                                  capture_output=True, text=True, cwd=ROOT)
+    assert only_rescore.returncode != 0 and "no fresh recording" in only_rescore.stderr
+    assert "Traceback" not in only_rescore.stderr
+
+
 def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
     sys.path.insert(0, str(ROOT))
     from bench.fidelity import pairwise, pairwise_speed_matched, spread_test_null_share
