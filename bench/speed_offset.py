@@ -117,6 +117,7 @@ def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
 def summarise(rows: list[dict]) -> dict:
     off = [abs(r["speed"] - 1) for r in rows]
     return {"rows": len(rows),
+            "median_row_speed": round(statistics.median(r["speed"] for r in rows), 4),  # a lean either way?
             "rows_runs_within_3pct_of_calibrated_speed": sum(o <= 0.03 for o in off),
             "bins": by_bin(rows),
             "all": {"plain": within(rows, "plain"), "speed_matched": within(rows, "matched"),

@@ -269,6 +269,8 @@ def test_speed_offset_bench_bins_rows_by_their_runs_speed(tmp_path):
     got = json.loads(out.read_text())
     assert list(got["recordings"]) == ["fidelity_x.json"]  # the re-score's runs are the same runs
     assert got["recordings"]["fidelity_x.json"]["tiny"] == {"runs": 12, "min": 0.9, "median": pytest.approx(1.03), "max": 1.3}
+    assert got["models"]["tiny"]["median_row_speed"] == pytest.approx(1.03)  # of the rows' 1.01, 1.05, 0.91, 1.3
+    assert got["models"]["tiny"]["rows_runs_within_3pct_of_calibrated_speed"] == 1
     bins = got["models"]["tiny"]["bins"]
     assert [b["plain"]["rows"] for b in bins] == [1, 1, 1, 1]
     assert [b["plain"]["both_within"] for b in bins] == [1, 1, 0, 0]
