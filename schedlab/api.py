@@ -614,9 +614,20 @@ def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype
                          ignore_eos, model_seed, settings, log, on_step, clients)
 
 
+def _real_cost_checked(profile, kv_tokens, no_calibrate, info, log: Log, notes: list[str]):
+    """``_real_cost``, with a warning when the profile was measured under another BLAS setup."""
+    from engine import blas
+
+    cost, capacity, profile_path = _real_cost(profile, kv_tokens, no_calibrate, info, log, notes)
+    mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
+    if mismatch:
+        notes.append(mismatch)
+        log("warning", mismatch)
+    return cost, capacity, profile_path
+
+
 def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv_tokens, seed, ignore_eos,
               model_seed, noise, log, on_step, clients=(16, False, None, None, None, None)) -> Run:
-    from engine import blas
     from engine.models import load_model
 
     if profile is not None:
@@ -626,27 +637,33 @@ def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv
     tok = info.tokenizer  # the trace is read with the model's tokenizer: text prompts counted by it
     tr = _trace(trace, seed=seed, tokenizer=tok, recount=tok is not None)
     info.check_trace(tr.requests)
-    cost, capacity, profile_path = _real_cost(profile, kv_tokens, no_calibrate, info, log, notes)
-    mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
-    if mismatch:
-        notes.append(mismatch)
-        log("warning", mismatch)
+    cost, capacity, profile_path = _real_cost_checked(profile, kv_tokens, no_calibrate, info, log, notes)
 
     from engine.backend import MLXBackend
-    from sim import run as run_loop
-    from sim.metrics import summarize
 
     hook = None if on_step is None else (lambda state: on_step(state.finished, state.n_accepted))
 
     block_size, prefix_caching, max_concurrency, request_rate, burstiness, think_time = clients
     arrivals = _arrivals(tr, block_size, max_concurrency, request_rate, burstiness, think_time, seed)
     backend = MLXBackend(info, sampling=sampler, seed=seed, ignore_eos=ignore_eos)
-    result = run_loop(arrivals, pol, cost, kv_capacity=capacity, backend=backend, trace_name=tr.name,
-                      on_step=hook, block_size=block_size, prefix_caching=prefix_caching)
-    summary = summarize(result, slo=slos or None)
-    from analysis.residuals import bias
-    from sim.features import step_table
+    return _real_run(pol, arrivals, tr.name, backend, cost, capacity, profile_path, slos, notes, noise,
+                     seed=seed, model_seed=model_seed, on_step=hook, block_size=block_size,
+                     prefix_caching=prefix_caching)
 
+
+def _real_run(pol, arrivals, trace_name: str, backend, cost, capacity: int, profile_path, slos, notes: list[str],
+              noise, *, seed: int, model_seed: int, on_step=None, block_size: int = 16, prefix_caching: bool = False,
+              clock=None) -> Run:
+    """The replica loop on the real engine (``backend``: an ``MLXBackend``) over ``arrivals`` (a
+    trace's requests or a source: ``serve``'s live one), as a ``Run`` with what run-real records."""
+    from analysis.residuals import bias
+    from sim import run as run_loop
+    from sim.features import step_table
+    from sim.metrics import summarize
+
+    result = run_loop(arrivals, pol, cost, kv_capacity=capacity, backend=backend, trace_name=trace_name,
+                      on_step=on_step, block_size=block_size, prefix_caching=prefix_caching, clock=clock)
+    summary = summarize(result, slo=slos or None)
     return Run(result, summary, {"profile": str(profile_path), "kv_tokens": result.kv_capacity, "seed": seed,
                                  "block_size": block_size, "prefix_caching": prefix_caching,
                                  "model_seed": model_seed, "policy_options": _policy_options(pol),

@@ -8,12 +8,12 @@ from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
 from .cost import LinearCostModel, ProfileError
 from .loop import PolicyError, RunResult, run
-from .sources import ArrivalSource, ClientSource, TraceSource
+from .sources import ArrivalSource, ClientSource, LiveSource, SourceClosed, TraceSource
 from .metrics import format_summary, summarize
 from .state import PlanError, ReplicaState, RequestState
 
 __all__ = [
-    "ArrivalSource", "ClientSource", "SimClock", "TraceSource", "WallClock",
+    "ArrivalSource", "ClientSource", "LiveSource", "SimClock", "SourceClosed", "TraceSource", "WallClock",
     "Backend", "LinearCostModel", "PlanError", "PolicyError", "ProfileError", "ReplicaState",
     "RequestState", "RunResult", "SimBackend", "format_summary", "run", "summarize",
 ]

@@ -14,12 +14,17 @@ plug in the same way (``ClientSource``: closed-loop clients). The protocol:
   (too large for its KV cache: a server's immediate error);
 - ``requests``: the requests known up front (a trace's), or ``None``; a real backend sizes
   its warm-up and checks prompt lengths against the model with them.
+
+``LiveSource``: requests handed in from other threads while the replica runs (an HTTP
+server's), on the wall clock.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import queue
+import threading
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -157,6 +162,86 @@ class ClientSource:
         heapq.heappush(self._releases, t + self.think_s)
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+
+class SourceClosed(RuntimeError):
+    """A request handed to a ``LiveSource`` that no longer takes any."""
+
+
+class LiveSource:
+    """Requests that arrive while the replica runs, from any thread (an HTTP server's handlers):
+    ``submit(request)`` stamps it with the clock's time at that moment and queues it; the
+    source's SimPy process hands the queued requests to the replica every ``poll_s`` seconds
+    of wall time (the replica sees a request at its next step either way: a step is not
+    interrupted). ``close()`` ends the source: what was submitted before is still delivered,
+    then the replica finishes its requests and the run ends.
+
+    ``on_ready()`` is called once the clock runs (after the backend's warm-up: from then on
+    arrival times are the run's); ``on_finish(r, t)`` for every request that finished, or was
+    refused on arrival (``r.finish_s`` is None then: larger than the KV capacity), on the
+    replica's thread. ``received`` lists the requests as delivered, with their arrival times.
+    """
+
+    requests = None  # none known up front
+
+    def __init__(self, clock, *, poll_s: float = 0.002, on_ready: Callable[[], None] | None = None,
+                 on_finish: Callable[[Any, float], None] | None = None):
+        if not (poll_s > 0 and math.isfinite(poll_s)):
+            raise ValueError(f"poll_s must be a finite number > 0, got {poll_s!r}")
+        self.clock = clock
+        self.poll_s = float(poll_s)
+        self.on_ready = on_ready
+        self.on_finish = on_finish
+        self.received: list[Request] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # stamps and queues in one order
+        self._running = False
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` (any ``arrival_s``: it is stamped now); returns it as stamped.
+        ``SourceClosed`` before the clock runs or after ``close()``."""
+        with self._lock:
+            if self._closed or not self._running:
+                raise SourceClosed("the replica is not taking requests" if not self._closed
+                                   else "the replica is shutting down")
+            r = replace(request, arrival_s=self.clock.now())
+            self._queue.put(r)
+        return r
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def process(self, env, deliver):
+        with self._lock:
+            self._running = True
+        if self.on_ready is not None:
+            self.on_ready()
+        q = self._queue
+        while True:
+            while True:
+                try:
+                    r = q.get_nowait()
+                except queue.Empty:
+                    break
+                self.received.append(r)
+                deliver(r)
+            with self._lock:
+                if self._closed and q.empty():
+                    return
+            yield env.timeout(self.poll_s)
+
+    def next_arrival_s(self) -> float | None:
+        return None  # not known ahead
+
+    def finished(self, r, t: float) -> None:
+        if self.on_finish is not None:
+            self.on_finish(r, t)
 
 
 def clients(requests: Sequence[Request], max_concurrency: int | None = None, request_rate: float | None = None,

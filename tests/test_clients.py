@@ -138,6 +138,46 @@ def test_clients_on_the_wall_clock():
     assert summarize(res)["clients"]["peak_concurrency"] == in_flight(rows)
 
 
+def test_live_source_takes_requests_from_another_thread_while_the_replica_runs():
+    """sim.sources.LiveSource (serve's): requests submitted from a thread are stamped on the run's
+    clock in submission order, all served; nothing is taken before the clock runs or after close()."""
+    import threading
+
+    from sim import LiveSource, SourceClosed
+
+    backend = SleepBackend()
+    clock = WallClock()
+    finished = []
+    ready = threading.Event()
+    src = LiveSource(clock, on_ready=ready.set, on_finish=lambda r, t: finished.append((r.id, r.finish_s, t)))
+    with pytest.raises(SourceClosed, match="not taking"):
+        src.submit(Request("early", 0.0, 8, 4))
+    stamped = []
+
+    def client():
+        ready.wait(10)
+        for i in range(8):
+            stamped.append(src.submit(Request(f"l{i}", 123.0, 8, 3)))  # any arrival_s: stamped now
+            time.sleep(0.003 * (i % 3))
+        stamped.append(src.submit(Request("huge", 0.0, 900, 200)))  # larger than the KV capacity
+        src.close()
+        with pytest.raises(SourceClosed, match="shutting down"):
+            src.submit(Request("late", 0.0, 8, 4))
+
+    t = threading.Thread(target=client)
+    t.start()
+    res = run(src, make_policy("vllm"), cost(), kv_capacity=1000, backend=backend, clock=clock)
+    t.join()
+    assert res.error is None and [r.id for r in src.received] == [r.id for r in stamped]
+    times = [r.arrival_s for r in stamped]
+    assert times == sorted(times) and 0 <= times[0] < 10 and times[0] != 123.0
+    assert [r.arrival_s for r in res.requests] == times[:8] + [times[8]]
+    assert all(r.finish_s is not None and r.generated == 3 for r in res.requests if r.id != "huge")
+    done = {rid: (fs, t) for rid, fs, t in finished}
+    assert set(done) == {r.id for r in stamped} and done["huge"][0] is None  # refused: told at once
+    assert [r.id for r, _ in res.rejected] == ["huge"]
+
+
 def test_bad_client_arguments():
     reqs = [Request("a", 0.0, 4, 1)]
     for kw, msg in (({"max_concurrency": 0}, "max_concurrency"), ({"think_s": -1.0}, "think time"),

@@ -1,0 +1,611 @@
+"""``serve``: a scheduling policy behind an OpenAI-compatible HTTP server, on the real MLX engine.
+
+The same replica loop as ``run-real`` (policy, state machine, ``MLXBackend``, wall clock); only
+the arrival source differs: requests come from HTTP clients (``sim.sources.LiveSource``) instead
+of a trace. The loop runs in the main thread; uvicorn serves FastAPI in a second one, started
+once the engine has warmed up and the clock runs. Between the two:
+
+- a handler turns a request into a ``traces.Request`` (text, counted with the model's
+  tokenizer, ``max_tokens``), opens a stream for it and submits it to the source, which stamps
+  its arrival time;
+- after every step the loop's ``on_step`` hands each open stream the tokens its request made
+  since the last step; a request that finishes (or that the replica refuses: larger than its
+  KV capacity) closes its stream with a finish reason (or an error) from ``on_finish``;
+- SIGINT/SIGTERM close the source: requests in flight finish and are answered, new ones get
+  503, then the run ends and ``--out`` gets the run directory ``run-real`` writes plus
+  ``trace.json``, the requests as they arrived (text, token counts, arrival times): the traffic
+  the server saw, for ``simulate``/``validate`` to replay under any policy.
+
+Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream`` with server-sent events, ``stream_options.include_usage``).
+Bad input is an OpenAI-style error (``{"error": {"message", "type", "param", "code"}}``) with
+status 400 (404 for an unknown model, 503 while shutting down); no other request is affected.
+The server samples as ``--sampling`` says (greedy by default) for every request: a request
+asking for other sampling (``temperature``, ``top_p``, ``n``, ``stop``, ``logprobs``, ...) gets a
+400 saying so rather than a silently different answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+from fastapi import Request as HTTPRequest  # (module level: FastAPI resolves handler annotations here)
+
+from .common import log_to_stderr, make_app, parse_options, run_app
+from .cli import BLOCK_SIZE_HELP, PREFIX_HELP
+from .errors import SchedlabError
+
+DEFAULT_MAX_TOKENS = 256  # a request that gives no max_tokens: at most this many (and what the context allows)
+
+
+class APIError(Exception):
+    """An OpenAI-style error response: ``status``, one-line ``message``, ``param``, ``code``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------- engine <-> HTTP
+
+
+class _Stream:
+    """One request's way back to its handler: events on an asyncio queue of the server's loop."""
+
+    __slots__ = ("loop", "queue", "sent")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = 0  # tokens handed over so far
+
+    def put(self, item: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Bridge:
+    """Hands each request's tokens from the replica's thread to its handler.
+
+    Events: ``("tokens", [ids])``, then ``("done", finish_reason)`` or ``("error", APIError)``.
+    ``on_step`` and ``on_finish`` run on the replica's thread; ``open`` on the server's."""
+
+    def __init__(self, backend, kv_capacity: int):
+        self.backend = backend
+        self.kv_capacity = kv_capacity
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+
+    def open(self, rid: str, loop: asyncio.AbstractEventLoop) -> _Stream:
+        st = _Stream(loop)
+        with self._lock:
+            self._streams[rid] = st
+        return st
+
+    def drop(self, rid: str) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def _flush(self, rid: str, st: _Stream) -> None:
+        toks = self.backend.tokens.get(rid)
+        if toks is not None and len(toks) > st.sent:
+            st.put(("tokens", toks[st.sent:]))
+            st.sent = len(toks)
+
+    def on_step(self, state) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+        for rid, st in streams:
+            self._flush(rid, st)
+
+    def on_finish(self, r, t: float) -> None:
+        with self._lock:
+            st = self._streams.pop(r.id, None)
+        if st is None:
+            return
+        if r.finish_s is None:  # refused on arrival: it can never fit this replica's KV cache
+            st.put(("error", APIError(
+                400, f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
+                     f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
+                "max_tokens")))
+            return
+        self._flush(r.id, st)
+        st.put(("done", "stop" if r.id in self.backend.stopped else "length"))
+
+    def fail_all(self, error: APIError) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for st in streams:
+            st.put(("error", error))
+
+
+class TextDelta:
+    """Incremental text of a growing list of token ids: each ``feed`` returns the new text, held
+    back while it ends in an incomplete UTF-8 sequence (the tokenizer's replacement character)."""
+
+    def __init__(self, tokenizer, eos: frozenset[int]):
+        self.tok = tokenizer
+        self.eos = eos
+        self.ids: list[int] = []
+        self.text = ""
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        self.ids += [i for i in ids if i not in self.eos]
+        full = self.tok.decode(self.ids)
+        if (full.endswith("\ufffd") and not final) or not full.startswith(self.text):
+            return ""  # (a decoding that rewrote earlier text: what was sent stands)
+        delta, self.text = full[len(self.text):], full
+        return delta
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _number(body: dict, key: str, default=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise APIError(400, f"{key} must be a number, got {json.dumps(v)}", key)
+    return v
+
+
+def _int(body: dict, key: str):
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise APIError(400, f"{key} must be an integer >= 1, got {json.dumps(v)}", key)
+    return v
+
+
+class Params:
+    """What a completion request asks for, checked against what this server does."""
+
+    def __init__(self, body: Any, server: "Server", chat: bool):
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is None:
+            raise APIError(400, "model is required", "model")
+        if model != server.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{server.model_name}`)",
+                           "model", "model_not_found")
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise APIError(400, f"stream must be true or false, got {json.dumps(stream)}", "stream")
+        self.stream = stream
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise APIError(400, "stream_options must be an object", "stream_options")
+        self.include_usage = bool((opts or {}).get("include_usage", False))
+        if opts is not None and not stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        self._sampling(body, server)
+        keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        self.max_tokens = None
+        for k in keys:
+            v = _int(body, k)
+            if v is not None:
+                self.max_tokens, self.max_tokens_key = v, k
+                break
+        if chat:
+            self.messages = _messages(body.get("messages"))
+            self.prompt = None
+        else:
+            self.messages = None
+            self.prompt = _prompt(body.get("prompt"))
+
+    @staticmethod
+    def _sampling(body: dict, server: "Server") -> None:
+        want = server.temperature
+        t = _number(body, "temperature")
+        if t is not None and not math.isclose(t, want, abs_tol=1e-9):
+            raise APIError(400, f"this server samples every request at temperature {want:g} (serve --sampling); "
+                                f"temperature {t:g} is not available", "temperature")
+        if _number(body, "top_p", 1.0) != 1.0:
+            raise APIError(400, "top_p other than 1 is not supported by this server", "top_p")
+        n = body.get("n")
+        if n not in (None, 1):
+            raise APIError(400, f"n must be 1 (one choice per request), got {json.dumps(n)}", "n")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if _number(body, key, 0.0) != 0.0:
+                raise APIError(400, f"{key} other than 0 is not supported by this server", key)
+        for key in ("stop", "logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools",
+                    "functions", "response_format"):
+            v = body.get(key)
+            if v not in (None, False, [], {}, "") and not (key == "best_of" and v == 1):
+                raise APIError(400, f"{key} is not supported by this server", key)
+
+
+def _prompt(p: Any) -> str:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        raise APIError(400, "prompt must be a string (one prompt per request)", "prompt")
+    if not p:
+        raise APIError(400, "prompt is empty", "prompt")
+    return p
+
+
+def _messages(ms: Any) -> tuple[tuple[str, str], ...]:
+    from traces.schema import ROLES
+
+    if not isinstance(ms, list) or not ms:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(ms):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                           "messages")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string", "messages")
+        out.append((role, content))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class Server:
+    """The HTTP side: a FastAPI app whose handlers submit to ``source`` and read ``bridge``."""
+
+    def __init__(self, info, source, bridge: Bridge, model_name: str, temperature: float,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+        self.info = info
+        self.tokenizer = info.tokenizer
+        self.eos = frozenset(info.eos_token_ids or ())
+        self.source = source
+        self.bridge = bridge
+        self.model_name = model_name
+        self.temperature = temperature
+        self.default_max_tokens = default_max_tokens
+        self._ids = itertools.count()
+        self.app = self._make_app()
+
+    def request(self, params: Params, chat: bool):
+        """A ``traces.Request`` for ``params``, counted with the model's tokenizer (not stamped)."""
+        import traces
+        from engine.errors import EngineError
+        from traces.schema import Request, TraceError
+
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+        req = Request(rid, 0.0, None, 1, prompt=params.prompt, messages=params.messages)
+        try:
+            n = len(traces.prompt_ids(req, self.tokenizer))
+        except TraceError as exc:
+            raise APIError(400, str(exc), "messages" if chat else "prompt") from None
+        if n < 1:
+            raise APIError(400, "the prompt is 0 tokens for this model's tokenizer", "messages" if chat else "prompt")
+        ctx = self.info.max_context
+        if params.max_tokens is None:
+            room = self.default_max_tokens if ctx is None else min(self.default_max_tokens, ctx - n)
+            if room < 1:
+                raise APIError(400, f"the prompt is {n} tokens and the model's context is {ctx}: no room for output",
+                               "messages" if chat else "prompt")
+            max_tokens, key = room, "max_tokens"
+        else:
+            max_tokens, key = params.max_tokens, params.max_tokens_key
+        req = Request(rid, 0.0, n, max_tokens, prompt=params.prompt, messages=params.messages)
+        try:
+            self.info.check_trace([req])
+        except EngineError as exc:
+            raise APIError(400, str(exc).replace(f"request {rid} needs", "this request needs")
+                           .replace("+ output", f"+ {key}"), key) from None
+        return req
+
+    def _make_app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, StreamingResponse
+        from starlette.exceptions import HTTPException
+
+        app = FastAPI(title="schedlab serve", docs_url=None, redoc_url=None, openapi_url=None)
+        server = self
+
+        def error(e: APIError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request, exc):  # unknown paths and methods, as OpenAI errors
+            return error(APIError(exc.status_code, str(exc.detail), kind="invalid_request_error"))
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "in_flight": server.bridge.in_flight()}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                                "owned_by": "schedlab"}]}
+
+        async def handle(http: HTTPRequest, chat: bool):
+            try:
+                try:
+                    body = await http.json()
+                except (ValueError, UnicodeDecodeError):
+                    raise APIError(400, "the request body is not valid JSON") from None
+                params = Params(body, server, chat)
+                req = server.request(params, chat)
+            except APIError as e:
+                return error(e)
+            st = server.bridge.open(req.id, asyncio.get_running_loop())
+            from sim.sources import SourceClosed
+
+            try:
+                server.source.submit(req)
+            except SourceClosed as exc:
+                server.bridge.drop(req.id)
+                return error(APIError(503, str(exc), kind="server_error"))
+            created = int(time.time())
+            if params.stream:
+                return StreamingResponse(server._events(req, st, params, chat, created),
+                                         media_type="text/event-stream")
+            return await server._whole(req, st, chat, created)
+
+        @app.post("/v1/completions")
+        async def completions(http: HTTPRequest):
+            return await handle(http, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(http: HTTPRequest):
+            return await handle(http, chat=True)
+
+        return app
+
+    def _usage(self, req, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": req.prompt_tokens + completion}
+
+    async def _whole(self, req, st: _Stream, chat: bool, created: int):
+        from fastapi.responses import JSONResponse
+
+        ids: list[int] = []
+        while True:
+            kind, value = await st.queue.get()
+            if kind == "tokens":
+                ids += value
+            elif kind == "error":
+                return JSONResponse(value.body(), status_code=value.status)
+            else:
+                break
+        text = self.tokenizer.decode([i for i in ids if i not in self.eos])
+        choice: dict[str, Any] = {"index": 0, "finish_reason": value, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({"id": req.id, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": self.model_name, "choices": [choice],
+                             "usage": self._usage(req, len(ids))})
+
+    async def _events(self, req, st: _Stream, params: Params, chat: bool, created: int):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None = None, finish: str | None = None, role: bool = False, usage=None) -> str:
+            if usage is not None:
+                choices: list = []
+            elif chat:
+                d: dict[str, Any] = {"role": "assistant"} if role else {}
+                if delta is not None:
+                    d["content"] = delta
+                choices = [{"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}]
+            else:
+                choices = [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]
+            out: dict[str, Any] = {"id": req.id, "object": obj, "created": created, "model": self.model_name,
+                                   "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
+
+        text = TextDelta(self.tokenizer, self.eos)
+        n = 0
+        if chat:
+            yield chunk("", role=True)
+        while True:
+            kind, value = await st.queue.get()
+            if kind == "tokens":
+                n += len(value)
+                delta = text.feed(value)
+                if delta:
+                    yield chunk(delta)
+            elif kind == "error":
+                yield f"data: {json.dumps(value.body())}\n\n"
+                break
+            else:
+                rest = text.feed([], final=True)
+                if rest:
+                    yield chunk(rest)
+                yield chunk(None if chat else "", finish=value)
+                if params.include_usage:
+                    yield chunk(usage=self._usage(req, n))
+                break
+        yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- the command
+
+serve_app = make_app(
+    "Serve a scheduling policy on a real MLX model behind an OpenAI-compatible HTTP API "
+    "(/v1/completions, /v1/chat/completions, /v1/models); on SIGINT/SIGTERM finish the requests in "
+    "flight, print the `vllm bench serve` summary of what was served and write it with --out.")
+
+
+def _listening(http_server) -> tuple[str, int] | None:
+    for s in getattr(http_server, "servers", None) or []:
+        for sock in getattr(s, "sockets", None) or []:
+            host, port = sock.getsockname()[:2]
+            return host, port
+    return None
+
+
+@serve_app.command()
+def serve(
+    policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="a model with a tokenizer: smollm2-135m, a llama .gguf file or a local mlx-lm checkpoint directory"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized or auto"),
+    option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+    port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port; the chosen one is printed)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model name clients give (default: the model's)"),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="max_tokens of a request that gives none (capped by the context)"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, else calibrate first)"),
+    no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
+    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
+    block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
+    sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1 (for every request)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the engine's prompt ids and sampling"),
+    model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
+    out: Optional[Path] = typer.Option(None, "--out", help="at shutdown write the run directory (as run-real --out) and trace.json, the requests as served"),
+    noise: Optional[str] = typer.Option(None, "--noise", help="engine noise settings (see run-real --noise)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but the listening line, errors and warnings"),
+) -> None:
+    """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
+    from . import api
+
+    if not (0 <= port <= 65535):
+        raise SchedlabError(f"--port must be 0..65535, got {port}", 2)
+    if max_tokens < 1:
+        raise SchedlabError(f"--max-tokens must be >= 1, got {max_tokens}", 2)
+    if out is not None and out.exists() and not out.is_dir():
+        raise SchedlabError(f"--out {out} exists and is not a directory")
+    log = log_to_stderr("serve", quiet)
+    run, error = _serve(api, policy, parse_options(option), model, dtype, host, port, served_model_name, max_tokens,
+                        profile, no_calibrate, kv_tokens, block_size, prefix_caching, sampling, seed, model_seed,
+                        out, noise, log)
+    if run is not None and not quiet:
+        print(run.report())
+    if error:
+        raise SchedlabError(error)
+
+
+def _serve(api, policy, options, model, dtype, host, port, served_model_name, max_tokens, profile, no_calibrate,
+           kv_tokens, block_size, prefix_caching, sampling, seed, model_seed, out, noise, log):
+    import engine  # noqa: F401  (OpenBLAS before mlx)
+    from engine.sampling import parse_sampling
+
+    from .common import check_kv_layout
+
+    pol = api._policy(policy, options)
+    api._check_model(model, dtype)
+    sampler = parse_sampling(sampling)
+    api._check_kv_tokens(kv_tokens)
+    check_kv_layout(block_size)
+    if profile is not None:
+        api._profile_path(profile)
+    import uvicorn
+    with api._noise(noise) as settings:
+        from engine.backend import MLXBackend
+        from engine.models import load_model
+        from sim import LiveSource, WallClock
+
+        info = load_model(str(model), dtype=dtype, seed=model_seed)
+        if info.tokenizer is None:
+            raise SchedlabError(f"model {info.name} has no tokenizer: serve takes text (smollm2-135m, a .gguf file "
+                                f"or an mlx-lm checkpoint directory with tokenizer.json)")
+        notes: list[str] = []
+        cost, capacity, profile_path = api._real_cost_checked(profile, kv_tokens, no_calibrate, info, log, notes)
+        backend = MLXBackend(info, sampling=sampler, seed=seed)
+        clock = WallClock()
+        bridge = Bridge(backend, capacity)
+        http: dict[str, Any] = {}
+        name = served_model_name or info.name
+
+        def start_http() -> None:  # the clock runs: from now on arrivals are the run's
+            srv = Server(info, source, bridge, name, 0.0 if sampler.greedy else sampler.temperature, max_tokens)
+            config = uvicorn.Config(srv.app, host=host, port=port, log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=5)
+            hs = uvicorn.Server(config)
+            t = threading.Thread(target=hs.run, name="schedlab-http", daemon=True)
+            t.start()
+            while not hs.started and t.is_alive():
+                time.sleep(0.01)
+            http.update(server=hs, thread=t)
+            where = _listening(hs) if hs.started else None
+            if where is None:
+                http["error"] = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
+                source.close()
+                return
+            print(f"serve: listening on http://{where[0]}:{where[1]} (policy {getattr(pol, 'name', policy)}, "
+                  f"model {name}, KV {capacity} tokens)", file=sys.stderr, flush=True)
+
+        source = LiveSource(clock, on_ready=start_http, on_finish=bridge.on_finish)
+        stopping = {"n": 0}
+
+        def stop(signum, frame) -> None:
+            stopping["n"] += 1
+            if stopping["n"] > 1:
+                raise KeyboardInterrupt
+            source.close()
+            log("progress", f"shutting down: finishing {bridge.in_flight()} request(s) in flight")
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        run = None
+        try:
+            run = api._real_run(pol, source, "served", backend, cost, capacity, profile_path, {}, notes, settings,
+                                seed=seed, model_seed=model_seed, on_step=bridge.on_step, block_size=block_size,
+                                prefix_caching=prefix_caching, clock=clock)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            why = (run.error if run is not None else None) or "the replica stopped"
+            bridge.fail_all(APIError(500, f"the server could not finish this request: {why}", kind="server_error"))
+            hs = http.get("server")
+            if hs is not None:
+                hs.should_exit = True
+                http["thread"].join(timeout=10)
+        if http.get("error"):
+            return None, http["error"]
+        if out is not None:
+            from traces.schema import Trace
+
+            from dataclasses import replace
+
+            run.save(out)
+            # as served: a request that stopped at EOS has the tokens it generated as its output
+            # (what a replay must generate); one refused keeps its max_tokens (refused again)
+            # its times from the first arrival (a replay on the real engine need not sit idle first)
+            made = {r.id: r.output_tokens for r in run._result.requests if r.finish_s is not None}
+            t0 = source.received[0].arrival_s if source.received else 0.0
+            trace = Trace(name="served", description=f"requests served by schedlab serve (policy "
+                                                     f"{getattr(pol, 'name', policy)}, model {name}); "
+                                                     f"arrival_s from the first arrival ({t0:.3f} s into the "
+                                                     f"run); output_tokens: the tokens each generated",
+                          requests=[replace(r, arrival_s=round(r.arrival_s - t0, 6),
+                                            output_tokens=made.get(r.id, r.output_tokens))
+                                    for r in source.received])
+            (Path(out) / "trace.json").write_text(json.dumps(trace.to_json(), ensure_ascii=False, indent=1) + "\n")
+        return run, run.error
+
+
+def serve_main() -> None:
+    run_app(serve_app, "serve")

