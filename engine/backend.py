@@ -69,7 +69,7 @@ forward. With ``check`` the copied positions' token ids are compared with the ow
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -162,6 +162,9 @@ class MLXBackend:
         self._hidden = model_info.hidden
         self._head = model_info.head
         self.tokens: dict[str, list[int]] = {}  # generated ids per request
+        # called with (request id, token id) as each token is made, on the engine's thread, before
+        # the pass returns (a server streams it from there: at the pass's end, not the step's)
+        self.on_token: Callable[[str, int], None] | None = None
         self._seq: dict[str, list[int]] = {}  # prompt ids + generated ids (made on first use)
         self._kv: dict[str, int] = {}  # tokens in each request's KV (own cache or batch row)
         self._cache: dict[str, list[Any]] = {}  # own per-layer caches (not in the batch)
@@ -409,6 +412,8 @@ class MLXBackend:
         token = int(token)
         self._seq[rid].append(token)
         self.tokens[rid].append(token)
+        if self.on_token is not None:
+            self.on_token(rid, token)
         if token in self.eos and state is not None:
             state.stop(rid)  # this token is its last
             self.stopped.add(rid)

@@ -8,9 +8,9 @@ once the engine has warmed up and the clock runs. Between the two:
 - a handler turns a request into a ``traces.Request`` (text, counted with the model's
   tokenizer, ``max_tokens``), opens a stream for it and submits it to the source, which stamps
   its arrival time;
-- after every step the loop's ``on_step`` hands each open stream the tokens its request made
-  since the last step; a request that finishes (or that the replica refuses: larger than its
-  KV capacity) closes its stream with a finish reason (or an error) from ``on_finish``;
+- the backend hands each token to its request's stream as the pass that made it ends
+  (``MLXBackend.on_token``); a request that finishes (or that the replica refuses: larger than
+  its KV capacity) closes its stream with a finish reason (or an error) from ``on_finish``;
 - SIGINT/SIGTERM close the source: requests in flight finish and are answered, new ones get
   503, then the run ends and ``--out`` gets the run directory ``run-real`` writes plus
   ``trace.json``, the requests as they arrived (text, token counts, arrival times): the traffic
@@ -66,12 +66,11 @@ class APIError(Exception):
 class _Stream:
     """One request's way back to its handler: events on an asyncio queue of the server's loop."""
 
-    __slots__ = ("loop", "queue", "sent")
+    __slots__ = ("loop", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.sent = 0  # tokens handed over so far
 
     def put(self, item: tuple) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -80,14 +79,17 @@ class _Stream:
 class Bridge:
     """Hands each request's tokens from the replica's thread to its handler.
 
-    Events: ``("tokens", [ids])``, then ``("done", finish_reason)`` or ``("error", APIError)``.
-    ``on_step`` and ``on_finish`` run on the replica's thread; ``open`` on the server's."""
+    Events: ``("tokens", [ids])`` as each token is made (``MLXBackend.on_token``: at the end of
+    the pass that made it, not of the step), then ``("done", finish_reason)`` or ``("error",
+    APIError)``. ``on_token`` and ``on_finish`` run on the replica's thread; ``open`` on the
+    server's."""
 
     def __init__(self, backend, kv_capacity: int):
         self.backend = backend
         self.kv_capacity = kv_capacity
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        backend.on_token = self.on_token
 
     def open(self, rid: str, loop: asyncio.AbstractEventLoop) -> _Stream:
         st = _Stream(loop)
@@ -103,17 +105,11 @@ class Bridge:
         with self._lock:
             return len(self._streams)
 
-    def _flush(self, rid: str, st: _Stream) -> None:
-        toks = self.backend.tokens.get(rid)
-        if toks is not None and len(toks) > st.sent:
-            st.put(("tokens", toks[st.sent:]))
-            st.sent = len(toks)
-
-    def on_step(self, state) -> None:
+    def on_token(self, rid: str, token: int) -> None:
         with self._lock:
-            streams = list(self._streams.items())
-        for rid, st in streams:
-            self._flush(rid, st)
+            st = self._streams.get(rid)
+        if st is not None:
+            st.put(("tokens", [token]))
 
     def on_finish(self, r, t: float) -> None:
         with self._lock:
@@ -126,7 +122,6 @@ class Bridge:
                      f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
                 "max_tokens")))
             return
-        self._flush(r.id, st)
         st.put(("done", "stop" if r.id in self.backend.stopped else "length"))
 
     def fail_all(self, error: APIError) -> None:
@@ -572,7 +567,7 @@ def _serve(api, policy, options, model, dtype, host, port, served_model_name, ma
         run = None
         try:
             run = api._real_run(pol, source, "served", backend, cost, capacity, profile_path, {}, notes, settings,
-                                seed=seed, model_seed=model_seed, on_step=bridge.on_step, block_size=block_size,
+                                seed=seed, model_seed=model_seed, block_size=block_size,
                                 prefix_caching=prefix_caching, clock=clock)
         finally:
             for s, h in old.items():

@@ -264,6 +264,36 @@ def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, t
     assert re.search(rf"Total generated tokens:\s+{sum(w[1] for w in want.values())}\b", sim.stdout)
 
 
+def test_the_engine_hands_each_token_over_as_its_pass_ends():
+    """What serve streams from: MLXBackend.on_token, called for every token inside the pass that
+    made it (mlx-default's step is a decode pass and then a prefill pass: a token made by the
+    decode pass must not wait for the prefill), in the order of the tokens the run records."""
+    from engine.backend import MLXBackend
+    from policies import make_policy
+    from sim import run
+    from sim.cost import LinearCostModel
+    from test_engine import trace
+
+    backend = MLXBackend(load_model("micro"))
+    seen = []
+    backend.on_token = lambda rid, tok: seen.append((rid, tok, backend.stats["passes"]))
+    res = run(trace(), make_policy("mlx-default"), LinearCostModel({}), kv_capacity=100_000, backend=backend)
+    assert res.error is None
+    ids = {r.id for r in res.requests}
+    seen = [s for s in seen if s[0] in ids]  # (the warm-up's own requests are not the run's)
+    for r in res.requests:
+        assert [tok for rid, tok, _ in seen if rid == r.id] == backend.tokens[r.id] and len(backend.tokens[r.id]) > 0
+    # each token is handed over inside the pass that made it: the pass counter (passes finished so
+    # far) names a pass holding that request; handed over at the step's end, a token of a step's
+    # decode pass would name the prefill pass after it, which does not hold it
+    passes = [p for *_, p in res.passes]
+    assert any(k == 1 for _, k, *_ in res.passes)  # mlx-default ran a decode and a prefill pass in one step
+    for rid, _, n in seen:
+        p = passes[n]
+        assert rid in p.decode or any(r == rid for r, _ in p.prefill), (rid, n)
+    assert len({(rid, n) for rid, _, n in seen}) == len(seen)  # one token per request and pass
+
+
 def test_serve_refuses_bad_options_in_one_line(tmp_path):
     for args, words in ((["--policy", "nope"], "unknown policy"), (["--policy", "vllm", "--port", "70000"], "--port"),
                         (["--policy", "vllm", "--model", "micro", "--no-calibrate"], "no tokenizer")):

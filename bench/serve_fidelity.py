@@ -1,0 +1,202 @@
+"""The simulator against a real server: what clients measure from ``serve``, what the server
+records, and what ``simulate`` predicts for the same traffic.
+
+Per policy and round (the policies interleaved round by round, each server a process of its
+own): ``serve --policy P --profile F --port 0 --out DIR`` on the real model; a client (the
+``openai`` SDK's async client, streaming, as ``vllm bench serve`` measures: TTFT to the first
+content chunk, ITL between chunks) sends a text trace's requests at their arrival times;
+SIGTERM; then ``simulate`` with the same profile on the trace the server wrote (``DIR/trace.json``:
+the requests as they arrived, with the tokens each generated). Recorded per run, for the nine
+metrics of ``validate``: the client's figures, the server's own (``DIR/summary.json``: times
+stamped inside the server), the simulation's; per policy the medians over rounds and the
+errors of the simulation against the client and against the server, and the client over the
+server (what HTTP, tokenizing and streaming add).
+
+The profile: ``--profile F``, else the default calibration (``engine.calibrate``: quick grid and
+a short real replay, ~2 min for SmolLM2), made once here and used by every server.
+
+    python bench/serve_fidelity.py [--policies mlx-default,vllm,chunked-prefill] [--rounds 2]
+        [--trace sonnet:n=20,input_len=200,output_len=48,prefix_len=50,rate=1.5] [--out bench/results/serve_fidelity.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BIN = Path(sys.executable).parent
+
+from analysis.validation import METRICS, _get  # noqa: E402
+from sim.metrics import dist  # noqa: E402
+
+DEFAULT_TRACE = "sonnet:n=20,input_len=200,output_len=48,prefix_len=50,rate=1.5"
+
+
+def start_server(policy: str, model: str, profile: str, out: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([str(BIN / "serve"), "--policy", policy, "--model", model, "--profile", profile,
+                             "--port", "0", "--out", str(out), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        m = re.search(r"listening on (http://[\d.]+:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise SystemExit("serve did not start: " + "".join(seen))
+
+
+async def replay(url: str, model: str, requests) -> list[dict]:
+    """Each request sent at its arrival time, streamed; per request its client-side times."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+
+    async def one(r) -> dict:
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        sent = time.perf_counter()
+        chunks, tokens = [], None
+        kw = {"messages": r.chat()} if r.messages is not None else {"prompt": r.prompt}
+        create = client.chat.completions.create if r.messages is not None else client.completions.create
+        stream = await create(model=model, max_tokens=r.output_tokens, stream=True,
+                              stream_options={"include_usage": True}, **kw)
+        async for ch in stream:
+            if ch.choices:
+                c = ch.choices[0]
+                text = c.delta.content if r.messages is not None else c.text
+                if text:
+                    chunks.append(time.perf_counter())
+            if ch.usage is not None:
+                tokens = ch.usage.completion_tokens
+        end = time.perf_counter()
+        return {"id": r.id, "sent_s": sent - t0, "end_s": end - t0, "chunks_s": [c - t0 for c in chunks],
+                "tokens": tokens}
+
+    try:
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+    finally:
+        await client.close()
+
+
+def client_summary(rows: list[dict]) -> dict:
+    """The client's figures in summary.json's shape (vllm bench serve's definitions)."""
+    ttft = [(r["chunks_s"][0] - r["sent_s"]) * 1e3 for r in rows if r["chunks_s"]]
+    itl = [(b - a) * 1e3 for r in rows for a, b in zip(r["chunks_s"], r["chunks_s"][1:])]
+    tpot = [(r["end_s"] - r["chunks_s"][0]) * 1e3 / (r["tokens"] - 1) for r in rows
+            if r["chunks_s"] and r["tokens"] and r["tokens"] > 1]
+    e2e = [(r["end_s"] - r["sent_s"]) * 1e3 for r in rows]
+    span = max(r["end_s"] for r in rows) - min(r["sent_s"] for r in rows)
+    out_tokens = sum(r["tokens"] or 0 for r in rows)
+    return {"ttft_ms": dist(ttft), "itl_ms": dist(itl), "tpot_ms": dist(tpot), "e2e_ms": dist(e2e),
+            "makespan_s": span, "output_throughput_tok_s": out_tokens / span if span > 0 else None,
+            "total_output_tokens": out_tokens, "finished": len(rows)}
+
+
+def figures(summary: dict) -> dict:
+    return {key: _get(summary, path) for key, path, _ in METRICS}
+
+
+def err(a, b):
+    return None if a is None or not b else 100.0 * (a - b) / b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--policies", default="mlx-default,vllm,chunked-prefill")
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", help="cost profile (default: the default calibration, made here)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_fidelity.json"))
+    args = ap.parse_args()
+    t_all = time.perf_counter()
+
+    import engine  # noqa: F401  (OpenBLAS before mlx)
+    import schedlab
+    from engine.models import load_model
+
+    info = load_model(args.model)
+    tr = schedlab.load_trace(args.trace, seed=args.seed, tokenizer=info.tokenizer)
+    work = Path(tempfile.mkdtemp(prefix="serve-fidelity-"))
+    calibration = None
+    profile = args.profile
+    if profile is None:
+        from engine.calibrate import calibrate_default, write_profile
+
+        t = time.perf_counter()
+        profile = str(work / "profile.json")
+        write_profile(calibrate_default(info, progress=lambda m: print(f"  calibrate: {m}", file=sys.stderr)), profile)
+        calibration = {"kind": "grid+replay", "wall_s": round(time.perf_counter() - t, 1)}
+    del info  # the servers load their own
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for k in range(args.rounds):
+        for pol in policies:
+            out = work / f"{pol}-{k}"
+            proc, url = start_server(pol, args.model, profile, out)
+            try:
+                rows = asyncio.run(replay(url, args.model, tr.requests))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                stdout, stderr = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise SystemExit(f"serve --policy {pol} exited {proc.returncode}: {stderr}")
+            server = json.loads((out / "summary.json").read_text())
+            sim = schedlab.simulate(pol, str(out / "trace.json"), profile=profile)
+            client = client_summary(rows)
+            run = {"round": k, "client": figures(client), "server": figures(server), "sim": figures(sim.summary),
+                   "finished": {"client": client["finished"], "server": server["finished"],
+                                "sim": sim.summary["finished"]},
+                   "output_tokens": {"client": client["total_output_tokens"],
+                                     "server": server["total_output_tokens"],
+                                     "sim": sim.summary["total_output_tokens"]},
+                   "step_bias": (json.loads((out / "meta.json").read_text()).get("step_bias") or {}).get("median")}
+            runs[pol].append(run)
+            print(f"round {k} {pol:16s} TTFT p50 client {run['client']['ttft_ms.p50']:.0f} / server "
+                  f"{run['server']['ttft_ms.p50']:.0f} / sim {run['sim']['ttft_ms.p50']:.0f} ms, makespan "
+                  f"{run['client']['makespan_s']:.2f} / {run['server']['makespan_s']:.2f} / "
+                  f"{run['sim']['makespan_s']:.2f} s", file=sys.stderr)
+
+    per_policy = {}
+    for pol, rs in runs.items():
+        med = {side: {key: statistics.median(r[side][key] for r in rs if r[side][key] is not None)
+                      for key, _, _ in METRICS} for side in ("client", "server", "sim")}
+        e = {"sim_vs_client": {k: err(med["sim"][k], med["client"][k]) for k in med["sim"]},
+             "sim_vs_server": {k: err(med["sim"][k], med["server"][k]) for k in med["sim"]},
+             "client_vs_server": {k: err(med["client"][k], med["server"][k]) for k in med["sim"]}}
+        per_policy[pol] = {"median": med, "error_pct": e,
+                           "median_abs_error_pct": {name: statistics.median(abs(v) for v in d.values() if v is not None)
+                                                    for name, d in e.items()},
+                           "max_abs_error_pct": {name: max(abs(v) for v in d.values() if v is not None)
+                                                 for name, d in e.items()},
+                           "runs": rs}
+    result = {"benchmark": "serve_fidelity", "model": args.model, "trace": args.trace, "seed": args.seed,
+              "requests": len(tr.requests), "rounds": args.rounds, "profile": profile, "calibration": calibration,
+              "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+              "per_policy": per_policy, "wall_s": round(time.perf_counter() - t_all, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'policy':16s} {'sim vs client':>16s} {'sim vs server':>16s} {'client vs server':>18s}   (median / worst |error| %)")
+    for pol, v in per_policy.items():
+        m, w = v["median_abs_error_pct"], v["max_abs_error_pct"]
+        print(f"{pol:16s} {m['sim_vs_client']:7.1f} / {w['sim_vs_client']:5.1f}  {m['sim_vs_server']:7.1f} / "
+              f"{w['sim_vs_server']:5.1f}  {m['client_vs_server']:9.1f} / {w['client_vs_server']:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
