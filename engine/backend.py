@@ -163,8 +163,9 @@ class MLXBackend:
         self._head = model_info.head
         self.tokens: dict[str, list[int]] = {}  # generated ids per request
         # called with (request id, token id) as each token is made, on the engine's thread, before
-        # the pass returns (a server streams it from there: at the pass's end, not the step's)
-        self.on_token: Callable[[str, int], None] | None = None
+        # the pass returns (a server streams it from there: at the pass's end, not the step's); a
+        # true result makes that token the request's last (a stop string, a client gone), as EOS does
+        self.on_token: Callable[[str, int], Any] | None = None
         self._seq: dict[str, list[int]] = {}  # prompt ids + generated ids (made on first use)
         self._kv: dict[str, int] = {}  # tokens in each request's KV (own cache or batch row)
         self._cache: dict[str, list[Any]] = {}  # own per-layer caches (not in the batch)
@@ -412,11 +413,12 @@ class MLXBackend:
         token = int(token)
         self._seq[rid].append(token)
         self.tokens[rid].append(token)
-        if self.on_token is not None:
-            self.on_token(rid, token)
+        last = self.on_token(rid, token) if self.on_token is not None else False
         if token in self.eos and state is not None:
             state.stop(rid)  # this token is its last
             self.stopped.add(rid)
+        elif last and state is not None:
+            state.stop(rid)
 
     def _expected_kv(self, r) -> int:
         if r.phase is Phase.DECODING:

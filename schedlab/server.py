@@ -21,8 +21,10 @@ Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
 Bad input is an OpenAI-style error (``{"error": {"message", "type", "param", "code"}}``) with
 status 400 (404 for an unknown model, 503 while shutting down); no other request is affected.
 The server samples as ``--sampling`` says (greedy by default) for every request: a request
-asking for other sampling (``temperature``, ``top_p``, ``n``, ``stop``, ``logprobs``, ...) gets a
-400 saying so rather than a silently different answer.
+asking for other sampling (``temperature``, ``top_p``, ``n``, ``logprobs``, penalties, ...) gets a
+400 saying so rather than a silently different answer. ``stop`` strings end a request at the
+token that completes one (the text stops before it, finish reason ``stop``); a streaming client
+that goes away ends its request at its next token (``/health`` counts them as ``cancelled``).
 """
 
 from __future__ import annotations
@@ -64,13 +66,17 @@ class APIError(Exception):
 
 
 class _Stream:
-    """One request's way back to its handler: events on an asyncio queue of the server's loop."""
+    """One request's way back to its handler: events on an asyncio queue of the server's loop;
+    with stop strings, its text as the engine makes it (to end the request at one)."""
 
-    __slots__ = ("loop", "queue")
+    __slots__ = ("loop", "queue", "text", "cancelled", "hit_stop")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, text: "TextDelta | None" = None):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.text = text  # a TextDelta with the request's stop strings, or None
+        self.cancelled = False  # its client went away: end it at its next token
+        self.hit_stop = False
 
     def put(self, item: tuple) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -81,18 +87,23 @@ class Bridge:
 
     Events: ``("tokens", [ids])`` as each token is made (``MLXBackend.on_token``: at the end of
     the pass that made it, not of the step), then ``("done", finish_reason)`` or ``("error",
-    APIError)``. ``on_token`` and ``on_finish`` run on the replica's thread; ``open`` on the
-    server's."""
+    APIError)``. A token that completes one of the request's stop strings, or that comes after its
+    client went away (``cancel``), is its last (``on_token`` says so to the engine, which ends it as
+    at EOS). ``on_token`` and ``on_finish`` run on the replica's thread; ``open`` and ``cancel`` on
+    the server's."""
 
-    def __init__(self, backend, kv_capacity: int):
+    def __init__(self, backend, kv_capacity: int, tokenizer=None, eos: frozenset[int] = frozenset()):
         self.backend = backend
         self.kv_capacity = kv_capacity
+        self.tokenizer = tokenizer
+        self.eos = eos
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self.cancelled = 0  # requests ended early because their client went away
         backend.on_token = self.on_token
 
-    def open(self, rid: str, loop: asyncio.AbstractEventLoop) -> _Stream:
-        st = _Stream(loop)
+    def open(self, rid: str, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...] = ()) -> _Stream:
+        st = _Stream(loop, TextDelta(self.tokenizer, self.eos, stop) if stop else None)
         with self._lock:
             self._streams[rid] = st
         return st
@@ -101,15 +112,29 @@ class Bridge:
         with self._lock:
             self._streams.pop(rid, None)
 
+    def cancel(self, rid: str) -> None:
+        with self._lock:
+            st = self._streams.get(rid)
+            if st is not None and not st.cancelled:
+                st.cancelled = True
+                self.cancelled += 1
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._streams)
 
-    def on_token(self, rid: str, token: int) -> None:
+    def on_token(self, rid: str, token: int) -> bool:
         with self._lock:
             st = self._streams.get(rid)
-        if st is not None:
-            st.put(("tokens", [token]))
+        if st is None:
+            return False
+        if st.cancelled:
+            return True
+        st.put(("tokens", [token]))
+        if st.text is not None:
+            st.text.feed([token])
+            st.hit_stop = st.text.stopped
+        return st.hit_stop
 
     def on_finish(self, r, t: float) -> None:
         with self._lock:
@@ -122,7 +147,7 @@ class Bridge:
                      f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
                 "max_tokens")))
             return
-        st.put(("done", "stop" if r.id in self.backend.stopped else "length"))
+        st.put(("done", "stop" if r.id in self.backend.stopped or st.hit_stop else "length"))
 
     def fail_all(self, error: APIError) -> None:
         with self._lock:
@@ -132,19 +157,33 @@ class Bridge:
 
 
 class TextDelta:
-    """Incremental text of a growing list of token ids: each ``feed`` returns the new text, held
-    back while it ends in an incomplete UTF-8 sequence (the tokenizer's replacement character)."""
+    """Incremental text of a growing list of token ids: each ``feed`` returns the new text. Held
+    back: an incomplete UTF-8 sequence at the end (the tokenizer's replacement character), and
+    an end that may begin one of the ``stop`` strings; the text ends before the first stop string
+    (``stopped`` then), which it never contains, as OpenAI's API returns it."""
 
-    def __init__(self, tokenizer, eos: frozenset[int]):
+    def __init__(self, tokenizer, eos: frozenset[int], stop: tuple[str, ...] = ()):
         self.tok = tokenizer
         self.eos = eos
+        self.stop = tuple(stop)
         self.ids: list[int] = []
         self.text = ""
+        self.stopped = False
 
     def feed(self, ids: list[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
         self.ids += [i for i in ids if i not in self.eos]
         full = self.tok.decode(self.ids)
-        if (full.endswith("\ufffd") and not final) or not full.startswith(self.text):
+        cuts = [i for i in (full.find(x) for x in self.stop) if i >= 0]
+        if cuts:
+            full, final, self.stopped = full[:min(cuts)], True, True
+        if not final:
+            if full.endswith("\ufffd"):
+                return ""
+            hold = max((k for x in self.stop for k in range(1, len(x)) if full.endswith(x[:k])), default=0)
+            full = full[:len(full) - hold]
+        if not full.startswith(self.text):
             return ""  # (a decoding that rewrote earlier text: what was sent stands)
         delta, self.text = full[len(self.text):], full
         return delta
@@ -203,6 +242,7 @@ class Params:
             if v is not None:
                 self.max_tokens, self.max_tokens_key = v, k
                 break
+        self.stop = _stop(body.get("stop"))
         if chat:
             self.messages = _messages(body.get("messages"))
             self.prompt = None
@@ -225,11 +265,21 @@ class Params:
         for key in ("presence_penalty", "frequency_penalty"):
             if _number(body, key, 0.0) != 0.0:
                 raise APIError(400, f"{key} other than 0 is not supported by this server", key)
-        for key in ("stop", "logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools",
+        for key in ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools",
                     "functions", "response_format"):
             v = body.get(key)
             if v not in (None, False, [], {}, "") and not (key == "best_of" and v == 1):
                 raise APIError(400, f"{key} is not supported by this server", key)
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    """``stop``: a string or up to 4 strings, none empty (OpenAI's limits)."""
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not 1 <= len(stops) <= 4 or not all(isinstance(x, str) and x for x in stops):
+        raise APIError(400, f"stop must be a non-empty string or a list of 1 to 4 of them, got {json.dumps(v)}", "stop")
+    return tuple(stops)
 
 
 def _prompt(p: Any) -> str:
@@ -335,7 +385,7 @@ class Server:
 
         @app.get("/health")
         async def health():
-            return {"status": "ok", "in_flight": server.bridge.in_flight()}
+            return {"status": "ok", "in_flight": server.bridge.in_flight(), "cancelled": server.bridge.cancelled}
 
         @app.get("/v1/models")
         async def models():
@@ -352,7 +402,7 @@ class Server:
                 req = server.request(params, chat)
             except APIError as e:
                 return error(e)
-            st = server.bridge.open(req.id, asyncio.get_running_loop())
+            st = server.bridge.open(req.id, asyncio.get_running_loop(), params.stop)
             from sim.sources import SourceClosed
 
             try:
@@ -364,7 +414,7 @@ class Server:
             if params.stream:
                 return StreamingResponse(server._events(req, st, params, chat, created),
                                          media_type="text/event-stream")
-            return await server._whole(req, st, chat, created)
+            return await server._whole(req, st, params, chat, created)
 
         @app.post("/v1/completions")
         async def completions(http: HTTPRequest):
@@ -380,19 +430,25 @@ class Server:
         return {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": req.prompt_tokens + completion}
 
-    async def _whole(self, req, st: _Stream, chat: bool, created: int):
+    async def _whole(self, req, st: _Stream, params: Params, chat: bool, created: int):
         from fastapi.responses import JSONResponse
 
         ids: list[int] = []
-        while True:
-            kind, value = await st.queue.get()
-            if kind == "tokens":
-                ids += value
-            elif kind == "error":
-                return JSONResponse(value.body(), status_code=value.status)
-            else:
-                break
-        text = self.tokenizer.decode([i for i in ids if i not in self.eos])
+        try:
+            while True:
+                kind, value = await st.queue.get()
+                if kind == "tokens":
+                    ids += value
+                elif kind == "error":
+                    return JSONResponse(value.body(), status_code=value.status)
+                else:
+                    break
+        except asyncio.CancelledError:  # the client went away: end the request at its next token
+            self.bridge.cancel(req.id)
+            raise
+        text = TextDelta(self.tokenizer, self.eos, params.stop)
+        text.feed(ids, final=True)
+        text = text.text
         choice: dict[str, Any] = {"index": 0, "finish_reason": value, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -421,29 +477,36 @@ class Server:
                 out["usage"] = usage
             return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
 
-        text = TextDelta(self.tokenizer, self.eos)
+        text = TextDelta(self.tokenizer, self.eos, params.stop)
         n = 0
-        if chat:
-            yield chunk("", role=True)
-        while True:
-            kind, value = await st.queue.get()
-            if kind == "tokens":
-                n += len(value)
-                delta = text.feed(value)
-                if delta:
-                    yield chunk(delta)
-            elif kind == "error":
-                yield f"data: {json.dumps(value.body())}\n\n"
-                break
-            else:
-                rest = text.feed([], final=True)
-                if rest:
-                    yield chunk(rest)
-                yield chunk(None if chat else "", finish=value)
-                if params.include_usage:
-                    yield chunk(usage=self._usage(req, n))
-                break
-        yield "data: [DONE]\n\n"
+        ended = False
+        try:
+            if chat:
+                yield chunk("", role=True)
+            while True:
+                kind, value = await st.queue.get()
+                if kind == "tokens":
+                    n += len(value)
+                    delta = text.feed(value)
+                    if delta:
+                        yield chunk(delta)
+                elif kind == "error":
+                    ended = True
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                    break
+                else:
+                    ended = True
+                    rest = text.feed([], final=True)
+                    if rest:
+                        yield chunk(rest)
+                    yield chunk(None if chat else "", finish=value)
+                    if params.include_usage:
+                        yield chunk(usage=self._usage(req, n))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not ended:  # the client went away mid-answer: end the request at its next token
+                self.bridge.cancel(req.id)
 
 
 # ---------------------------------------------------------------------------- the command
@@ -531,7 +594,7 @@ def _serve(api, policy, options, model, dtype, host, port, served_model_name, ma
         cost, capacity, profile_path = api._real_cost_checked(profile, kv_tokens, no_calibrate, info, log, notes)
         backend = MLXBackend(info, sampling=sampler, seed=seed)
         clock = WallClock()
-        bridge = Bridge(backend, capacity)
+        bridge = Bridge(backend, capacity, info.tokenizer, frozenset(info.eos_token_ids or ()))
         http: dict[str, Any] = {}
         name = served_model_name or info.name
 

@@ -178,6 +178,47 @@ def test_concurrent_requests_are_batched_and_each_stays_exact(server, smol):
     assert got == want
 
 
+def test_stop_strings_end_the_answer_before_them(server, smol):
+    """A stop string taken from the model's own answer: the text ends just before it, the
+    request ends at the token that completed it (its usage counts up to that token), streamed
+    deltas never show the stop string's beginning."""
+    q, n = QUESTIONS[5], 24
+    ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", q),)), smol.tokenizer)
+    toks = reference_tokens(smol, ids, n)
+    eos = set(smol.eos_token_ids or ())
+    toks = toks[:next((k for k, t in enumerate(toks) if t in eos), n)]  # (what the server can say)
+    full = smol.tokenizer.decode(toks)
+    words = full.split()
+    stop = " " + words[len(words) // 2]  # a word in the middle of the answer, with its space
+    cut = full.index(stop)
+    upto = next(k for k in range(1, len(toks) + 1) if stop in smol.tokenizer.decode(toks[:k]))
+    c = server.client()
+    r = c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=n, stop=[stop, "never-said"])
+    assert r.choices[0].message.content == full[:cut] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == upto < n
+    deltas = [ch.choices[0].delta.content or "" for ch in
+              c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=n, stop=stop, stream=True)
+              if ch.choices]
+    assert "".join(deltas) == full[:cut]
+
+
+def test_text_delta_holds_back_what_may_become_a_stop_string(smol):
+    from schedlab.server import TextDelta
+
+    tok = smol.tokenizer
+    ids = tok.encode("The answer is forty-two, my friend.")
+    stop = "two, my"
+    td = TextDelta(tok, frozenset(), (stop,))
+    shown = ""
+    for i in ids:
+        shown += td.feed([i])
+        assert not any(shown.endswith(stop[:k]) for k in range(1, len(stop) + 1))  # never a start of it
+    shown += td.feed([], final=True)
+    assert td.stopped and shown == "The answer is forty-"
+    td = TextDelta(tok, frozenset(), ())  # no stop strings: the whole text, piece by piece
+    assert "".join(td.feed([i]) for i in ids) + td.feed([], final=True) == tok.decode(ids)
+
+
 def test_bad_requests_get_openai_errors_and_a_request_in_flight_is_not_lost(server, smol):
     c = server.client()
     want = expected(smol, messages=chat(QUESTIONS[5]), max_tokens=24)
@@ -188,7 +229,8 @@ def test_bad_requests_get_openai_errors_and_a_request_in_flight_is_not_lost(serv
         assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
         bad = [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=9000), "max_tokens"),  # past the 8192 context
                (dict(max_tokens=KV), "max_tokens"),  # fits the context, never the KV cache: the replica refuses it
-               (dict(temperature=0.8), "temperature"), (dict(stop=["\n"]), "stop"), (dict(n=2), "n"),
+               (dict(temperature=0.8), "temperature"), (dict(stop=[""]), "stop"), (dict(stop=list("abcde")), "stop"),
+               (dict(n=2), "n"),
                (dict(messages=[]), "messages"), (dict(messages=[{"role": "wizard", "content": "x"}]), "messages")]
         for kwargs, param in bad:
             args = {"model": MODEL, "messages": chat("hi"), **kwargs}
@@ -222,6 +264,19 @@ def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, t
     c = s.client()
     want = {q: expected(smol, messages=chat(q), max_tokens=24) for q in QUESTIONS[:4]}
     got: dict[str, str] = {}
+    # a client that goes away after two pieces of its answer: its request ends there
+    gone = c.chat.completions.create(model=MODEL, messages=chat("Count from 1 to 100."), max_tokens=200, stream=True)
+    pieces = 0
+    for ch in gone:
+        pieces += bool(ch.choices and ch.choices[0].delta.content)
+        if pieces == 2:
+            break
+    gone.close()
+    deadline = time.monotonic() + 60
+    while httpx.get(s.url + "/health").json()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    health = httpx.get(s.url + "/health").json()
+    assert health == {"status": "ok", "in_flight": 0, "cancelled": 1}
 
     def stream(q):
         parts = []
@@ -244,24 +299,27 @@ def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, t
         c.chat.completions.create(model=MODEL, messages=chat("one more?"))  # no new request taken
     rc, stdout = s.stop(signalled=True)
     assert rc == 0, "".join(s.stderr)
-    assert re.search(r"Successful requests:\s+4\b", stdout)
+    assert re.search(r"Successful requests:\s+5\b", stdout)
     m = re.search(r"shutting down: finishing (\d+) request", "".join(s.stderr))
     assert m and int(m.group(1)) >= 1  # it stopped with answers still being written
     served = json.loads((s.out / "trace.json").read_text())
-    assert sorted(len(r["messages"]) for r in served["requests"]) == [1, 1, 1, 1]
-    assert served["requests"][0]["arrival_s"] == 0 and all(r["arrival_s"] < 5 for r in served["requests"])
+    assert sorted(len(r["messages"]) for r in served["requests"]) == [1, 1, 1, 1, 1]
+    assert served["requests"][0]["arrival_s"] == 0
+    assert served["requests"][0]["output_tokens"] < 10  # the request whose client went away, cut short
+    served["requests"] = served["requests"][1:]
     by_q = {r["messages"][0]["content"]: r for r in served["requests"]}
     assert {q: by_q[q]["output_tokens"] for q in want} == {q: w[1] for q, w in want.items()}
     summary = json.loads((s.out / "summary.json").read_text())
-    assert summary["finished"] == 4 and summary["policy"] == "chunked-prefill" and summary["mode"] == "real"
-    texts = [json.loads(line) for line in (s.out / "texts.jsonl").read_text().splitlines()]
+    assert summary["finished"] == 5 and summary["policy"] == "chunked-prefill" and summary["mode"] == "real"
+    texts = [json.loads(line) for line in (s.out / "texts.jsonl").read_text().splitlines()][1:]
     assert sorted(t["text"] for t in texts) == sorted(w[0] for w in want.values())
     # the traffic as served replays in the simulator under another policy
     sim = subprocess.run([str(BIN / "simulate"), "--policy", "unified", "--trace", str(s.out / "trace.json")],
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
-    assert re.search(r"Successful requests:\s+4\b", sim.stdout)
-    assert re.search(rf"Total generated tokens:\s+{sum(w[1] for w in want.values())}\b", sim.stdout)
+    assert re.search(r"Successful requests:\s+5\b", sim.stdout)
+    cut_short = json.loads((s.out / "trace.json").read_text())["requests"][0]["output_tokens"]
+    assert re.search(rf"Total generated tokens:\s+{cut_short + sum(w[1] for w in want.values())}\b", sim.stdout)
 
 
 def test_the_engine_hands_each_token_over_as_its_pass_ends():
