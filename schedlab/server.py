@@ -373,6 +373,8 @@ class Server:
         from fastapi.responses import JSONResponse, StreamingResponse
         from starlette.exceptions import HTTPException
 
+        from sim.sources import SourceClosed
+
         app = FastAPI(title="schedlab serve", docs_url=None, redoc_url=None, openapi_url=None)
         server = self
 
@@ -403,8 +405,6 @@ class Server:
             except APIError as e:
                 return error(e)
             st = server.bridge.open(req.id, asyncio.get_running_loop(), params.stop)
-            from sim.sources import SourceClosed
-
             try:
                 server.source.submit(req)
             except SourceClosed as exc:
