@@ -157,6 +157,7 @@ class MLXBackend:
         self.ignore_eos = ignore_eos
         self.eos = frozenset(() if ignore_eos else (model_info.eos_token_ids or ()))
         self.stopped: set[str] = set()  # requests that ended at EOS
+        self.no_eos: set[str] = set()  # requests that generate past EOS (a served request's ignore_eos)
         self.vocab = model_info.vocab_size
         self.n_layers = model_info.n_layers
         self._hidden = model_info.hidden
@@ -414,7 +415,7 @@ class MLXBackend:
         self._seq[rid].append(token)
         self.tokens[rid].append(token)
         last = self.on_token(rid, token) if self.on_token is not None else False
-        if token in self.eos and state is not None:
+        if token in self.eos and state is not None and rid not in self.no_eos:
             state.stop(rid)  # this token is its last
             self.stopped.add(rid)
         elif last and state is not None:

@@ -22,7 +22,9 @@ Bad input is an OpenAI-style error (``{"error": {"message", "type", "param", "co
 status 400 (404 for an unknown model, 503 while shutting down); no other request is affected.
 The server samples as ``--sampling`` says (greedy by default) for every request: a request
 asking for other sampling (``temperature``, ``top_p``, ``n``, ``logprobs``, penalties, ...) gets a
-400 saying so rather than a silently different answer. ``stop`` strings end a request at the
+400 saying so rather than a silently different answer (vLLM's extensions likewise: ``ignore_eos``
+is honoured, ``repetition_penalty``, ``top_k``, ``min_p``, ``min_tokens`` only at their neutral
+values, as ``vllm bench serve`` sends them). ``stop`` strings end a request at the
 token that completes one (the text stops before it, finish reason ``stop``); a streaming client
 that goes away ends its request at its next token (``/health`` counts them as ``cancelled``).
 """
@@ -102,15 +104,19 @@ class Bridge:
         self.cancelled = 0  # requests ended early because their client went away
         backend.on_token = self.on_token
 
-    def open(self, rid: str, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...] = ()) -> _Stream:
+    def open(self, rid: str, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...] = (),
+             ignore_eos: bool = False) -> _Stream:
         st = _Stream(loop, TextDelta(self.tokenizer, self.eos, stop) if stop else None)
         with self._lock:
             self._streams[rid] = st
+            if ignore_eos:
+                self.backend.no_eos.add(rid)
         return st
 
     def drop(self, rid: str) -> None:
         with self._lock:
             self._streams.pop(rid, None)
+            self.backend.no_eos.discard(rid)
 
     def cancel(self, rid: str) -> None:
         with self._lock:
@@ -139,6 +145,7 @@ class Bridge:
     def on_finish(self, r, t: float) -> None:
         with self._lock:
             st = self._streams.pop(r.id, None)
+            self.backend.no_eos.discard(r.id)
         if st is None:
             return
         if r.finish_s is None:  # refused on arrival: it can never fit this replica's KV cache
@@ -243,6 +250,9 @@ class Params:
                 self.max_tokens, self.max_tokens_key = v, k
                 break
         self.stop = _stop(body.get("stop"))
+        self.ignore_eos = body.get("ignore_eos", False)  # vLLM's extension (vllm bench serve --ignore-eos)
+        if not isinstance(self.ignore_eos, bool):
+            raise APIError(400, f"ignore_eos must be true or false, got {json.dumps(self.ignore_eos)}", "ignore_eos")
         if chat:
             self.messages = _messages(body.get("messages"))
             self.prompt = None
@@ -265,6 +275,11 @@ class Params:
         for key in ("presence_penalty", "frequency_penalty"):
             if _number(body, key, 0.0) != 0.0:
                 raise APIError(400, f"{key} other than 0 is not supported by this server", key)
+        # vLLM's extensions, as vllm bench serve sends them: only their neutral values
+        for key, neutral in (("repetition_penalty", (1.0,)), ("top_k", (-1, 0)), ("min_p", (0.0,)),
+                             ("min_tokens", (0,))):
+            if _number(body, key, neutral[0]) not in neutral:
+                raise APIError(400, f"{key} other than {neutral[0]} is not supported by this server", key)
         for key in ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools",
                     "functions", "response_format"):
             v = body.get(key)
@@ -404,7 +419,7 @@ class Server:
                 req = server.request(params, chat)
             except APIError as e:
                 return error(e)
-            st = server.bridge.open(req.id, asyncio.get_running_loop(), params.stop)
+            st = server.bridge.open(req.id, asyncio.get_running_loop(), params.stop, params.ignore_eos)
             try:
                 server.source.submit(req)
             except SourceClosed as exc:

@@ -146,6 +146,16 @@ def test_answers_are_the_model_alones_greedy_text(server, smol):
     text, n, reason = expected(smol, prompt="The three primary colours are", max_tokens=24)
     assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, n, reason)
     assert [m.id for m in c.models.list().data] == [MODEL]
+    # vLLM's ignore_eos (vllm bench serve --ignore-eos): past the EOS at token 8, to max_tokens
+    text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=20)
+    assert reason == "stop" and n < 20
+    r = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=20,
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1})
+    ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)), smol.tokenizer)
+    eos = set(smol.eos_token_ids or ())
+    assert r.choices[0].message.content == smol.tokenizer.decode([t for t in reference_tokens(smol, ids, 20)
+                                                                  if t not in eos])
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (20, "length")
 
 
 def test_streamed_deltas_add_up_to_the_whole_answer(server, smol):
@@ -230,7 +240,8 @@ def test_bad_requests_get_openai_errors_and_a_request_in_flight_is_not_lost(serv
         bad = [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=9000), "max_tokens"),  # past the 8192 context
                (dict(max_tokens=KV), "max_tokens"),  # fits the context, never the KV cache: the replica refuses it
                (dict(temperature=0.8), "temperature"), (dict(stop=[""]), "stop"), (dict(stop=list("abcde")), "stop"),
-               (dict(n=2), "n"),
+               (dict(n=2), "n"), (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+               (dict(extra_body={"top_k": 5}), "top_k"), (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
                (dict(messages=[]), "messages"), (dict(messages=[{"role": "wizard", "content": "x"}]), "messages")]
         for kwargs, param in bad:
             args = {"model": MODEL, "messages": chat("hi"), **kwargs}
