@@ -6,10 +6,12 @@ own): ``serve --policy P --profile F --port 0 --out DIR`` on the real model; a c
 ``openai`` SDK's async client, streaming, as ``vllm bench serve`` measures: TTFT to the first
 content chunk, ITL between chunks) sends a text trace's requests at their arrival times;
 SIGTERM; then ``simulate`` with the same profile on the trace the server wrote (``DIR/trace.json``:
-the requests as they arrived, with the tokens each generated). Recorded per run, for the nine
-metrics of ``validate``: the client's figures, the server's own (``DIR/summary.json``: times
-stamped inside the server), the simulation's; per policy the medians over rounds and the
-errors of the simulation against the client and against the server, and the client over the
+the requests as they arrived, with the tokens each generated), and again at the run's own speed
+(its steps' total measured over predicted seconds, as ``validate``'s speed-matched line: the
+model's share, the machine's drift taken out). Recorded per run, for the nine metrics of
+``validate``: the client's figures, the server's own (``DIR/summary.json``: times stamped inside
+the server), the simulation's, the speed-matched simulation's; per policy the medians over rounds
+and the errors of the simulations against the server and the client, and the client over the
 server (what HTTP, tokenizing and streaming add).
 
 The profile: ``--profile F``, else the default calibration (``engine.calibrate``: quick grid and
@@ -105,12 +107,65 @@ def client_summary(rows: list[dict]) -> dict:
             "total_output_tokens": out_tokens, "finished": len(rows)}
 
 
+def speed_matched(policy: str, served: Path, profile: str) -> tuple[float, dict]:
+    """(the run's speed, the simulation of its served trace at that speed): every pass and the
+    scheduler's work that many times the profile's seconds, the policy planning with the profile."""
+    import pandas as pd
+
+    import schedlab
+    from sim import run as run_loop, summarize
+    from sim.backend import SimBackend
+
+    steps = pd.read_parquet(served / "steps.parquet", columns=["measured_s", "predicted_s"])
+    speed = float(steps["measured_s"].sum() / steps["predicted_s"].sum())
+    cm = schedlab.cost_model(profile)
+    tr = schedlab.load_trace(str(served / "trace.json"))
+    res = run_loop(tr.requests, schedlab.policy(policy), cm.model, kv_capacity=cm.kv_tokens, trace_name=tr.name,
+                   block_size=16, backend=SimBackend(cm.model, time_scale=speed))
+    return speed, summarize(res)
+
+
 def figures(summary: dict) -> dict:
     return {key: _get(summary, path) for key, path, _ in METRICS}
 
 
 def err(a, b):
     return None if a is None or not b else 100.0 * (a - b) / b
+
+
+def score(pol: str, k: int, out: Path, profile: str, client: dict, finished: int, tokens: int) -> dict:
+    """One run's record: the client's figures (``client``: the nine metrics; ``finished``
+    requests, output ``tokens``), the server's and the simulations' (plain, and at the run's own
+    speed) from its run directory ``out``."""
+    import schedlab
+
+    server = json.loads((out / "summary.json").read_text())
+    sim = schedlab.simulate(pol, str(out / "trace.json"), profile=profile)
+    speed, matched = speed_matched(pol, out, profile)
+    return {"round": k, "dir": out.name, "client": client, "server": figures(server),
+            "sim": figures(sim.summary), "speed_matched": figures(matched), "speed": round(speed, 4),
+            "finished": {"client": finished, "server": server["finished"], "sim": sim.summary["finished"]},
+            "output_tokens": {"client": tokens, "server": server["total_output_tokens"],
+                              "sim": sim.summary["total_output_tokens"]},
+            "step_bias": (json.loads((out / "meta.json").read_text()).get("step_bias") or {}).get("median")}
+
+
+def aggregate(runs: dict[str, list[dict]]) -> dict:
+    per_policy = {}
+    for pol, rs in runs.items():
+        med = {side: {key: statistics.median(r[side][key] for r in rs if r[side][key] is not None)
+                      for key, _, _ in METRICS} for side in ("client", "server", "sim", "speed_matched")}
+        e = {"sim_vs_client": {k: err(med["sim"][k], med["client"][k]) for k in med["sim"]},
+             "sim_vs_server": {k: err(med["sim"][k], med["server"][k]) for k in med["sim"]},
+             "speed_matched_vs_server": {k: err(med["speed_matched"][k], med["server"][k]) for k in med["sim"]},
+             "client_vs_server": {k: err(med["client"][k], med["server"][k]) for k in med["sim"]}}
+        per_policy[pol] = {"median": med, "error_pct": e,
+                           "median_abs_error_pct": {name: statistics.median(abs(v) for v in d.values() if v is not None)
+                                                    for name, d in e.items()},
+                           "max_abs_error_pct": {name: max(abs(v) for v in d.values() if v is not None)
+                                                 for name, d in e.items()},
+                           "runs": rs}
+    return per_policy
 
 
 def main() -> None:
@@ -121,8 +176,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", help="cost profile (default: the default calibration, made here)")
+    ap.add_argument("--rescore", metavar="JSON", help="run no server: score a recorded result's runs again from "
+                                                      "their run directories (beside its profile, while they exist)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_fidelity.json"))
     args = ap.parse_args()
+    if args.rescore:
+        rec = json.loads(Path(args.rescore).read_text())
+        work = Path(rec["profile"]).parent
+        runs = {pol: [score(pol, r["round"], work / r.get("dir", f"{pol}-{r['round']}"), rec["profile"],
+                            r["client"], r["finished"]["client"], r["output_tokens"]["client"])
+                      for r in v["runs"]] for pol, v in rec["per_policy"].items()}
+        rec["per_policy"] = aggregate(runs)
+        rec["rescored"] = True
+        return report(rec, args.out)
     t_all = time.perf_counter()
 
     import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -156,46 +222,31 @@ def main() -> None:
                 stdout, stderr = proc.communicate(timeout=300)
             if proc.returncode != 0:
                 raise SystemExit(f"serve --policy {pol} exited {proc.returncode}: {stderr}")
-            server = json.loads((out / "summary.json").read_text())
-            sim = schedlab.simulate(pol, str(out / "trace.json"), profile=profile)
-            client = client_summary(rows)
-            run = {"round": k, "client": figures(client), "server": figures(server), "sim": figures(sim.summary),
-                   "finished": {"client": client["finished"], "server": server["finished"],
-                                "sim": sim.summary["finished"]},
-                   "output_tokens": {"client": client["total_output_tokens"],
-                                     "server": server["total_output_tokens"],
-                                     "sim": sim.summary["total_output_tokens"]},
-                   "step_bias": (json.loads((out / "meta.json").read_text()).get("step_bias") or {}).get("median")}
+            c = client_summary(rows)
+            run = score(pol, k, out, profile, figures(c), c["finished"], c["total_output_tokens"])
             runs[pol].append(run)
             print(f"round {k} {pol:16s} TTFT p50 client {run['client']['ttft_ms.p50']:.0f} / server "
                   f"{run['server']['ttft_ms.p50']:.0f} / sim {run['sim']['ttft_ms.p50']:.0f} ms, makespan "
                   f"{run['client']['makespan_s']:.2f} / {run['server']['makespan_s']:.2f} / "
-                  f"{run['sim']['makespan_s']:.2f} s", file=sys.stderr)
-
-    per_policy = {}
-    for pol, rs in runs.items():
-        med = {side: {key: statistics.median(r[side][key] for r in rs if r[side][key] is not None)
-                      for key, _, _ in METRICS} for side in ("client", "server", "sim")}
-        e = {"sim_vs_client": {k: err(med["sim"][k], med["client"][k]) for k in med["sim"]},
-             "sim_vs_server": {k: err(med["sim"][k], med["server"][k]) for k in med["sim"]},
-             "client_vs_server": {k: err(med["client"][k], med["server"][k]) for k in med["sim"]}}
-        per_policy[pol] = {"median": med, "error_pct": e,
-                           "median_abs_error_pct": {name: statistics.median(abs(v) for v in d.values() if v is not None)
-                                                    for name, d in e.items()},
-                           "max_abs_error_pct": {name: max(abs(v) for v in d.values() if v is not None)
-                                                 for name, d in e.items()},
-                           "runs": rs}
+                  f"{run['sim']['makespan_s']:.2f} s, speed {run['speed']:.3f}", file=sys.stderr)
     result = {"benchmark": "serve_fidelity", "model": args.model, "trace": args.trace, "seed": args.seed,
               "requests": len(tr.requests), "rounds": args.rounds, "profile": profile, "calibration": calibration,
               "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
-              "per_policy": per_policy, "wall_s": round(time.perf_counter() - t_all, 1)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'policy':16s} {'sim vs client':>16s} {'sim vs server':>16s} {'client vs server':>18s}   (median / worst |error| %)")
-    for pol, v in per_policy.items():
+              "per_policy": aggregate(runs), "wall_s": round(time.perf_counter() - t_all, 1)}
+    report(result, args.out)
+
+
+def report(result: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'policy':16s} {'sim vs client':>16s} {'sim vs server':>16s} {'matched vs server':>18s} "
+          f"{'client vs server':>18s}   (median / worst |error| %)   runs' speed")
+    for pol, v in result["per_policy"].items():
         m, w = v["median_abs_error_pct"], v["max_abs_error_pct"]
         print(f"{pol:16s} {m['sim_vs_client']:7.1f} / {w['sim_vs_client']:5.1f}  {m['sim_vs_server']:7.1f} / "
-              f"{w['sim_vs_server']:5.1f}  {m['client_vs_server']:9.1f} / {w['client_vs_server']:5.1f}")
+              f"{w['sim_vs_server']:5.1f}  {m['speed_matched_vs_server']:9.1f} / {w['speed_matched_vs_server']:5.1f}  "
+              f"{m['client_vs_server']:9.1f} / {w['client_vs_server']:5.1f}   "
+              + " ".join(f"{r['speed']:.3f}" for r in v["runs"]))
 
 
 if __name__ == "__main__":
