@@ -379,3 +379,26 @@ def test_serve_says_so_when_its_port_is_taken(smol):
         r = subprocess.run([str(BIN / "serve"), "--policy", "vllm", "--no-calibrate", "-q", "--port", str(port)],
                            capture_output=True, text=True, timeout=180)
     assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_fidelity_bench_measures_as_vllm_bench_serve_does():
+    """bench/serve_fidelity.py's client figures: TTFT to the first content chunk, ITL between
+    chunks, TPOT over the tokens after the first, E2E to the end, makespan first send to last end."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.serve_fidelity import aggregate, client_summary, err
+
+    rows = [{"sent_s": 0.0, "chunks_s": [0.5, 0.6, 0.8], "end_s": 0.9, "tokens": 3},
+            {"sent_s": 1.0, "chunks_s": [1.2], "end_s": 1.2, "tokens": 1}]
+    s = client_summary(rows)
+    assert s["ttft_ms"]["p50"] == pytest.approx(350.0) and s["ttft_ms"]["mean"] == pytest.approx(350.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(150.0) and s["itl_ms"]["p50"] == pytest.approx(150.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(200.0)  # (0.9 - 0.5) / 2; a one-token answer has none
+    assert s["e2e_ms"]["p50"] == pytest.approx(550.0) and s["makespan_s"] == pytest.approx(1.2)
+    assert s["output_throughput_tok_s"] == pytest.approx(4 / 1.2) and s["total_output_tokens"] == 4
+    assert err(110.0, 100.0) == pytest.approx(10.0) and err(None, 1.0) is None and err(1.0, 0.0) is None
+    fig = {k: 10.0 for k in ("ttft_ms.p50", "ttft_ms.p90", "ttft_ms.p99", "itl_ms.p50", "itl_ms.p99", "tpot_ms.p50",
+                             "e2e_ms.p50", "output_throughput_tok_s", "makespan_s")}
+    run = {"client": fig, "server": fig, "sim": {k: 11.0 for k in fig}, "speed_matched": fig}
+    agg = aggregate({"p": [run, dict(run, sim={k: 13.0 for k in fig})]})["p"]
+    assert agg["median_abs_error_pct"]["sim_vs_server"] == pytest.approx(20.0)  # the rounds' median 12 vs 10
+    assert agg["max_abs_error_pct"]["speed_matched_vs_server"] == 0.0
