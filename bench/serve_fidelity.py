@@ -107,22 +107,20 @@ def client_summary(rows: list[dict]) -> dict:
             "total_output_tokens": out_tokens, "finished": len(rows)}
 
 
-def speed_matched(policy: str, served: Path, profile: str) -> tuple[float, dict]:
-    """(the run's speed, the simulation of its served trace at that speed): every pass and the
-    scheduler's work that many times the profile's seconds, the policy planning with the profile."""
-    import pandas as pd
-
+def simulations(policy: str, served: Path, profile: str, speed: float) -> tuple[dict, dict]:
+    """Summaries of the served trace simulated as ``simulate`` does it, and again at ``speed``
+    (every pass and the scheduler's work that many times the profile's seconds, the policy
+    planning with the profile: ``validate``'s speed-matched)."""
     import schedlab
     from sim import run as run_loop, summarize
     from sim.backend import SimBackend
 
-    steps = pd.read_parquet(served / "steps.parquet", columns=["measured_s", "predicted_s"])
-    speed = float(steps["measured_s"].sum() / steps["predicted_s"].sum())
     cm = schedlab.cost_model(profile)
     tr = schedlab.load_trace(str(served / "trace.json"))
-    res = run_loop(tr.requests, schedlab.policy(policy), cm.model, kv_capacity=cm.kv_tokens, trace_name=tr.name,
-                   block_size=16, backend=SimBackend(cm.model, time_scale=speed))
-    return speed, summarize(res)
+    return tuple(summarize(run_loop(tr.requests, schedlab.policy(policy), cm.model, kv_capacity=cm.kv_tokens,
+                                    trace_name=tr.name, block_size=16,
+                                    backend=SimBackend(cm.model, time_scale=f)))
+                 for f in (1.0, speed))
 
 
 def figures(summary: dict) -> dict:
@@ -137,17 +135,16 @@ def score(pol: str, k: int, out: Path, profile: str, client: dict, finished: int
     """One run's record: the client's figures (``client``: the nine metrics; ``finished``
     requests, output ``tokens``), the server's and the simulations' (plain, and at the run's own
     speed) from its run directory ``out``."""
-    import schedlab
-
     server = json.loads((out / "summary.json").read_text())
-    sim = schedlab.simulate(pol, str(out / "trace.json"), profile=profile)
-    speed, matched = speed_matched(pol, out, profile)
+    bias = json.loads((out / "meta.json").read_text())["step_bias"]  # the server's steps, as run-real records them
+    speed = bias["measured_s"] / bias["predicted_s"]  # the run's own speed (api.run_speed's figure)
+    sim, matched = simulations(pol, out, profile, speed)
     return {"round": k, "dir": out.name, "client": client, "server": figures(server),
-            "sim": figures(sim.summary), "speed_matched": figures(matched), "speed": round(speed, 4),
-            "finished": {"client": finished, "server": server["finished"], "sim": sim.summary["finished"]},
+            "sim": figures(sim), "speed_matched": figures(matched), "speed": round(speed, 4),
+            "finished": {"client": finished, "server": server["finished"], "sim": sim["finished"]},
             "output_tokens": {"client": tokens, "server": server["total_output_tokens"],
-                              "sim": sim.summary["total_output_tokens"]},
-            "step_bias": (json.loads((out / "meta.json").read_text()).get("step_bias") or {}).get("median")}
+                              "sim": sim["total_output_tokens"]},
+            "step_bias": bias["median"]}
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict:
