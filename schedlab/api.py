@@ -593,25 +593,34 @@ def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype
     model generated, ``run.features`` and ``run.residuals()`` the steps' measured/predicted.
     ``log(kind, message)`` hears progress, notes and warnings (default: warnings as
     ``SchedlabWarning``); ``on_step(finished, requests)`` is called after every step."""
-    import engine  # noqa: F401  (OpenBLAS before mlx)
-    from engine.sampling import parse_sampling
-
     log = _logger(log)
     seed, model_seed = _seed(seed), _seed(model_seed, "model_seed")
-    pol = _policy(policy, options)
+    pol, sampler = _real_checks(policy, options, model, dtype, sampling, kv_tokens, block_size)
     slos = _slo(slo)
-    _check_model(model, dtype)
-    sampler = parse_sampling(sampling)
-    _check_kv_tokens(kv_tokens)
-    from .common import check_client_options, check_kv_layout, parse_rate
+    from .common import check_client_options, parse_rate
 
-    check_kv_layout(block_size)
     check_client_options(max_concurrency, parse_rate(None if request_rate is None else str(request_rate)),
                          burstiness, think_time)  # bad client options fail before the model loads
     clients = (block_size, bool(prefix_caching), max_concurrency, request_rate, burstiness, think_time)
     with _noise(noise) as settings:
         return _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv_tokens, seed,
                          ignore_eos, model_seed, settings, log, on_step, clients)
+
+
+def _real_checks(policy, options, model, dtype, sampling, kv_tokens, block_size):
+    """(policy, sampler): what run-real and serve check before a model loads (policy and its
+    options, model spec, sampling, KV capacity and block size)."""
+    import engine  # noqa: F401  (OpenBLAS before mlx)
+    from engine.sampling import parse_sampling
+
+    from .common import check_kv_layout
+
+    pol = _policy(policy, options)
+    _check_model(model, dtype)
+    sampler = parse_sampling(sampling)
+    _check_kv_tokens(kv_tokens)
+    check_kv_layout(block_size)
+    return pol, sampler
 
 
 def _real_cost_checked(profile, kv_tokens, no_calibrate, info, log: Log, notes: list[str]):

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import typer
 from fastapi import Request as HTTPRequest  # (module level: FastAPI resolves handler annotations here)
@@ -583,16 +583,7 @@ def serve(
 
 def _serve(api, policy, options, model, dtype, host, port, served_model_name, max_tokens, profile, no_calibrate,
            kv_tokens, block_size, prefix_caching, sampling, seed, model_seed, out, noise, log):
-    import engine  # noqa: F401  (OpenBLAS before mlx)
-    from engine.sampling import parse_sampling
-
-    from .common import check_kv_layout
-
-    pol = api._policy(policy, options)
-    api._check_model(model, dtype)
-    sampler = parse_sampling(sampling)
-    api._check_kv_tokens(kv_tokens)
-    check_kv_layout(block_size)
+    pol, sampler = api._real_checks(policy, options, model, dtype, sampling, kv_tokens, block_size)
     if profile is not None:
         api._profile_path(profile)
     import uvicorn

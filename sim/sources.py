@@ -198,10 +198,6 @@ class LiveSource:
         self._running = False
         self._closed = False
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (any ``arrival_s``: it is stamped now); returns it as stamped.
         ``SourceClosed`` before the clock runs or after ``close()``."""
