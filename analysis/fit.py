@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from sim.cost import (DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, SHAPE_TERMS,
+from schedlab.sim.cost import (DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, SHAPE_TERMS,
                       LinearCostModel, fit_linear, shape_features)
 
 DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
@@ -190,7 +190,7 @@ def format_report(profile: dict[str, Any]) -> str:
     if rep.get("held_out_passes"):
         lines += _grid_lines(rep)
     if profile.get("runs_report"):
-        from analysis.runfit import format_runs_report
+        from schedlab.analysis.runfit import format_runs_report
 
         lines.append(format_runs_report(profile["runs_report"]))
     lines.append("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in profile["coefficients"].items() if v))

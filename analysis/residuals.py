@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from analysis.runfit import step_predictions
+from schedlab.analysis.runfit import step_predictions
 
 # (name, column, bins as (label, lo, hi) with lo <= x < hi); None column: computed below
 BINS: tuple[tuple[str, str, tuple[tuple[str, float, float], ...]], ...] = (

@@ -55,10 +55,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sim.cost import DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls
-from analysis.fit import DECODE_TERMS, PREFILL_TERMS, Sample
-from sim.features import STEP_TERMS, read_features
-from sim.jitter import JitterError, StepJitter
+from schedlab.sim.cost import DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls
+from schedlab.analysis.fit import DECODE_TERMS, PREFILL_TERMS, Sample
+from schedlab.sim.features import STEP_TERMS, read_features
+from schedlab.sim.jitter import JitterError, StepJitter
 
 DECODE, PREFILL = DECODE_TERMS, PREFILL_TERMS  # the grid fit's groups
 COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")

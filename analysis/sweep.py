@@ -43,7 +43,7 @@ DEFAULT_ATTAINMENT = 0.9
 
 def rescale(trace, rps: float):
     """The trace with arrival times scaled so its mean rate is ``rps`` (first arrival at 0)."""
-    from traces import to_rate
+    from schedlab.traces import to_rate
 
     return to_rate(trace, rps)
 
@@ -95,11 +95,11 @@ DEFAULT_SETTINGS = {"block_size": 1, "prefix_caching": False, "request_rate": No
 def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, float] | None,
             settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Simulate one (policy, rate, concurrency); any failure becomes the row's ``error`` (one line)."""
-    from policies import make_policy
+    from schedlab.policies import make_policy
 
-    from sim.loop import run
-    from sim.metrics import summarize
-    from sim.sources import clients
+    from schedlab.sim.loop import run
+    from schedlab.sim.metrics import summarize
+    from schedlab.sim.sources import clients
 
     st = {**DEFAULT_SETTINGS, **(settings or {})}
     label = job.policy if isinstance(job.policy, str) else str(job.policy)

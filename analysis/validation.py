@@ -176,7 +176,7 @@ def format_table(v: Mapping[str, Any]) -> str:
                      f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %")
     sb = v.get("step_bias")
     if sb:
-        from analysis.residuals import bias_line
+        from schedlab.analysis.residuals import bias_line
 
         lines.append(bias_line(sb).replace("cost model on this run", "cost model on the real runs"))
     speed = speed_line(v.get("machine_speed"))

@@ -23,8 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.runfit import step_predictions  # noqa: E402
-from sim.features import read_features, steps_since_wake  # noqa: E402
+from schedlab.analysis.runfit import step_predictions  # noqa: E402
+from schedlab.sim.features import read_features, steps_since_wake  # noqa: E402
 
 STEP_BINS = ((1, 1), (2, 2), (3, 3), (4, 5), (6, 10), (11, 20), (21, 40), (41, 80), (81, 10**9))
 TIME_BINS = ((0.0, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 0.4), (0.4, 0.8), (0.8, 1e9))

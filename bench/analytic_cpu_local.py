@@ -55,14 +55,14 @@ def loadavg() -> list[float]:
 
 def pass_level(model: str) -> dict:
     """Pass errors of the linear profile and of the roofline fitted to the same samples."""
-    import engine  # noqa: F401  (OpenBLAS before anything else)
-    from engine.models import preset_config
-    from analysis.analytic import fit_efficiency
-    from analysis.analytic.hardware import DEFAULT_EFFICIENCY, Efficiency, load_hardware
-    from analysis.analytic.local import PASS_GROUPS, _errors, fit_local, shape_from_sample, split_passes
-    from analysis.analytic.modelspec import model_spec
-    from analysis.analytic.roofline import AnalyticCostModel
-    from sim.profiles import bundled_profiles
+    from schedlab import engine  # noqa: F401  (OpenBLAS before anything else)
+    from schedlab.engine.models import preset_config
+    from schedlab.analysis.analytic import fit_efficiency
+    from schedlab.analysis.analytic.hardware import DEFAULT_EFFICIENCY, Efficiency, load_hardware
+    from schedlab.analysis.analytic.local import PASS_GROUPS, _errors, fit_local, shape_from_sample, split_passes
+    from schedlab.analysis.analytic.modelspec import model_spec
+    from schedlab.analysis.analytic.roofline import AnalyticCostModel
+    from schedlab.sim.profiles import bundled_profiles
 
     prof = next((json.loads(p.read_text()) for p in bundled_profiles()
                  if json.loads(p.read_text()).get("model") == model), None)
@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--skip-runs", action="store_true", help="only the pass-level comparison")
     args = ap.parse_args()
 
-    from policies import POLICIES
+    from schedlab.policies import POLICIES
 
     policies = list(POLICIES) if args.policies == "all" else [p.strip() for p in args.policies.split(",")]
     work = args.work or Path(tempfile.mkdtemp(prefix="analytic_cpu_local_"))

@@ -33,15 +33,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.runfit import step_predictions  # noqa: E402
-from sim.features import read_features  # noqa: E402
+from schedlab.analysis.runfit import step_predictions  # noqa: E402
+from schedlab.sim.features import read_features  # noqa: E402
 
 CALIBRATE = """
 import sys, time, json
 sys.path.insert(0, sys.argv[1])
-import engine  # OpenBLAS before mlx
-from engine.models import load_model
-from engine.calibrate import calibrate_default, write_profile
+from schedlab import engine  # OpenBLAS before mlx
+from schedlab.engine.models import load_model
+from schedlab.engine.calibrate import calibrate_default, write_profile
 t = time.perf_counter()
 write_profile(calibrate_default(load_model(sys.argv[2])), sys.argv[3])
 print(round(time.perf_counter() - t, 1))

@@ -32,10 +32,10 @@ BLOCK_SIZE = 16
 
 
 def measure(workers: int | None) -> dict:
-    import traces
-    from analysis.sweep import sweep
-    from sim.cost import LinearCostModel
-    from sim.profiles import resolve_profile
+    from schedlab import traces
+    from schedlab.analysis.sweep import sweep
+    from schedlab.sim.cost import LinearCostModel
+    from schedlab.sim.profiles import resolve_profile
 
     profile = resolve_profile(None)
     cm = LinearCostModel.from_profile(profile)

@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (loads BLAS before mlx)
-from engine import blas  # noqa: E402
-from engine.calibrate import DECODE_WARM, Rig, batch_contexts, measure_decode, measure_prefill  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from policies.base import Pass  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (loads BLAS before mlx)
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.calibrate import DECODE_WARM, Rig, batch_contexts, measure_decode, measure_prefill  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
+from schedlab.policies.base import Pass  # noqa: E402
 
 SHAPES = ((1, 60), (1, 600), (2, 60), (2, 600), (4, 60), (4, 600), (16, 60), (16, 600))
 LATE_FROM = 6  # positions (0-based, after the join) from which a pass counts as late

@@ -30,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from analysis.runfit import errors, load_runs, predict  # noqa: E402
-from engine import blas  # noqa: E402
-from engine.calibrate import calibrate_default, grid_coefficients, record_replay, write_profile  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from sim.cost import LinearCostModel, read_profile  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from schedlab.analysis.runfit import errors, load_runs, predict  # noqa: E402
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.calibrate import calibrate_default, grid_coefficients, record_replay, write_profile  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
+from schedlab.sim.cost import LinearCostModel, read_profile  # noqa: E402
 
 
 def score(coef: dict, dirs) -> dict:

@@ -34,20 +34,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402  (OpenBLAS before mlx)
-from engine import blas  # noqa: E402
-from engine.backend import MLXBackend, prompt_ids  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from schedlab import engine  # noqa: E402  (OpenBLAS before mlx)
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.backend import MLXBackend, prompt_ids  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
 
-import traces  # noqa: E402
-from policies.mlx_default import MlxDefault  # noqa: E402
-from sim.cost import LinearCostModel  # noqa: E402
-from sim.loop import run  # noqa: E402
-from traces.schema import Request  # noqa: E402
+from schedlab import traces  # noqa: E402
+from schedlab.policies.mlx_default import MlxDefault  # noqa: E402
+from schedlab.sim.cost import LinearCostModel  # noqa: E402
+from schedlab.sim.loop import run  # noqa: E402
+from schedlab.traces.schema import Request  # noqa: E402
 
 
 def metrics(arrivals: dict, times: dict, outputs: dict) -> dict:

@@ -73,13 +73,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-import traces  # noqa: E402
-from engine import blas  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from policies import POLICIES, make_policy  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from schedlab import traces  # noqa: E402
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
+from schedlab.policies import POLICIES, make_policy  # noqa: E402
 from schedlab.validate import validate_many  # noqa: E402
-from sim.cost import FEATURES, LinearCostModel  # noqa: E402
+from schedlab.sim.cost import FEATURES, LinearCostModel  # noqa: E402
 
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
 # Long enough that a tail percentile is not one request's or one interval's luck (150
@@ -136,7 +136,7 @@ def main() -> None:
                     "analysis.runfit.CANDIDATES) fitted whether or not the replay's held-out score keeps them")
     args = ap.parse_args()
     if args.noise is not None:
-        from engine.noise import ENV, Noise
+        from schedlab.engine.noise import ENV, Noise
 
         Noise.parse(args.noise)
         os.environ[ENV] = args.noise
@@ -159,7 +159,7 @@ def main() -> None:
         raise SystemExit("--without goes with --rescore DIR --refit")
     if set(without) - set(FEATURES):
         raise SystemExit(f"--without: unknown cost term(s) {', '.join(sorted(set(without) - set(FEATURES)))}")
-    from analysis.runfit import CANDIDATES
+    from schedlab.analysis.runfit import CANDIDATES
 
     force = tuple(t for t in (args.force or "").split(",") if t)
     if force and not args.refit:
@@ -218,7 +218,7 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
         path = Path(args.profile)
         cal = {"kind": "given", "profile": str(path)}
     else:
-        from engine.calibrate import calibrate_default, write_profile
+        from schedlab.engine.calibrate import calibrate_default, write_profile
 
         print(f"{model}: default calibration (quick grid + real replay) ...", flush=True)
         t0 = time.perf_counter()
@@ -268,7 +268,7 @@ def kept_traces(kept: Path, model: str) -> list[tuple[str, int]]:
 
 def kept_replay(kept: Path) -> list:
     """The replay runs a ``--keep`` run kept of its default calibration (``analysis.runfit`` runs)."""
-    from analysis.runfit import load_runs
+    from schedlab.analysis.runfit import load_runs
 
     if not (kept / "replay").is_dir():
         raise SystemExit(f"{kept / 'replay'}: no kept replay runs")
@@ -281,9 +281,9 @@ def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without
     grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them. The
     ``without`` terms' features are zeroed in both first: every fit leaves a term whose feature
     is 0 throughout at 0."""
-    from analysis.runfit import profile_from_runs
+    from schedlab.analysis.runfit import profile_from_runs
     from bench.drift import _grid_coefficients
-    from engine.calibrate import write_profile
+    from schedlab.engine.calibrate import write_profile
 
     prof = json.loads(path.read_text())
     runs = kept_replay(kept)
@@ -316,12 +316,12 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
     the new profile."""
     from types import SimpleNamespace
 
-    from analysis.residuals import bias, concat
-    from analysis.runfit import load_runs, step_predictions
-    from analysis.validation import compare, median_summary, step_errors
+    from schedlab.analysis.residuals import bias, concat
+    from schedlab.analysis.runfit import load_runs, step_predictions
+    from schedlab.analysis.validation import compare, median_summary, step_errors
     from schedlab.api import run_speed, speed_matched
-    from sim import run, summarize
-    from sim.backend import SimBackend
+    from schedlab.sim import run, summarize
+    from schedlab.sim.backend import SimBackend
 
     path = kept / "profile.json"
     if not path.is_file():
@@ -337,8 +337,8 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
     capacity = int(cost.meta.get("kv_tokens", 262144))
     jit = None
     if jitter:
-        from analysis.runfit import step_jitter
-        from sim.jitter import StepJitter
+        from schedlab.analysis.runfit import step_jitter
+        from schedlab.sim.jitter import StepJitter
 
         if cost.meta.get("step_jitter"):
             jit = StepJitter.from_dict(cost.meta["step_jitter"])
@@ -399,7 +399,7 @@ def _drift_again(v: dict, old: dict, make, pname: str, tr, cost, capacity, reals
     profile was fitted again)."""
     from collections import namedtuple
 
-    from analysis.runfit import step_predictions
+    from schedlab.analysis.runfit import step_predictions
     from schedlab.api import drift_adjusted, ends_only
 
     ms = old["machine_speed"]
@@ -516,7 +516,7 @@ def hold_one_out_overall(rows: list[dict]) -> dict | None:
     against the others' median, the simulation's error beside a real run's own
     (``analysis.validation.hold_one_out``) — median over the rows of each row's median and worst
     over metrics, and in how many rows the simulation is no further off than a real run."""
-    from analysis.validation import repeat_summary
+    from schedlab.analysis.validation import repeat_summary
 
     got = [h for h in (repeat_summary(r["metrics"]) for r in rows) if h]
     if not got:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.fidelity import _parse_traces, rescore_model  # noqa: E402
 from bench.jitter import _digest, kept_models  # noqa: E402
-from policies import POLICIES  # noqa: E402
+from schedlab.policies import POLICIES  # noqa: E402
 
 # "either": both tried, the better on the held-out replay runs kept (the choice before joint became
 # the default); then each alone

@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from analysis.analytic import make_analytic_cost_model  # noqa: E402
-from policies.base import PassShape  # noqa: E402
+from schedlab.analysis.analytic import make_analytic_cost_model  # noqa: E402
+from schedlab.policies.base import PassShape  # noqa: E402
 
 VARIANTS = ("fused_graph", "graph", "eager")
 
@@ -82,7 +82,7 @@ def summarize(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 def fits(cost: Any, rows: list[dict[str, Any]], variant: str) -> dict[str, Any]:
     """The roofline's factors fitted to these passes (information only)."""
-    from analysis.analytic import fit_efficiency
+    from schedlab.analysis.analytic import fit_efficiency
 
     samples = [{"shape": r["_shape"], "seconds": r["measured_ms"][variant] / 1e3, "label": r["name"]}
                for r in rows if variant in r["measured_ms"]]

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.fidelity import kept_replay, kept_traces, rescore_model  # noqa: E402
-from policies import POLICIES  # noqa: E402
+from schedlab.policies import POLICIES  # noqa: E402
 
 
 def kept_models(kept_dirs: str, models: str, overrides: dict):
@@ -51,8 +51,8 @@ def spread_by_size(kept: Path) -> list[dict]:
     relative (the same ratios for small and large steps) or not?"""
     import numpy as np
 
-    from analysis.runfit import predict
-    from sim.cost import LinearCostModel
+    from schedlab.analysis.runfit import predict
+    from schedlab.sim.cost import LinearCostModel
 
     coef = dict(LinearCostModel.from_profile(kept / "profile.json").coefficients)
     runs = kept_replay(kept)

@@ -42,13 +42,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from engine import blas  # noqa: E402
-from engine.calibrate import Rig, batch_contexts  # noqa: E402
-from engine.errors import EngineError  # noqa: E402
-from engine.models import load_model  # noqa: E402
-from engine.noise import Noise  # noqa: E402
-from policies.base import Pass  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.calibrate import Rig, batch_contexts  # noqa: E402
+from schedlab.engine.errors import EngineError  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
+from schedlab.engine.noise import Noise  # noqa: E402
+from schedlab.policies.base import Pass  # noqa: E402
 
 BATCHES = (4, 8, 16)
 CONTEXTS = {"tiny": (400, 800, 1600)}  # other models: (300, 600, 1000)

@@ -38,15 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from analysis.runfit import load_runs, profile_from_runs  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from schedlab.analysis.runfit import load_runs, profile_from_runs  # noqa: E402
 from bench.drift import _grid_coefficients  # noqa: E402
 from bench.regime import CASES  # noqa: E402
-from engine import blas  # noqa: E402
-from engine.calibrate import calibrate_default, record_replay, write_profile  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.calibrate import calibrate_default, record_replay, write_profile  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
 from schedlab import api  # noqa: E402
-from sim.cost import LinearCostModel  # noqa: E402
+from schedlab.sim.cost import LinearCostModel  # noqa: E402
 
 LONG_PROMPT = 2048
 PROFILES = ("A", "A_measured", "B", "C")

@@ -51,7 +51,7 @@ POLICIES = (("mlx-default", {}), ("prefer-prefill", {}), ("static", {"batch_size
 
 
 def register_shapes() -> None:
-    from engine import models
+    from schedlab.engine import models
 
     for name, cfg in SHAPES.items():
         models.PRESETS.setdefault(name, dict((k, v) for k, v in cfg.items() if k != "rope_theta"))
@@ -59,7 +59,7 @@ def register_shapes() -> None:
 
 def load(spec: str, dtype: str):
     register_shapes()
-    from engine.models import load_model
+    from schedlab.engine.models import load_model
 
     t0 = time.perf_counter()
     info = load_model(spec, dtype=dtype)  # (presets keep the engine's rope_theta: values, not times)
@@ -75,7 +75,7 @@ def write(out: str, data: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- env
 
 def cmd_env(args) -> dict[str, Any]:
-    import engine  # noqa: F401
+    from schedlab import engine  # noqa: F401
     import mlx.core as mx
     import mlx_lm
 
@@ -124,7 +124,7 @@ def cmd_env(args) -> dict[str, Any]:
 # -------------------------------------------------------------------------- greedy
 
 def test_trace():
-    from traces.schema import Request
+    from schedlab.traces.schema import Request
 
     rows = [("a", 0.0, 300, 60), ("b", 0.0, 10, 45), ("c", 0.0, 129, 1), ("d", 0.0, 64, 30),
             ("e", 0.0, 1, 12), ("f", 0.005, 257, 20), ("g", 0.02, 77, 25), ("h", 0.03, 200, 2),
@@ -133,12 +133,12 @@ def test_trace():
 
 
 def cmd_greedy(args) -> dict[str, Any]:
-    import engine  # noqa: F401
-    from engine.backend import MLXBackend, reference_tokens
-    from engine.sampling import prompt_ids
-    from policies import make_policy
-    from sim.cost import LinearCostModel
-    from sim.loop import run
+    from schedlab import engine  # noqa: F401
+    from schedlab.engine.backend import MLXBackend, reference_tokens
+    from schedlab.engine.sampling import prompt_ids
+    from schedlab.policies import make_policy
+    from schedlab.sim.cost import LinearCostModel
+    from schedlab.sim.loop import run
 
     info, load_s = load(args.model, args.dtype)
     trace = test_trace()
@@ -191,9 +191,9 @@ def shape_json(shape) -> dict[str, Any]:
 
 
 def cmd_passes(args) -> dict[str, Any]:
-    import engine  # noqa: F401
-    from engine.calibrate import Rig
-    from policies.base import Pass
+    from schedlab import engine  # noqa: F401
+    from schedlab.engine.calibrate import Rig
+    from schedlab.policies.base import Pass
 
     info, load_s = load(args.model, args.dtype)
     rig = Rig(info)
@@ -259,8 +259,8 @@ def cmd_passes(args) -> dict[str, Any]:
 
 
 def cmd_checkpoint(args) -> dict[str, Any]:
-    import engine  # noqa: F401
-    from engine.models import save_checkpoint
+    from schedlab import engine  # noqa: F401
+    from schedlab.engine.models import save_checkpoint
 
     info, load_s = load(args.preset, args.dtype)
     t0 = time.perf_counter()

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from analysis.analytic import predict_pass  # noqa: E402
-from analysis.analytic.local import shape_from_sample  # noqa: E402
+from schedlab.analysis.analytic import predict_pass  # noqa: E402
+from schedlab.analysis.analytic.local import shape_from_sample  # noqa: E402
 
 ENGINES = ("vllm", "llama.cpp")
 BASE = {"model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 32768,

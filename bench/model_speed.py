@@ -27,14 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from engine import blas  # noqa: E402
-from engine.backend import MLXBackend  # noqa: E402
-from engine.models import load_model  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from schedlab.engine import blas  # noqa: E402
+from schedlab.engine.backend import MLXBackend  # noqa: E402
+from schedlab.engine.models import load_model  # noqa: E402
 
-from policies.base import Pass, Plan  # noqa: E402
-from sim.state import ReplicaState  # noqa: E402
-from traces.schema import Request  # noqa: E402
+from schedlab.policies.base import Pass, Plan  # noqa: E402
+from schedlab.sim.state import ReplicaState  # noqa: E402
+from schedlab.traces.schema import Request  # noqa: E402
 
 
 class Driver:

@@ -37,9 +37,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from engine import blas  # noqa: E402
-from analysis.validation import METRICS, _get  # noqa: E402
+from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
+from schedlab.engine import blas  # noqa: E402
+from schedlab.analysis.validation import METRICS, _get  # noqa: E402
 from schedlab import api  # noqa: E402
 
 

@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
 
-from analysis.validation import METRICS, _get  # noqa: E402
-from sim.metrics import dist  # noqa: E402
+from schedlab.analysis.validation import METRICS, _get  # noqa: E402
+from schedlab.sim.metrics import dist  # noqa: E402
 
 DEFAULT_TRACE = "sonnet:n=20,input_len=200,output_len=48,prefix_len=50,rate=1.5"
 
@@ -112,8 +112,8 @@ def simulations(policy: str, served: Path, profile: str, speed: float) -> tuple[
     (every pass and the scheduler's work that many times the profile's seconds, the policy
     planning with the profile: ``validate``'s speed-matched)."""
     import schedlab
-    from sim import run as run_loop, summarize
-    from sim.backend import SimBackend
+    from schedlab.sim import run as run_loop, summarize
+    from schedlab.sim.backend import SimBackend
 
     cm = schedlab.cost_model(profile)
     tr = schedlab.load_trace(str(served / "trace.json"))
@@ -188,9 +188,9 @@ def main() -> None:
         return report(rec, args.out)
     t_all = time.perf_counter()
 
-    import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
     import schedlab
-    from engine.models import load_model
+    from schedlab.engine.models import load_model
 
     info = load_model(args.model)
     tr = schedlab.load_trace(args.trace, seed=args.seed, tokenizer=info.tokenizer)
@@ -198,7 +198,7 @@ def main() -> None:
     calibration = None
     profile = args.profile
     if profile is None:
-        from engine.calibrate import calibrate_default, write_profile
+        from schedlab.engine.calibrate import calibrate_default, write_profile
 
         t = time.perf_counter()
         profile = str(work / "profile.json")

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.fit import DECODE_BASE, PREFILL_BASE, Sample, _loo_median, shape_terms  # noqa: E402
-from sim.cost import DECODE_SHAPE_TERMS, PREFILL_SHAPE_TERMS  # noqa: E402
+from schedlab.analysis.fit import DECODE_BASE, PREFILL_BASE, Sample, _loo_median, shape_terms  # noqa: E402
+from schedlab.sim.cost import DECODE_SHAPE_TERMS, PREFILL_SHAPE_TERMS  # noqa: E402
 
 _DECODE = re.compile(r"^B=(\d+) C=(\d+)")
 _PREFILL = re.compile(r"^n=(\d+) c=(\d+)")

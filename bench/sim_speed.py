@@ -35,11 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import traces  # noqa: E402
-from policies import POLICIES, make_policy  # noqa: E402
-from sim import run, summarize  # noqa: E402
-from sim.cost import DEFAULT_KV_TOKENS, LinearCostModel  # noqa: E402
-from sim.profiles import resolve_profile  # noqa: E402
+from schedlab import traces  # noqa: E402
+from schedlab.policies import POLICIES, make_policy  # noqa: E402
+from schedlab.sim import run, summarize  # noqa: E402
+from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel  # noqa: E402
+from schedlab.sim.profiles import resolve_profile  # noqa: E402
 
 TARGET_SPEEDUP = 500.0
 TARGET_CLI_S = 3.0
@@ -69,7 +69,7 @@ def _ask(tree: Path, code: str) -> str:
 
 def _policies(tree: Path) -> set[str]:
     """The bundled policy names of another checkout."""
-    return set(_ask(tree, "from policies import POLICIES; print(','.join(POLICIES))").split(","))
+    return set(_ask(tree, "from schedlab.policies import POLICIES; print(','.join(POLICIES))").split(","))
 
 
 def _typer(tree: Path) -> str:
@@ -98,7 +98,7 @@ def main() -> None:
     cost = LinearCostModel.from_profile(profile)
     capacity = int(cost.meta.get("kv_tokens", DEFAULT_KV_TOKENS))
     tr = traces.load(args.trace)
-    from analysis.analytic import make_analytic_cost_model
+    from schedlab.analysis.analytic import make_analytic_cost_model
 
     h100, h100_cap, _ = make_analytic_cost_model("h100-sxm", "llama-3.1-8b", 16)
     h100_args = ["--hardware", "h100-sxm", "--model-config", "llama-3.1-8b", "--quant", "16"]

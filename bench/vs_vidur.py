@@ -71,11 +71,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import traces  # noqa: E402
-from policies import make_policy  # noqa: E402
-from policies.base import Pass, Plan  # noqa: E402
-from sim import run, summarize  # noqa: E402
-from traces.schema import Request, Trace  # noqa: E402
+from schedlab import traces  # noqa: E402
+from schedlab.policies import make_policy  # noqa: E402
+from schedlab.policies.base import Pass, Plan  # noqa: E402
+from schedlab.sim import run, summarize  # noqa: E402
+from schedlab.traces.schema import Request, Trace  # noqa: E402
 
 MAX_TOKENS = 4096
 CHUNK = 512
@@ -372,7 +372,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_vidur.json"))
     args = ap.parse_args()
 
-    from analysis.analytic import make_analytic_cost_model
+    from schedlab.analysis.analytic import make_analytic_cost_model
 
     tr, rows = workload()
     if args.head:

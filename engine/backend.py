@@ -82,10 +82,10 @@ from .sampling import Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 
-from policies.base import Pass, PassShape, Phase  # noqa: E402
-from sim.clock import WallClock  # noqa: E402
-from sim.state import RequestState  # noqa: E402
-from traces.schema import Request  # noqa: E402
+from schedlab.policies.base import Pass, PassShape, Phase  # noqa: E402
+from schedlab.sim.clock import WallClock  # noqa: E402
+from schedlab.sim.state import RequestState  # noqa: E402
+from schedlab.traces.schema import Request  # noqa: E402
 
 # ------------------------------------------------------------------------- caches
 
@@ -471,7 +471,7 @@ class MLXBackend:
 
     def _text_ids(self, r, req) -> list[int]:
         """The model tokenizer's ids for a request's text (its count must be the trace's)."""
-        import traces
+        from schedlab import traces
 
         ids = list(traces.prompt_ids(req, self.info.tokenizer))
         if len(ids) != r.prompt_tokens:

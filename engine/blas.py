@@ -152,7 +152,7 @@ def ensure_loaded() -> dict[str, Any]:
                     active=_resolves_to(lib) and not mlx_first)
         if mlx_first:
             info["notes"].append("mlx was imported before engine: MLX keeps its bundled BLAS; "
-                                 "import engine first")
+                                 "from schedlab import engine first")
         info["_lib"] = lib  # keep the handle alive
         break
     _state = info

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from policies import make_policy
-from policies.base import Pass, Plan
-from sim.cost import DEFAULT_KV_TOKENS, FEATURES, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
-from analysis.fit import Sample, fit_profile, merge_rounds, report_markdown
-from sim.loop import run as run_loop
-from sim.state import ReplicaState
-from traces.schema import Request
+from schedlab.policies import make_policy
+from schedlab.policies.base import Pass, Plan
+from schedlab.sim.cost import DEFAULT_KV_TOKENS, FEATURES, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
+from schedlab.analysis.fit import Sample, fit_profile, merge_rounds, report_markdown
+from schedlab.sim.loop import run as run_loop
+from schedlab.sim.state import ReplicaState
+from schedlab.traces.schema import Request
 
 from .backend import MLXBackend
 from .models import ModelInfo
@@ -526,8 +526,8 @@ def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str 
         return None
     cal = profile["calibration"]
     seed = int((cal.get("grid") or {}).get("seed") or 0)
-    from analysis.residuals import run_speed
-    from sim.features import step_table
+    from schedlab.analysis.residuals import run_speed
+    from schedlab.sim.features import step_table
 
     t0 = time.perf_counter()
     trace = replay_trace(LinearCostModel(grid_coefficients(profile)), float(cal.get("replay_s") or 8.0), seed)
@@ -587,7 +587,7 @@ def cached_profile_path(info: ModelInfo) -> Path:
 
 def candidate_profiles(info: ModelInfo) -> list[Path]:
     """The bundled profiles, then this model's cached calibration when there is one."""
-    from sim.profiles import bundled_profiles
+    from schedlab.sim.profiles import bundled_profiles
 
     cached = cached_profile_path(info)
     return bundled_profiles() + ([cached] if cached.is_file() else [])
@@ -599,8 +599,8 @@ def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
     measured on this model and machine, else a cached calibration of this model and machine,
     else a fresh default calibration (``calibrate_default``: the quick grid and a short real
     replay fitted together; cached, and written to OUT/profile.json with ``out``)."""
-    from sim.cost import read_profile
-    from sim.profiles import resolve_profile
+    from schedlab.sim.cost import read_profile
+    from schedlab.sim.profiles import resolve_profile
 
     if profile is not None:
         path = resolve_profile(profile)
@@ -645,7 +645,7 @@ def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
     each pass's shape is recovered from its features, a quarter held out as the linear fit
     does, both the plain three-factor roofline and the one with attention and copy factors).
     ``samples``: ``Sample`` objects or the profile JSON's sample dicts."""
-    from analysis.analytic.local import fit_local
+    from schedlab.analysis.analytic.local import fit_local
 
     bits, kv_bits = analytic_bits(info)
     rows = [s.to_json() if isinstance(s, Sample) else s for s in samples]
@@ -667,7 +667,7 @@ def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float =
     outputs (8..48), arriving alone or in bursts of 2-4 (rows join and leave the batch; the
     replica sits idle in between), as many as keep the replica busy ``load`` of ``seconds``
     under ``cost`` (simulated with the unified policy)."""
-    from sim.loop import run as simulate
+    from schedlab.sim.loop import run as simulate
 
     def make(n: int) -> list[Request]:
         rng = random.Random(seed)
@@ -703,8 +703,8 @@ def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds:
     """Real runs of ``policies`` on a ``replay_trace`` (each ~``seconds``, prompts up to
     ``max_prompt`` tokens), written as run directories under ``out`` (features.parquet
     included). Returns their paths."""
-    from sim.metrics import summarize
-    from sim.output import write_run
+    from schedlab.sim.metrics import summarize
+    from schedlab.sim.output import write_run
 
     trace = replay_trace(cost, seconds, seed, max_prompt=max_prompt)
     dirs = []
@@ -731,7 +731,7 @@ def calibrate_default(info: ModelInfo, *, seed: int = 0, progress: Callable[[str
     t0 = time.perf_counter()
     grid = grid_for(info, quick=True)
     prof = calibrate(info, grid, seed=seed, progress=say, budget_s=grid_budget_s, loop=False)
-    from analysis.runfit import load_runs, profile_from_runs
+    from schedlab.analysis.runfit import load_runs, profile_from_runs
 
     with tempfile.TemporaryDirectory(prefix="schedlab-replay-") as tmp:
         out = Path(keep) if keep is not None else Path(tmp)

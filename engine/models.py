@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 from . import blas as _blas  # (OpenBLAS before mlx)
 from .errors import EngineError
 from . import gguf as _gguf
-from analysis.analytic.hardware import cpu_model
+from schedlab.analysis.analytic.hardware import cpu_model
 
 DTYPES = ("float32", "float16", "bfloat16")
 # "quantized": keep a quantized model's packed weights (GGUF files, quantized checkpoints);

@@ -21,14 +21,23 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 from .errors import SchedlabError, SchedlabWarning
+
+# Installed, schedlab.sim, .policies, .engine, .analysis and .traces are subpackages (pyproject's
+# package-dir maps them from the repository's top-level folders). Imported from a checkout
+# without installing (its root on sys.path), they are found beside this folder instead.
+_checkout = Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "sim" / "loop.py").is_file():
+    __path__.append(str(_checkout))  # noqa: F821  (the package's own __path__)
+del _checkout
 
 __version__ = "0.1.0"
 
 _API = (
     "Run", "Profile", "Validation", "CostModel", "Figures",
-    "policy", "policies", "load_trace", "trace_stats", "cost_model", "load_profile", "model_info",
+    "policy", "bundled_policies", "load_trace", "trace_stats", "cost_model", "load_profile", "model_info",
     "profile_mismatch", "simulate", "run_real", "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot",
     "load_run",
 )

@@ -36,8 +36,8 @@ from .results import CostModel, Figures, Profile, Run, Validation, real_dir_name
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from matplotlib.figure import Figure
-    from policies.base import Policy
-    from traces.schema import Request, Trace
+    from schedlab.policies.base import Policy
+    from schedlab.traces.schema import Request, Trace
 
 PolicyLike = Union[str, type, Any]
 TraceLike = Union[str, Path, "Trace", Sequence["Request"], "pd.DataFrame"]
@@ -57,7 +57,7 @@ __all__ = [
 
 
 def _error_types() -> tuple[type[BaseException], ...]:
-    from analysis.plots import RunDirError
+    from schedlab.analysis.plots import RunDirError
 
     return user_error_types() + (RunDirError,)
 
@@ -99,8 +99,8 @@ def _logger(log: Log | None) -> Log:
 
 
 def _policy(spec: PolicyLike, options: Mapping[str, Any] | None = None):
-    from policies import POLICIES, make_policy
-    from policies.base import OptionError
+    from schedlab.policies import POLICIES, make_policy
+    from schedlab.policies.base import OptionError
 
     options = dict(options or {})
     for key in list(options):
@@ -148,7 +148,7 @@ def _check_option_types(cls: type, options: Mapping[str, Any]) -> None:
     parsed as ``-o key=value``)."""
     import dataclasses
 
-    from policies.base import OptionError
+    from schedlab.policies.base import OptionError
 
     if not dataclasses.is_dataclass(cls):
         return
@@ -176,9 +176,9 @@ def policy(spec: PolicyLike, /, **options: Any) -> "Policy":
     return _policy(spec, options)
 
 
-def policies() -> dict[str, dict[str, Any]]:
+def bundled_policies() -> dict[str, dict[str, Any]]:
     """The bundled policies and their default options."""
-    from policies import POLICIES
+    from schedlab.policies import POLICIES
 
     return {name: cls().options() for name, cls in POLICIES.items()}
 
@@ -209,8 +209,8 @@ def _missing(v: Any) -> bool:
 
 def _trace(trace: TraceLike, seed: int = 0, tokenizer: Any = None, name: str | None = None,
            recount: bool = False):
-    import traces
-    from traces.schema import Request, Trace, TraceError, request_from_json
+    from schedlab import traces
+    from schedlab.traces.schema import Request, Trace, TraceError, request_from_json
 
     if isinstance(trace, Trace):
         tr = trace
@@ -250,7 +250,7 @@ def load_trace(trace: TraceLike, *, seed: int = 0, tokenizer: Any = None, rate: 
     output_tokens. ``seed``: the loader's randomness (tick jitter, datasets); ``tokenizer``:
     counts prompts given as text; ``head``: keep the first N requests; ``rate``: rescale the
     arrivals to this mean rate (req/s); ``name``: the trace's name (lists and DataFrames)."""
-    import traces
+    from schedlab import traces
 
     tr = _trace(trace, seed=seed, tokenizer=tokenizer, name=name)
     if head is not None:
@@ -263,7 +263,7 @@ def load_trace(trace: TraceLike, *, seed: int = 0, tokenizer: Any = None, rate: 
 @_api
 def trace_stats(trace: TraceLike, *, seed: int = 0) -> dict[str, float]:
     """Requests, duration, mean rate, prompt and output token percentiles of a trace."""
-    import traces
+    from schedlab import traces
 
     return traces.trace_stats(_trace(trace, seed=seed))
 
@@ -273,7 +273,7 @@ def trace_stats(trace: TraceLike, *, seed: int = 0) -> dict[str, float]:
 
 def _slo(slo: str | Mapping[str, float] | None) -> dict[str, float]:
     """``"ttft_ms=500,tpot_ms=50"`` or ``{"ttft_ms": 500}``: the same checks either way."""
-    from sim.metrics import SLO_KEYS
+    from schedlab.sim.metrics import SLO_KEYS
 
     if slo is None or slo == "" or slo == {}:
         return {}
@@ -331,7 +331,7 @@ def _seed(seed: Any, what: str = "seed") -> int:
 
 def _profile_path(profile: ProfileLike) -> Path:
     """A profile file: ``profile`` (a path, a bundled name, a ``Profile``), else the default."""
-    from sim.profiles import resolve_profile
+    from schedlab.sim.profiles import resolve_profile
 
     if isinstance(profile, Profile):
         return profile._file()
@@ -340,7 +340,7 @@ def _profile_path(profile: ProfileLike) -> Path:
 
 def _linear(profile: ProfileLike, kv_tokens: int | None):
     """(linear cost model, KV capacity, profile path)."""
-    from sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
+    from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
 
     _check_kv_tokens(kv_tokens)
     path = _profile_path(profile)
@@ -363,7 +363,7 @@ def _pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, c
         if not (callable(getattr(cost, "pass_seconds", None)) and callable(getattr(cost, "step_overhead_seconds", None))):
             _fail(f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); "
                   f"got {type(cost).__name__}", 2)
-        from sim.cost import DEFAULT_KV_TOKENS
+        from schedlab.sim.cost import DEFAULT_KV_TOKENS
 
         meta = getattr(cost, "meta", None)
         meta = meta if isinstance(meta, Mapping) else {}
@@ -379,7 +379,7 @@ def _pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, c
     if profile is not None:
         _fail(f"give either {opt('profile')} or {opt('hardware')}/{opt('model_config')}, not both", 2)
     _check_kv_tokens(kv_tokens)
-    from analysis.analytic import make_analytic_cost_model
+    from schedlab.analysis.analytic import make_analytic_cost_model
 
     model, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
     return model, (kv_tokens if kv_tokens is not None else capacity), {"analytic": meta}
@@ -399,7 +399,7 @@ def cost_model(profile: ProfileLike = None, *, kv_tokens: int | None = None, har
 @_api
 def load_profile(profile: str | Path | None = None) -> Profile:
     """A cost profile from a file or a bundled name (default: the bundled measured profile)."""
-    from sim.cost import read_profile
+    from schedlab.sim.cost import read_profile
 
     path = _profile_path(profile)
     return Profile(read_profile(path), path)
@@ -428,9 +428,9 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     ``burstiness`` / ``think_time``: clients as ``vllm bench serve`` has them; ``passes=False``:
     keep no pass log (no ``run.passes``, no passes.parquet; less memory and time on long
     traces, what ``simulate`` does without ``--passes``)."""
-    from sim import run as run_loop
-    from sim.gcpause import gc_paused
-    from sim.metrics import summarize
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.gcpause import gc_paused
+    from schedlab.sim.metrics import summarize
 
     seed = _seed(seed)
     pol = _policy(policy, options)
@@ -462,8 +462,8 @@ def _arrivals(tr, block_size, max_concurrency, request_rate, burstiness, think_t
 
 
 def _check_model(model: str, dtype: str) -> None:
-    import engine  # noqa: F401  (OpenBLAS before mlx)
-    from engine.models import check_spec
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine.models import check_spec
 
     if not isinstance(model, (str, Path)):
         _fail(f"model is a preset name, a .gguf file or a checkpoint directory, got {type(model).__name__}", 2)
@@ -477,7 +477,7 @@ def _noise(spec: str | None):
     calibration it makes uses them (as the commands' ``--noise`` does). Yields the settings."""
     import os
 
-    from engine.noise import ENV, Noise
+    from schedlab.engine.noise import ENV, Noise
 
     if spec is not None and not isinstance(spec, str):
         _fail(f"noise is a string such as 'gc-off,pin=0-1,warmup=3', got {type(spec).__name__}", 2)
@@ -499,7 +499,7 @@ def _noise(spec: str | None):
 def model_info(model: str = "tiny", *, dtype: str = "float32", model_seed: int = 0) -> dict[str, Any]:
     """What the engine records about ``model`` (as in a real run's meta.json): architecture,
     parameters, dtype, tokenizer, mlx and mlx-lm versions, device, BLAS and machine. Loads it."""
-    from engine.models import load_model
+    from schedlab.engine.models import load_model
 
     _check_model(model, dtype)
     return load_model(str(model), dtype=dtype, seed=_seed(model_seed, "model_seed")).metadata()
@@ -509,9 +509,9 @@ def model_info(model: str = "tiny", *, dtype: str = "float32", model_seed: int =
 def profile_mismatch(profile: ProfileLike, *, model: str = "tiny", dtype: str = "float32",
                      model_seed: int = 0) -> str | None:
     """Why ``profile`` was not measured on ``model`` on this machine, or None when it was."""
-    from engine.calibrate import profile_mismatch as mismatch
-    from engine.models import load_model
-    from sim.cost import read_profile
+    from schedlab.engine.calibrate import profile_mismatch as mismatch
+    from schedlab.engine.models import load_model
+    from schedlab.sim.cost import read_profile
 
     _check_model(model, dtype)
     data = profile._data if isinstance(profile, Profile) else read_profile(_profile_path(profile))
@@ -541,9 +541,9 @@ def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, 
     for the next run), as ``validate`` does; with ``no_calibrate`` the bundled default profile,
     which ``simulate`` uses, with a warning that its predictions are for another setup.
     """
-    from engine.calibrate import candidate_profiles, find_or_calibrate, profile_mismatch
-    from sim.cost import read_profile
-    from sim.profiles import resolve_profile
+    from schedlab.engine.calibrate import candidate_profiles, find_or_calibrate, profile_mismatch
+    from schedlab.sim.cost import read_profile
+    from schedlab.sim.profiles import resolve_profile
 
     def note(kind: str, text: str) -> None:
         notes.append(text)
@@ -610,8 +610,8 @@ def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype
 def _real_checks(policy, options, model, dtype, sampling, kv_tokens, block_size):
     """(policy, sampler): what run-real and serve check before a model loads (policy and its
     options, model spec, sampling, KV capacity and block size)."""
-    import engine  # noqa: F401  (OpenBLAS before mlx)
-    from engine.sampling import parse_sampling
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine.sampling import parse_sampling
 
     from .common import check_kv_layout
 
@@ -625,7 +625,7 @@ def _real_checks(policy, options, model, dtype, sampling, kv_tokens, block_size)
 
 def _real_cost_checked(profile, kv_tokens, no_calibrate, info, log: Log, notes: list[str]):
     """``_real_cost``, with a warning when the profile was measured under another BLAS setup."""
-    from engine import blas
+    from schedlab.engine import blas
 
     cost, capacity, profile_path = _real_cost(profile, kv_tokens, no_calibrate, info, log, notes)
     mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
@@ -637,7 +637,7 @@ def _real_cost_checked(profile, kv_tokens, no_calibrate, info, log: Log, notes: 
 
 def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv_tokens, seed, ignore_eos,
               model_seed, noise, log, on_step, clients=(16, False, None, None, None, None)) -> Run:
-    from engine.models import load_model
+    from schedlab.engine.models import load_model
 
     if profile is not None:
         _profile_path(profile)  # a bad profile fails before the model loads
@@ -648,7 +648,7 @@ def _run_real(pol, trace, slos, model, dtype, sampler, profile, no_calibrate, kv
     info.check_trace(tr.requests)
     cost, capacity, profile_path = _real_cost_checked(profile, kv_tokens, no_calibrate, info, log, notes)
 
-    from engine.backend import MLXBackend
+    from schedlab.engine.backend import MLXBackend
 
     hook = None if on_step is None else (lambda state: on_step(state.finished, state.n_accepted))
 
@@ -665,10 +665,10 @@ def _real_run(pol, arrivals, trace_name: str, backend, cost, capacity: int, prof
               clock=None) -> Run:
     """The replica loop on the real engine (``backend``: an ``MLXBackend``) over ``arrivals`` (a
     trace's requests or a source: ``serve``'s live one), as a ``Run`` with what run-real records."""
-    from analysis.residuals import bias
-    from sim import run as run_loop
-    from sim.features import step_table
-    from sim.metrics import summarize
+    from schedlab.analysis.residuals import bias
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.features import step_table
+    from schedlab.sim.metrics import summarize
 
     result = run_loop(arrivals, pol, cost, kv_capacity=capacity, backend=backend, trace_name=trace_name,
                       on_step=on_step, block_size=block_size, prefix_caching=prefix_caching, clock=clock)
@@ -686,7 +686,7 @@ def _grid(grid: str | Mapping[str, Any] | None, quick: bool, info=None):
     models, else quick or default; ``engine.calibrate.grid_for``) with ``grid``'s fields."""
     import dataclasses
 
-    from engine.calibrate import GRIDS, grid_for
+    from schedlab.engine.calibrate import GRIDS, grid_for
 
     base = grid_for(info, quick=quick) if info is not None else GRIDS["quick" if quick else "default"]
     if grid is None:
@@ -708,7 +708,7 @@ def _from_runs(runs: Sequence[Any], grid: Any, out: str | Path | None) -> Profil
     """calibrate --from-runs: a profile fitted to real runs' features.parquet (no mlx needed)."""
     import json
 
-    from analysis.runfit import RunsError, load_runs, profile_from_runs
+    from schedlab.analysis.runfit import RunsError, load_runs, profile_from_runs
 
     if isinstance(runs, (str, Path)):
         runs = [runs]
@@ -750,7 +750,7 @@ def _stored_profile(path: Path, info) -> dict:
     """A profile JSON with samples, measured on this model and machine."""
     import json
 
-    from engine.calibrate import profile_mismatch
+    from schedlab.engine.calibrate import profile_mismatch
 
     name = opt("from_profile")
     try:
@@ -790,8 +790,8 @@ def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = Fals
     its .md report) there. ``log`` hears progress lines."""
     if from_runs is not None:
         return _from_runs(from_runs, grid, out)
-    import engine  # noqa: F401  (OpenBLAS before mlx)
-    from engine import blas
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine import blas
 
     log = _logger(log)
     seed, model_seed = _seed(seed), _seed(model_seed, "model_seed")
@@ -809,8 +809,8 @@ def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = Fals
     if keep_runs is not None and not replay:
         _fail(f"{opt('keep_runs')} goes with {opt('replay')}", 2)
     _grid(grid, quick)  # a bad grid fails before the model loads
-    from engine.calibrate import calibrate as run_calibration
-    from engine.models import load_model
+    from schedlab.engine.calibrate import calibrate as run_calibration
+    from schedlab.engine.models import load_model
 
     info = load_model(str(model), dtype=dtype, seed=model_seed)
     blas.notify_if_missing()
@@ -822,13 +822,13 @@ def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = Fals
     if from_profile is not None:
         data = _stored_profile(Path(from_profile), info)
     elif replay:
-        from engine.calibrate import calibrate_default
+        from schedlab.engine.calibrate import calibrate_default
 
         data = calibrate_default(info, seed=seed, progress=say, keep=Path(keep_runs) if keep_runs is not None else None)
     else:
         data = run_calibration(info, chosen, seed=seed, progress=say)
     if analytic:
-        from engine.calibrate import fit_analytic
+        from schedlab.engine.calibrate import fit_analytic
 
         say("analytic roofline: fitting cpu-local's factors to the samples")
         data["analytic_cpu_local"] = fit_analytic(data["samples"], info)
@@ -872,13 +872,13 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
     import json
     import time
 
-    from engine.backend import MLXBackend
-    from engine.calibrate import has_replay, replay_speed_check, speed_check
-    from sim import run as run_loop
-    from sim.features import step_table
-    from sim.metrics import summarize
-    from analysis.residuals import bias, concat, residual_table
-    from analysis.validation import compare as compare_runs
+    from schedlab.engine.backend import MLXBackend
+    from schedlab.engine.calibrate import has_replay, replay_speed_check, speed_check
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.features import step_table
+    from schedlab.sim.metrics import summarize
+    from schedlab.analysis.residuals import bias, concat, residual_table
+    from schedlab.analysis.validation import compare as compare_runs
 
     sims: dict[str, Run] = {}
     metas = {}
@@ -1017,10 +1017,10 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
     probed speed, the policy planning with the cost model as in the real run (``time_scale``),
     the metrics' medians compared — as ``speed_matched``, with speeds the runs' own timings
     never set."""
-    from sim import run as run_loop
-    from sim.cost import ScaledCostModel
-    from sim.metrics import summarize
-    from analysis.validation import compare as compare_runs, step_errors
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.cost import ScaledCostModel
+    from schedlab.sim.metrics import summarize
+    from schedlab.analysis.validation import compare as compare_runs, step_errors
 
     if run_speeds is not None and run_steps is not None and len(run_speeds) == len(reals) == len(run_steps):
         got = speed_matched(pol, tr, cost, capacity, reals, run_speeds)
@@ -1048,7 +1048,7 @@ def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
     their total predicted seconds, from its step table (``sim.features.step_table``, or a run
     directory's features.parquet as ``analysis.runfit.load_runs`` reads it); ``coef``: predicted
     by these coefficients instead of the run's own predictions. None without measured steps."""
-    from analysis.residuals import run_speed as speed
+    from schedlab.analysis.residuals import run_speed as speed
 
     return speed(cols, coef)
 
@@ -1063,10 +1063,10 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list, jitter=Non
     queueing they cause — while the speeds are reported beside it. Reported beside the plain
     comparison, never instead of it. ``jitter`` (``sim.jitter.StepJitter``): each simulation
     with that step jitter (seed: the real run's index)."""
-    from sim import run as run_loop
-    from sim.backend import SimBackend
-    from sim.metrics import summarize
-    from analysis.validation import compare as compare_runs, median_summary
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.backend import SimBackend
+    from schedlab.sim.metrics import summarize
+    from schedlab.analysis.validation import compare as compare_runs, median_summary
 
     if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
         return None
@@ -1103,14 +1103,14 @@ def _validation_cost(profile: ProfileLike, hardware, kv_tokens, info, out: Path 
     --analytic``), else fitted now to a matching profile's stored samples, else the priors;
     one note says which.
     """
-    from sim.cost import DEFAULT_KV_TOKENS
+    from schedlab.sim.cost import DEFAULT_KV_TOKENS
 
     if hardware:
         cost, meta = analytic_cost(hardware, info)
         log("note", meta["factors_note"])
         return cost, kv_tokens or DEFAULT_KV_TOKENS, meta
-    from sim.cost import LinearCostModel
-    from engine.calibrate import find_or_calibrate
+    from schedlab.sim.cost import LinearCostModel
+    from schedlab.engine.calibrate import find_or_calibrate
 
     given = None if profile is None else str(_profile_path(profile))
     path, note = find_or_calibrate(given, info, out, lambda msg: log("progress", msg))
@@ -1125,7 +1125,7 @@ def _matching_profiles(info):
     """Profiles measured on this model and machine: bundled ones, then calibrate's cache."""
     import json
 
-    from engine.calibrate import candidate_profiles, profile_mismatch
+    from schedlab.engine.calibrate import candidate_profiles, profile_mismatch
 
     for path in candidate_profiles(info):
         try:
@@ -1138,9 +1138,9 @@ def _matching_profiles(info):
 
 def analytic_cost(hardware: str, info):
     """(analytic cost model, description) of ``info``'s model on ``hardware``."""
-    from engine.calibrate import analytic_bits
-    from analysis.analytic import analytic_from_config, load_hardware
-    from analysis.analytic.local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local
+    from schedlab.engine.calibrate import analytic_bits
+    from schedlab.analysis.analytic import analytic_from_config, load_hardware
+    from schedlab.analysis.analytic.local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local
 
     bits, kv_bits = analytic_bits(info)
     hw = load_hardware(hardware)
@@ -1198,7 +1198,7 @@ def format_overview(results: Mapping[str, Mapping[str, Any]]) -> str:
 def policy_list(policy, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Policies by name: one (a name, class or object), several (a list, or "a,b"), or "all";
     ``options`` go to every one given by name or class."""
-    from policies import POLICIES
+    from schedlab.policies import POLICIES
 
     if isinstance(policy, str):
         items = list(POLICIES) if policy == "all" else [p.strip() for p in policy.split(",") if p.strip()]
@@ -1235,8 +1235,8 @@ def validate(policy: PolicyLike | Sequence[PolicyLike], trace: TraceLike, *, mod
     runs' directories there as they come; ``noise``: the real runs' noise settings (see
     ``run_real``). ``log`` hears progress and notes; ``on_result(policy, result)`` is called as
     each policy's comparison is done (``result``: what its validation.json holds)."""
-    import engine  # noqa: F401  (OpenBLAS before mlx)
-    from engine import blas
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine import blas
 
     log = _logger(log)
     seed = _seed(seed)
@@ -1248,7 +1248,7 @@ def validate(policy: PolicyLike | Sequence[PolicyLike], trace: TraceLike, *, mod
     if hardware and profile:
         _fail(f"give either {opt('profile')} or {opt('hardware')}, not both", 2)
     if hardware:
-        from analysis.analytic import list_hardware
+        from schedlab.analysis.analytic import list_hardware
 
         if hardware.strip().lower() not in list_hardware():
             _fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; "
@@ -1259,8 +1259,8 @@ def validate(policy: PolicyLike | Sequence[PolicyLike], trace: TraceLike, *, mod
 
 
 def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result):
-    from engine import blas
-    from engine.models import load_model
+    from schedlab.engine import blas
+    from schedlab.engine.models import load_model
 
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not out.is_dir():
@@ -1298,7 +1298,7 @@ def compare(sim: Run, real: Run | Sequence[Run]) -> Validation:
     """Compare a simulated run with one or more real runs of the same policy and trace, as
     ``validate`` does (the measured value is the real runs' median; the per-step error is over
     the real runs' steps)."""
-    from analysis.validation import compare as compare_runs
+    from schedlab.analysis.validation import compare as compare_runs
 
     reals = [real] if isinstance(real, Run) else list(real)
     if not isinstance(sim, Run) or not reals or not all(isinstance(r, Run) for r in reals):
@@ -1373,9 +1373,9 @@ def sweep(policies: str | Sequence[PolicyLike], trace: TraceLike, rates: str | S
     ``on_done(row)`` report progress."""
     import pandas as pd
 
-    import traces
-    from analysis.sweep import ROW_FIELDS, default_workers, max_sustained_rate, rescale, write_results
-    from analysis.sweep import sweep as run_sweep
+    from schedlab import traces
+    from schedlab.analysis.sweep import ROW_FIELDS, default_workers, max_sustained_rate, rescale, write_results
+    from schedlab.analysis.sweep import sweep as run_sweep
 
     if isinstance(policies, str):
         pols: list = list(dict.fromkeys(p.strip() for p in policies.split(",") if p.strip()))
@@ -1469,7 +1469,7 @@ class _Built:
 
 
 def _sweep_figure(table, out: Path | None, formats: Sequence[str]):
-    from analysis.sweep import plot_sweep as draw
+    from schedlab.analysis.sweep import plot_sweep as draw
 
     info = table.attrs.get("info") or {}
     rows = table.astype(object).where(table.notna(), None).to_dict("records")
@@ -1504,8 +1504,8 @@ def load_run(path: str | Path) -> Run:
     import json
 
     import pandas as pd
-    from analysis.plots import RunDirError, load_run as read_dir
-    from sim.output import read_requests_csv
+    from schedlab.analysis.plots import RunDirError, load_run as read_dir
+    from schedlab.sim.output import read_requests_csv
 
     p = Path(path)
     data = read_dir(p)  # checks the directory: one RunDirError line for anything wrong
@@ -1523,7 +1523,7 @@ def load_run(path: str | Path) -> Run:
 
 
 def _plot_inputs(items: Sequence[Any]):
-    from analysis.plots import _unique_labels, is_validation_dir, load_run as read_dir, load_validation
+    from schedlab.analysis.plots import _unique_labels, is_validation_dir, load_run as read_dir, load_validation
 
     runs, vals = [], []
     for it in items:
@@ -1557,7 +1557,7 @@ def plot(*items: Run | Validation | str | Path, out: str | Path | None = None,
     ``lanes``: the most requests a timeline draws; ``window``: its time span ``(start, end)``
     in seconds (or ``"START:END"``); ``kinds``: only these figures, of ``ttft``, ``itl``,
     ``decode_rate``, ``timeline``, ``validation`` (default: all)."""
-    from analysis.plots import KINDS, parse_window, plot_runs
+    from schedlab.analysis.plots import KINDS, parse_window, plot_runs
 
     if not items:
         _fail("plot needs at least one run, validation or run directory", 2)

@@ -47,7 +47,10 @@ def make_app(help_text: str) -> typer.Typer:
 
 
 def run_app(app: typer.Typer, prog: str) -> None:
-    """Run a Typer app; usage errors and bad input become one line on stderr."""
+    """Run a Typer app; usage errors and bad input become one line on stderr. Run as a
+    subcommand (``schedlab simulate``), messages name it so."""
+    if sys.argv and sys.argv[0] == f"schedlab {prog}":
+        prog = sys.argv[0]
     token = _CLI.set(True)  # messages name options as --kv-tokens, not kv_tokens
     try:
         _run_app(app, prog)
@@ -171,7 +174,7 @@ def make_arrivals(requests, max_concurrency: int | None = None, request_rate: fl
     """The requests themselves (a trace replay), or closed-loop clients (``sim.sources.clients``)
     when any client option is given; bad options are one-line usage errors."""
     check_client_options(max_concurrency, request_rate, burstiness, think_time)
-    from sim.sources import clients
+    from schedlab.sim.sources import clients
 
     return clients(requests, max_concurrency, request_rate, burstiness, think_time or 0.0, seed)
 

@@ -32,13 +32,13 @@ def opt(name: str) -> str:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Every exception that means bad input, not a bug. Imported lazily (no mlx here)."""
-    from policies import OptionError, PolicyNotFound
-    from sim.cost import ProfileError
-    from traces.schema import TraceError
+    from schedlab.policies import OptionError, PolicyNotFound
+    from schedlab.sim.cost import ProfileError
+    from schedlab.traces.schema import TraceError
 
     types: list[type[BaseException]] = [SchedlabError, OptionError, PolicyNotFound, ProfileError, TraceError]
     try:  # engine errors exist only when the engine package imports
-        from engine.errors import EngineError
+        from schedlab.engine.errors import EngineError
 
         types.append(EngineError)
     except ImportError:

@@ -29,8 +29,8 @@ def export_mlx(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Export MODEL to OUTDIR as an mlx-lm checkpoint."""
-    from engine.gguf import export_mlx as write
-    from engine.models import check_spec, load_model
+    from schedlab.engine.gguf import export_mlx as write
+    from schedlab.engine.models import check_spec, load_model
 
     check_spec(model, dtype)  # one-line errors before mlx is imported
     info = load_model(model, dtype=dtype)

@@ -64,7 +64,7 @@ def run_real(
     if out is not None:
         run.save(out)
     if not quiet:
-        from analysis.residuals import bias_line, format_residuals
+        from schedlab.analysis.residuals import bias_line, format_residuals
 
         print(run.report())
         line = bias_line(run.meta.get("step_bias"))

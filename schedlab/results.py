@@ -151,7 +151,7 @@ class Run:
 
     def report(self) -> str:
         """The summary as the commands print it (the layout of ``vllm bench serve``)."""
-        from sim.metrics import format_summary
+        from schedlab.sim.metrics import format_summary
 
         return format_summary(self._summary)
 
@@ -159,7 +159,7 @@ class Run:
 
     def _frame(self, name: str):
         if name not in self._frames:
-            from sim import output
+            from schedlab.sim import output
 
             r = self._result
             if r is None:  # read back from a directory that lacks the file
@@ -236,7 +236,7 @@ class Run:
         if "features" not in self._frames:
             table = None
             if self._result is not None:
-                from sim.features import features_table, step_table
+                from schedlab.sim.features import features_table, step_table
 
                 cols = step_table(self._result)
                 table = features_table(cols).to_pandas() if cols is not None else None
@@ -254,7 +254,7 @@ class Run:
         if feats is None:
             return None
         import pandas as pd
-        from analysis.residuals import residual_table
+        from schedlab.analysis.residuals import residual_table
 
         return pd.DataFrame(residual_table({c: feats[c].to_numpy(dtype=float) for c in feats.columns}))
 
@@ -276,7 +276,7 @@ class Run:
             raise SchedlabError(f"{out} exists and is not a directory")
         try:
             if self._result is not None:
-                from sim.output import write_run
+                from schedlab.sim.output import write_run
 
                 write_run(out, self._result, lambda: self._summary, meta=self._meta, passes=passes)
                 if self._write_texts is not None:
@@ -296,7 +296,7 @@ class Run:
             raise SchedlabError(f"cannot write {out}: {exc.strerror or exc}") from None
 
     def _run_data(self, label: str | None = None, path: Path | None = None):
-        from analysis.plots import run_data, slug
+        from schedlab.analysis.plots import run_data, slug
 
         where = path or self._dir or Path(slug(f"{self.policy}-{self.mode}"))
         return run_data(self._summary, self.requests, self.tokens, self.steps, self.passes, path=where,
@@ -345,7 +345,7 @@ class Profile:
 
     @property
     def kv_tokens(self) -> int:
-        from sim.cost import DEFAULT_KV_TOKENS
+        from schedlab.sim.cost import DEFAULT_KV_TOKENS
 
         return int(self._data.get("kv_tokens", DEFAULT_KV_TOKENS))
 
@@ -400,7 +400,7 @@ class Profile:
 
     def report(self) -> str:
         """The fit report as ``calibrate`` prints it."""
-        from analysis.fit import format_report
+        from schedlab.analysis.fit import format_report
 
         if not {"fit_report", "calibration"} <= set(self._data):
             return f"profile {self.path or ''}: {len(self.coefficients)} coefficients (no fit report)".strip()
@@ -425,7 +425,7 @@ class Profile:
 
     def save(self, path: str | Path) -> Path:
         """Write the profile JSON and its markdown fit report beside it (``.md``)."""
-        from engine.calibrate import write_profile
+        from schedlab.engine.calibrate import write_profile
 
         path = Path(path)
         if path.is_dir():
@@ -583,7 +583,7 @@ class Validation:
 
     def report(self) -> str:
         """The tables ``validate`` prints (and the overview, for several policies)."""
-        from analysis.validation import format_table
+        from schedlab.analysis.validation import format_table
 
         parts = [format_table(v) + "\n" for v in self.results.values()]
         if len(self.results) > 1:
@@ -620,7 +620,7 @@ class Validation:
             for n, v in self.results.items()}}
 
     def _validation_data(self) -> list:
-        from analysis.plots import ValidationData
+        from schedlab.analysis.plots import ValidationData
 
         out = []
         for pol, v in self.results.items():

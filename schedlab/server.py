@@ -308,7 +308,7 @@ def _prompt(p: Any) -> str:
 
 
 def _messages(ms: Any) -> tuple[tuple[str, str], ...]:
-    from traces.schema import ROLES
+    from schedlab.traces.schema import ROLES
 
     if not isinstance(ms, list) or not ms:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
@@ -354,9 +354,9 @@ class Server:
 
     def request(self, params: Params, chat: bool):
         """A ``traces.Request`` for ``params``, counted with the model's tokenizer (not stamped)."""
-        import traces
-        from engine.errors import EngineError
-        from traces.schema import Request, TraceError
+        from schedlab import traces
+        from schedlab.engine.errors import EngineError
+        from schedlab.traces.schema import Request, TraceError
 
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
         req = Request(rid, 0.0, None, 1, prompt=params.prompt, messages=params.messages)
@@ -388,7 +388,7 @@ class Server:
         from fastapi.responses import JSONResponse, StreamingResponse
         from starlette.exceptions import HTTPException
 
-        from sim.sources import SourceClosed
+        from schedlab.sim.sources import SourceClosed
 
         app = FastAPI(title="schedlab serve", docs_url=None, redoc_url=None, openapi_url=None)
         server = self
@@ -588,9 +588,9 @@ def _serve(api, policy, options, model, dtype, host, port, served_model_name, ma
         api._profile_path(profile)
     import uvicorn
     with api._noise(noise) as settings:
-        from engine.backend import MLXBackend
-        from engine.models import load_model
-        from sim import LiveSource, WallClock
+        from schedlab.engine.backend import MLXBackend
+        from schedlab.engine.models import load_model
+        from schedlab.sim import LiveSource, WallClock
 
         info = load_model(str(model), dtype=dtype, seed=model_seed)
         if info.tokenizer is None:
@@ -650,7 +650,7 @@ def _serve(api, policy, options, model, dtype, host, port, served_model_name, ma
         if http.get("error"):
             return None, http["error"]
         if out is not None:
-            from traces.schema import Trace
+            from schedlab.traces.schema import Trace
 
             from dataclasses import replace
 

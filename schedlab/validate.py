@@ -49,8 +49,8 @@ def validate(
     tr = api.load_trace(trace, seed=seed)
     out = out or Path(f"validate-{tr.name}")
     def done(name: str, v: dict) -> None:  # each policy's table as soon as it is done
-        from analysis.residuals import format_residuals
-        from analysis.validation import format_table
+        from schedlab.analysis.residuals import format_residuals
+        from schedlab.analysis.validation import format_table
 
         print(format_table(v))
         if residuals and v.get("residuals"):

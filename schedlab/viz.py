@@ -117,10 +117,10 @@ def sweep(
     """Sweep POLICIES x RATES (x CONCURRENCY) on TRACE and report latency against load."""
     from concurrent.futures.process import BrokenProcessPool
 
-    import traces
-    from policies import make_policy
-    from analysis.sweep import default_workers, format_table, max_sustained_rate, plot_sweep, rescale, write_results
-    from analysis.sweep import sweep as run_sweep
+    from schedlab import traces
+    from schedlab.policies import make_policy
+    from schedlab.analysis.sweep import default_workers, format_table, max_sustained_rate, plot_sweep, rescale, write_results
+    from schedlab.analysis.sweep import sweep as run_sweep
 
     pols = list(dict.fromkeys(p.strip() for p in policy.split(",") if p.strip()))
     if not pols:

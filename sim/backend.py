@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Protocol, Sequence
 
-from policies.base import CostModel, Pass, PassShape
+from schedlab.policies.base import CostModel, Pass, PassShape
 
 from .clock import SimClock
 

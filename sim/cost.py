@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from policies.base import PassShape
+from schedlab.policies.base import PassShape
 
 PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "d_few", "d_kv_long", "c_join0", "c_join", "c_join_row",
                  "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",

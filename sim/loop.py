@@ -29,8 +29,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from policies.base import CostModel, Pass, Policy
-from traces.schema import Request
+from schedlab.policies.base import CostModel, Pass, Policy
+from schedlab.traces.schema import Request
 
 from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock

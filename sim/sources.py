@@ -28,7 +28,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 
 class ArrivalSource(Protocol):
@@ -251,7 +251,7 @@ def clients(requests: Sequence[Request], max_concurrency: int | None = None, req
         return requests
     schedule = None
     if request_rate is not None:
-        from traces import request_times
+        from schedlab.traces import request_times
 
         schedule = request_times(len(requests), request_rate, 1.0 if burstiness is None else burstiness, seed)
     src = ClientSource(requests, max_concurrency, think_s, schedule)

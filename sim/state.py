@@ -22,8 +22,8 @@ from itertools import chain, compress
 from operator import attrgetter, not_
 from typing import Any, Callable, Iterator, Sequence
 
-from policies.base import CostModel, Pass, PassShape, Phase, Plan
-from traces.schema import Request
+from schedlab.policies.base import CostModel, Pass, PassShape, Phase, Plan
+from schedlab.traces.schema import Request
 
 from .prefix import Blocks, PrefixCache
 

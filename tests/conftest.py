@@ -8,6 +8,6 @@ import tempfile
 os.environ.setdefault("SCHEDLAB_CACHE_DIR", tempfile.mkdtemp(prefix="schedlab-test-cache-"))
 
 try:
-    import engine  # noqa: F401
+    from schedlab import engine  # noqa: F401
 except ImportError:  # pragma: no cover - the engine needs mlx; sim tests don't
     pass

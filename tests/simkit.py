@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from policies.base import Pass, Plan
-from sim.cost import LinearCostModel
-from sim.state import ReplicaState, ReplicaView
-from traces.schema import Request
+from schedlab.policies.base import Pass, Plan
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.state import ReplicaState, ReplicaView
+from schedlab.traces.schema import Request
 
 # Known coefficients (not a profile: tests only). Decode ~ a few ms, prefill ~ 20k tok/s.
 KNOWN = {
@@ -75,3 +75,16 @@ def read_table(path) -> list[dict]:
 
     df = pd.read_parquet(path).astype(object)
     return df.where(df.notna(), "").to_dict("records")
+
+
+STANDALONE = ("simulate", "run-real")  # the design card's own commands; the rest are subcommands
+
+
+def command(name: str) -> list[str]:
+    """The argv that runs command ``name`` of this environment's install: ``simulate`` and
+    ``run-real`` stand alone, every other one is ``schedlab NAME``."""
+    import sys
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    return [str(bin_dir / name)] if name in STANDALONE else [str(bin_dir / "schedlab"), name]

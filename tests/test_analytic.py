@@ -10,17 +10,17 @@ import sys
 
 import pytest
 
-from policies import make_policy
-from policies.base import CostModel, PassShape
-from sim import run
-from analysis.analytic import (AnalyticError, Efficiency, analytic_from_config, engine_kind, fit_efficiency,
+from schedlab.policies import make_policy
+from schedlab.policies.base import CostModel, PassShape
+from schedlab.sim import run
+from schedlab.analysis.analytic import (AnalyticError, Efficiency, analytic_from_config, engine_kind, fit_efficiency,
                           kv_capacity_tokens, load_hardware, load_model_config,
                           make_analytic_cost_model, model_spec)
-from analysis.analytic.fit import load_benchmarks, point_model, predict_point, refit
-from analysis.analytic.hardware import BENCHMARKS_FILE, HARDWARE_FILE, read_hardware_file
-from analysis.analytic.modelspec import bundled_model_configs, bits_per_weight
-from sim.cost import ProfileError
-from traces.schema import Request
+from schedlab.analysis.analytic.fit import load_benchmarks, point_model, predict_point, refit
+from schedlab.analysis.analytic.hardware import BENCHMARKS_FILE, HARDWARE_FILE, read_hardware_file
+from schedlab.analysis.analytic.modelspec import bundled_model_configs, bits_per_weight
+from schedlab.sim.cost import ProfileError
+from schedlab.traces.schema import Request
 
 
 def spec(name):
@@ -76,7 +76,7 @@ def test_llama3_70b_shapes_in_the_benchmarks_count_70_55b():
 
 
 def test_counts_agree_with_the_engine_presets_formula():
-    from engine.models import preset_config, preset_parameters
+    from schedlab.engine.models import preset_config, preset_parameters
 
     for name in ("micro", "tiny", "small"):
         assert model_spec(preset_config(name), name).total_params == preset_parameters(name)
@@ -404,7 +404,7 @@ def test_cpu_local_is_measured_once_and_cached(tmp_path, monkeypatch):
     again = load_hardware("cpu-local")  # from the cache: the very same figures
     assert again.peak("fp32") == hw.peak("fp32") and again.bandwidth == hw.bandwidth
     # a model built from the engine's tiny preset (any config dict works)
-    from engine.models import preset_config
+    from schedlab.engine.models import preset_config
 
     cm = analytic_from_config(hw, preset_config("tiny"), None)
     assert cm.model.native_bits == 16  # presets have no torch_dtype: bf16 assumed unless told
@@ -414,8 +414,8 @@ def test_cpu_local_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_the_analytic_model_never_imports_mlx():
-    code = ("import sys; from analysis.analytic import make_analytic_cost_model; "
-            "from policies.base import PassShape; "
+    code = ("import sys; from schedlab.analysis.analytic import make_analytic_cost_model; "
+            "from schedlab.policies.base import PassShape; "
             "c, kv, m = make_analytic_cost_model('m3-ultra', 'qwen3-235b-a22b', 4); "
             "c.pass_seconds(PassShape(decode_contexts=(10,))); "
             "assert not [k for k in sys.modules if k == 'mlx' or k.startswith('mlx.')], 'mlx imported'")

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from policies import make_policy
-from policies.base import PassShape
-from sim import run
-from analysis.analytic import AnalyticError, Efficiency, analytic_from_config, fit_efficiency
-from analysis.analytic.hardware import DEFAULT_EFFICIENCY, Hardware, read_hardware_file
-from analysis.analytic.local import BLOCK_KEY, efficiency_from_block, fit_local, shape_from_sample
-from sim.cost import pass_features
-from analysis.validation import METRICS
-from traces.schema import Request
+from schedlab.policies import make_policy
+from schedlab.policies.base import PassShape
+from schedlab.sim import run
+from schedlab.analysis.analytic import AnalyticError, Efficiency, analytic_from_config, fit_efficiency
+from schedlab.analysis.analytic.hardware import DEFAULT_EFFICIENCY, Hardware, read_hardware_file
+from schedlab.analysis.analytic.local import BLOCK_KEY, efficiency_from_block, fit_local, shape_from_sample
+from schedlab.sim.cost import pass_features
+from schedlab.analysis.validation import METRICS
+from schedlab.traces.schema import Request
 
-from simkit import read_table
+from simkit import command, read_table
 
 BIN = Path(sys.executable).parent
 
@@ -34,7 +34,7 @@ TRUE = Efficiency(0.12, 0.4, 1.2e-3, attention=0.03, decode_attention=0.015, cop
 
 
 def preset(name):
-    from engine.models import preset_config
+    from schedlab.engine.models import preset_config
 
     return preset_config(name)
 
@@ -229,15 +229,15 @@ def test_fit_local_needs_readable_samples():
 
 @pytest.fixture(scope="module")
 def micro():
-    from engine.models import load_model
+    from schedlab.engine.models import load_model
 
     return load_model("micro")
 
 
 def _profile_for(info, samples, block=None):
     """A profile as calibrate writes it (linear fit and report included) around ``samples``."""
-    from engine.calibrate import _blas_key
-    from analysis.fit import Sample, fit_profile
+    from schedlab.engine.calibrate import _blas_key
+    from schedlab.analysis.fit import Sample, fit_profile
 
     meta = info.metadata()
     coef, report = fit_profile([Sample.from_json(s) for s in samples])
@@ -251,7 +251,7 @@ def _profile_for(info, samples, block=None):
 
 
 def test_validate_picks_fitted_factors_then_samples_then_priors(micro, tmp_path, monkeypatch):
-    from engine.calibrate import fit_analytic
+    from schedlab.engine.calibrate import fit_analytic
     from schedlab.validate import analytic_cost
 
     monkeypatch.setenv("SCHEDLAB_CACHE_DIR", str(tmp_path))
@@ -282,7 +282,7 @@ def test_calibrate_analytic_from_a_stored_profile(micro, tmp_path):
     src.write_text(json.dumps(_profile_for(micro, profile_samples(truth))))
     out = tmp_path / "out.json"
     env = {"SCHEDLAB_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([str(BIN / "calibrate"), "--model", "micro", "--analytic", "--from-profile", str(src),
+    proc = subprocess.run([*command("calibrate"), "--model", "micro", "--analytic", "--from-profile", str(src),
                            "--out", str(out), "-q"], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, **env})
     assert proc.returncode == 0, proc.stderr
@@ -290,7 +290,7 @@ def test_calibrate_analytic_from_a_stored_profile(micro, tmp_path):
     prof = json.loads(out.read_text())
     assert prof[BLOCK_KEY]["model"] == "micro" and prof[BLOCK_KEY]["samples"]["skipped"] == 0
     assert "## Analytic roofline on cpu-local" in out.with_suffix(".md").read_text()
-    bad = subprocess.run([str(BIN / "calibrate"), "--model", "tiny", "--analytic", "--from-profile", str(src),
+    bad = subprocess.run([*command("calibrate"), "--model", "tiny", "--analytic", "--from-profile", str(src),
                           "--out", str(out), "-q"], capture_output=True, text=True, timeout=300)
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.returncode != 0 and len(lines) == 1 and "not measured on this model" in lines[0]
@@ -306,7 +306,7 @@ def test_validate_hardware_cpu_local_end_to_end(tmp_path):
         for r in reqs]}))
     out = tmp_path / "val"
     env = {**__import__("os").environ, "SCHEDLAB_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([str(BIN / "validate"), "--policy", "mlx-default", "--trace", str(trace), "--model", "micro",
+    proc = subprocess.run([*command("validate"), "--policy", "mlx-default", "--trace", str(trace), "--model", "micro",
                            "--hardware", "cpu-local", "--out", str(out), "-q"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr

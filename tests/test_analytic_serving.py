@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from analysis.analytic import (AnalyticError, ServingCostModel, load_hardware, load_model_config,
+from schedlab.analysis.analytic import (AnalyticError, ServingCostModel, load_hardware, load_model_config,
                                make_analytic_cost_model, predict_pass)
-from analysis.analytic.__main__ import main as analytic_main
-from analysis.analytic.hardware import HARDWARE_DIR, read_hardware_file
-from analysis.analytic.kernels import (ATTENTION_FILE, EXAMPLES, FIT_PLAN,
+from schedlab.analysis.analytic.__main__ import main as analytic_main
+from schedlab.analysis.analytic.hardware import HARDWARE_DIR, read_hardware_file
+from schedlab.analysis.analytic.kernels import (ATTENTION_FILE, EXAMPLES, FIT_PLAN,
                                        SOURCE_COMMIT, PresetKernelFit, _example_measured, attention_table,
                                        fit_record, have_kernel_data, kernel_data_dir, linear_table, refit_serving,
                                        serving_report)
-from analysis.analytic.serving import ServingEfficiency
-from policies.base import PassShape
+from schedlab.analysis.analytic.serving import ServingEfficiency
+from schedlab.policies.base import PassShape
 
 # the checkout (the package may be installed elsewhere, as CI installs it: not editable)
 REPO = Path(__file__).resolve().parents[1]

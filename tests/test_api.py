@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 import schedlab
-from simkit import KNOWN
+from simkit import command, KNOWN
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +28,7 @@ SMALL_GRID = dict(name="test-small", decode_batches=(1, 2, 4, 8), decode_context
 
 
 def cli(name: str, *args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run([*command(name), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 def read_dir(d: Path) -> dict:
@@ -173,7 +173,7 @@ def test_a_simulation_without_its_pass_log_is_the_same_run_less_the_passes(profi
 
 
 USER_POLICY = '''
-from policies.base import Pass, Plan
+from schedlab.policies.base import Pass, Plan
 
 
 class ShortestFirst:
@@ -202,7 +202,7 @@ def _same_run(a: schedlab.Run, b: schedlab.Run) -> None:
 
 
 def test_a_policy_may_be_a_name_a_class_an_object_or_a_file(profile, tmp_path):
-    from policies.chunked_prefill import ChunkedPrefill
+    from schedlab.policies.chunked_prefill import ChunkedPrefill
 
     ref = schedlab.simulate("chunked-prefill", "real-mixed", options={"budget": 128}, profile=profile)
     for pol, opts in ((ChunkedPrefill, {"budget": "128"}), (ChunkedPrefill(budget=128), None),
@@ -220,12 +220,12 @@ def test_a_policy_may_be_a_name_a_class_an_object_or_a_file(profile, tmp_path):
     _same_run(by_file, schedlab.simulate(cls(room=4), "real-mixed", profile=profile))
     other = schedlab.simulate(cls(room=1), "real-mixed", profile=profile)
     assert other.summary["ttft_ms"] != by_file.summary["ttft_ms"]  # the option is used
-    assert set(schedlab.policies()) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill",
+    assert set(schedlab.bundled_policies()) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill",
                                         "unified", "vllm"}
 
 
 def test_a_trace_may_be_a_name_a_path_a_spec_a_list_or_a_dataframe(profile):
-    import traces
+    from schedlab import traces
 
     tr = schedlab.load_trace("real-mixed")
     ref = schedlab.simulate("unified", "real-mixed", profile=profile)
@@ -342,7 +342,7 @@ def test_bad_arguments_raise_one_error_type_with_one_line(tmp_path):
 
 def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):
     f = tmp_path / "bad.py"
-    f.write_text("from policies.base import Plan, Pass\n"
+    f.write_text("from schedlab.policies.base import Plan, Pass\n"
                  "class DecodeWaiting:\n"
                  "    name = 'decode-waiting'\n"
                  "    def plan(self, view):\n"
@@ -356,8 +356,8 @@ def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):
 
 
 def test_sweep_equals_the_commands_files(profile, tmp_path):
-    import traces
-    from analysis.sweep import ROW_FIELDS
+    from schedlab import traces
+    from schedlab.analysis.sweep import ROW_FIELDS
 
     tr = schedlab.load_trace("mixed", head=80)
     path = tmp_path / "t.json"
@@ -379,7 +379,7 @@ def test_sweep_equals_the_commands_files(profile, tmp_path):
     info = table.attrs["info"]
     assert info["max_sustained_rate"] == data["max_sustained_rate"] and info["rates_rps"] == [0.5, 4.0]
     # a policy class runs in this process and gives the same rows
-    from policies.unified import Unified
+    from schedlab.policies.unified import Unified
 
     mine = schedlab.sweep([Unified], path, rates=[0.5, 4], profile=profile, slo=slo)
     pd.testing.assert_frame_equal(mine.drop(columns="policy").reset_index(drop=True),
@@ -416,7 +416,7 @@ def micro(tmp_path_factory):
 
 
 def test_calibrate_returns_the_profile_it_writes(micro, tmp_path):
-    from sim.cost import FEATURES
+    from schedlab.sim.cost import FEATURES
 
     prof, lines = micro
     assert prof.path is not None and prof.path.is_file() and prof.path.with_suffix(".md").is_file()
@@ -480,7 +480,7 @@ def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
 
 
 def test_validate_and_compare(micro, tmp_path):
-    from analysis.validation import METRICS
+    from schedlab.analysis.validation import METRICS
 
     prof, _ = micro
     trace = schedlab.load_trace("real-smoke", head=6)
@@ -502,7 +502,7 @@ def test_validate_and_compare(micro, tmp_path):
     assert (v.errors["speed_before"] > 0).all() and v.errors["drift_adjusted_median_abs_error_pct"].notna().all()
     # each real run's own speed, read back from its steps, and the simulation made again at it
     from schedlab.api import run_speed
-    from sim.features import step_table
+    from schedlab.sim.features import step_table
 
     for pol in v.policies:
         speeds = [run_speed(step_table(r._result)) for r in v.real[pol]]

@@ -12,18 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies.base import PassShape
-from sim.cost import FEATURES, LinearCostModel, pass_features, step_features
-from analysis.fit import Sample, fit_profile
-from analysis.validation import METRICS, compare, format_table, hold_one_out
-from simkit import KNOWN
+from schedlab.policies.base import PassShape
+from schedlab.sim.cost import FEATURES, LinearCostModel, pass_features, step_features
+from schedlab.analysis.fit import Sample, fit_profile
+from schedlab.analysis.validation import METRICS, compare, format_table, hold_one_out
+from simkit import command, KNOWN
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(name, *args, cwd=None):
-    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run([*command(name), *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 # ---------------------------------------------------------------------------- the fit
@@ -111,9 +111,9 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
     """A profile's samples and a run's features.parquet written before d_few / d_kv_long
     existed: the terms' features are derived from the rows and longest context they kept, equal
     to what pass_features gives the same pass."""
-    from analysis.fit import Sample
-    from sim.cost import DECODE_SHAPE_TERMS, KV_KNEE, PREFILL_SHAPE_TERMS
-    from sim.features import COLUMNS, features_table, read_features
+    from schedlab.analysis.fit import Sample
+    from schedlab.sim.cost import DECODE_SHAPE_TERMS, KV_KNEE, PREFILL_SHAPE_TERMS
+    from schedlab.sim.features import COLUMNS, features_table, read_features
     import pyarrow.parquet as pq
 
     shapes = [PassShape(decode_contexts=(KV_KNEE + 300,) + (40,) * 5), PassShape(decode_contexts=(90,)),
@@ -363,7 +363,7 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
         assert rep[group]["held_out"]["n"] >= 1 and rep[group]["r2"] is not None
     assert rep["mixed"]["held_out"]["n"] >= 1
     assert len(prof["samples"]) == prof["calibration"]["samples"]
-    from engine.calibrate import DECODE_WARM, decode_warm
+    from schedlab.engine.calibrate import DECODE_WARM, decode_warm
     assert decode_warm(prof) == DECODE_WARM  # its steady decode samples skipped the passes after the join
     assert micro_profile.with_suffix(".md").read_text().startswith("# Cost profile: micro")
     # simulate takes it as it is
@@ -372,9 +372,9 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
 
 
 def test_profile_mismatch_names_the_difference(micro_profile, monkeypatch):
-    import engine  # noqa: F401
-    from engine.calibrate import profile_mismatch
-    from engine.models import load_model
+    from schedlab import engine  # noqa: F401
+    from schedlab.engine.calibrate import profile_mismatch
+    from schedlab.engine.models import load_model
 
     meta = json.loads(micro_profile.read_text())
     info = load_model("micro")
@@ -456,8 +456,8 @@ def test_validate_bad_inputs(micro_profile, tmp_path):
 
 
 def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
-    from engine.calibrate import speed_points
-    from analysis.validation import speed_line
+    from schedlab.engine.calibrate import speed_points
+    from schedlab.analysis.validation import speed_line
 
     samples = [{"group": "decode", "label": f"B={b} C={c}", "seconds": 0.001 * b + 1e-6 * c}
                for b in (1, 2, 4, 16, 64) for c in (40, 600, 2500)]
@@ -483,9 +483,9 @@ def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
 
 
 def test_a_scaled_cost_model_scales_every_second_and_the_whole_schedule():
-    from policies import make_policy
-    from sim import run
-    from sim.cost import ScaledCostModel
+    from schedlab.policies import make_policy
+    from schedlab.sim import run
+    from schedlab.sim.cost import ScaledCostModel
     from simkit import cost_model, req
 
     base = cost_model()
@@ -509,8 +509,8 @@ def test_the_grids_steady_decode_sample_skips_the_passes_right_after_the_batch_f
     after a join run slower than later ones): the sample's shapes are those passes' (each
     context ``warm`` tokens longer), and a profile says how many it skipped, so that a speed
     check times its points as they were measured (0 for profiles from before)."""
-    from engine.calibrate import DECODE_WARM, Rig, decode_warm, measure_decode
-    from engine.models import load_model
+    from schedlab.engine.calibrate import DECODE_WARM, Rig, decode_warm, measure_decode
+    from schedlab.engine.models import load_model
 
     rig = Rig(load_model("micro"), seed=0)
     cold = {(s.group, s.label): s for s in measure_decode(rig, 3, 40, 1, warm=0)}
@@ -536,13 +536,13 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     without a replay falls back to the reference passes."""
     import pandas as pd
 
-    import traces
-    from engine.calibrate import (calibrate_default, grid_coefficients, replay_speed_check, replay_trace,
+    from schedlab import traces
+    from schedlab.engine.calibrate import (calibrate_default, grid_coefficients, replay_speed_check, replay_trace,
                                   write_profile)
-    from engine.models import load_model
-    from policies import make_policy
+    from schedlab.engine.models import load_model
+    from schedlab.policies import make_policy
     from schedlab.api import validate_many
-    from analysis.validation import speed_line
+    from schedlab.analysis.validation import speed_line
 
     info = load_model("micro")
     prof = calibrate_default(info, replay_s=2.0, keep=tmp_path / "replay")

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from simkit import KNOWN, read_table
+from simkit import command, KNOWN, read_table
 
 BIN = Path(sys.executable).parent
 
 
 def cli(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run([*command(name), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, profile):
 def test_impossible_plan_and_crashing_policy(tmp_path, profile):
     f = tmp_path / "bad_policies.py"
     f.write_text(
-        "from policies.base import Plan, Pass\n"
+        "from schedlab.policies.base import Plan, Pass\n"
         "class DecodeWaiting:\n"
         "    name = 'decode-waiting'\n"
         "    def plan(self, view):\n"

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-import traces
-from policies import make_policy
-from sim import ClientSource, WallClock, run, summarize
-from sim.sources import clients
-from simkit import KNOWN, read_table
+from schedlab import traces
+from schedlab.policies import make_policy
+from schedlab.sim import ClientSource, WallClock, run, summarize
+from schedlab.sim.sources import clients
+from simkit import command, KNOWN, read_table
 from test_loop import FixedBackend, cost
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 BIN = Path(sys.executable).parent
 
@@ -83,8 +83,8 @@ def test_a_refused_request_frees_its_slot_at_once():
 def test_the_simulated_clock_runs_ahead_and_still_honours_the_limit():
     """With the cost model's seconds the replica plans many steps ahead of SimPy; a finish
     must make the next send time known to it (next_arrival_s) so the send is not late."""
-    from sim.cost import LinearCostModel
-    from sim.profiles import resolve_profile
+    from schedlab.sim.cost import LinearCostModel
+    from schedlab.sim.profiles import resolve_profile
 
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("random:n=120,input_len=256,output_len=64,range_ratio=0.5")  # all issued at t=0
@@ -143,7 +143,7 @@ def test_live_source_takes_requests_from_another_thread_while_the_replica_runs()
     clock in submission order, all served; nothing is taken before the clock runs or after close()."""
     import threading
 
-    from sim import LiveSource, SourceClosed
+    from schedlab.sim import LiveSource, SourceClosed
 
     backend = SleepBackend()
     clock = WallClock()
@@ -190,7 +190,7 @@ def test_bad_client_arguments():
 
 
 def cli(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *map(str, args)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([*command(name), *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 def test_simulate_max_concurrency_keeps_at_most_c_in_flight(tmp_path):
@@ -260,7 +260,7 @@ def test_a_policy_that_stalls_a_closed_loop_is_a_one_line_error():
         name = "idle"
 
         def plan(self, view):
-            from policies.base import Plan
+            from schedlab.policies.base import Plan
             return Plan()
 
     res = run(ClientSource([Request("a", 0.0, 4, 1), Request("b", 0.0, 4, 1)], 1), Idle(), cost(),

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import traces
-from traces import TraceError
-from traces.datasets import (SONNET_BASE_PROMPT, SONNET_FILE, length_range, parse_spec, random_dataset,
+from schedlab import traces
+from schedlab.traces import TraceError
+from schedlab.traces.datasets import (SONNET_BASE_PROMPT, SONNET_FILE, length_range, parse_spec, random_dataset,
                              request_times, sonnet_dataset, sonnet_lines)
 
 LINES = sonnet_lines()
@@ -53,7 +53,7 @@ def make_bpe() -> Tokenizer:
 
 
 def make_chat_bpe() -> ChatML:
-    """For ``python -m traces.build --sonnet-tokenizer test_datasets:make_chat_bpe``."""
+    """For ``python -m schedlab.traces.build --sonnet-tokenizer test_datasets:make_chat_bpe``."""
     return ChatML(make_bpe())
 
 
@@ -166,8 +166,8 @@ def test_random_defaults_are_vllms():
 
 
 def test_random_runs_in_the_simulator():
-    from policies import make_policy
-    from sim import run
+    from schedlab.policies import make_policy
+    from schedlab.sim import run
     from simkit import cost_model
 
     tr = traces.load("random:n=40,input_len=64,output_len=8,range_ratio=0.5,rate=20", seed=3)
@@ -305,11 +305,11 @@ def test_spec_parsing_and_options():
 
 
 # ---------------------------------------------------------------------------------------
-# python -m traces.build --sonnet-tokenizer
+# python -m schedlab.traces.build --sonnet-tokenizer
 
 
 def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
-    from traces import build as tbuild
+    from schedlab.traces import build as tbuild
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     out = tmp_path / "data"

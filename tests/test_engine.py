@@ -13,21 +13,21 @@ import dataclasses
 
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
-from engine.backend import MLXBackend, reference_tokens
-from engine.models import load_model
-from engine.sampling import prompt_ids
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine.backend import MLXBackend, reference_tokens
+from schedlab.engine.models import load_model
+from schedlab.engine.sampling import prompt_ids
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from policies import make_policy
-from policies.base import Pass, Plan
-from policies.mlx_default import MlxDefault
-from sim.cost import LinearCostModel
-from sim.loop import run
-from sim.state import ReplicaState
-from traces.schema import Request
+from schedlab.policies import make_policy
+from schedlab.policies.base import Pass, Plan
+from schedlab.policies.mlx_default import MlxDefault
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.loop import run
+from schedlab.sim.state import ReplicaState
+from schedlab.traces.schema import Request
 
 NO_COST = LinearCostModel({})
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from simkit import read_table
+from simkit import command, read_table
 
 BIN = Path(sys.executable).parent
 
 
 def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "run-real"), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run([*command("run-real"), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 
@@ -121,7 +121,7 @@ def test_missing_fast_blas_is_told_once(tmp_path):
         {"id": "a", "arrival_s": 0, "prompt_tokens": 20, "output_tokens": 3},
         {"id": "b", "arrival_s": 0, "prompt_tokens": 9, "output_tokens": 2}]}))
     out = tmp_path / "run"
-    proc = subprocess.run([str(BIN / "run-real"), "-p", "slots", "-t", str(tr), "-m", "micro", "-q", "--out", str(out),
+    proc = subprocess.run([*command("run-real"), "-p", "slots", "-t", str(tr), "-m", "micro", "-q", "--out", str(out),
                            "--no-calibrate"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "SCHEDLAB_BLAS": "none"})
     assert proc.returncode == 0, proc.stderr

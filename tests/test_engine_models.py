@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
-from engine import blas
-from engine.errors import EngineError
-from engine.models import PRESETS, load_model, preset_parameters, save_checkpoint
-from engine.sampling import prompt_ids
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine import blas
+from schedlab.engine.errors import EngineError
+from schedlab.engine.models import PRESETS, load_model, preset_parameters, save_checkpoint
+from schedlab.engine.sampling import prompt_ids
 
 import mlx.core as mx
 
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_presets_are_seeded_and_counted(micro):
 
 
 def test_local_checkpoint_round_trip(micro, tmp_path):
-    from engine.backend import reference_tokens
+    from schedlab.engine.backend import reference_tokens
 
     path = save_checkpoint(micro, tmp_path / "ckpt")
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
@@ -93,7 +93,7 @@ def py(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
 
 
-INFO = "import json, engine, mlx.core as mx; from engine import blas; mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8))); print(json.dumps(blas.info()))"
+INFO = "import json, engine, mlx.core as mx; from schedlab.engine import blas; mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8))); print(json.dumps(blas.info()))"
 HAVE_OPENBLAS = any(os.path.isfile(p) for p, _ in blas._candidates())
 # CI installs OpenBLAS (.ci/run): there a missing one fails these tests instead of skipping them
 SKIP_BLAS = sys.platform == "darwin" or (not HAVE_OPENBLAS and os.environ.get("CI", "").lower() != "true")
@@ -123,11 +123,11 @@ def test_blas_none_keeps_the_reference_blas_and_hints_once():
 
 @pytest.mark.skipif(SKIP_BLAS, reason="no OpenBLAS installed (macOS uses Accelerate)")
 def test_mlx_imported_first_is_detected():
-    proc = py("import json, mlx.core, engine; from engine import blas; print(json.dumps(blas.info()))",
+    proc = py("import json, mlx.core, engine; from schedlab.engine import blas; print(json.dumps(blas.info()))",
               SCHEDLAB_BLAS=None)
     info = json.loads(proc.stdout)
     assert not info["active"] and not info["loaded_before_mlx"]
-    assert any("import engine first" in n for n in info["notes"])
+    assert any("from schedlab import engine first" in n for n in info["notes"])
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS uses Accelerate")

@@ -4,6 +4,7 @@ closed-loop clients on the wall clock -- greedy tokens still equal each request'
 single-sequence reference (``micro`` preset, real MLX on CPU)."""
 
 from __future__ import annotations
+from simkit import command
 
 import json
 import subprocess
@@ -12,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
-from engine.backend import MLXBackend, reference_tokens
-from engine.models import load_model
-from engine.sampling import prompt_ids
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine.backend import MLXBackend, reference_tokens
+from schedlab.engine.models import load_model
+from schedlab.engine.sampling import prompt_ids
 
-from policies import make_policy
-from sim import run, summarize
-from sim.cost import LinearCostModel
-from sim.sources import ClientSource
+from schedlab.policies import make_policy
+from schedlab.sim import run, summarize
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.sources import ClientSource
 from test_engine import trace
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 NO_COST = LinearCostModel({})
 BIN = Path(sys.executable).parent
@@ -121,7 +122,7 @@ def test_preemption_with_prefix_caching_resumes_from_its_own_cached_kv(micro, re
 
 def test_a_copied_block_is_checked_against_its_owner(micro):
     """The engine refuses a cached block whose owner's tokens differ (a wrong hash)."""
-    from engine.backend import EngineStateError
+    from schedlab.engine.backend import EngineStateError
 
     reqs = [Request("x", 0.0, 600, 3, (5,)), Request("y", 0.5, 600, 3, (5,))]
     backend = MLXBackend(micro)
@@ -159,7 +160,7 @@ def test_run_real_cli_with_prefix_caching_lowers_ttft(tmp_path):
     out = {}
     for flag in ([], ["--prefix-caching"]):
         d = tmp_path / ("on" if flag else "off")
-        proc = subprocess.run([str(BIN / "run-real"), "--policy", "vllm", "--trace", str(path), "--model", "micro",
+        proc = subprocess.run([*command("run-real"), "--policy", "vllm", "--trace", str(path), "--model", "micro",
                                "--no-calibrate", "--kv-tokens", "40000", "--out", str(d), "-q", *flag],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr

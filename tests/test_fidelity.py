@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from policies import make_policy
-from policies.base import PassShape
-from sim import SimClock, run
-from sim.cost import IDLE_CAP_S, LinearCostModel, idle_features, pass_features, step_features
-from sim.features import COLUMNS, STEP_TERMS, after_wake_column, step_table
-from simkit import KNOWN
-from traces.schema import Request
+from schedlab.policies import make_policy
+from schedlab.policies.base import PassShape
+from schedlab.sim import SimClock, run
+from schedlab.sim.cost import IDLE_CAP_S, LinearCostModel, idle_features, pass_features, step_features
+from schedlab.sim.features import COLUMNS, STEP_TERMS, after_wake_column, step_table
+from simkit import command, KNOWN
+from schedlab.traces.schema import Request
 
 from test_loop import FixedBackend
 
@@ -27,7 +27,7 @@ BIN = Path(sys.executable).parent
 
 
 def cli(name, *args):
-    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([*command(name), *args], capture_output=True, text=True, timeout=600)
 
 
 # ---------------------------------------------------------------------------- the loop
@@ -60,7 +60,7 @@ def test_the_steps_after_a_wake_pay_i_after_halving_and_runs_of_repeats_stay_exa
     step the idle terms only, later steps nothing; in a real run's prediction and in a simulation's
     time alike. A simulation that runs repeated decode steps in bulk gives the same steps as one
     planned step by step (a callback on every step turns the bulk runs off)."""
-    from sim.cost import AFTER_WAKE_STEPS
+    from schedlab.sim.cost import AFTER_WAKE_STEPS
 
     reqs = [Request("A", 0.0, 10, 9), Request("B", 5.0, 6, 9), Request("C", 5.05, 6, 4), Request("D", 20.0, 3, 12)]
     plain = LinearCostModel({"d_pass": 0.001, "p_pass": 0.002, "s_step": 0.0005, "i_step": 0.01})
@@ -121,7 +121,7 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
     arrivals to an idle replica), timed by ``truth`` (a linear model: planted terms included)
     with relative noise; ``slow``: (share, factor): that share of the steps, drawn at random,
     takes ``factor`` times as long (a machine's slow spells: step times skewed to the slow side)."""
-    from analysis.runfit import RunSteps
+    from schedlab.analysis.runfit import RunSteps
 
     cm = LinearCostModel(truth)
     runs = []
@@ -177,7 +177,7 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
 
 
 def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
-    from analysis.runfit import fit_runs, predict
+    from schedlab.analysis.runfit import fit_runs, predict
 
     truth = {**KNOWN, "i_step": 0.004, "i_gap": 0.006, "c_join_row": 0.0008}
     runs = synthetic_runs(truth, noise=0.02)
@@ -205,7 +205,7 @@ def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
 
 
 def test_a_fit_from_runs_recovers_a_planted_cost_on_the_steps_after_a_wake():
-    from analysis.runfit import fit_runs
+    from schedlab.analysis.runfit import fit_runs
 
     truth = {**KNOWN, "i_step": 0.004, "i_after": 0.003}
     fit = fit_runs(synthetic_runs(truth, noise=0.02, seed=5))
@@ -215,7 +215,7 @@ def test_a_fit_from_runs_recovers_a_planted_cost_on_the_steps_after_a_wake():
 
 
 def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_steps():
-    from analysis.runfit import _concat, fit_runs, predict
+    from schedlab.analysis.runfit import _concat, fit_runs, predict
 
     # a fifth of the steps take 1.5x: every shape's mean is 1.1x the truth, its median 1.0x
     runs = synthetic_runs(KNOWN, noise=0.02, seed=7, slow=(0.2, 1.5))
@@ -239,7 +239,7 @@ def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_s
 
 
 def test_a_scaled_fit_keeps_the_grid_shapes_and_finds_the_loops_slowdown():
-    from analysis.runfit import fit_runs
+    from schedlab.analysis.runfit import fit_runs
 
     slower = {k: v * (1.15 if k.startswith("d_") else 1.0) for k, v in KNOWN.items()}
     truth = {**slower, "i_step": 0.003}
@@ -256,7 +256,7 @@ def test_a_scaled_fit_keeps_the_grid_shapes_and_finds_the_loops_slowdown():
 
 
 def test_residual_table_shows_a_planted_effect_in_its_bin():
-    from analysis.residuals import bias, bias_line, residual_table
+    from schedlab.analysis.residuals import bias, bias_line, residual_table
 
     truth = {**KNOWN, "i_step": 0.01}
     cols = synthetic_runs(truth, n_runs=1, noise=0.0)[0].cols
@@ -288,7 +288,7 @@ def recorded(tmp_path_factory):
 
 
 def test_run_real_writes_features_and_prints_the_running_bias(recorded):
-    from sim.features import read_features
+    from schedlab.sim.features import read_features
 
     dirs, outs = recorded
     for d, out in zip(dirs, outs):
@@ -304,8 +304,8 @@ def test_run_real_writes_features_and_prints_the_running_bias(recorded):
 
 
 def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(recorded, tmp_path):
-    from analysis.runfit import load_runs, predict
-    from sim.features import read_features
+    from schedlab.analysis.runfit import load_runs, predict
+    from schedlab.sim.features import read_features
 
     dirs, _ = recorded
     out = tmp_path / "runs.json"
@@ -324,7 +324,7 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(re
     err = np.abs(pred - meas) / meas * 100
     assert np.median(err) == pytest.approx(rep["fit"]["all"]["median_abs_pct"], rel=1e-6)
     # the steps' spread around the fit, carried for the simulator (sim.jitter) and printed
-    from sim.jitter import StepJitter
+    from schedlab.sim.jitter import StepJitter
 
     jit = StepJitter.from_dict(prof["step_jitter"])
     assert jit.steps == len(meas)
@@ -370,8 +370,8 @@ def test_calibrate_from_runs_bad_inputs(tmp_path):
 def test_noise_settings_parse_and_apply():
     import gc
 
-    from engine.errors import EngineError
-    from engine.noise import Noise
+    from schedlab.engine.errors import EngineError
+    from schedlab.engine.noise import Noise
 
     n = Noise.parse("gc-off,warmup=3")
     assert n.gc_off and n.warmup == 3 and n.pin is None and Noise.parse(n.spec()) == n
@@ -398,9 +398,9 @@ def test_mlx_cache_keeps_freed_buffers_for_reuse_and_is_restored():
     MiB, it is handed back), and the previous limit is back when the setting is left."""
     code = (
         "import sys\n"
-        "import engine\n"
+        "from schedlab import engine\n"
         "import mlx.core as mx\n"
-        "from engine.noise import Noise\n"
+        "from schedlab.engine.noise import Noise\n"
         "before = mx.set_cache_limit(0); mx.set_cache_limit(before)\n"
         "with Noise.parse(sys.argv[1]).active():\n"
         "    a = mx.ones((16 << 20,), dtype=mx.float32); mx.eval(a); del a\n"
@@ -423,7 +423,7 @@ def test_malloc_keep_keeps_freed_memory_in_the_process():
     its own process: the setting holds for the rest of the process."""
     code = (
         "import resource, sys\n"
-        "from engine.noise import Noise\n"
+        "from schedlab.engine.noise import Noise\n"
         "def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "with Noise.parse(sys.argv[1]).active():\n"
         "    b = bytearray(16 << 20); del b\n"
@@ -443,11 +443,11 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
     cost model says (every pass, the scheduler's work and waking from idle; the policy plans with
     the model, as a real run's does): the plain comparison is off by about that much, each run's
     own speed is read back from its steps, and the simulations at those speeds match the runs."""
-    import traces
+    from schedlab import traces
     from schedlab.api import run_speed, speed_matched
-    from sim import summarize
-    from sim.backend import SimBackend
-    from analysis.validation import compare
+    from schedlab.sim import summarize
+    from schedlab.sim.backend import SimBackend
+    from schedlab.analysis.validation import compare
 
     cost = LinearCostModel.from_profile(Path(__file__).resolve().parents[1] / "sim" / "profiles" / "tiny-cpu.json")
     tr = traces.load("real-mixed")

@@ -16,6 +16,7 @@ our loader + engine produce.
 """
 
 from __future__ import annotations
+from simkit import command
 
 import csv
 import json
@@ -28,20 +29,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
-from engine import gguf
-from engine.backend import MLXBackend, reference_tokens
-from engine.errors import EngineError
-from engine.models import check_spec, load_model
-from engine.sampling import prompt_ids
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine import gguf
+from schedlab.engine.backend import MLXBackend, reference_tokens
+from schedlab.engine.errors import EngineError
+from schedlab.engine.models import check_spec, load_model
+from schedlab.engine.sampling import prompt_ids
 
 import mlx.core as mx
 
-from policies import make_policy
-from sim.cost import LinearCostModel
-from sim.loop import run
-from traces import tokenize
-from traces.schema import Request, Trace
+from schedlab.policies import make_policy
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.loop import run
+from schedlab.traces import tokenize
+from schedlab.traces.schema import Request, Trace
 
 BIN = Path(sys.executable).parent
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -233,7 +234,7 @@ def test_untied_head_and_attention_biases(tmp_path):
 
     from mlx_lm.models import llama
 
-    from engine.models import _init_random, preset_config
+    from schedlab.engine.models import _init_random, preset_config
 
     cfg = dict(preset_config("micro"), tie_word_embeddings=False, attention_bias=True)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
@@ -359,7 +360,7 @@ def test_missing_wheel_says_how_to_install(monkeypatch):
 
 
 def cli(prog: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / prog), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run([*command(prog), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def assert_one_line_error(proc, prog: str, *fragments: str) -> None:
@@ -373,10 +374,8 @@ def assert_one_line_error(proc, prog: str, *fragments: str) -> None:
 
 
 def export_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    """export-mlx (its console script where installed, else the same function via -m)."""
-    script = BIN / "export-mlx"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "schedlab.export"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    """``schedlab export-mlx``."""
+    return subprocess.run([*command("export-mlx"), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def test_cli_bad_gguf_is_one_line(micro, tmp_path):
@@ -390,12 +389,10 @@ def test_cli_bad_gguf_is_one_line(micro, tmp_path):
     proc = cli("run-real", "--policy", "mlx-default", "--trace", "real-smoke", "--model", str(gpt2), cwd=tmp_path)
     assert_one_line_error(proc, "run-real", "architecture 'gpt2' is not supported")
     proc = export_cli(str(bad), str(tmp_path / "out"), cwd=tmp_path)
-    assert_one_line_error(proc, "export-mlx", "is not a GGUF file")
+    assert_one_line_error(proc, "schedlab export-mlx", "is not a GGUF file")
 
 
 def test_export_cli_and_console_script(micro_gguf, tmp_path):
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert '\nexport-mlx = "schedlab.export:export_main"\n' in pyproject  # the console script
     out = tmp_path / "ckpt"
     proc = export_cli(str(micro_gguf), str(out), "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
@@ -532,7 +529,7 @@ def test_sentencepiece_gguf_tokenizer_matches_sentencepiece():
     import io
 
     spm = pytest.importorskip("sentencepiece")
-    from engine.tokenizer import TextTokenizer
+    from schedlab.engine.tokenizer import TextTokenizer
 
     corpus = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
     proto = io.BytesIO()

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from policies import make_policy
-from sim import run, summarize
-from sim.backend import SimBackend
-from sim.cost import LinearCostModel
-from sim.jitter import JitterError, StepJitter
+from schedlab.policies import make_policy
+from schedlab.sim import run, summarize
+from schedlab.sim.backend import SimBackend
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.jitter import JitterError, StepJitter
 from simkit import KNOWN
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 from test_fidelity import synthetic_runs
 
@@ -67,7 +67,7 @@ def test_a_jittered_simulation_keeps_the_total_and_takes_the_spread_per_step():
     jitter nothing changes. A busy real trace (steps of every shape, pass by pass): the typical
     step drops below the model's mean, the total stays. (Where the ITL tail is a policy's big
     prefill steps, as here, it need not grow: most of them draw below 1 too.)"""
-    import traces
+    from schedlab import traces
 
     j = StepJitter.from_ratios(skewed())
     one = [Request(id="r0", arrival_s=0.0, prompt_tokens=32, output_tokens=3000)]
@@ -98,7 +98,7 @@ def test_a_jittered_simulation_keeps_the_total_and_takes_the_spread_per_step():
 
 
 def test_a_fit_from_runs_measures_the_steps_spread_around_it():
-    from analysis.runfit import fit_runs, step_jitter
+    from schedlab.analysis.runfit import fit_runs, step_jitter
 
     runs = synthetic_runs(KNOWN, noise=0.02, seed=7, slow=(0.2, 1.5))
     fit = fit_runs(runs)

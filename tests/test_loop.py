@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from policies import make_policy
-from sim import SimClock, run
-from sim.cost import LinearCostModel
-import traces
-from traces.schema import Request
+from schedlab.policies import make_policy
+from schedlab.sim import SimClock, run
+from schedlab.sim.cost import LinearCostModel
+from schedlab import traces
+from schedlab.traces.schema import Request
 
 DECODE_S, PREFILL_S = 0.25, 1.0  # exact in binary: the expected times are exact too
 
@@ -155,9 +155,9 @@ def test_repeated_decode_steps_in_bulk_equal_planning_every_step():
     """Plan.repeat lets the loop run a policy's repeated decode steps in bulk; the bundled
     profile's model and a real trace give the very same times as asking the policy every
     step (an on_step callback turns the bulk path off)."""
-    import traces
-    from policies import POLICIES
-    from sim.profiles import resolve_profile
+    from schedlab import traces
+    from schedlab.policies import POLICIES
+    from schedlab.sim.profiles import resolve_profile
 
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("mooncake_conv_10min").requests[:150]
@@ -178,10 +178,10 @@ def test_repeated_decode_steps_in_bulk_equal_planning_every_step():
 
 
 def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
-    from policies.base import PassShape
-    from sim.profiles import resolve_profile
+    from schedlab.policies.base import PassShape
+    from schedlab.sim.profiles import resolve_profile
 
-    from sim.cost import KV_KNEE
+    from schedlab.sim.cost import KV_KNEE
 
     bundled = LinearCostModel.from_profile(resolve_profile(None))
     # the decode shape terms planted too: a run crossing KV_KNEE, batches below and above FEW_ROWS
@@ -198,7 +198,7 @@ def test_a_real_backends_warm_up_is_not_part_of_the_run():
     a request arriving at 0 is served at once, not after the warm-up's seconds."""
     import time
 
-    from sim import WallClock
+    from schedlab.sim import WallClock
 
     class WarmBackend(FixedBackend):
         mode = "real"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-import traces
-from policies import make_policy
-from sim import run
-from sim.output import passes_table, steps_table, tokens_table
+from schedlab import traces
+from schedlab.policies import make_policy
+from schedlab.sim import run
+from schedlab.sim.output import passes_table, steps_table, tokens_table
 from simkit import cost_model
 
 
@@ -52,7 +52,7 @@ def test_token_index_restarts_at_every_request_with_tokens_whatever_lies_between
 def test_step_log_runs_read_the_same_as_arrays_and_as_records():
     """Runs of repeated steps are kept as blocks: wherever they fall among the plain steps
     (first, back to back, last), the arrays and the records agree with the steps logged one by one."""
-    from sim.loop import StepLog
+    from schedlab.sim.loop import StepLog
 
     log = StepLog()
     plain = lambda i, t: (i, t, t + 0.5, 0.5, None, 3, 7, 2, 100 + i)  # noqa: E731

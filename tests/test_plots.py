@@ -19,13 +19,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from policies import make_policy
-from sim import WallClock, run, summarize
-from sim.cost import LinearCostModel
-from sim.output import write_run
-from analysis import plots
+from schedlab.policies import make_policy
+from schedlab.sim import WallClock, run, summarize
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.output import write_run
+from schedlab.analysis import plots
 from simkit import read_table
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 COEFFS = {"d_pass": 0.02, "d_rows": 0.001, "d_kv": 1e-6, "p_pass": 0.01, "p_tokens": 2e-4,
           "p_attn": 1e-8, "s_step": 0.001}

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from policies import POLICIES, OptionError, PolicyNotFound, make_policy
-from policies.base import Pass, Plan
+from schedlab.policies import POLICIES, OptionError, PolicyNotFound, make_policy
+from schedlab.policies.base import Pass, Plan
 from simkit import Bench, req
 
 
@@ -216,7 +216,7 @@ def test_unknown_policy_and_user_policy_files(tmp_path):
         make_policy("fifo-magic")
     f = tmp_path / "mine.py"
     f.write_text(
-        "from policies.base import Plan, Pass\n"
+        "from schedlab.policies.base import Plan, Pass\n"
         "class Greedy:\n"
         "    name = 'greedy'\n"
         "    def __init__(self, k=1):\n"

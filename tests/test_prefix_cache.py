@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-import traces
-from policies import POLICIES, make_policy
-from policies.base import Pass, Plan
-from sim import run, summarize
-from sim.cost import LinearCostModel
-from sim.profiles import resolve_profile
-from sim.state import ReplicaState, ReplicaView
+from schedlab import traces
+from schedlab.policies import POLICIES, make_policy
+from schedlab.policies.base import Pass, Plan
+from schedlab.sim import run, summarize
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.profiles import resolve_profile
+from schedlab.sim.state import ReplicaState, ReplicaView
 from simkit import cost_model
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 
 def R(rid, prompt, output=2, prefix=None, t=0.0):

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from policies import make_policy
-from sim import run
-from sim.sources import ClientSource
+from schedlab.policies import make_policy
+from schedlab.sim import run
+from schedlab.sim.sources import ClientSource
 from simkit import cost_model
-from traces.schema import Request
+from schedlab.traces.schema import Request
 
 POLICY_OPTIONS = {
     "mlx-default": {"completion_batch_size": st.integers(1, 6), "prefill_batch_size": st.integers(1, 4),
@@ -215,7 +215,7 @@ def test_same_inputs_same_run_and_bulk_repeats_equal_step_by_step(d: Draw):
 @given(st.one_of(setups(), setups(pressure=True)))
 def test_the_replica_ends_empty(d: Draw):
     """After the last finish every block, reservation and reference is back."""
-    from sim.state import ReplicaState
+    from schedlab.sim.state import ReplicaState
 
     holder = {}
 

@@ -9,6 +9,7 @@ answer, alone, batched with others, streamed or whole, must be exactly its text.
 """
 
 from __future__ import annotations
+from simkit import command
 
 import json
 import os
@@ -26,14 +27,14 @@ import httpx
 import openai
 import pytest
 
-import engine  # noqa: F401  (OpenBLAS before mlx)
-from engine import gguf
-from engine.backend import reference_tokens
-from engine.errors import EngineError
-from engine.models import load_model
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine import gguf
+from schedlab.engine.backend import reference_tokens
+from schedlab.engine.errors import EngineError
+from schedlab.engine.models import load_model
 
-import traces
-from traces.schema import Request
+from schedlab import traces
+from schedlab.traces.schema import Request
 
 BIN = Path(sys.executable).parent
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -55,7 +56,7 @@ class Served:
 
     def __init__(self, args: list[str], out: Path):
         self.out = out
-        self.proc = subprocess.Popen([str(BIN / "serve"), *args, "--port", "0", "--out", str(out)],
+        self.proc = subprocess.Popen([*command("serve"), *args, "--port", "0", "--out", str(out)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         self.url = None
@@ -325,7 +326,7 @@ def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, t
     texts = [json.loads(line) for line in (s.out / "texts.jsonl").read_text().splitlines()][1:]
     assert sorted(t["text"] for t in texts) == sorted(w[0] for w in want.values())
     # the traffic as served replays in the simulator under another policy
-    sim = subprocess.run([str(BIN / "simulate"), "--policy", "unified", "--trace", str(s.out / "trace.json")],
+    sim = subprocess.run([*command("simulate"), "--policy", "unified", "--trace", str(s.out / "trace.json")],
                          capture_output=True, text=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
     assert re.search(r"Successful requests:\s+5\b", sim.stdout)
@@ -337,10 +338,10 @@ def test_the_engine_hands_each_token_over_as_its_pass_ends():
     """What serve streams from: MLXBackend.on_token, called for every token inside the pass that
     made it (mlx-default's step is a decode pass and then a prefill pass: a token made by the
     decode pass must not wait for the prefill), in the order of the tokens the run records."""
-    from engine.backend import MLXBackend
-    from policies import make_policy
-    from sim import run
-    from sim.cost import LinearCostModel
+    from schedlab.engine.backend import MLXBackend
+    from schedlab.policies import make_policy
+    from schedlab.sim import run
+    from schedlab.sim.cost import LinearCostModel
     from test_engine import trace
 
     backend = MLXBackend(load_model("micro"))
@@ -366,7 +367,7 @@ def test_the_engine_hands_each_token_over_as_its_pass_ends():
 def test_serve_refuses_bad_options_in_one_line(tmp_path):
     for args, words in ((["--policy", "nope"], "unknown policy"), (["--policy", "vllm", "--port", "70000"], "--port"),
                         (["--policy", "vllm", "--model", "micro", "--no-calibrate"], "no tokenizer")):
-        r = subprocess.run([str(BIN / "serve"), *args], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([*command("serve"), *args], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, args
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -376,7 +377,7 @@ def test_serve_says_so_when_its_port_is_taken(smol):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([str(BIN / "serve"), "--policy", "vllm", "--no-calibrate", "-q", "--port", str(port)],
+        r = subprocess.run([*command("serve"), "--policy", "vllm", "--no-calibrate", "-q", "--port", str(port)],
                            capture_output=True, text=True, timeout=180)
     assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
 

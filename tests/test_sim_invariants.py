@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import traces
-from policies import POLICIES, make_policy
-from sim import run, summarize
-from sim.backend import SimBackend
+from schedlab import traces
+from schedlab.policies import POLICIES, make_policy
+from schedlab.sim import run, summarize
+from schedlab.sim.backend import SimBackend
 from simkit import cost_model
 
 CAPACITY = 262_144
@@ -103,7 +103,7 @@ def test_sim_backend_is_the_default_and_sim_never_imports_mlx():
     import sys
 
     code = ("import sys, sim, sim.loop, sim.cost, sim.metrics, sim.output, policies, traces;"
-            "import sim.profiles;"
+            "import schedlab.sim.profiles;"
             "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert SimBackend.mode == "sim"
@@ -114,7 +114,7 @@ def test_itl_pools_finished_requests_only_and_survives_more_tokens():
     still running (a run stopped early); asked again after more tokens came, the answer follows."""
     from types import SimpleNamespace
 
-    from sim.metrics import summarize as summ
+    from schedlab.sim.metrics import summarize as summ
 
     def req(rid, times, done):
         return SimpleNamespace(id=rid, arrival_s=0.0, prompt_tokens=4, output_tokens=len(times),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from policies.base import Pass, Plan
-from sim.cost import LinearCostModel, pass_features
-from sim.state import PlanError, ReplicaState
+from schedlab.policies.base import Pass, Plan
+from schedlab.sim.cost import LinearCostModel, pass_features
+from schedlab.sim.state import PlanError, ReplicaState
 from simkit import KNOWN, Bench, req
 
 
@@ -197,9 +197,9 @@ def test_shape_reports_contexts_joins_and_leaves():
 
 def test_cost_model_features_and_prediction_agree():
     """The fast pass_seconds and the feature vector the fit uses are the same function."""
-    from sim.cost import FEATURES
+    from schedlab.sim.cost import FEATURES
 
-    from sim.cost import IDLE_CAP_S, idle_features, step_features
+    from schedlab.sim.cost import IDLE_CAP_S, idle_features, step_features
 
     known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "c_join_ctx": 3e-7, "c_extend": 5e-8, "s_pass": 1e-4,
              "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "i_after": 7e-4, "d_few": 4e-4, "d_kv_long": 6e-7,
@@ -213,7 +213,7 @@ def test_cost_model_features_and_prediction_agree():
         f = idle_features(idle)
         assert f == {"i_step": 1.0, "i_gap": min(idle, IDLE_CAP_S)}
         assert cm.idle_seconds(idle) == pytest.approx((known["i_wake"], sum(known[k] * v for k, v in f.items())))
-    from sim.cost import AFTER_WAKE_STEPS, after_wake_features
+    from schedlab.sim.cost import AFTER_WAKE_STEPS, after_wake_features
 
     for k in range(AFTER_WAKE_STEPS + 3):
         f = after_wake_features(k)
@@ -241,7 +241,7 @@ def test_cost_model_features_and_prediction_agree():
     assert f["c_join_ctx"] == shapes[-1].join_context == b.state.by_id["5"].context
     assert f["c_extend"] == f["c_join"] == 4 * max(shapes[-1].decode_contexts)
     assert pass_features(shapes[0])["c_extend"] == 0 < pass_features(shapes[0])["c_join"]  # a merge from nothing
-    from sim.cost import FEW_ROWS, KV_KNEE
+    from schedlab.sim.cost import FEW_ROWS, KV_KNEE
 
     long = Bench([req(i, KV_KNEE + 40 * i, 20) for i in range(6)])
     for i in range(6):

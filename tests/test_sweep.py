@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import pytest
 
-import traces
-from policies import make_policy
-from sim import run, summarize
-from sim.cost import LinearCostModel
-from analysis.sweep import ROW_FIELDS, format_table, max_sustained_rate, sweep
+from schedlab import traces
+from schedlab.policies import make_policy
+from schedlab.sim import run, summarize
+from schedlab.sim.cost import LinearCostModel
+from schedlab.analysis.sweep import ROW_FIELDS, format_table, max_sustained_rate, sweep
 
 COEFFS = {"d_pass": 0.02, "d_rows": 0.001, "d_kv": 1e-6, "p_pass": 0.01, "p_tokens": 2e-4,
           "p_attn": 1e-8, "s_step": 0.001}

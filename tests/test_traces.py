@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-import traces
-from traces import Request, Trace, TraceError
-from traces import build as tbuild
-from traces.loaders import DATA_DIR, MOONCAKE_TICK_S, jitter_ticks, parse_azure_timestamp
-from traces.transforms import head, mean_rate, scale_lengths, scale_rate, thin, to_rate, window
+from schedlab import traces
+from schedlab.traces import Request, Trace, TraceError
+from schedlab.traces import build as tbuild
+from schedlab.traces.loaders import DATA_DIR, MOONCAKE_TICK_S, jitter_ticks, parse_azure_timestamp
+from schedlab.traces.transforms import head, mean_rate, scale_lengths, scale_rate, thin, to_rate, window
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = tbuild.DEFAULT_SOURCE
@@ -472,7 +472,7 @@ def test_small_bundled_traces_meet_their_specs():
 
 
 def test_generators_are_deterministic_and_seeded(conv):
-    from traces import generate
+    from schedlab.traces import generate
 
     a = traces.dumps_json(generate.mixed(conv, rate=2.0, seed=4))
     assert a == traces.dumps_json(generate.mixed(conv, rate=2.0, seed=4))
@@ -482,11 +482,11 @@ def test_generators_are_deterministic_and_seeded(conv):
 
 
 # ---------------------------------------------------------------------------------------
-# python -m traces.build
+# python -m schedlab.traces.build
 
 
 def _run_build(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "traces.build", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "schedlab.traces.build", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

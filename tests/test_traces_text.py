@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import traces
-from traces import Request, Trace, TraceError
-from traces.transforms import scale_lengths, scale_rate, window
+from schedlab import traces
+from schedlab.traces import Request, Trace, TraceError
+from schedlab.traces.transforms import scale_lengths, scale_rate, window
 
 ROOT = Path(__file__).resolve().parents[1]
 

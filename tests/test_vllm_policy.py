@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-import traces
-from policies import make_policy
-from policies.base import UNTIL_CHANGE
-from policies.vllm import Vllm
-from sim import run, summarize
-from sim.cost import LinearCostModel
-from sim.output import write_run
-from sim.profiles import resolve_profile
-from sim.state import ReplicaState, ReplicaView
-from traces.schema import Request
-from simkit import cost_model, read_table, req
+from schedlab import traces
+from schedlab.policies import make_policy
+from schedlab.policies.base import UNTIL_CHANGE
+from schedlab.policies.vllm import Vllm
+from schedlab.sim import run, summarize
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.output import write_run
+from schedlab.sim.profiles import resolve_profile
+from schedlab.sim.state import ReplicaState, ReplicaView
+from schedlab.traces.schema import Request
+from simkit import command, cost_model, read_table, req
 
 BIN = Path(sys.executable).parent
 
@@ -196,7 +196,7 @@ def test_acceptance_simulate_vllm_on_the_azure_hour_with_a_small_kv(tmp_path):
     """simulate --policy vllm --trace azure2023_conv --kv-tokens N finishes every request and
     reports preemptions."""
     out = tmp_path / "az"
-    proc = subprocess.run([str(BIN / "simulate"), "--policy", "vllm", "--trace", "azure2023_conv",
+    proc = subprocess.run([*command("simulate"), "--policy", "vllm", "--trace", "azure2023_conv",
                            "--kv-tokens", "65536", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "Successful requests:                     19366" in proc.stdout

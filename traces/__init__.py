@@ -1,7 +1,7 @@
 """Traces: the schema, loaders (JSON, Azure 2023 CSV, Mooncake JSONL), vLLM's benchmark
 datasets, text and tokenizers, transforms, bundled files.
 
-    import traces
+    from schedlab import traces
     tr = traces.load("mixed")                       # bundled, by bare name, from any directory
     tr = traces.load("azure2023_conv.csv")          # the Azure 2023 conversation hour
     tr = traces.load("my_trace.jsonl", seed=3)      # Mooncake JSONL, tick jitter seeded by 3

@@ -111,7 +111,7 @@ def predict_pass(hardware: Hardware | str, model_config: Any, shape: Any, engine
 
     >>> predict_pass("h100-sxm", "llama-3.1-8b", {"prefill": [[2048, 0]]})  # doctest: +SKIP
     """
-    from policies.base import PassShape
+    from schedlab.policies.base import PassShape
 
     if isinstance(model_config, Mapping):
         cfg, name = model_config, None

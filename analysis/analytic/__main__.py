@@ -1,4 +1,4 @@
-"""``python -m analysis.analytic refit | refit-serving [--data DIR] | table``: maintain the efficiency fits, print the presets.
+"""``python -m schedlab.analysis.analytic refit | refit-serving [--data DIR] | table``: maintain the efficiency fits, print the presets.
 
 ``refit-serving`` needs the serving-kernel tables (not shipped; ``--data DIR``, else
 ``$SCHEDLAB_KERNEL_DATA``, else ``.data/vidur-kernels/``: see ``analysis/hardware/kernels/README.md``).
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except AnalyticError as exc:
         print(f"analysis.analytic: error: {exc}", file=sys.stderr)
         return 1
-    print(f"usage: python -m analysis.analytic [refit [--dry-run] | refit-serving [--data DIR] [--dry-run] | "
+    print(f"usage: python -m schedlab.analysis.analytic [refit [--dry-run] | refit-serving [--data DIR] [--dry-run] | "
           f"table [--measure]] "
           f"(got {cmd!r})", file=sys.stderr)
     return 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.cost import ProfileError
+from schedlab.sim.cost import ProfileError
 
 
 class AnalyticError(ProfileError):

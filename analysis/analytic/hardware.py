@@ -2,7 +2,7 @@
 
 A preset gives memory (GB), memory bandwidth (GB/s) and peak TFLOP/s by dtype, each with the
 ids of its sources, plus an ``efficiency`` block (see :class:`Efficiency`) written by
-``python -m analysis.analytic refit`` from published single-request benchmarks.
+``python -m schedlab.analysis.analytic refit`` from published single-request benchmarks.
 
 ``cpu-local`` is measured on first use: numpy float32 GEMM GFLOP/s (numpy's own BLAS) and a
 large-array copy for bandwidth (bytes read + written per second). The result is cached in the

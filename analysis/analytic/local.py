@@ -31,7 +31,7 @@ import statistics
 from dataclasses import replace
 from typing import Any, Iterable, Mapping, Sequence
 
-from policies.base import PassShape
+from schedlab.policies.base import PassShape
 
 from .errors import AnalyticError
 from .fit import OPTIONAL_PARAMS, fit_efficiency
@@ -59,7 +59,7 @@ def _close(a: float, b: float) -> bool:
 def shape_from_sample(sample: Any) -> PassShape | None:
     """The pass shape a calibration sample timed, recovered from its features (None when the
     sample is not a pass, or its features do not pin a shape down)."""
-    from sim.cost import pass_features
+    from schedlab.sim.cost import pass_features
 
     group = _get(sample, "group")
     f = dict(_get(sample, "features") or {})
@@ -131,7 +131,7 @@ def split_passes(by: Mapping[str, Sequence[Any]]) -> tuple[list[Any], list[Any]]
     """(fitted, held out) passes by group, as the linear fit splits them (``analysis.fit.split``):
     a quarter of each decode/join/leave group and of the prefill + padded chunks held out;
     mixed passes never fitted, only predicted."""
-    from analysis.fit import split
+    from schedlab.analysis.fit import split
 
     fit_part: list[Any] = []
     held: list[Any] = []
@@ -160,7 +160,7 @@ def fit_local(
     preset (default: measured now or from the cache). Raises ``AnalyticError`` (one line)
     when fewer than four pass samples can be used.
     """
-    from analysis.fit import split
+    from schedlab.analysis.fit import split
 
     hw = hardware or load_hardware(CPU_LOCAL)
     spec = model_spec(config, name)

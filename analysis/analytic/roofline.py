@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
 
-from policies.base import PassShape
+from schedlab.policies.base import PassShape
 
 from .errors import AnalyticError
 from .hardware import Efficiency, Hardware

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from policies.base import PassShape
+from schedlab.policies.base import PassShape
 
 from .errors import AnalyticError
 from .hardware import Efficiency, Hardware

@@ -1,6 +1,6 @@
 """Make the serving-kernel tables from your own checkout of microsoft/vidur (MIT). Not shipped.
 
-schedlab does not ship Vidur's data: the tables that ``python -m analysis.analytic
+schedlab does not ship Vidur's data: the tables that ``python -m schedlab.analysis.analytic
 refit-serving`` (and the tests that recompute the fit) read are made here, from a clone of
 Vidur at the commit the committed factors were fitted to. This extracts medians from Vidur's
 profiling CSVs; it does not build or run Vidur.
