@@ -1,6 +1,6 @@
 """Fitting the linear cost model to measured samples, and its fit report.
 
-Pure numerics (no mlx): ``engine.calibrate`` measures, this module fits. Groups are fitted
+Pure numerics (no mlx): ``engine.calibrate`` measures (``analysis.samples``), this module fits. Groups are fitted
 apart (decode and prefill terms fitted apart fit best here); the copy terms (join, leave)
 are fitted on what is left of their passes once the decode terms are known; mixed passes
 are never fitted, only predicted. A quarter of each group's points is held out.
@@ -10,46 +10,14 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from schedlab.sim.cost import (DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, SHAPE_TERMS,
-                      LinearCostModel, fit_linear, shape_features)
+from schedlab.sim.cost import DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, LinearCostModel, fit_linear
 
-DECODE_TERMS = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx") + DECODE_SHAPE_TERMS
-DECODE_BASE = DECODE_TERMS[:5]  # always fitted; DECODE_SHAPE_TERMS only where they pay (shape_terms)
+from .samples import DECODE_BASE, DECODE_TERMS, JOIN_TERMS, LEAVE_TERMS, PREFILL_BASE, STEP_TERMS, Sample
+
 SHAPE_MIN_GAIN = 0.5  # percentage points of leave-one-out median |error| a shape term must save
-JOIN_TERMS = ("c_join0", "c_join", "c_join_row", "c_join_ctx", "c_extend")
-LEAVE_TERMS = ("c_leave0", "c_leave")
-PREFILL_TERMS = ("p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn") + PREFILL_SHAPE_TERMS
-PREFILL_BASE = PREFILL_TERMS[:7]
-STEP_TERMS = ("s_step", "s_row")
-
-
-@dataclass
-class Sample:
-    group: str
-    label: str
-    features: dict[str, float]
-    seconds: float
-    runs: list[float] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"group": self.group, "label": self.label, "seconds": self.seconds,
-                "runs": self.runs, "features": {k: v for k, v in self.features.items() if v}}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Sample":
-        """A sample as ``to_json`` wrote it into a profile."""
-        f = dict(d["features"])
-        if not any(k in f for k in SHAPE_TERMS):  # recorded before them (or all 0: derived as 0)
-            rows = re.match(r"rows=(\d+) ", d["label"]) if d["group"] == "padded" else None
-            chunks = int(rows[1]) if rows else int(f.get("p_pass", 0))
-            f.update({k: v for k, v in shape_features(int(f.get("d_rows", 0)), int(f.get("d_ctx", 0)), chunks,
-                                                      int(f.get("p_tokens", 0)), rows is not None).items() if v})
-        return cls(d["group"], d["label"], f, d["seconds"], d.get("runs") or [d["seconds"]])
 
 
 def merge_rounds(same: Sequence[Sample]) -> Sample:
@@ -114,7 +82,10 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
         got = fit_linear([s.features for s in fit], y, terms, relative=relative,
                          scale_by=[s.seconds for s in fit] if relative else None)
         coef.update(got)
-        pred = (lambda s: _dot(coef, s.features, terms) + (base(s) if base else 0.0))
+
+        def pred(s):
+            return _dot(coef, s.features, terms) + (base(s) if base else 0.0)
+
         report[name] = {"terms": list(terms), "fit": _errors(None, fit, pred), "r2": _r2(fit, pred),
                         "held_out": _errors(None, held, pred)}
 

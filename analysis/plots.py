@@ -689,7 +689,7 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
     ax.set_ylim(n_lanes - 0.5, -0.5)  # earliest arrival on top
     if len(ids) <= 80:
         ax.set_yticks(range(len(ids)), ids, fontsize=7 if len(ids) > 30 else 8)
-    ax.set_ylabel(f"request (by arrival)")
+    ax.set_ylabel("request (by arrival)")
     ax.set_xlabel("time since trace start (s)")
     ax.set_xlim(x0 - pad, x1 + pad)
     _style(ax)

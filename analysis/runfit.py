@@ -56,9 +56,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from schedlab.sim.cost import DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls
-from schedlab.analysis.fit import DECODE_TERMS, PREFILL_TERMS, Sample
+from schedlab.analysis.samples import DECODE_TERMS, PREFILL_TERMS, Sample
 from schedlab.sim.features import STEP_TERMS, read_features
-from schedlab.sim.jitter import JitterError, StepJitter
 
 DECODE, PREFILL = DECODE_TERMS, PREFILL_TERMS  # the grid fit's groups
 COPY = ("c_join0", "c_join", "c_join_ctx", "c_extend", "c_leave0", "c_leave")
@@ -462,18 +461,6 @@ def grid_rows(samples: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[str]
     return np.array(rows).reshape(len(rows), len(names)), np.array(secs), names
 
 
-def step_jitter(runs: Sequence[RunSteps], coef: dict[str, float]) -> StepJitter | None:
-    """The spread of ``runs``' measured step seconds around ``coef``'s predictions, as
-    ``sim.jitter.StepJitter`` (mean 1); None when the runs have too few measured steps."""
-    cols = _concat(runs)
-    pred = predict(coef, cols)
-    ok = pred > 0
-    try:
-        return StepJitter.from_ratios(cols["measured_s"][ok] / pred[ok])
-    except JitterError:
-        return None
-
-
 def _run_key(meta: dict[str, Any]) -> tuple:
     b, m = meta.get("blas") or {}, meta.get("machine") or {}
     return (meta.get("model"), meta.get("dtype"), meta.get("parameters"), b.get("name"), b.get("threads"),
@@ -501,11 +488,8 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
     samples = (grid_profile or {}).get("samples") or []
     grid = grid_rows(samples) if samples else None
     fit = fit_runs(runs, base=base, grid=grid, weigh_by=weigh_by, modes=modes, force=force)
-    jitter = step_jitter(runs, fit.coefficients)
-    if jitter is not None:
-        fit.report["step_spread"] = jitter.summary()
     src = grid_profile or meta
-    out = {
+    return {
         "schema": PROFILE_SCHEMA,
         "model": meta["model"],
         "dtype": meta["dtype"],
@@ -529,9 +513,6 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
         "runs_report": fit.report,
         "samples": samples,
     }
-    if jitter is not None:
-        out["step_jitter"] = jitter.to_dict()
-    return out
 
 
 # ---------------------------------------------------------------------- printing
@@ -563,11 +544,6 @@ def format_runs_report(rep: dict[str, Any]) -> str:
             others[key] = min(others.get(key, math.inf), t["score"])
     for (m, b), s in sorted(others.items()):
         lines.append(f"  (not chosen: {m} fit, balance {b:g}: best score {s:.2f})")
-    sp = rep.get("step_spread")
-    if sp:
-        lines.append("step spread (measured / predicted, rescaled to mean 1): "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in sp.items())
-                     + " (the simulator predicts the mean; most steps run below it, a few far above)")
     w = rep["wake"]
     if w["n"]:
         lines.append(f"wake-up after idle: median {w['i_wake'] * 1e3:.2f} ms over {w['n']} wakes"

@@ -40,8 +40,8 @@ def _get(summary: Mapping[str, Any], path: Sequence[str]) -> float | None:
 
 
 def median_summary(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per metric (``METRICS``), the median over ``summaries`` (several simulations of one run
-    with different jitter draws, compared as one with the median of the real runs)."""
+    """Per metric (``METRICS``), the median over ``summaries`` (several simulations, e.g. one
+    per real run at that run's own speed, compared as one with the median of the real runs)."""
     out: dict[str, Any] = {}
     for _, path, _ in METRICS:
         vals = [v for v in (_get(s, path) for s in summaries) if v is not None]

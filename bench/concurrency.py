@@ -8,22 +8,18 @@ preempts (recompute) the latest admitted when decode runs out of blocks; ``unifi
 ``mlx-default`` reserve each request's whole footprint at admission and never preempt.
 
     python bench/concurrency.py            # runs the sweep, writes bench/results/concurrency.json
-    python bench/concurrency.py --table    # the README table, from that JSON
+    python bench/concurrency.py --table    # the table, from that JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import common
 
-RESULT = ROOT / "bench" / "results" / "concurrency.json"
+RESULT = common.result_path("concurrency")
 TRACE = "random:n=300,input_len=512,output_len=256,range_ratio=0.5"
 POLICIES = ["vllm", "unified", "mlx-default"]
 CONCURRENCY = [1, 4, 8, 16, 32, 64]
@@ -41,46 +37,59 @@ def measure(workers: int | None) -> dict:
     cm = LinearCostModel.from_profile(profile)
     tr = traces.load(TRACE, seed=0)
     t0 = time.perf_counter()
-    rows = sweep(tr, POLICIES, None, cm, KV_TOKENS, concurrency=CONCURRENCY,
-                 settings={"block_size": BLOCK_SIZE}, workers=workers)
+    rows = sweep(
+        tr, POLICIES, None, cm, KV_TOKENS, concurrency=CONCURRENCY, settings={"block_size": BLOCK_SIZE}, workers=workers
+    )
     wall = time.perf_counter() - t0
     bad = [r for r in rows if r.get("error") or r["finished"] != len(tr)]
     if bad:
         raise SystemExit(f"a run did not finish every request: {bad[0]}")
     return {
-        "trace": TRACE, "seed": 0, "requests": len(tr),
+        "trace": TRACE,
+        "seed": 0,
+        "requests": len(tr),
         "mean_prompt_tokens": sum(r.prompt_tokens for r in tr.requests) / len(tr),
         "mean_output_tokens": sum(r.output_tokens for r in tr.requests) / len(tr),
         "clients": "all requests issued at t=0 (request rate inf), at most C in flight",
-        "profile": profile.name, "kv_tokens": KV_TOKENS, "block_size": BLOCK_SIZE,
-        "policies": POLICIES, "concurrency": CONCURRENCY, "wall_s": round(wall, 2),
-        "python": platform.python_version(), "rows": rows,
+        "profile": profile.name,
+        "kv_tokens": KV_TOKENS,
+        "block_size": BLOCK_SIZE,
+        "policies": POLICIES,
+        "concurrency": CONCURRENCY,
+        "wall_s": round(wall, 2),
+        "rev": common.git_rev(),
+        "machine": common.machine(),
+        "rows": rows,
     }
 
 
 def table(data: dict) -> str:
-    head = ("| policy | clients | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | ITL p99 (ms) | "
-            "throughput (tok/s) | preemptions | recomputed tokens |")
+    head = (
+        "| policy | clients | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | ITL p99 (ms) | "
+        "throughput (tok/s) | preemptions | recomputed tokens |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
-        lines.append(f"| {r['policy']} | {r['max_concurrency']} | {r['ttft_p50_ms'] / 1e3:.2f} | "
-                     f"{r['ttft_p99_ms'] / 1e3:.2f} | {r['tpot_p50_ms']:.1f} | {r['itl_p99_ms']:.0f} | "
-                     f"{r['output_throughput_tok_s']:.0f} | {r['preemptions']} | {r['recomputed_tokens']:,} |")
+        lines.append(
+            f"| {r['policy']} | {r['max_concurrency']} | {r['ttft_p50_ms'] / 1e3:.2f} | "
+            f"{r['ttft_p99_ms'] / 1e3:.2f} | {r['tpot_p50_ms']:.1f} | {r['itl_p99_ms']:.0f} | "
+            f"{r['output_throughput_tok_s']:.0f} | {r['preemptions']} | {r['recomputed_tokens']:,} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", action="store_true", help="print the README table from the recorded JSON")
+    ap.add_argument("--table", action="store_true", help="print the table from the recorded JSON")
     ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(RESULT.read_text())))
         return
     data = measure(args.workers)
-    RESULT.write_text(json.dumps(data, indent=2) + "\n")
+    common.write_json(data, RESULT)
     print(table(data))
-    print(f"\nwrote {RESULT.relative_to(ROOT)} ({data['wall_s']} s)")
+    print(f"\nwrote {RESULT} ({data['wall_s']} s)")
 
 
 if __name__ == "__main__":

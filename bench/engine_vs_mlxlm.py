@@ -16,8 +16,11 @@ Metrics (vLLM's definitions): output throughput = output tokens / (last token - 
 arrival), TTFT p50, ITL p50. The JSON has every repetition and the medians over them, the
 ratios ours/theirs, and how many requests got identical greedy tokens from both.
 
-    python bench/engine_vs_mlxlm.py [--model tiny|small] [--trace real-smoke] [--reps 5]
+    python bench/engine_vs_mlxlm.py [--model tiny|small|smollm2-135m] [--trace real-smoke] [--reps 5]
                                     [--scenario both|trace|burst]
+
+Results: ``bench/results/engine_vs_mlxlm.json``, one entry per model under ``models`` (a run
+replaces its model's entry and keeps the others'; ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,14 @@ import dataclasses
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from schedlab import engine  # noqa: E402  (OpenBLAS before mlx)
-from schedlab.engine import blas  # noqa: E402
-from schedlab.engine.backend import MLXBackend, prompt_ids  # noqa: E402
-from schedlab.engine.models import load_model  # noqa: E402
+import common
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine import blas
+from schedlab.engine.backend import MLXBackend, prompt_ids
+from schedlab.engine.models import load_model
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -66,8 +66,15 @@ def metrics(arrivals: dict, times: dict, outputs: dict) -> dict:
 
 def run_ours(info, requests) -> tuple[dict, dict]:
     backend = MLXBackend(info, ignore_eos=True)  # both engines run every request to its max_tokens
-    res = run(requests, MlxDefault(), LinearCostModel({}), kv_capacity=10**9, backend=backend,
-              trace_name="bench", record_steps=False)
+    res = run(
+        requests,
+        MlxDefault(),
+        LinearCostModel({}),
+        kv_capacity=10**9,
+        backend=backend,
+        trace_name="bench",
+        record_steps=False,
+    )
     if res.error:
         raise SystemExit(f"our engine failed: {res.error}")
     arrivals = {r.id: r.arrival_s for r in res.requests}
@@ -84,8 +91,12 @@ def warm_mlxlm(info, prompts) -> None:
     gen.insert([p[:64] for p in prompts[:4]], max_tokens=[4] * min(4, len(prompts)))
     while True:
         _, responses = gen.next()
-        if not responses and not gen._prompt_batch.uids and not gen._unprocessed_sequences \
-                and not len(gen._generation_batch):
+        if (
+            not responses
+            and not gen._prompt_batch.uids
+            and not gen._unprocessed_sequences
+            and not len(gen._generation_batch)
+        ):
             break
     gen.close()
 
@@ -137,9 +148,12 @@ def scenario(info, requests, reps_n: int) -> dict:
         m2, theirs_tokens = run_mlxlm(info, requests, prompts)
         reps["mlx_lm"].append(m2)
         for who, mm in (("ours", m), ("mlx_lm", m2)):
-            print(f"rep {rep} {who:7s} throughput {mm['output_throughput_tok_s']:.1f} tok/s  "
-                  f"TTFT p50 {mm['ttft_p50_ms']:.0f} ms  ITL p50 {mm['itl_p50_ms']:.1f} ms  "
-                  f"makespan {mm['makespan_s']:.2f} s", flush=True)
+            print(
+                f"rep {rep} {who:7s} throughput {mm['output_throughput_tok_s']:.1f} tok/s  "
+                f"TTFT p50 {mm['ttft_p50_ms']:.0f} ms  ITL p50 {mm['itl_p50_ms']:.1f} ms  "
+                f"makespan {mm['makespan_s']:.2f} s",
+                flush=True,
+            )
         same_tokens.append(sum(ours_tokens[r.id] == theirs_tokens[r.id] for r in requests))
 
     def med(who, key):
@@ -149,7 +163,8 @@ def scenario(info, requests, reps_n: int) -> dict:
     keys = ("output_throughput_tok_s", "ttft_p50_ms", "itl_p50_ms", "makespan_s")
     medians = {who: {k: med(who, k) for k in keys} for who in reps}
     ratios = {
-        "throughput_ours_over_mlxlm": medians["ours"]["output_throughput_tok_s"] / medians["mlx_lm"]["output_throughput_tok_s"],
+        "throughput_ours_over_mlxlm": medians["ours"]["output_throughput_tok_s"]
+        / medians["mlx_lm"]["output_throughput_tok_s"],
         "ttft_p50_ours_over_mlxlm": medians["ours"]["ttft_p50_ms"] / medians["mlx_lm"]["ttft_p50_ms"],
         "itl_p50_ours_over_mlxlm": medians["ours"]["itl_p50_ms"] / medians["mlx_lm"]["itl_p50_ms"],
     }
@@ -182,11 +197,18 @@ def single_stream(info, reps_n: int, prompt_len: int = 128, n: int = 64) -> dict
             stamps.append(time.perf_counter())
         gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
         theirs.append(statistics.median(gaps))
-        print(f"single stream: ours ITL p50 {ours[-1]:.1f} ms, mlx-lm generate_step {theirs[-1]:.1f} ms/token",
-              flush=True)
+        print(
+            f"single stream: ours ITL p50 {ours[-1]:.1f} ms, mlx-lm generate_step {theirs[-1]:.1f} ms/token", flush=True
+        )
     o, t = statistics.median(ours), statistics.median(theirs)
-    return {"prompt_tokens": prompt_len, "output_tokens": n, "ours_itl_p50_ms": o,
-            "mlx_lm_ms_per_token": t, "ours_over_mlxlm": o / t, "runs": {"ours": ours, "mlx_lm": theirs}}
+    return {
+        "prompt_tokens": prompt_len,
+        "output_tokens": n,
+        "ours_itl_p50_ms": o,
+        "mlx_lm_ms_per_token": t,
+        "ours_over_mlxlm": o / t,
+        "runs": {"ours": ours, "mlx_lm": theirs},
+    }
 
 
 def main() -> None:
@@ -194,9 +216,17 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--trace", default="real-smoke")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--scenario", choices=("both", "trace", "burst"), default="both",
-                    help="trace: arrivals as in the trace; burst: every request at 0 s")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine_vs_mlxlm[_MODEL].json)")
+    ap.add_argument(
+        "--scenario",
+        choices=("both", "trace", "burst"),
+        default="both",
+        help="trace: arrivals as in the trace; burst: every request at 0 s",
+    )
+    ap.add_argument(
+        "--out",
+        default=str(common.result_path("engine_vs_mlxlm")),
+        help="results file: this model's entry is replaced, the other models' kept",
+    )
     args = ap.parse_args()
 
     info = load_model(args.model)
@@ -215,8 +245,8 @@ def main() -> None:
     out = {
         "bench": "engine_vs_mlxlm",
         "what": "our engine under mlx-default (its default options) vs mlx-lm BatchGenerator "
-                "(its defaults), same model, prompts, output lengths and arrival times; "
-                "alternating ours, mlx-lm per repetition; medians over repetitions",
+        "(its defaults), same model, prompts, output lengths and arrival times; "
+        "alternating ours, mlx-lm per repetition; medians over repetitions",
         "model": args.model,
         "parameters": info.n_params,
         "trace": tr.name,
@@ -226,13 +256,14 @@ def main() -> None:
         "mlx": mx.__version__,
         "platform": platform.platform(),
         "cpu_count": info.metadata()["machine"]["cpu_count"],
+        "rev": common.git_rev(),
     }
-    default = ROOT / "bench" / "results" / (
-        "engine_vs_mlxlm.json" if args.model == "tiny" else f"engine_vs_mlxlm_{Path(args.model).name}.json")
-    path = Path(args.out) if args.out else default
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    path = Path(args.out)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    models = data.get("models", {})
+    models[Path(args.model).name] = out
+    common.write_json({"bench": "engine_vs_mlxlm", "what": out["what"], "models": models}, path)
+    print(f"wrote {path} ({Path(args.model).name})")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ runs interleaved round by round, so that the machine's drift meets every policy 
 - drift-adjusted: the simulation made again at the machine's speed timed before and after the
   policies' real runs (``--speed-probe``: the calibration's own replay run again, default, or
   the profile's isolated reference passes), at their mean: a prediction made without the runs'
-  own timings (``--probe-each-round``: timed before every round too, each run at the speed
-  interpolated between the probes around it, the ends-only figure beside it — in the two
-  recordings that tried it, no better: one probe misses a run's own speed by 4-8 %);
+  own timings;
 - speed-matched: the simulation made again at each real run's own speed (its total measured /
   predicted step time; the policy still plans with the profile), compared as above: the errors
   left once the machine's speed during the runs is taken out — the model's share.
@@ -28,8 +26,7 @@ runs interleaved round by round, so that the machine's drift meets every policy 
 Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and
 azure-conv-150 (150 consecutive requests of the Azure 2023 conversation hour, scaled); for
 smollm2-135m (~20x slower passes) a seeded ``random:`` trace of 24 requests and azure-conv-24,
-sized so one real run takes ~20-60 s. (Earlier recordings held out seeded ``random:`` traces
-instead: EARLIER_TRACES.)
+sized so one real run takes ~20-60 s.
 
 Goal (issue 13): per policy, median |error| <= 5 %, worst <= 15 %, total predicted step time
 within +-3 %, pairwise direction right; default calibration <= 3 minutes.
@@ -51,9 +48,8 @@ zeroed in the kept samples and runs): an ablation, what the terms bring on the s
 ``--force TERMS``: candidate terms fitted even where the replay's held-out score would not keep them.
 ``--profile F`` (with ``--rescore``, one model): the kept runs scored against another profile
 (steps included), e.g. a calibration made since with a changed grid, beside one made the old way.
-``--jitter N`` (with ``--rescore``): each simulation made N times with the profile's step
-jitter (``sim.jitter``; from the kept replay runs for an older profile), the metrics' medians
-compared (``bench/jitter.py`` runs it side by side with none).
+
+Results: ``bench/results/fidelity.json`` (what it found: ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -63,23 +59,19 @@ import functools
 import itertools
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from schedlab import engine  # noqa: E402,F401  (OpenBLAS before mlx)
-from schedlab import traces  # noqa: E402
-from schedlab.engine import blas  # noqa: E402
-from schedlab.engine.models import load_model  # noqa: E402
-from schedlab.policies import POLICIES, make_policy  # noqa: E402
-from schedlab.validate import validate_many  # noqa: E402
-from schedlab.sim.cost import FEATURES, LinearCostModel  # noqa: E402
+import common
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab import traces
+from schedlab.engine import blas
+from schedlab.engine.models import load_model
+from schedlab.policies import POLICIES, make_policy
+from schedlab.sim.cost import FEATURES, LinearCostModel
+from schedlab.api._validation import validate_many  # (the API's multi-policy validation: not public)
 
 # (trace spec, seed): held out from every calibration (the replay draws its own trace)
 # Long enough that a tail percentile is not one request's or one interval's luck (150
@@ -88,20 +80,10 @@ from schedlab.sim.cost import FEATURES, LinearCostModel  # noqa: E402
 # length mix, scaled to these models: traces/data/README.md).
 TRACES = {
     "tiny": [("real-smoke", 0), ("real-mixed", 0), ("azure-conv-150", 0)],
-    "smollm2-135m": [("random:n=24,input_len=80,output_len=28,range_ratio=0.5,rate=1.2", 22),
-                     ("azure-conv-24", 0)],
+    "smollm2-135m": [("random:n=24,input_len=80,output_len=28,range_ratio=0.5,rate=1.2", 22), ("azure-conv-24", 0)],
     "micro": [("real-smoke", 0)],  # smoke runs of this script
 }
-# the defaults of earlier recordings (bench/results/fidelity_*.json), so that their kept runs
-# re-score without naming their traces
-EARLIER_TRACES = {
-    "tiny": [("random:n=32,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 13),
-             ("random:n=150,input_len=200,output_len=48,range_ratio=0.8,rate=5,burstiness=0.5", 21)],
-    "smollm2-135m": [("random:n=8,input_len=96,output_len=24,range_ratio=0.5,rate=0.6", 11),
-                     ("random:n=10,input_len=64,output_len=32,range_ratio=0.5,rate=1.5,burstiness=0.5", 12)],
-}
-GOAL = {"median_abs_error_pct": 5.0, "max_abs_error_pct": 15.0, "total_step_time_pct": 3.0,
-        "calibration_s": 180.0}
+GOAL = {"median_abs_error_pct": 5.0, "max_abs_error_pct": 15.0, "total_step_time_pct": 3.0, "calibration_s": 180.0}
 
 
 def main() -> None:
@@ -110,30 +92,56 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--traces", default=None, help="MODEL=spec@seed;spec@seed,... overrides (default: TRACES)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--profile", default=None, help="use this profile (one model) instead of calibrating; with "
-                    "--rescore: score the kept runs (their steps too) against it instead of their own")
-    ap.add_argument("--noise", default=None, help="engine.noise settings for every run and calibration "
-                                                  "(gc-off, pin=0-1, warmup=N, malloc-keep, mlx-cache=SIZE)")
-    ap.add_argument("--no-speed-check", action="store_true", help="skip validate's machine-speed checks "
-                    "(and so the drift-adjusted comparison): ~2x faster on smollm2")
-    ap.add_argument("--speed-probe", default="replay", choices=("replay", "passes"),
-                    help="how validate times the machine's speed before and after the runs (drift-adjusted): the "
-                    "calibration's own replay run again (default), or the profile's isolated reference passes")
-    ap.add_argument("--probe-each-round", action="store_true", help="time the machine's speed before every round "
-                    "of real runs too, each run's drift-adjusted simulation at the speed interpolated between the "
-                    "probes around it (the ends-only figure beside it); measured no better in two recordings")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="use this profile (one model) instead of calibrating; with "
+        "--rescore: score the kept runs (their steps too) against it instead of their own",
+    )
+    ap.add_argument(
+        "--noise",
+        default=None,
+        help="engine.noise settings for every run and calibration "
+        "(gc-off, pin=0-1, warmup=N, malloc-keep, mlx-cache=SIZE)",
+    )
+    ap.add_argument(
+        "--no-speed-check",
+        action="store_true",
+        help="skip validate's machine-speed checks (and so the drift-adjusted comparison): ~2x faster on smollm2",
+    )
+    ap.add_argument(
+        "--speed-probe",
+        default="replay",
+        choices=("replay", "passes"),
+        help="how validate times the machine's speed before and after the runs (drift-adjusted): the "
+        "calibration's own replay run again (default), or the profile's isolated reference passes",
+    )
+    ap.add_argument("--out", default=str(common.result_path("fidelity")))
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
-    ap.add_argument("--rescore", default=None, help="a --keep directory of an earlier run: simulate again with "
-                    "this checkout and its kept profiles, compared with its kept real runs (no real run)")
-    ap.add_argument("--jitter", type=int, default=0, help="with --rescore: simulate each run this many times "
-                    "with the profile's step jitter (seeds 0..N-1) and compare the metrics' medians (0: none)")
-    ap.add_argument("--refit", action="store_true", help="with --rescore: fit each kept profile again from its "
-                    "kept grid samples and replay runs with this checkout's fit")
-    ap.add_argument("--without", default=None, help="with --refit: cost terms (comma-separated) left out of the fit, "
-                    "their features zeroed in the kept samples and runs: what the terms bring, on the same real runs")
-    ap.add_argument("--force", default=None, help="with --refit: candidate terms (comma-separated, "
-                    "analysis.runfit.CANDIDATES) fitted whether or not the replay's held-out score keeps them")
+    ap.add_argument(
+        "--rescore",
+        default=None,
+        help="a --keep directory of an earlier run: simulate again with "
+        "this checkout and its kept profiles, compared with its kept real runs (no real run)",
+    )
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="with --rescore: fit each kept profile again from its "
+        "kept grid samples and replay runs with this checkout's fit",
+    )
+    ap.add_argument(
+        "--without",
+        default=None,
+        help="with --refit: cost terms (comma-separated) left out of the fit, "
+        "their features zeroed in the kept samples and runs: what the terms bring, on the same real runs",
+    )
+    ap.add_argument(
+        "--force",
+        default=None,
+        help="with --refit: candidate terms (comma-separated, "
+        "analysis.runfit.CANDIDATES) fitted whether or not the replay's held-out score keeps them",
+    )
     args = ap.parse_args()
     if args.noise is not None:
         from schedlab.engine.noise import ENV, Noise
@@ -143,12 +151,18 @@ def main() -> None:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fidelity-"))
     overrides = _parse_traces(args.traces)
     policies = args.policies.split(",")
-    out = {"benchmark": "fidelity", "goal": GOAL, "repeat": args.repeat, "noise": args.noise,
-           "speed_probe": None if args.rescore else args.speed_probe,
-           "probe_each_round": None if args.rescore else args.probe_each_round,
-           "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
-           "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "models": {}}
+    out = {
+        "benchmark": "fidelity",
+        "goal": GOAL,
+        "repeat": args.repeat,
+        "noise": args.noise,
+        "speed_probe": None if args.rescore else args.speed_probe,
+        "rev": common.git_rev(),
+        "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
+        "machine": common.machine(),
+        "models": {},
+    }
     t_all = time.perf_counter()
     if args.refit and not args.rescore:
         raise SystemExit("--refit goes with --rescore DIR")
@@ -165,26 +179,32 @@ def main() -> None:
     if force and not args.refit:
         raise SystemExit("--force goes with --rescore DIR --refit")
     if set(force) - set(CANDIDATES):
-        raise SystemExit(f"--force: not a candidate term: {', '.join(sorted(set(force) - set(CANDIDATES)))} "
-                         f"(candidates: {', '.join(CANDIDATES)})")
+        raise SystemExit(
+            f"--force: not a candidate term: {', '.join(sorted(set(force) - set(CANDIDATES)))} "
+            f"(candidates: {', '.join(CANDIDATES)})"
+        )
     if args.rescore:
         out["rescored_from"] = str(args.rescore)
         out["refit"] = bool(args.refit)
         out["without"] = list(without)
         out["force"] = list(force)
-        out["jitter"] = args.jitter
         out["profile"] = args.profile
     for model in args.models.split(","):
         if args.rescore:
-            out["models"][model] = rescore_model(model, policies,
-                                                 overrides.get(model) or kept_traces(Path(args.rescore), model),
-                                                 Path(args.rescore) / model.replace("/", "_"), args.refit,
-                                                 without=without, force=force,
-                                                 jitter=args.jitter,
-                                                 profile=Path(args.profile) if args.profile else None)
+            out["models"][model] = rescore_model(
+                model,
+                policies,
+                overrides.get(model) or kept_traces(Path(args.rescore), model),
+                Path(args.rescore) / model.replace("/", "_"),
+                args.refit,
+                without=without,
+                force=force,
+                profile=Path(args.profile) if args.profile else None,
+            )
             continue
-        out["models"][model] = run_model(model, policies, overrides.get(model, TRACES.get(model)), args,
-                                         work / model.replace("/", "_"))
+        out["models"][model] = run_model(
+            model, policies, overrides.get(model, TRACES.get(model)), args, work / model.replace("/", "_")
+        )
         _write(out, args.out, t_all)
     _write(out, args.out, t_all)
     print(format_markdown(out))
@@ -193,8 +213,7 @@ def main() -> None:
 
 def _write(out: dict, path: str, t0: float) -> None:
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    common.write_json(out, path, indent=1)
 
 
 def _parse_traces(spec: str | None) -> dict[str, list[tuple[str, int]]]:
@@ -226,10 +245,16 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
         wall = time.perf_counter() - t0
         path = write_profile(prof, work / "profile.json")
         rr = prof.get("runs_report") or {}
-        cal = {"kind": prof["calibration"].get("kind"), "wall_s": round(wall, 1), "profile": str(path),
-               "grid_rounds": (prof["calibration"].get("grid") or {}).get("rounds"),
-               "chosen": rr.get("chosen"), "held_out_replay": rr.get("held_out"), "wake": rr.get("wake"),
-               "coefficients": prof["coefficients"]}
+        cal = {
+            "kind": prof["calibration"].get("kind"),
+            "wall_s": round(wall, 1),
+            "profile": str(path),
+            "grid_rounds": (prof["calibration"].get("grid") or {}).get("rounds"),
+            "chosen": rr.get("chosen"),
+            "held_out_replay": rr.get("held_out"),
+            "wake": rr.get("wake"),
+            "coefficients": prof["coefficients"],
+        }
         print(f"{model}: calibrated in {wall:.0f} s", flush=True)
     cost = LinearCostModel.from_profile(path)
     capacity = int(cost.meta.get("kv_tokens", 262144))
@@ -240,29 +265,38 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
         key = spec if spec.startswith("real-") else f"{spec}@{seed}"
         res["traces"][key] = {}
         # the policies' real runs interleaved round by round (validate_many): drift meets them all alike
-        vs = validate_many({p: make_policy(p) for p in policies}, tr, info, cost, capacity,
-                           {p: work / _safe(key) / p for p in policies}, args.repeat, seed,
-                           {"kind": "linear", "profile": str(path)},
-                           lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
-                           speed_check_runs=not args.no_speed_check, speed_probe=args.speed_probe,
-                           probe_each_round=args.probe_each_round)
+        vs = validate_many(
+            {p: make_policy(p) for p in policies},
+            tr,
+            info,
+            cost,
+            capacity,
+            {p: work / _safe(key) / p for p in policies},
+            args.repeat,
+            seed,
+            {"kind": "linear", "profile": str(path)},
+            lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
+            speed_check_runs=not args.no_speed_check,
+            speed_probe=args.speed_probe,
+        )
         for pname in policies:
             _record(res, model, key, pname, vs[pname][0])
     return _summarise(res, policies)
 
 
 def kept_traces(kept: Path, model: str) -> list[tuple[str, int]]:
-    """The trace specs a ``--keep`` directory's model ran (its run directories name them; the
-    bench's own TRACES and EARLIER_TRACES where they match)."""
+    """The trace specs a ``--keep`` directory's model ran (its run directories name them, as the
+    bench's own TRACES do)."""
     base = kept / model.replace("/", "_")
     if not base.is_dir():
         raise SystemExit(f"{base}: not kept (was the earlier run made with --keep, and with this model?)")
     names = {d.name for d in base.iterdir() if d.is_dir() and d.name != "replay"}
-    known = {_safe(s if s.startswith("real-") else f"{s}@{seed}"): (s, seed)
-             for s, seed in TRACES.get(model, []) + EARLIER_TRACES.get(model, [])}
+    known = {_safe(s if s.startswith("real-") else f"{s}@{seed}"): (s, seed) for s, seed in TRACES.get(model, [])}
     if not names <= set(known):
-        raise SystemExit(f"{base}: trace directories {sorted(names - set(known))} are not the bench's traces; "
-                         f"give --traces as the earlier run took them")
+        raise SystemExit(
+            f"{base}: trace directories {sorted(names - set(known))} are not the bench's traces; "
+            f"give --traces as the earlier run took them"
+        )
     return [known[n] for n in sorted(names)]
 
 
@@ -275,14 +309,12 @@ def kept_replay(kept: Path) -> list:
     return load_runs(sorted(d for d in (kept / "replay").iterdir() if d.is_dir()))
 
 
-def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without: tuple[str, ...] = (),
-           force: tuple[str, ...] = ()) -> tuple[Path, dict]:
+def _refit(path: Path, kept: Path, without: tuple[str, ...] = (), force: tuple[str, ...] = ()) -> tuple[Path, dict]:
     """The kept profile fitted again from its own data by this checkout: its grid samples (the
     grid's fit as the base) and the kept replay runs, as ``calibrate_default`` fits them. The
     ``without`` terms' features are zeroed in both first: every fit leaves a term whose feature
     is 0 throughout at 0."""
     from schedlab.analysis.runfit import profile_from_runs
-    from bench.drift import _grid_coefficients
     from schedlab.engine.calibrate import write_profile
 
     prof = json.loads(path.read_text())
@@ -294,19 +326,35 @@ def _refit(path: Path, kept: Path, modes: tuple[str, ...] | None = None, without
     for s in prof.get("samples") or []:
         for k in without:
             s["features"].pop(k, None)
-    new = profile_from_runs(runs, dict(prof, coefficients=_grid_coefficients(prof)),
-                            kind=prof["calibration"].get("kind", "grid+replay"), modes=modes, force=force)
+    new = profile_from_runs(
+        runs,
+        dict(prof, coefficients=common.grid_coefficients(prof)),
+        kind=prof["calibration"].get("kind", "grid+replay"),
+        force=force,
+    )
     out = write_profile(new, Path(tempfile.mkdtemp(prefix="fidelity-refit-")) / "profile.json")
     rr = new.get("runs_report") or {}
-    return Path(out), {"kind": "kept, fitted again", "without": list(without), "force": list(force),
-                       "profile": str(path),
-                       "chosen": rr.get("chosen"),
-                       "held_out_replay": rr.get("held_out"), "coefficients": new["coefficients"]}
+    return Path(out), {
+        "kind": "kept, fitted again",
+        "without": list(without),
+        "force": list(force),
+        "profile": str(path),
+        "chosen": rr.get("chosen"),
+        "held_out_replay": rr.get("held_out"),
+        "coefficients": new["coefficients"],
+    }
 
 
-def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refit: bool = False,
-                  jitter: int = 0, fit_modes: tuple[str, ...] | None = None, without: tuple[str, ...] = (),
-                  profile: Path | None = None, force: tuple[str, ...] = ()) -> dict:
+def rescore_model(
+    model: str,
+    policies: list[str],
+    trace_specs,
+    kept: Path,
+    refit: bool = False,
+    without: tuple[str, ...] = (),
+    profile: Path | None = None,
+    force: tuple[str, ...] = (),
+) -> dict:
     """The same comparison as ``run_model`` against the real runs an earlier ``--keep`` run left
     in ``kept`` (its profile, each policy's real*/summary.json), the simulation made again by this
     checkout: a change to the simulator or the cost model, checked against the same reality in
@@ -318,35 +366,23 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
 
     from schedlab.analysis.residuals import bias, concat
     from schedlab.analysis.runfit import load_runs, step_predictions
-    from schedlab.analysis.validation import compare, median_summary, step_errors
-    from schedlab.api import run_speed, speed_matched
+    from schedlab.analysis.validation import compare, step_errors
+    from schedlab.analysis.residuals import run_speed
+    from schedlab.api._validation import speed_matched
     from schedlab.sim import run, summarize
-    from schedlab.sim.backend import SimBackend
 
     path = kept / "profile.json"
     if not path.is_file():
         raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
     cal = {"kind": "kept", "profile": str(path)}
     if refit:
-        path, cal = _refit(path, kept, fit_modes, without, force)
+        path, cal = _refit(path, kept, without, force)
     elif profile is not None:  # another profile (a calibration made since): the kept runs against it
         path, cal = profile, {"kind": "given", "profile": str(profile)}
     cost = LinearCostModel.from_profile(path)
     # None: each step's own kept prediction
     coef = dict(cost.coefficients) if refit or profile is not None else None
     capacity = int(cost.meta.get("kv_tokens", 262144))
-    jit = None
-    if jitter:
-        from schedlab.analysis.runfit import step_jitter
-        from schedlab.sim.jitter import StepJitter
-
-        if cost.meta.get("step_jitter"):
-            jit = StepJitter.from_dict(cost.meta["step_jitter"])
-        else:  # a kept profile from before step jitter: its own replay runs under its coefficients
-            jit = step_jitter(kept_replay(kept), dict(cost.coefficients))
-        if jit is None:
-            raise SystemExit(f"{kept}: no step jitter to be had (no replay runs)")
-        cal["step_jitter"] = jit.summary()
     res: dict = {"calibration": cal, "traces": {}}
     for spec, seed in trace_specs:
         tr = traces.load(spec, seed=seed)
@@ -363,18 +399,20 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
                     raise SystemExit(f"{old_path}: not kept, and no finished real run beside it")
                 old = {"real_dirs": done, "partial": True}
             reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
-            sims = [summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name,
-                                  backend=SimBackend(cost, jitter=jit, seed=i)))
-                    for i in range(jitter if jit is not None else 1)]
-            v = compare(median_summary(sims), reals, policy=pname, trace=tr.name)
+            sim = summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name))
+            v = compare(sim, reals, policy=pname, trace=tr.name)
             kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
             if coef is not None or old.get("partial"):  # the kept steps against the refit or the given
                 # profile, or (a run validate never scored) against their own predictions (coef None)
                 cols = concat([r.cols for r in kept_runs])
                 v["step_bias"] = bias(cols, coef)
                 pred = step_predictions(cols, coef)
-                v["step_error_pct"] = step_errors([SimpleNamespace(predicted_s=float(p), measured_s=float(m))
-                                                   for p, m in zip(pred, cols["measured_s"])])
+                v["step_error_pct"] = step_errors(
+                    [
+                        SimpleNamespace(predicted_s=float(p), measured_s=float(m))
+                        for p, m in zip(pred, cols["measured_s"])
+                    ]
+                )
             else:
                 v["step_error_pct"] = old.get("step_error_pct")
                 v["step_bias"] = old.get("step_bias")
@@ -383,37 +421,32 @@ def rescore_model(model: str, policies: list[str], trace_specs, kept: Path, refi
             if old.get("machine_speed"):  # the drift-adjusted comparison again, at the kept probes' speeds
                 _drift_again(v, old, make_policy, pname, tr, cost, capacity, reals, kept_runs, coef)
             speeds = [run_speed(r.cols, coef) for r in kept_runs]
-            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds, jitter=jit)
+            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds)
             if matched is not None:
                 v["speed_matched"] = matched
             _record(res, model, key, pname, v)
     return _summarise(res, policies)
 
 
-def _drift_again(v: dict, old: dict, make, pname: str, tr, cost, capacity, reals: list, kept_runs: list,
-                 coef: dict | None) -> None:
-    """A re-score's drift-adjusted comparison, from the kept probes: per run at the speeds the
-    probes between the rounds gave it (kept in its validation.json) with the ends-only figure
-    beside it, or (a recording probed only before and after) at the two ends' mean as it was
-    made then. Each run's steps predicted as the kept run predicted them (by ``coef`` when the
-    profile was fitted again)."""
+def _drift_again(
+    v: dict, old: dict, make, pname: str, tr, cost, capacity, reals: list, kept_runs: list, coef: dict | None
+) -> None:
+    """A re-score's drift-adjusted comparison, from the kept probes: at the mean of the speeds
+    probed before and after the runs, as it was made then. Each run's steps predicted as the kept
+    run predicted them (by ``coef`` when the profile was fitted again)."""
     from collections import namedtuple
 
     from schedlab.analysis.runfit import step_predictions
-    from schedlab.api import drift_adjusted, ends_only
+    from schedlab.api._validation import drift_adjusted
 
     ms = old["machine_speed"]
     v["machine_speed"] = ms
     Step = namedtuple("Step", "predicted_s measured_s")
-    run_steps = [[Step(float(p), float(m)) for p, m in zip(step_predictions(r.cols, coef), r.cols["measured_s"])]
-                 for r in kept_runs]
-    speeds = (old.get("drift_adjusted") or {}).get("speeds")
-    if speeds and len(speeds) == len(reals):
-        adj = drift_adjusted(make(pname), tr, cost, capacity, ms, reals, [], run_speeds=speeds, run_steps=run_steps)
-        if adj is not None:
-            adj["ends_only"] = ends_only(make(pname), tr, cost, capacity, ms, reals, run_steps)
-    else:
-        adj = drift_adjusted(make(pname), tr, cost, capacity, ms, reals, [s for st in run_steps for s in st])
+    run_steps = [
+        [Step(float(p), float(m)) for p, m in zip(step_predictions(r.cols, coef), r.cols["measured_s"])]
+        for r in kept_runs
+    ]
+    adj = drift_adjusted(make(pname), tr, cost, capacity, ms, reals, [s for st in run_steps for s in st])
     if adj is not None:
         v["drift_adjusted"] = adj
 
@@ -446,15 +479,25 @@ def _row(v: dict) -> dict:
         "step_error_pct": v["step_error_pct"],
         "step_bias": v.get("step_bias"),
         "real_spread_pct_median": statistics.median(spreads) if spreads else None,
-        "errors_beyond_spread": sum(1 for r in v["metrics"].values() if r.get("spread_pct") is not None
-                                    and r["error_pct"] is not None and abs(r["error_pct"]) > r["spread_pct"]),
+        "errors_beyond_spread": sum(
+            1
+            for r in v["metrics"].values()
+            if r.get("spread_pct") is not None and r["error_pct"] is not None and abs(r["error_pct"]) > r["spread_pct"]
+        ),
         "machine_speed": v.get("machine_speed"),
         "drift_adjusted": v.get("drift_adjusted"),
         "speed_matched": v.get("speed_matched"),
         "hold_one_out": v.get("hold_one_out"),
-        "metrics": {k: {"sim": r["sim"], "real": r["real"], "error_pct": r["error_pct"],
-                        "spread_pct": r.get("spread_pct"), "real_runs": r.get("real_runs")}
-                    for k, r in v["metrics"].items()},
+        "metrics": {
+            k: {
+                "sim": r["sim"],
+                "real": r["real"],
+                "error_pct": r["error_pct"],
+                "spread_pct": r.get("spread_pct"),
+                "real_runs": r.get("real_runs"),
+            }
+            for k, r in v["metrics"].items()
+        },
     }
 
 
@@ -462,21 +505,29 @@ def _per_policy(rows: list[dict]) -> dict:
     """Over the traces: median of the median |error|, worst |error|, total step time error."""
     pred = sum((r["step_bias"] or {}).get("predicted_s", 0.0) for r in rows)
     meas = sum((r["step_bias"] or {}).get("measured_s", 0.0) for r in rows)
-    out = {"median_abs_error_pct": statistics.median(r["median_abs_error_pct"] for r in rows),
-           "max_abs_error_pct": max(r["max_abs_error_pct"] for r in rows),
-           "total_step_time_pct": 100.0 * (pred - meas) / meas if meas else None,
-           "step_bias_median": statistics.median(r["step_bias"]["median"] for r in rows if r.get("step_bias"))
-           if any(r.get("step_bias") for r in rows) else None}
+    out = {
+        "median_abs_error_pct": statistics.median(r["median_abs_error_pct"] for r in rows),
+        "max_abs_error_pct": max(r["max_abs_error_pct"] for r in rows),
+        "total_step_time_pct": 100.0 * (pred - meas) / meas if meas else None,
+        "step_bias_median": statistics.median(r["step_bias"]["median"] for r in rows if r.get("step_bias"))
+        if any(r.get("step_bias") for r in rows)
+        else None,
+    }
     adj = [r["drift_adjusted"] for r in rows if r.get("drift_adjusted")]
     if adj:
-        out["drift_adjusted"] = {"median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in adj),
-                                 "max_abs_error_pct": max(a["max_abs_error_pct"] for a in adj)}
+        out["drift_adjusted"] = {
+            "median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in adj),
+            "max_abs_error_pct": max(a["max_abs_error_pct"] for a in adj),
+        }
     sm = [r["speed_matched"] for r in rows if r.get("speed_matched")]
     if sm:
         speeds = [f for a in sm for f in a["speeds"]]
-        out["speed_matched"] = {"median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in sm),
-                                "max_abs_error_pct": max(a["max_abs_error_pct"] for a in sm),
-                                "speed_min": min(speeds), "speed_max": max(speeds)}
+        out["speed_matched"] = {
+            "median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in sm),
+            "max_abs_error_pct": max(a["max_abs_error_pct"] for a in sm),
+            "speed_min": min(speeds),
+            "speed_max": max(speeds),
+        }
     return out
 
 
@@ -484,27 +535,33 @@ def overall(rows: list[dict]) -> dict:
     """Over every (trace, policy) row of a model: the median of the rows' median |error| and of
     their worst, plain, drift-adjusted and speed-matched, and how many rows meet the goal each
     way."""
+
     def agg(get):
         got = [(get(r)["median_abs_error_pct"], get(r)["max_abs_error_pct"]) for r in rows if get(r)]
         if not got:
             return None
-        return {"rows": len(got), "median_of_median_abs_error_pct": statistics.median(m for m, _ in got),
-                "median_of_max_abs_error_pct": statistics.median(w for _, w in got),
-                "rows_median_within_goal": sum(1 for m, _ in got if m <= GOAL["median_abs_error_pct"]),
-                "rows_max_within_goal": sum(1 for _, w in got if w <= GOAL["max_abs_error_pct"])}
+        return {
+            "rows": len(got),
+            "median_of_median_abs_error_pct": statistics.median(m for m, _ in got),
+            "median_of_max_abs_error_pct": statistics.median(w for _, w in got),
+            "rows_median_within_goal": sum(1 for m, _ in got if m <= GOAL["median_abs_error_pct"]),
+            "rows_max_within_goal": sum(1 for _, w in got if w <= GOAL["max_abs_error_pct"]),
+        }
+
     out = {"plain": agg(lambda r: r)}
     da = agg(lambda r: r.get("drift_adjusted"))
     if da:  # the simulation at the speed timed before and after the runs: a prediction, unlike the next
         out["drift_adjusted"] = da
-    ends = agg(lambda r: (r.get("drift_adjusted") or {}).get("ends_only"))
-    if ends:  # the same, the speed probed only before and after all the runs
-        out["drift_adjusted_ends_only"] = ends
     sm = agg(lambda r: r.get("speed_matched"))
     if sm:
         out["speed_matched"] = sm
         speeds = [f for r in rows if r.get("speed_matched") for f in r["speed_matched"]["speeds"]]
-        out["run_speeds"] = {"min": min(speeds), "median": statistics.median(speeds), "max": max(speeds),
-                             "runs": len(speeds)}
+        out["run_speeds"] = {
+            "min": min(speeds),
+            "median": statistics.median(speeds),
+            "max": max(speeds),
+            "runs": len(speeds),
+        }
     hoo = hold_one_out_overall(rows)
     if hoo:
         out["hold_one_out"] = hoo
@@ -522,12 +579,15 @@ def hold_one_out_overall(rows: list[dict]) -> dict | None:
     if not got:
         return None
     med = statistics.median
-    return {"rows": len(got),
-            "sim_median_pct": med(h["sim_median_pct"] for h in got), "sim_worst_pct": med(h["sim_max_pct"] for h in got),
-            "real_median_pct": med(h["real_median_pct"] for h in got),
-            "real_worst_pct": med(h["real_max_pct"] for h in got),
-            "rows_sim_median_within_real": sum(h["sim_median_pct"] <= h["real_median_pct"] for h in got),
-            "rows_sim_worst_within_real": sum(h["sim_max_pct"] <= h["real_max_pct"] for h in got)}
+    return {
+        "rows": len(got),
+        "sim_median_pct": med(h["sim_median_pct"] for h in got),
+        "sim_worst_pct": med(h["sim_max_pct"] for h in got),
+        "real_median_pct": med(h["real_median_pct"] for h in got),
+        "real_worst_pct": med(h["real_max_pct"] for h in got),
+        "rows_sim_median_within_real": sum(h["sim_median_pct"] <= h["real_median_pct"] for h in got),
+        "rows_sim_worst_within_real": sum(h["sim_max_pct"] <= h["real_max_pct"] for h in got),
+    }
 
 
 def pairwise(by_trace: dict, order_by: str = "sim") -> dict:
@@ -564,13 +624,21 @@ def pairwise(by_trace: dict, order_by: str = "sim") -> dict:
                     c[2] += 1
                 elif (ra[order_by] - rb[order_by]) * diff > 0:
                     c[0] += 1
-    out = {m: {"right": r, "considered": n, "share": r / n if n else None, "tied": t, "simulated_equal": e}
-           for m, (r, n, t, e) in counts.items()}
+    out = {
+        m: {"right": r, "considered": n, "share": r / n if n else None, "tied": t, "simulated_equal": e}
+        for m, (r, n, t, e) in counts.items()
+    }
     tot = [sum(c[i] for c in counts.values()) for i in range(4)]
     runs = int(statistics.median(n_runs)) if n_runs else 0
-    out["all"] = {"right": tot[0], "considered": tot[1], "share": tot[0] / tot[1] if tot[1] else None,
-                  "tied": tot[2], "simulated_equal": tot[3], "runs": runs,
-                  "null_pass_share": spread_test_null_share(runs) if runs >= 2 else None}
+    out["all"] = {
+        "right": tot[0],
+        "considered": tot[1],
+        "share": tot[0] / tot[1] if tot[1] else None,
+        "tied": tot[2],
+        "simulated_equal": tot[3],
+        "runs": runs,
+        "null_pass_share": spread_test_null_share(runs) if runs >= 2 else None,
+    }
     return out
 
 
@@ -584,9 +652,17 @@ def pairwise_speed_matched(by_trace: dict) -> dict:
         rows[t] = {}
         for p, row in tv.items():
             errs = (row.get("speed_matched") or {}).get("error_pct") or {}
-            rows[t][p] = {"metrics": {m: r | {"sim_speed_matched": None if errs.get(m) is None or r["real"] is None
-                                              else r["real"] * (1.0 + errs[m] / 100.0)}
-                                      for m, r in row["metrics"].items()}}
+            rows[t][p] = {
+                "metrics": {
+                    m: r
+                    | {
+                        "sim_speed_matched": None
+                        if errs.get(m) is None or r["real"] is None
+                        else r["real"] * (1.0 + errs[m] / 100.0)
+                    }
+                    for m, r in row["metrics"].items()
+                }
+            }
     return pairwise(rows, order_by="sim_speed_matched")
 
 
@@ -613,66 +689,101 @@ def _abs_spread(r: dict) -> float:
 
 def _line(model, key, pname, r) -> str:
     sb = r["step_bias"] or {}
-    return (f"{model:12s} {key[:28]:28s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
-            f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step bias {sb.get('median', float('nan')):.3f} "
-            f"total {sb.get('total_pct', float('nan')):+.1f}%  "
-            + (f"spread {r['real_spread_pct_median']:5.1f}%" if r["real_spread_pct_median"] is not None
-               else f"{r.get('partial_runs', 1)} real run, no spread"))
+    return (
+        f"{model:12s} {key[:28]:28s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
+        f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step bias {sb.get('median', float('nan')):.3f} "
+        f"total {sb.get('total_pct', float('nan')):+.1f}%  "
+        + (
+            f"spread {r['real_spread_pct_median']:5.1f}%"
+            if r["real_spread_pct_median"] is not None
+            else f"{r.get('partial_runs', 1)} real run, no spread"
+        )
+    )
 
 
 def format_markdown(out: dict) -> str:
     lines = []
     for model, res in out["models"].items():
         cal = res["calibration"]
-        lines.append(f"\n{model}: calibration {cal.get('kind')}"
-                     + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else f" ({cal.get('profile')})"))
+        lines.append(
+            f"\n{model}: calibration {cal.get('kind')}"
+            + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else f" ({cal.get('profile')})")
+        )
         keys = list(res["traces"])
-        head = "| policy | " + " | ".join(f"{_short(k)} median / max |err| %" for k in keys) + \
-            " | step bias (meas/pred) | total step time % | real spread % (median) | speed-matched median / max |err| % |"
+        head = (
+            "| policy | "
+            + " | ".join(f"{_short(k)} median / max |err| %" for k in keys)
+            + " | step bias (meas/pred) | total step time % | real spread % (median) | speed-matched median / max |err| % |"
+        )
         lines += [head, "|---|" + "---:|" * (len(keys) + 4)]
         for p, agg in res["per_policy"].items():
-            cells = [f"{res['traces'][k][p]['median_abs_error_pct']:.1f} / {res['traces'][k][p]['max_abs_error_pct']:.1f}"
-                     for k in keys]
-            spreads = [res["traces"][k][p]["real_spread_pct_median"] for k in keys
-                       if res["traces"][k][p]["real_spread_pct_median"] is not None]
-            lines.append(f"| {p} | " + " | ".join(cells)
-                         + f" | {_n(agg.get('step_bias_median'), 3)} | {_n(agg.get('total_step_time_pct'), 1, True)} | "
-                         + (f"{statistics.median(spreads):.1f}" if spreads else "-") + " | "
-                         + (f"{agg['speed_matched']['median_abs_error_pct']:.1f} / {agg['speed_matched']['max_abs_error_pct']:.1f}"
-                            if agg.get("speed_matched") else "-") + " |")
+            cells = [
+                f"{res['traces'][k][p]['median_abs_error_pct']:.1f} / {res['traces'][k][p]['max_abs_error_pct']:.1f}"
+                for k in keys
+            ]
+            spreads = [
+                res["traces"][k][p]["real_spread_pct_median"]
+                for k in keys
+                if res["traces"][k][p]["real_spread_pct_median"] is not None
+            ]
+            lines.append(
+                f"| {p} | "
+                + " | ".join(cells)
+                + f" | {_n(agg.get('step_bias_median'), 3)} | {_n(agg.get('total_step_time_pct'), 1, True)} | "
+                + (f"{statistics.median(spreads):.1f}" if spreads else "-")
+                + " | "
+                + (
+                    f"{agg['speed_matched']['median_abs_error_pct']:.1f} / {agg['speed_matched']['max_abs_error_pct']:.1f}"
+                    if agg.get("speed_matched")
+                    else "-"
+                )
+                + " |"
+            )
         ov = res.get("overall") or {}
-        for what in ("plain", "drift_adjusted", "drift_adjusted_ends_only", "speed_matched"):
+        for what in ("plain", "drift_adjusted", "speed_matched"):
             o = ov.get(what)
             if o:
-                lines.append(f"{what.replace('_', '-')}: median over the {o['rows']} rows of their median |error| "
-                             f"{o['median_of_median_abs_error_pct']:.1f} %, of their worst "
-                             f"{o['median_of_max_abs_error_pct']:.1f} %; median within the goal in "
-                             f"{o['rows_median_within_goal']}, worst in {o['rows_max_within_goal']}")
+                lines.append(
+                    f"{what.replace('_', '-')}: median over the {o['rows']} rows of their median |error| "
+                    f"{o['median_of_median_abs_error_pct']:.1f} %, of their worst "
+                    f"{o['median_of_max_abs_error_pct']:.1f} %; median within the goal in "
+                    f"{o['rows_median_within_goal']}, worst in {o['rows_max_within_goal']}"
+                )
         h = ov.get("hold_one_out")
         if h:
-            lines.append(f"each real run held out against the others' median (median over {h['rows']} rows): the "
-                         f"simulation {h['sim_median_pct']:.1f} % / worst {h['sim_worst_pct']:.1f} %, a real run "
-                         f"{h['real_median_pct']:.1f} % / {h['real_worst_pct']:.1f} % (the machine's repeat error); the "
-                         f"simulation no further off than a real run in {h['rows_sim_median_within_real']} rows "
-                         f"(worst: {h['rows_sim_worst_within_real']})")
+            lines.append(
+                f"each real run held out against the others' median (median over {h['rows']} rows): the "
+                f"simulation {h['sim_median_pct']:.1f} % / worst {h['sim_worst_pct']:.1f} %, a real run "
+                f"{h['real_median_pct']:.1f} % / {h['real_worst_pct']:.1f} % (the machine's repeat error); the "
+                f"simulation no further off than a real run in {h['rows_sim_median_within_real']} rows "
+                f"(worst: {h['rows_sim_worst_within_real']})"
+            )
         if ov.get("run_speeds"):
             rs = ov["run_speeds"]
-            lines.append(f"real runs' own speed (measured / predicted step time): {rs['min']:.2f}-{rs['max']:.2f}x, "
-                         f"median {rs['median']:.2f}x over {rs['runs']} runs")
+            lines.append(
+                f"real runs' own speed (measured / predicted step time): {rs['min']:.2f}-{rs['max']:.2f}x, "
+                f"median {rs['median']:.2f}x over {rs['runs']} runs"
+            )
         pw = res["pairwise"]
-        lines.append("pairwise direction right: " + ", ".join(
-            f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"])
-            + (f" ({pw['all']['tied']} of the others simulated as equal)" if (pw.get("all") or {}).get("tied") else ""))
+        lines.append(
+            "pairwise direction right: "
+            + ", ".join(f"{m} {v['right']}/{v['considered']}" for m, v in pw.items() if v["considered"])
+            + (f" ({pw['all']['tied']} of the others simulated as equal)" if (pw.get("all") or {}).get("tied") else "")
+        )
         pws = (res.get("pairwise_speed_matched") or {}).get("all") or {}
         if pws.get("considered"):
-            lines.append(f"pairwise direction right, speed-matched (each policy simulated at its runs' own speed): "
-                         f"{pws['right']}/{pws['considered']} (plain {pw['all']['right']}/{pw['all']['considered']})")
+            lines.append(
+                f"pairwise direction right, speed-matched (each policy simulated at its runs' own speed): "
+                f"{pws['right']}/{pws['considered']} (plain {pw['all']['right']}/{pw['all']['considered']})"
+            )
         if (pw.get("all") or {}).get("simulated_equal") and pw["all"].get("null_pass_share") is not None:
             a = pw["all"]
-            lines.append(f"pairs the simulation calls equal: {a['simulated_equal']}, of which {a['tied']} "
-                         f"({100 * a['tied'] / a['simulated_equal']:.1f} %) pass the real-spread test; two policies "
-                         f"whose {a['runs']} runs are identically distributed pass it "
-                         f"{100 * a['null_pass_share']:.1f} % of the time")
+            lines.append(
+                f"pairs the simulation calls equal: {a['simulated_equal']}, of which {a['tied']} "
+                f"({100 * a['tied'] / a['simulated_equal']:.1f} %) pass the real-spread test; two policies "
+                f"whose {a['runs']} runs are identically distributed pass it "
+                f"{100 * a['null_pass_share']:.1f} % of the time"
+            )
     return "\n".join(lines)
 
 

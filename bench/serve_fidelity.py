@@ -19,6 +19,9 @@ a short real replay, ~2 min for SmolLM2), made once here and used by every serve
 
     python bench/serve_fidelity.py [--policies mlx-default,vllm,chunked-prefill] [--rounds 2]
         [--trace sonnet:n=20,input_len=200,output_len=48,prefix_len=50,rate=1.5] [--out bench/results/serve_fidelity.json]
+
+Needs the ``openai`` package (the client). Results: ``bench/results/serve_fidelity.json``
+(``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import re
 import signal
 import statistics
@@ -36,20 +38,36 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-BIN = Path(sys.executable).parent
+import common
+from schedlab.analysis.validation import METRICS
+from schedlab.sim.metrics import dist
 
-from schedlab.analysis.validation import METRICS, _get  # noqa: E402
-from schedlab.sim.metrics import dist  # noqa: E402
+BIN = Path(sys.executable).parent
 
 DEFAULT_TRACE = "sonnet:n=20,input_len=200,output_len=48,prefix_len=50,rate=1.5"
 
 
 def start_server(policy: str, model: str, profile: str, out: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([str(BIN / "serve"), "--policy", policy, "--model", model, "--profile", profile,
-                             "--port", "0", "--out", str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            str(BIN / "schedlab"),
+            "serve",
+            "--policy",
+            policy,
+            "--model",
+            model,
+            "--profile",
+            profile,
+            "--port",
+            "0",
+            "--out",
+            str(out),
+            "-q",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     for line in proc.stderr:
         seen.append(line)
@@ -73,8 +91,9 @@ async def replay(url: str, model: str, requests) -> list[dict]:
         chunks, tokens = [], None
         kw = {"messages": r.chat()} if r.messages is not None else {"prompt": r.prompt}
         create = client.chat.completions.create if r.messages is not None else client.completions.create
-        stream = await create(model=model, max_tokens=r.output_tokens, stream=True,
-                              stream_options={"include_usage": True}, **kw)
+        stream = await create(
+            model=model, max_tokens=r.output_tokens, stream=True, stream_options={"include_usage": True}, **kw
+        )
         async for ch in stream:
             if ch.choices:
                 c = ch.choices[0]
@@ -84,8 +103,13 @@ async def replay(url: str, model: str, requests) -> list[dict]:
             if ch.usage is not None:
                 tokens = ch.usage.completion_tokens
         end = time.perf_counter()
-        return {"id": r.id, "sent_s": sent - t0, "end_s": end - t0, "chunks_s": [c - t0 for c in chunks],
-                "tokens": tokens}
+        return {
+            "id": r.id,
+            "sent_s": sent - t0,
+            "end_s": end - t0,
+            "chunks_s": [c - t0 for c in chunks],
+            "tokens": tokens,
+        }
 
     try:
         return list(await asyncio.gather(*(one(r) for r in requests)))
@@ -97,14 +121,24 @@ def client_summary(rows: list[dict]) -> dict:
     """The client's figures in summary.json's shape (vllm bench serve's definitions)."""
     ttft = [(r["chunks_s"][0] - r["sent_s"]) * 1e3 for r in rows if r["chunks_s"]]
     itl = [(b - a) * 1e3 for r in rows for a, b in zip(r["chunks_s"], r["chunks_s"][1:])]
-    tpot = [(r["end_s"] - r["chunks_s"][0]) * 1e3 / (r["tokens"] - 1) for r in rows
-            if r["chunks_s"] and r["tokens"] and r["tokens"] > 1]
+    tpot = [
+        (r["end_s"] - r["chunks_s"][0]) * 1e3 / (r["tokens"] - 1)
+        for r in rows
+        if r["chunks_s"] and r["tokens"] and r["tokens"] > 1
+    ]
     e2e = [(r["end_s"] - r["sent_s"]) * 1e3 for r in rows]
     span = max(r["end_s"] for r in rows) - min(r["sent_s"] for r in rows)
     out_tokens = sum(r["tokens"] or 0 for r in rows)
-    return {"ttft_ms": dist(ttft), "itl_ms": dist(itl), "tpot_ms": dist(tpot), "e2e_ms": dist(e2e),
-            "makespan_s": span, "output_throughput_tok_s": out_tokens / span if span > 0 else None,
-            "total_output_tokens": out_tokens, "finished": len(rows)}
+    return {
+        "ttft_ms": dist(ttft),
+        "itl_ms": dist(itl),
+        "tpot_ms": dist(tpot),
+        "e2e_ms": dist(e2e),
+        "makespan_s": span,
+        "output_throughput_tok_s": out_tokens / span if span > 0 else None,
+        "total_output_tokens": out_tokens,
+        "finished": len(rows),
+    }
 
 
 def simulations(policy: str, served: Path, profile: str, speed: float) -> tuple[dict, dict]:
@@ -117,14 +151,24 @@ def simulations(policy: str, served: Path, profile: str, speed: float) -> tuple[
 
     cm = schedlab.cost_model(profile)
     tr = schedlab.load_trace(str(served / "trace.json"))
-    return tuple(summarize(run_loop(tr.requests, schedlab.policy(policy), cm.model, kv_capacity=cm.kv_tokens,
-                                    trace_name=tr.name, block_size=16,
-                                    backend=SimBackend(cm.model, time_scale=f)))
-                 for f in (1.0, speed))
+    return tuple(
+        summarize(
+            run_loop(
+                tr.requests,
+                schedlab.policy(policy),
+                cm.model,
+                kv_capacity=cm.kv_tokens,
+                trace_name=tr.name,
+                block_size=16,
+                backend=SimBackend(cm.model, time_scale=f),
+            )
+        )
+        for f in (1.0, speed)
+    )
 
 
 def figures(summary: dict) -> dict:
-    return {key: _get(summary, path) for key, path, _ in METRICS}
+    return {key: common.value(summary, path) for key, path, _ in METRICS}
 
 
 def err(a, b):
@@ -139,29 +183,44 @@ def score(pol: str, k: int, out: Path, profile: str, client: dict, finished: int
     bias = json.loads((out / "meta.json").read_text())["step_bias"]  # the server's steps, as run-real records them
     speed = bias["measured_s"] / bias["predicted_s"]  # the run's own speed (api.run_speed's figure)
     sim, matched = simulations(pol, out, profile, speed)
-    return {"round": k, "dir": out.name, "client": client, "server": figures(server),
-            "sim": figures(sim), "speed_matched": figures(matched), "speed": round(speed, 4),
-            "finished": {"client": finished, "server": server["finished"], "sim": sim["finished"]},
-            "output_tokens": {"client": tokens, "server": server["total_output_tokens"],
-                              "sim": sim["total_output_tokens"]},
-            "step_bias": bias["median"]}
+    return {
+        "round": k,
+        "dir": out.name,
+        "client": client,
+        "server": figures(server),
+        "sim": figures(sim),
+        "speed_matched": figures(matched),
+        "speed": round(speed, 4),
+        "finished": {"client": finished, "server": server["finished"], "sim": sim["finished"]},
+        "output_tokens": {"client": tokens, "server": server["total_output_tokens"], "sim": sim["total_output_tokens"]},
+        "step_bias": bias["median"],
+    }
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict:
     per_policy = {}
     for pol, rs in runs.items():
-        med = {side: {key: statistics.median(r[side][key] for r in rs if r[side][key] is not None)
-                      for key, _, _ in METRICS} for side in ("client", "server", "sim", "speed_matched")}
-        e = {"sim_vs_client": {k: err(med["sim"][k], med["client"][k]) for k in med["sim"]},
-             "sim_vs_server": {k: err(med["sim"][k], med["server"][k]) for k in med["sim"]},
-             "speed_matched_vs_server": {k: err(med["speed_matched"][k], med["server"][k]) for k in med["sim"]},
-             "client_vs_server": {k: err(med["client"][k], med["server"][k]) for k in med["sim"]}}
-        per_policy[pol] = {"median": med, "error_pct": e,
-                           "median_abs_error_pct": {name: statistics.median(abs(v) for v in d.values() if v is not None)
-                                                    for name, d in e.items()},
-                           "max_abs_error_pct": {name: max(abs(v) for v in d.values() if v is not None)
-                                                 for name, d in e.items()},
-                           "runs": rs}
+        med = {
+            side: {
+                key: statistics.median(r[side][key] for r in rs if r[side][key] is not None) for key, _, _ in METRICS
+            }
+            for side in ("client", "server", "sim", "speed_matched")
+        }
+        e = {
+            "sim_vs_client": {k: err(med["sim"][k], med["client"][k]) for k in med["sim"]},
+            "sim_vs_server": {k: err(med["sim"][k], med["server"][k]) for k in med["sim"]},
+            "speed_matched_vs_server": {k: err(med["speed_matched"][k], med["server"][k]) for k in med["sim"]},
+            "client_vs_server": {k: err(med["client"][k], med["server"][k]) for k in med["sim"]},
+        }
+        per_policy[pol] = {
+            "median": med,
+            "error_pct": e,
+            "median_abs_error_pct": {
+                name: statistics.median(abs(v) for v in d.values() if v is not None) for name, d in e.items()
+            },
+            "max_abs_error_pct": {name: max(abs(v) for v in d.values() if v is not None) for name, d in e.items()},
+            "runs": rs,
+        }
     return per_policy
 
 
@@ -173,16 +232,32 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", help="cost profile (default: the default calibration, made here)")
-    ap.add_argument("--rescore", metavar="JSON", help="run no server: score a recorded result's runs again from "
-                                                      "their run directories (beside its profile, while they exist)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_fidelity.json"))
+    ap.add_argument(
+        "--rescore",
+        metavar="JSON",
+        help="run no server: score a recorded result's runs again from "
+        "their run directories (beside its profile, while they exist)",
+    )
+    ap.add_argument("--out", default=str(common.result_path("serve_fidelity")))
     args = ap.parse_args()
     if args.rescore:
         rec = json.loads(Path(args.rescore).read_text())
         work = Path(rec["profile"]).parent
-        runs = {pol: [score(pol, r["round"], work / r.get("dir", f"{pol}-{r['round']}"), rec["profile"],
-                            r["client"], r["finished"]["client"], r["output_tokens"]["client"])
-                      for r in v["runs"]] for pol, v in rec["per_policy"].items()}
+        runs = {
+            pol: [
+                score(
+                    pol,
+                    r["round"],
+                    work / r.get("dir", f"{pol}-{r['round']}"),
+                    rec["profile"],
+                    r["client"],
+                    r["finished"]["client"],
+                    r["output_tokens"]["client"],
+                )
+                for r in v["runs"]
+            ]
+            for pol, v in rec["per_policy"].items()
+        }
         rec["per_policy"] = aggregate(runs)
         rec["rescored"] = True
         return report(rec, args.out)
@@ -222,28 +297,44 @@ def main() -> None:
             c = client_summary(rows)
             run = score(pol, k, out, profile, figures(c), c["finished"], c["total_output_tokens"])
             runs[pol].append(run)
-            print(f"round {k} {pol:16s} TTFT p50 client {run['client']['ttft_ms.p50']:.0f} / server "
-                  f"{run['server']['ttft_ms.p50']:.0f} / sim {run['sim']['ttft_ms.p50']:.0f} ms, makespan "
-                  f"{run['client']['makespan_s']:.2f} / {run['server']['makespan_s']:.2f} / "
-                  f"{run['sim']['makespan_s']:.2f} s, speed {run['speed']:.3f}", file=sys.stderr)
-    result = {"benchmark": "serve_fidelity", "model": args.model, "trace": args.trace, "seed": args.seed,
-              "requests": len(tr.requests), "rounds": args.rounds, "profile": profile, "calibration": calibration,
-              "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count()},
-              "per_policy": aggregate(runs), "wall_s": round(time.perf_counter() - t_all, 1)}
+            print(
+                f"round {k} {pol:16s} TTFT p50 client {run['client']['ttft_ms.p50']:.0f} / server "
+                f"{run['server']['ttft_ms.p50']:.0f} / sim {run['sim']['ttft_ms.p50']:.0f} ms, makespan "
+                f"{run['client']['makespan_s']:.2f} / {run['server']['makespan_s']:.2f} / "
+                f"{run['sim']['makespan_s']:.2f} s, speed {run['speed']:.3f}",
+                file=sys.stderr,
+            )
+    result = {
+        "benchmark": "serve_fidelity",
+        "model": args.model,
+        "trace": args.trace,
+        "seed": args.seed,
+        "requests": len(tr.requests),
+        "rounds": args.rounds,
+        "profile": profile,
+        "calibration": calibration,
+        "machine": common.machine(),
+        "rev": common.git_rev(),
+        "per_policy": aggregate(runs),
+        "wall_s": round(time.perf_counter() - t_all, 1),
+    }
     report(result, args.out)
 
 
 def report(result: dict, out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'policy':16s} {'sim vs client':>16s} {'sim vs server':>16s} {'matched vs server':>18s} "
-          f"{'client vs server':>18s}   (median / worst |error| %)   runs' speed")
+    common.write_json(result, out, indent=1)
+    print(
+        f"{'policy':16s} {'sim vs client':>16s} {'sim vs server':>16s} {'matched vs server':>18s} "
+        f"{'client vs server':>18s}   (median / worst |error| %)   runs' speed"
+    )
     for pol, v in result["per_policy"].items():
         m, w = v["median_abs_error_pct"], v["max_abs_error_pct"]
-        print(f"{pol:16s} {m['sim_vs_client']:7.1f} / {w['sim_vs_client']:5.1f}  {m['sim_vs_server']:7.1f} / "
-              f"{w['sim_vs_server']:5.1f}  {m['speed_matched_vs_server']:9.1f} / {w['speed_matched_vs_server']:5.1f}  "
-              f"{m['client_vs_server']:9.1f} / {w['client_vs_server']:5.1f}   "
-              + " ".join(f"{r['speed']:.3f}" for r in v["runs"]))
+        print(
+            f"{pol:16s} {m['sim_vs_client']:7.1f} / {w['sim_vs_client']:5.1f}  {m['sim_vs_server']:7.1f} / "
+            f"{w['sim_vs_server']:5.1f}  {m['speed_matched_vs_server']:9.1f} / {w['speed_matched_vs_server']:5.1f}  "
+            f"{m['client_vs_server']:9.1f} / {w['client_vs_server']:5.1f}   "
+            + " ".join(f"{r['speed']:.3f}" for r in v["runs"])
+        )
 
 
 if __name__ == "__main__":

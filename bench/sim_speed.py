@@ -16,15 +16,15 @@ Two cost models for the loop: the bundled measured profile (the tiny model on th
 the analytic model of an H100 running Llama 3.1 8B (closer to serving the hour).
 
     python bench/sim_speed.py [--repeat 3] [--baseline /tmp/old] [--out bench/results/sim_speed.json]
+
+Results: ``bench/results/sim_speed.json`` (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,27 +32,42 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
+from schedlab import traces
+from schedlab.policies import POLICIES, make_policy
+from schedlab.sim import run, summarize
+from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
+from schedlab.sim.profiles import resolve_profile
 
-from schedlab import traces  # noqa: E402
-from schedlab.policies import POLICIES, make_policy  # noqa: E402
-from schedlab.sim import run, summarize  # noqa: E402
-from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel  # noqa: E402
-from schedlab.sim.profiles import resolve_profile  # noqa: E402
+ROOT = common.ROOT
 
 TARGET_SPEEDUP = 500.0
 TARGET_CLI_S = 3.0
-CLI = "import sys; from schedlab.cli import simulate_main; sys.argv[0] = 'simulate'; simulate_main()"
+
+
+def simulate_code(tree: Path) -> str:
+    """Python that runs a checkout's ``simulate`` command as its console script does (the entry
+    point its pyproject.toml names: it moved between versions)."""
+    import tomllib
+
+    target = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"]["simulate"]
+    module, func = target.split(":")
+    return f"import sys; from {module} import {func} as f; sys.argv[0] = 'simulate'; sys.exit(f())"
 
 
 def cli_seconds(tree: Path, policy: str, trace: str, extra: list[str]) -> float:
     """Wall seconds of one ``simulate ... --out DIR -q`` in a fresh process importing ``tree``."""
+    code = simulate_code(tree)
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", CLI, "--policy", policy, "--trace", trace, "--out", out,
-                               "-q", *extra], env=env, capture_output=True, text=True, cwd=out)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, "--policy", policy, "--trace", trace, "--out", out, "-q", *extra],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=out,
+        )
         wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"simulate failed in {tree}: {proc.stderr.strip()}")
@@ -62,8 +77,7 @@ def cli_seconds(tree: Path, policy: str, trace: str, extra: list[str]) -> float:
 def _ask(tree: Path, code: str) -> str:
     """What ``code`` prints in a fresh process importing checkout ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree,
-                          check=True)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree, check=True)
     return proc.stdout.strip()
 
 
@@ -91,7 +105,7 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout whose simulate is timed alongside")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sim_speed.json"))
+    ap.add_argument("--out", default=str(common.result_path("sim_speed")))
     args = ap.parse_args()
 
     profile = resolve_profile(None)
@@ -119,13 +133,20 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in walls.items() if v}
         s, sh = summarize(res), summarize(res_h)
         row = {
-            "cli_s": med["cli"], "cli_s_runs": walls["cli"],
-            "cli_h100_s": med["cli_h100"], "cli_h100_s_runs": walls["cli_h100"],
-            "loop_s": med["loop"], "loop_s_runs": walls["loop"],
+            "cli_s": med["cli"],
+            "cli_s_runs": walls["cli"],
+            "cli_h100_s": med["cli_h100"],
+            "cli_h100_s_runs": walls["cli_h100"],
+            "loop_s": med["loop"],
+            "loop_s_runs": walls["loop"],
             "loop_h100_s": med["loop_h100"],
-            "makespan_s": s["makespan_s"], "makespan_h100_s": sh["makespan_s"],
-            "speedup": s["makespan_s"] / med["loop"], "speedup_h100": sh["makespan_s"] / med["loop_h100"],
-            "steps": s["steps"], "steps_h100": sh["steps"], "finished": s["finished"],
+            "makespan_s": s["makespan_s"],
+            "makespan_h100_s": sh["makespan_s"],
+            "speedup": s["makespan_s"] / med["loop"],
+            "speedup_h100": sh["makespan_s"] / med["loop_h100"],
+            "steps": s["steps"],
+            "steps_h100": sh["steps"],
+            "finished": s["finished"],
             # the command as the issue states it: the bundled profile (the analytic H100 run is
             # beside it: ~2.6x the steps of the same hour)
             "cli_meets_target": med["cli"] <= TARGET_CLI_S,
@@ -135,9 +156,16 @@ def main() -> None:
             row["baseline_cli_s_runs"] = walls["baseline_cli"]
             row["cli_speedup_vs_baseline"] = med["baseline_cli"] / med["cli"]
         rows[name] = row
-        print(f"{name:16s} simulate --out {med['cli']:5.2f}s (h100 {med['cli_h100']:5.2f}s)"
-              + (f"  baseline {med['baseline_cli']:5.2f}s ({row['cli_speedup_vs_baseline']:.1f}x)" if name in known else "")
-              + f"  loop {med['loop']:5.2f}s ({row['speedup']:,.0f}x makespan)", flush=True)
+        print(
+            f"{name:16s} simulate --out {med['cli']:5.2f}s (h100 {med['cli_h100']:5.2f}s)"
+            + (
+                f"  baseline {med['baseline_cli']:5.2f}s ({row['cli_speedup_vs_baseline']:.1f}x)"
+                if name in known
+                else ""
+            )
+            + f"  loop {med['loop']:5.2f}s ({row['speedup']:,.0f}x makespan)",
+            flush=True,
+        )
     out = {
         "benchmark": "sim_speed",
         "trace": tr.name,
@@ -147,33 +175,16 @@ def main() -> None:
         "target_cli_s": TARGET_CLI_S,
         "target_speedup": TARGET_SPEEDUP,
         "baseline": str(args.baseline) if args.baseline else None,
-        "baseline_rev": _rev(args.baseline) if args.baseline else None,
-        "rev": _rev(ROOT),
+        "baseline_rev": common.git_rev(args.baseline) if args.baseline else None,
+        "rev": common.git_rev(),
         "typer": _typer(ROOT),
         "baseline_typer": _typer(args.baseline) if args.baseline else None,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "cpu": _cpu()},
+        "machine": common.machine(),
         "policies": rows,
         "all_cli_meet_target": all(r["cli_meets_target"] for r in rows.values()),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    common.write_json(out, args.out)
     print(f"wrote {args.out}")
-
-
-def _rev(tree: Path) -> str | None:
-    p = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return p.stdout.strip() or None
-
-
-def _cpu() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 if __name__ == "__main__":

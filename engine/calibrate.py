@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from schedlab.policies import make_policy
 from schedlab.policies.base import Pass, Plan
-from schedlab.sim.cost import DEFAULT_KV_TOKENS, FEATURES, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
-from schedlab.analysis.fit import Sample, fit_profile, merge_rounds, report_markdown
+from schedlab.sim.cost import DEFAULT_KV_TOKENS, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
+from schedlab.analysis.fit import fit_profile, merge_rounds, report_markdown
+from schedlab.analysis.samples import Sample
 from schedlab.sim.loop import run as run_loop
 from schedlab.sim.state import ReplicaState
 from schedlab.traces.schema import Request

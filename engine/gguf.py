@@ -1,8 +1,8 @@
 """GGUF models: llama-architecture GGUF files loaded into mlx-lm's llama classes.
 
 ``load_gguf(path, dtype)`` reads a GGUF file with MLX (``mx.load``), maps llama.cpp's
-tensor names onto mlx-lm's ``models.llama.Model``, builds the tokenizer from the file's
-metadata (``engine.tokenizer``) and returns ``(model, config, tokenizer)``.
+tensor names onto mlx-lm's ``models.llama.Model`` and returns ``(model, config)``; the
+tokenizer comes from the file's metadata (``engine.tokenizer.TextTokenizer.from_gguf``).
 
 - **Quantized tensors.** MLX reads Q4_0, Q4_1 and Q8_0 tensors into its own quantized
   layout (uint32 weights + float16 scales and biases, groups of 32) and converts Q2_K, Q4_K,
@@ -411,12 +411,10 @@ def _bits(w, scales) -> int:
 
 
 def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeader | None = None):
-    """(model, config, tokenizer or None) from a llama GGUF file; see the module docstring."""
+    """(model, config) from a llama GGUF file; see the module docstring."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models import llama
-
-    from .tokenizer import TextTokenizer
 
     path = Path(path)
     dtype = resolve_dtype(dtype)
@@ -464,11 +462,10 @@ def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeade
                           f"{' '.join(str(exc).split())[:300]}") from None
     model.eval()
     mx.eval(model.parameters())
-    tokenizer = TextTokenizer.from_gguf(header.metadata, source=str(path))
     quant = quantization_entry(model)
     if quant:
         config["quantization"] = quant
-    return model, config, tokenizer
+    return model, config
 
 
 def quantization_entry(model) -> dict[str, Any] | None:

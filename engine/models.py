@@ -388,6 +388,8 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
     gpu = mx.default_device() == mx.gpu
     if dtype == "auto":  # quantized only where it pays off: resolved again once the model is known
         dtype = "quantized" if gpu else "float32"
+    from .tokenizer import TextTokenizer
+
     tokenizer = source = None
     if spec in _gguf.GGUF_PRESETS or (is_path_spec(spec) and _is_gguf_path(Path(spec).expanduser())):
         if spec in _gguf.GGUF_PRESETS:
@@ -397,15 +399,14 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
             path, preset = Path(spec).expanduser(), None
             name = str(path)
         header = _gguf.check_gguf(path)
-        model, config, tokenizer = _gguf.load_gguf(path, dtype=dtype, header=header)
+        model, config = _gguf.load_gguf(path, dtype=dtype, header=header)
+        tokenizer = TextTokenizer.from_gguf(header.metadata, source=str(path))
         source = _gguf.gguf_source(path, header, preset)
         kind, used_seed = "gguf", None
     elif is_path_spec(spec):
         path = Path(spec).expanduser()
         model, config = _load_checkpoint(path)
         kind, name, used_seed = "checkpoint", str(path), None
-        from .tokenizer import TextTokenizer
-
         source = {"kind": "checkpoint", "format": "mlx-lm", "dir": str(path)}
         try:  # a tokenizer is optional here: a broken one is recorded, not fatal
             tokenizer = TextTokenizer.from_dir(path, eos_token_ids=config.get("eos_token_id"))

@@ -25,6 +25,7 @@ from .base import (
     RequestView,
     SchedulerView,
     admit_fifo,
+    as_cost_model,
     count_finishing,
     fifo_chunks,
     finishes_this_pass,
@@ -91,7 +92,7 @@ def _load_class(spec: str) -> type:
 
 
 __all__ = [
-    "POLICIES", "make_policy", "PolicyNotFound", "OptionError", "CostModel", "Pass", "PassShape",
+    "POLICIES", "make_policy", "PolicyNotFound", "OptionError", "CostModel", "as_cost_model", "Pass", "PassShape",
     "Phase", "Plan", "Policy", "PolicyBase", "RequestView", "SchedulerView", "admit_fifo",
     "count_finishing", "fifo_chunks", "finishes_this_pass",
 ]

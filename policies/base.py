@@ -166,13 +166,75 @@ class PassShape(NamedTuple):
         return self.prefill_tokens
 
 
-@runtime_checkable
-class CostModel(Protocol):
-    """Predicts seconds from shapes. Policies may read it to make decisions."""
+class CostModel:
+    """Predicts seconds from shapes: what the loop charges, and what a policy may read to decide.
 
-    def pass_seconds(self, shape: PassShape) -> float: ...
+    A cost model subclasses this and defines ``pass_seconds`` and ``step_overhead_seconds``.
+    The other methods are the terms a model may have beyond those; their defaults mean "no
+    such term", and a model that has one overrides it (and sets the flag that goes with it,
+    which the loop reads once per run):
 
-    def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float: ...
+    - ``idle_seconds(idle_s) -> (wake_s, extra_s)``: when an arrival wakes a replica that sat
+      idle ``idle_s`` seconds, the step starts ``wake_s`` after the arrival and costs ``extra_s``
+      more (default: 0, 0);
+    - ``after_wake_seconds(k)``: extra seconds of the k-th step after such a wake, k >= 1
+      (default: 0); ``has_after_wake``: True when it is ever non-zero (the loop counts the steps
+      after a wake only then);
+    - ``decode_run_seconds(shape, k)``: the seconds of the ``k`` decode passes that follow a
+      decode pass of ``shape`` over the same rows (a ``Plan.repeat`` run; default: ``pass_seconds``
+      of each, asked lazily one pass at a time); ``has_run_formula``: True when a model's own
+      is a pure formula the loop may evaluate ahead of the passes it ends up running.
+
+    ``as_cost_model`` makes one of any object with the two required methods.
+    """
+
+    has_after_wake: bool = False
+    has_run_formula: bool = False
+
+    def pass_seconds(self, shape: PassShape) -> float:
+        raise NotImplementedError
+
+    def step_overhead_seconds(self, n_passes: int, n_rows: int) -> float:
+        raise NotImplementedError
+
+    def idle_seconds(self, idle_s: float) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def after_wake_seconds(self, k: int) -> float:
+        return 0.0
+
+    def decode_run_seconds(self, shape: PassShape, k: int) -> Iterator[float]:
+        predict, rows = self.pass_seconds, len(shape.decode_contexts)
+        return (predict(PassShape(tuple(c + j for c in shape.decode_contexts), (), False, rows))
+                for j in range(1, k + 1))
+
+
+class _Plain(CostModel):
+    """A cost model of an object that has ``pass_seconds`` and ``step_overhead_seconds`` and
+    nothing else: its own two methods, the defaults for the rest; its other attributes read
+    through (``meta``, ...)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.pass_seconds = model.pass_seconds  # bound once: the loop's hot path calls them
+        self.step_overhead_seconds = model.step_overhead_seconds
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def as_cost_model(model: Any) -> CostModel:
+    """``model`` when it is a ``CostModel``; else (any object with callable ``pass_seconds`` and
+    ``step_overhead_seconds``) a ``CostModel`` made of those two and the defaults. TypeError for
+    anything else."""
+    if isinstance(model, CostModel):
+        return model
+    if not (callable(getattr(model, "pass_seconds", None)) and callable(getattr(model, "step_overhead_seconds", None))):
+        raise TypeError(f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); "
+                        f"got {type(model).__name__}")
+    return _Plain(model)
 
 
 class RequestQueue(Protocol):

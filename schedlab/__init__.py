@@ -1,7 +1,8 @@
 """schedlab: design LLM batching schedulers; simulate them, run them on a real MLX engine.
 
-The Python API (``schedlab.api``, imported on first use: ``import schedlab`` stays fast and
-never imports mlx; the real-engine functions import it when called)::
+The Python API (the package ``schedlab.api``, imported on first use: ``import schedlab`` stays
+fast and never imports mlx or the command layer; the real-engine functions import mlx when
+called)::
 
     import schedlab
 
@@ -12,15 +13,15 @@ never imports mlx; the real-engine functions import it when called)::
     schedlab.validate("unified", "real-smoke")             # a Validation
     schedlab.sweep(["unified", "static"], "mixed", rates=[0.2, 0.4])   # a DataFrame
 
-The commands (``simulate``, ``run-real``, ``calibrate``, ``validate``, ``plot``, ``sweep``,
-``export-mlx``) are thin wrappers over it. Bad input raises ``SchedlabError`` (a
-``ValueError``) with a one-line message.
+The commands (``schedlab COMMAND``: ``simulate``, ``run-real``, ``serve``, ``calibrate``,
+``validate``, ``plot``, ``sweep``, ``export-mlx``) are thin wrappers over it, one module each in
+``schedlab.commands`` (with ``schedlab.cli``, the command layer: everything else in this package
+is the API, which never imports it). Bad input raises ``SchedlabError`` (a ``ValueError``) with
+a one-line message.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 from .errors import SchedlabError, SchedlabWarning
@@ -36,10 +37,10 @@ del _checkout
 __version__ = "0.1.0"
 
 _API = (
-    "Run", "Profile", "Validation", "CostModel", "Figures",
-    "policy", "bundled_policies", "load_trace", "trace_stats", "cost_model", "load_profile", "model_info",
-    "profile_mismatch", "simulate", "run_real", "calibrate", "validate", "compare", "sweep", "plot_sweep", "plot",
-    "load_run",
+    "Run", "Profile", "Validation", "CostModel", "Figures", "Engine", "ReplicaOptions", "ClientOptions",
+    "EngineOptions", "policy", "bundled_policies", "load_trace", "trace_stats", "cost_model", "load_profile",
+    "model_info", "profile_mismatch", "simulate", "load_engine", "run_real", "calibrate", "validate", "compare",
+    "sweep", "plot_sweep", "plot", "load_run",
 )
 __all__ = ["SchedlabError", "SchedlabWarning", *_API]
 
@@ -56,17 +57,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_API))
-
-
-class _Package(types.ModuleType):
-    """``schedlab.validate`` is the API function even once the ``validate`` command's module
-    (``schedlab/validate.py``) is imported: importing a submodule sets it as the package's
-    attribute, and for the API's names the function is kept."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _API and isinstance(value, types.ModuleType):
-            return  # the module stays reachable as sys.modules["schedlab.validate"]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

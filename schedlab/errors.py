@@ -26,7 +26,7 @@ def one_line(text: str) -> str:
 
 def opt(name: str) -> str:
     """An option's name as the user gave it: ``kv_tokens`` from Python, ``--kv-tokens`` on the
-    command line (``schedlab.common.run_app`` marks a command's context)."""
+    command line (``schedlab.commands._app.run_app`` marks a command's context)."""
     return f"--{name.replace('_', '-')}" if _CLI.get() else name
 
 

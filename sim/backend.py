@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Protocol, Sequence
 
-from schedlab.policies.base import CostModel, Pass, PassShape
+from schedlab.policies.base import CostModel, Pass, PassShape, as_cost_model
 
 from .clock import SimClock
 
@@ -52,31 +52,20 @@ class SimBackend:
     from idle — ``time_scale`` times as long as the cost model says, while the policy still
     plans with the model's estimates (as a real engine's policy does on a machine that has
     sped up or slowed down since its calibration). ``validate``'s speed-matched comparison
-    simulates each real run again at that run's own measured speed this way.
-
-    ``jitter`` (``sim.jitter.StepJitter``): each step's seconds — its passes and the scheduler's
-    own work — multiplied by one draw from that mean-1 distribution (``seed``: the draws'), the
-    step-to-step spread a real engine shows (measured per step, so drawn per step: a step's
-    passes share its draw); the policy still plans with the model's own estimates. None: every
-    step exactly as predicted."""
+    simulates each real run again at that run's own measured speed this way."""
 
     mode = "sim"
 
-    def __init__(self, cost_model: CostModel, time_scale: float = 1.0, jitter=None, seed: int = 0):
+    def __init__(self, cost_model: CostModel, time_scale: float = 1.0):
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
             raise ValueError(f"time_scale must be a positive number, got {time_scale!r}")
         self.cost_model = cost_model
+        self._model = model = as_cost_model(cost_model)
         self.time_scale = f = float(time_scale)
-        self.jitter = jitter
-        self._draw = jitter.sampler(seed) if jitter is not None else None
-        self._step = [f]  # this step's factor: time_scale x its draw (step_overhead draws it)
-        if jitter is not None:
-            step = self._step
-            self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: step[0] * _predict(shape)
-        elif f == 1.0:
-            self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: _predict(shape)
+        if f == 1.0:
+            self.execute = lambda p, shape, state, _predict=model.pass_seconds: _predict(shape)
         else:
-            self.execute = lambda p, shape, state, _predict=cost_model.pass_seconds: f * _predict(shape)
+            self.execute = lambda p, shape, state, _predict=model.pass_seconds: f * _predict(shape)
 
     def make_clock(self) -> SimClock:
         return SimClock()
@@ -85,27 +74,15 @@ class SimBackend:
         pass
 
     def step_overhead(self, predicted_s: float) -> float:
-        if self._draw is not None:  # a new step (or a wake-up): its draw
-            self._step[0] = self.time_scale * self._draw()
-            return self._step[0] * predicted_s
         return predicted_s if self.time_scale == 1.0 else self.time_scale * predicted_s
 
     def repeat_decode(self, shape: PassShape, k: int) -> Iterator[float]:
-        run = getattr(self.cost_model, "decode_run_seconds", None)
-        if run is not None:
-            seconds = run(shape, k)
-        else:
-            rows = len(shape.decode_contexts)
-            seconds = (self.cost_model.pass_seconds(PassShape(tuple(c + j for c in shape.decode_contexts), (), False,
-                                                              rows))
-                       for j in range(1, k + 1))
-        f, draw = self.time_scale, self._draw
-        if draw is not None:  # one step each (their shared overhead keeps the step's draw)
-            return (f * t * draw() for t in seconds)
+        seconds = self._model.decode_run_seconds(shape, k)
+        f = self.time_scale
         return seconds if f == 1.0 else (f * t for t in seconds)
 
     def release(self, r) -> None:
         pass
 
     def finish(self) -> dict[str, Any]:
-        return {"step_jitter": self.jitter.summary()} if self.jitter is not None else {}
+        return {}

@@ -60,7 +60,8 @@ i_after         the steps after that one: 0.5^(k-1) for the k-th step after the 
 The pass terms are charged per pass (``pass_seconds``), the s_ terms per step
 (``step_overhead_seconds``), the i_ terms once per wake of an idle replica (``idle_seconds``:
 the loop calls it only then, so steps that run back to back never pay them) and on the few
-steps after it (``after_wake_seconds``).
+steps after it (``after_wake_seconds``; only when ``i_after`` is not 0: ``has_after_wake``).
+These are ``policies.base.CostModel``'s methods, which both models here implement.
 
 Profiles are JSON written by ``calibrate``; a shipped profile is always measured.
 """
@@ -73,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from schedlab.policies.base import PassShape
+from schedlab.policies.base import CostModel, PassShape, as_cost_model
 
 PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "d_few", "d_kv_long", "c_join0", "c_join", "c_join_row",
                  "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",
@@ -145,8 +146,11 @@ def _unit_models(keys: tuple[str, ...] = PASS_FEATURES) -> dict[str, "LinearCost
 
 
 @dataclass
-class LinearCostModel:
-    """Seconds = sum of coefficient x feature. Implements ``policies.base.CostModel``."""
+class LinearCostModel(CostModel):
+    """Seconds = sum of coefficient x feature: a ``policies.base.CostModel`` with every term,
+    its decode runs a formula (``decode_run_seconds``)."""
+
+    has_run_formula = True
 
     coefficients: dict[str, float]
     meta: dict[str, Any] = field(default_factory=dict)
@@ -166,6 +170,7 @@ class LinearCostModel:
         self._s_row = float(c.get("s_row", 0.0))
         self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES[:3])
         self._after = float(c.get("i_after", 0.0))
+        self.has_after_wake = bool(self._after)
 
     def pass_seconds(self, s: PassShape) -> float:
         (d_pass, d_multi, d_rows, d_kv, d_ctx, d_few, d_kv_long, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
@@ -248,16 +253,18 @@ class LinearCostModel:
         return cls(dict(data["coefficients"]), meta={k: v for k, v in data.items() if k != "coefficients"})
 
 
-class ScaledCostModel:
+class ScaledCostModel(CostModel):
     """Another cost model with every second multiplied by ``factor``: the same machine running
     faster or slower as a whole (``validate``'s drift-adjusted simulation uses the measured
-    speed of the machine during the real runs). Implements ``policies.base.CostModel``."""
+    speed of the machine during the real runs). Its decode runs: ``pass_seconds`` pass by pass
+    (the default)."""
 
     def __init__(self, base: Any, factor: float):
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise ValueError(f"scale factor must be a positive number, got {factor!r}")
-        self.base, self.factor = base, float(factor)
+        self.base, self.factor = as_cost_model(base), float(factor)
         self.meta = getattr(base, "meta", {})
+        self.has_after_wake = self.base.has_after_wake
 
     def pass_seconds(self, s: PassShape) -> float:
         return self.factor * self.base.pass_seconds(s)
@@ -266,15 +273,11 @@ class ScaledCostModel:
         return self.factor * self.base.step_overhead_seconds(n_passes, n_rows)
 
     def idle_seconds(self, idle_s: float) -> tuple[float, float]:
-        idle = getattr(self.base, "idle_seconds", None)
-        if idle is None:
-            return 0.0, 0.0
-        w, extra = idle(idle_s)
+        w, extra = self.base.idle_seconds(idle_s)
         return self.factor * w, self.factor * extra
 
     def after_wake_seconds(self, k: int) -> float:
-        after = getattr(self.base, "after_wake_seconds", None)
-        return 0.0 if after is None else self.factor * after(k)
+        return self.factor * self.base.after_wake_seconds(k)
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:

@@ -11,12 +11,13 @@ is logged beside every step either way, so a real run shows how far the predicti
 When the backend measures (a real run), the loop also keeps what a fit of the cost model needs:
 every pass's ``PassShape`` (``RunResult.shapes``, aligned with ``RunResult.passes``). Every run
 keeps, for each step that followed a wait for an arrival, how long the replica sat idle and how
-late the step started after the arrival that woke it (``RunResult.wakes``). A cost model with
+late the step started after the arrival that woke it (``RunResult.wakes``). The cost model's
 ``idle_seconds(idle_s) -> (wake_s, extra_s)`` is charged for such steps: the replica starts
 ``wake_s`` after the arrival, and the step costs ``extra_s`` more (both 0 where the model has no
-such terms). Neither touches the steps that run back to back. A cost model with
-``after_wake_seconds(k)`` is charged that much more for the k-th step after such a step
-(k >= 1; 0 where the model has no such term): a machine that sat idle runs slower for a while.
+such terms). Neither touches the steps that run back to back. Its ``after_wake_seconds(k)`` is
+charged for the k-th step after such a step (k >= 1), when the model ``has_after_wake``: a
+machine that sat idle runs slower for a while. (``policies.base.CostModel`` declares them; any
+other object with ``pass_seconds`` and ``step_overhead_seconds`` runs as one without such terms.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from schedlab.policies.base import CostModel, Pass, Policy
+from schedlab.policies.base import CostModel, Pass, Policy, as_cost_model
 from schedlab.traces.schema import Request
 
 from .backend import Backend, SimBackend
@@ -231,6 +232,7 @@ def run(
     long traces when nothing wants the per-pass timeline); a real run always keeps it.
     """
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
+    given, cost_model = cost_model, as_cost_model(cost_model)
     backend = backend if backend is not None else SimBackend(cost_model)
     clock = clock if clock is not None else backend.make_clock()
     env = clock.env
@@ -264,7 +266,8 @@ def run(
     predict = cost_model.pass_seconds
     execute = backend.execute
     # A backend whose seconds are this cost model's predictions needs no second prediction.
-    measured = getattr(backend, "cost_model", None) is not cost_model
+    own = getattr(backend, "cost_model", None)
+    measured = own is not cost_model and own is not given
     shapes: list = []
     wakes: dict[int, tuple[float, float]] = {}
     log_passes = record_steps and (record_passes or measured)
@@ -273,10 +276,9 @@ def run(
         def execute(p, shape, state, _run=backend.execute, _keep=shapes.append):
             _keep(shape)
             return _run(p, shape, state)
-    idle_cost = getattr(cost_model, "idle_seconds", None)
-    after_wake = getattr(cost_model, "after_wake_seconds", None)
-    if after_wake is not None and not after_wake(1):
-        after_wake = None  # the model charges nothing after a wake: nothing to count
+    idle_cost = cost_model.idle_seconds
+    # the steps after a wake are counted only for a model that charges them
+    after_wake = cost_model.after_wake_seconds if cost_model.has_after_wake else None
     next_arrival = source.next_arrival_s
     finished = source.finished
     # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
@@ -284,7 +286,7 @@ def run(
     repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None and not measured else None
     # a cost model's own run formula is pure and may be evaluated ahead; any other is asked
     # exactly once per step, as if the steps were planned one by one
-    lookahead = getattr(cost_model, "decode_run_seconds", None) is not None
+    lookahead = cost_model.has_run_formula
 
     def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
         """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
@@ -352,14 +354,13 @@ def run(
                     arrived = env.now  # the arrival's time (the wall clock is a little later)
                     late = clock.now() - arrived
                     wakes[state.step_index] = (arrived - idle_from, late)
-                    if idle_cost is not None:
-                        w, pending = idle_cost(arrived - idle_from)
-                        w = backend.step_overhead(w) if w else 0.0  # 0 on a wall clock
-                        if w:
-                            clock.advance(w)
-                            ev = clock.sync(next_arrival())  # arrivals due meanwhile come first
-                            if ev is not None:
-                                yield ev
+                    w, pending = idle_cost(arrived - idle_from)
+                    w = backend.step_overhead(w) if w else 0.0  # 0 on a wall clock
+                    if w:
+                        clock.advance(w)
+                        ev = clock.sync(next_arrival())  # arrivals due meanwhile come first
+                        if ev is not None:
+                            yield ev
                     continue
                 raise PlanError(
                     f"policy '{policy_name}' step {state.step_index}: planned nothing with "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from itertools import chain, compress
 from operator import attrgetter, not_
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from schedlab.policies.base import CostModel, Pass, PassShape, Phase, Plan
 from schedlab.traces.schema import Request
@@ -46,6 +46,23 @@ def _dupes(ids) -> str:
 _CTX = attrgetter("_ctx")
 _LEFT = attrgetter("_left")
 _NO_TIMES: list[float] = []  # (a request outside any replica never joins a batch)
+
+
+class Checked(NamedTuple):
+    """What ``ReplicaState.shape`` found checking a pass, for ``apply_pass`` to apply it."""
+
+    checked: Pass | None  # the pass (None: nothing checked since the last pass applied)
+    new_blocks: int  # KV blocks it allocates
+    rows: list | None  # its decode rows' states, in its order (None: no decode rows)
+    row_ids: set | None  # their ids (the batch's own set when the rows are exactly the batch)
+    handoff: bool  # a row is handed off from prefilling (its last prompt token is the input)
+    finishing: int  # rows that produce their last token in it
+    joiners: list | tuple  # ids of the rows joining the batch cache
+    leavers: set | tuple  # ids of the batch's rows leaving it
+
+
+_new_checked = tuple.__new__  # Checked without its Python-level __new__: shape() runs once a pass
+_UNCHECKED = Checked(None, 0, None, None, False, 0, (), ())
 
 
 class RequestState:
@@ -296,10 +313,7 @@ class ReplicaState:
         self.kv_capacity = self.kv_blocks * bs  # whole blocks
         self.blocks_used = 0  # blocks held by requests (cached blocks nobody references are free)
         self.prefix = PrefixCache(bs, token_keys) if prefix_caching else None
-        # the last pass shape() checked: (pass, its new blocks, its decode rows, their id set,
-        # whether a row is handed off from prefilling, how many rows finish, the ids of the rows
-        # joining the batch and of those leaving it)
-        self._shaped: tuple = (None, 0, None, None, False, 0, (), ())
+        self._shaped = _UNCHECKED  # the last pass shape() checked, until apply_pass applies it
         # the decode rows of the last pass applied, and their states (while all stay in the batch,
         # the next pass over the same rows needs no checking again: the common decode step)
         self._last_decode: Sequence[str] | None = None
@@ -391,8 +405,7 @@ class ReplicaState:
             self._count(r, len(self._times), 1)
         else:
             r._left = 1
-        p, new, rs, dset, handoff, finishing, joiners, leavers = self._shaped  # (shape counted it as going on)
-        self._shaped = (p, new, rs, dset, handoff, finishing + 1, joiners, leavers)
+        self._shaped = self._shaped._replace(finishing=self._shaped.finishing + 1)  # (shape counted it as going on)
 
     def _blocks_of(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -572,7 +585,7 @@ class ReplicaState:
                 raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
             raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
                              f"{self.kv_blocks} blocks")
-        self._shaped = (p, new, rs, dset, handoff, finishing, joiners, leavers)
+        self._shaped = _new_checked(Checked, (p, new, rs, dset, handoff, finishing, joiners, leavers))
         padded = bool(p.padded and chunks)
         if not decode:
             return PassShape((), tuple(chunks), padded, 0, 0, 0, tuple(done))
@@ -645,10 +658,10 @@ class ReplicaState:
         done: list[RequestState] = []
         decoding = self.decoding
         by_id = self.by_id
-        if self._shaped[0] is not p:
+        if self._shaped.checked is not p:
             self.shape(p)
         _, new, rs, dset, handoff, finishing, joiners, leavers = self._shaped
-        self._shaped = (None, 0, None, None, False, 0, (), ())
+        self._shaped = _UNCHECKED
         self.blocks_used += new
         pc = self.prefix
         if pc is not None and new:

@@ -252,7 +252,7 @@ def _profile_for(info, samples, block=None):
 
 def test_validate_picks_fitted_factors_then_samples_then_priors(micro, tmp_path, monkeypatch):
     from schedlab.engine.calibrate import fit_analytic
-    from schedlab.validate import analytic_cost
+    from schedlab.api._validation import analytic_cost
 
     monkeypatch.setenv("SCHEDLAB_CACHE_DIR", str(tmp_path))
     cost, meta = analytic_cost("cpu-local", micro)
@@ -276,6 +276,7 @@ def test_validate_picks_fitted_factors_then_samples_then_priors(micro, tmp_path,
     assert meta["factors"] == "preset" and cost.hardware.name == "m4-max"
 
 
+@pytest.mark.slow
 def test_calibrate_analytic_from_a_stored_profile(micro, tmp_path):
     truth = analytic_from_config(CPU, micro.config, 32, name="micro", kv_bits=32, efficiency=TRUE)
     src = tmp_path / "src.json"
@@ -296,6 +297,7 @@ def test_calibrate_analytic_from_a_stored_profile(micro, tmp_path):
     assert bad.returncode != 0 and len(lines) == 1 and "not measured on this model" in lines[0]
 
 
+@pytest.mark.slow
 def test_validate_hardware_cpu_local_end_to_end(tmp_path):
     """A seconds-long trace on the micro model: the simulated side and the real runs'
     predictions both come from the analytic model (here with its prior factors)."""

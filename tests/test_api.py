@@ -4,6 +4,7 @@ real traces, the real simulator and (run_real, calibrate, validate) real MLX wit
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import subprocess
 import sys
@@ -78,19 +79,29 @@ def test_import_is_light_and_simulating_never_imports_mlx():
             "figs = run.plot()\n"
             "assert run.requests['status'].eq('finished').all() and figs\n"
             "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, 'the simulator imported the engine'\n"
+            "assert not {'typer', 'click', 'fastapi', 'schedlab.commands'} & set(sys.modules), 'the API imported commands'\n"
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-def test_every_api_name_is_exported_and_validate_stays_the_function():
+def test_every_api_name_is_exported_and_no_module_shadows_one():
     import importlib
+    import pkgutil
+
+    from schedlab import api
+    from schedlab.cli import COMMANDS
 
     for name in schedlab.__all__:
         assert getattr(schedlab, name) is not None, name
-    importlib.import_module("schedlab.validate")  # the command's module: must not shadow the function
-    from schedlab import api
-
+    assert set(schedlab.__all__) == set(api.__all__)
+    for module, entry, _ in COMMANDS.values():  # importing every command's module ...
+        assert callable(getattr(importlib.import_module(module), entry))
+    # ... leaves the API's names as they were: no module of schedlab or schedlab.api is named as
+    # a public function (importing a submodule sets it as its package's attribute)
+    for pkg in (schedlab, api):
+        clash = {m.name for m in pkgutil.iter_modules(pkg.__path__)} & set(schedlab.__all__)
+        assert not clash, clash
     assert schedlab.validate is api.validate and callable(schedlab.validate)
     assert issubclass(schedlab.SchedlabError, ValueError)
 
@@ -108,7 +119,8 @@ SIM_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SIM_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "seed-and-slo" else c
+                                  for c in SIM_CASES])  # seed-and-slo: the Mooncake window, ~40 s
 def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace, tmp_path):
     policy, trace, args, kwargs = SIM_CASES[case]
     trace = str(big_request_trace) if trace == "BIG" else trace
@@ -199,6 +211,29 @@ def _same_run(a: schedlab.Run, b: schedlab.Run) -> None:
     assert a.summary == b.summary
     for name in TABLES:
         pd.testing.assert_frame_equal(getattr(a, name), getattr(b, name), obj=name)
+
+
+def test_option_objects_give_the_run_their_fields_give(profile):
+    replica = schedlab.ReplicaOptions(kv_tokens=4000, block_size=32, prefix_caching=True)
+    clients = schedlab.ClientOptions(max_concurrency=3, think_time=0.5)
+    a = schedlab.simulate("unified", "real-smoke", profile=profile, replica=replica, clients=clients)
+    b = schedlab.simulate("unified", "real-smoke", profile=profile, kv_tokens=4000, block_size=32,
+                          prefix_caching=True, max_concurrency=3, think_time=0.5)
+    assert a.summary == b.summary and a.meta == b.meta and a.kv_tokens == 4000 and a.meta["block_size"] == 32
+    assert a.summary != schedlab.simulate("unified", "real-smoke", profile=profile).summary
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        replica.block_size = 8
+    with pytest.raises(schedlab.SchedlabError, match="either replica= or block_size"):
+        schedlab.simulate("unified", "real-smoke", profile=profile, replica=replica, block_size=8)
+    with pytest.raises(schedlab.SchedlabError, match="think_time is the pause of a closed-loop client"):
+        schedlab.ClientOptions(think_time=1.0)
+    with pytest.raises(schedlab.SchedlabError, match="request_rate must be a number > 0 or inf"):
+        schedlab.ClientOptions(request_rate="fast")
+    assert schedlab.ClientOptions(request_rate="inf").request_rate == float("inf")
+    with pytest.raises(schedlab.SchedlabError, match="block_size must be >= 1"):
+        schedlab.ReplicaOptions(block_size=0)
+    with pytest.raises(schedlab.SchedlabError, match="model_seed must be an integer"):
+        schedlab.EngineOptions(model_seed="x")
 
 
 def test_a_policy_may_be_a_name_a_class_an_object_or_a_file(profile, tmp_path):
@@ -333,8 +368,9 @@ def test_bad_arguments_raise_one_error_type_with_one_line(tmp_path):
         # no traceback noise: nothing chained, no frame below the API's entry point
         assert exc.__cause__ is None and exc.__suppress_context__
         frames = traceback.extract_tb(exc.__traceback__)
-        assert all(Path(f.filename).name in ("test_api.py", "api.py", "python_api.py") for f in frames), frames
-        assert len([f for f in frames if Path(f.filename).name == "api.py"]) == 1, frames
+        boundary = [f for f in frames if Path(f.filename).parent.name == "api"]  # the public function's wrapper
+        assert len(boundary) == 1 and Path(boundary[0].filename).name == "_base.py", frames
+        assert all(Path(f.filename).name in ("test_api.py", "python_api.py") for f in frames if f not in boundary), frames
     # the same checks on the command line name the options as options
     proc = cli("simulate", "-p", "static", "-t", "mixed", "--kv-tokens", "0")
     assert proc.returncode == 2 and proc.stderr.strip() == "simulate: error: --kv-tokens must be >= 1, got 0"
@@ -355,6 +391,7 @@ def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):
 # ---------------------------------------------------------------------------- sweep and plot
 
 
+@pytest.mark.slow
 def test_sweep_equals_the_commands_files(profile, tmp_path):
     from schedlab import traces
     from schedlab.analysis.sweep import ROW_FIELDS
@@ -388,6 +425,7 @@ def test_sweep_equals_the_commands_files(profile, tmp_path):
     assert (tmp_path / "fig" / "latency_vs_load.png").is_file() and len(fig.axes) >= 4
 
 
+@pytest.mark.slow
 def test_plot_gives_the_plot_commands_figures(profile, tmp_path):
     run = schedlab.simulate("prefer-prefill", "real-mixed", profile=profile)
     d = run.save(tmp_path / "run")
@@ -415,6 +453,7 @@ def micro(tmp_path_factory):
     return prof, lines
 
 
+@pytest.mark.slow
 def test_calibrate_returns_the_profile_it_writes(micro, tmp_path):
     from schedlab.sim.cost import FEATURES
 
@@ -441,6 +480,7 @@ def test_calibrate_returns_the_profile_it_writes(micro, tmp_path):
     assert a.summary == schedlab.simulate("static", "real-smoke", profile=prof.path).summary
 
 
+@pytest.mark.slow
 def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
     prof, _ = micro
     trace = schedlab.load_trace("real-smoke", head=6)
@@ -479,6 +519,34 @@ def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
     assert set(back.summary) == set(run.summary) and back.mode == "real"
 
 
+def test_a_loaded_engine_runs_a_trace_and_a_live_source(micro):
+    from schedlab.sim import LiveSource, WallClock
+
+    prof, _ = micro
+    eng = schedlab.load_engine(schedlab.EngineOptions(model="micro"), replica=schedlab.ReplicaOptions(block_size=8),
+                               profile=prof)
+    assert eng.kv_tokens == prof.kv_tokens and eng.cost_model.source == {"profile": str(prof.path)}
+    trace = schedlab.load_trace("real-smoke", head=4)
+    a = eng.run("static", trace)
+    assert a.mode == "real" and a.summary["finished"] == 4 and a.meta["block_size"] == 8 and a.trace == trace.name
+    # the same requests handed in while the replica runs (as serve's HTTP handlers do), on its clock
+    clock = WallClock()
+
+    def ready() -> None:
+        for r in trace.requests:
+            source.submit(r)
+        source.close()
+
+    source = LiveSource(clock, on_ready=ready)
+    b = eng.run("static", source, clock=clock)
+    assert b.summary["finished"] == 4 and b.trace == "live" and [r.id for r in source.received] == \
+        [r.id for r in trace.requests]
+    assert sorted(b.requests["output_tokens"]) == sorted(a.requests["output_tokens"])
+    with pytest.raises(schedlab.SchedlabError, match="clients go with a trace"):
+        eng.run("static", LiveSource(clock), clients=schedlab.ClientOptions(max_concurrency=2))
+
+
+@pytest.mark.slow
 def test_validate_and_compare(micro, tmp_path):
     from schedlab.analysis.validation import METRICS
 
@@ -501,7 +569,7 @@ def test_validate_and_compare(micro, tmp_path):
     assert list(v.errors.index) == v.policies and (v.errors["steps"] > 0).all()
     assert (v.errors["speed_before"] > 0).all() and v.errors["drift_adjusted_median_abs_error_pct"].notna().all()
     # each real run's own speed, read back from its steps, and the simulation made again at it
-    from schedlab.api import run_speed
+    from schedlab.analysis.residuals import run_speed
     from schedlab.sim.features import step_table
 
     for pol in v.policies:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +15,6 @@ from schedlab.sim.cost import FEATURES, LinearCostModel, pass_features, step_fea
 from schedlab.analysis.fit import Sample, fit_profile
 from schedlab.analysis.validation import METRICS, compare, format_table, hold_one_out
 from simkit import command, KNOWN
-
-BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(name, *args, cwd=None):
@@ -199,147 +194,6 @@ def test_hold_one_out_puts_the_simulation_where_a_real_run_stands():
     assert "hold_one_out" not in compare(sim, reals[:1], policy="p", trace="t")
 
 
-def test_hold_one_out_bench_reads_recorded_results(tmp_path):
-    sys.path.insert(0, str(ROOT))
-    from bench.fidelity import spread_test_null_share
-
-    def row(sim_scale):
-        return {"metrics": {m: {"sim": 10.0 * sim_scale, "real": 10.0, "real_runs": [9.0, 10.0, 11.0]}
-                            for m, _, _ in METRICS}}
-    data = {"models": {"tiny": {"traces": {"t": {"a": row(1.0), "b": row(1.5)}},
-                                "overall": {"plain": {"median_of_median_abs_error_pct": 25.0,
-                                                      "median_of_max_abs_error_pct": 50.0}}}}}
-    f = tmp_path / "fidelity_x.json"
-    f.write_text(json.dumps(data))
-    out = tmp_path / "hoo.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(f), "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    h = json.loads(out.read_text())["files"]["fidelity_x.json"]["tiny"]
-    assert h["rows"] == 2 and h["rows_sim_median_within_real"] == 1  # the simulation at the median, not at 1.5x
-    assert h["real_median_pct"] == pytest.approx(hold_one_out(10.0, [9.0, 10.0, 11.0])[1])
-    assert h["goal_median_pct"] == 25.0
-    assert h["pairwise"]["considered"] == 0  # both rows' real runs are the same: no pair differs
-    # simulated-equal pairs over the recordings: a pair of policies the simulation calls equal
-    # whose runs differ beyond their spread, in a recording and in a re-score of it (counted once)
-    eq = {"metrics": {m: dict(r, sim=10.0) for m, r in row(1.0)["metrics"].items()}}
-    eq["metrics"]["makespan_s"]["real_runs"] = [13.0, 13.1, 12.9]
-    eq["metrics"]["makespan_s"]["real"] = 13.0
-    data["models"]["tiny"]["traces"]["t"]["c"] = eq
-    f.write_text(json.dumps(data))
-    again = tmp_path / "fidelity_y.json"
-    again.write_text(json.dumps(dict(data, rescored_from="somewhere")))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(f), str(again), "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    se = json.loads(out.read_text())["simulated_equal"]
-    assert se["recordings"] == ["fidelity_x.json"]
-    assert se["pairs"] == len(METRICS) and se["pass_spread_test"] == 1  # a-c: every metric tied, one passes
-    assert se["null_pass_share"] == pytest.approx(spread_test_null_share(3))
-    bad = tmp_path / "bad.json"
-    for text in ("{}", '{"models": [1]}', "not json"):
-        bad.write_text(text)
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hold_one_out.py"), str(bad), "--out", str(out)],
-                              capture_output=True, text=True, cwd=ROOT)
-        assert proc.returncode != 0 and "not a bench/fidelity.py result" in proc.stderr, text
-        assert "Traceback" not in proc.stderr
-
-
-def test_speed_offset_bench_bins_rows_by_their_runs_speed(tmp_path):
-    """bench/speed_offset.py: each row lands in the bin of its runs' median speed, goals are
-    counted plain, speed-matched and for a real run against its siblings, re-scores are skipped."""
-    def row(speeds, plain, matched, real=None):
-        r = {"median_abs_error_pct": plain[0], "max_abs_error_pct": plain[1],
-             "speed_matched": {"speeds": speeds, "median_abs_error_pct": matched[0], "max_abs_error_pct": matched[1]}}
-        if real:
-            r["hold_one_out"] = {"real_median_pct": real[0], "real_max_pct": real[1]}
-        return r
-    data = {"models": {"tiny": {"traces": {"t": {
-        "a": row([0.99, 1.01, 1.02], (2.0, 10.0), (2.0, 9.0), (3.0, 16.0)),  # median speed 1.01: 0-3 %
-        "b": row([1.04, 1.05, 1.20], (5.0, 15.0), (2.5, 8.0)),               # 1.05: 3-6 % (goals inclusive)
-        "c": row([0.90, 0.91, 0.93], (9.0, 20.0), (3.0, 12.0)),              # 0.91: 6-10 %
-        "d": row([1.3, 1.3, 1.3], (30.0, 40.0), (4.0, 14.0)),                # 1.3: > 10 %
-        "e": {"median_abs_error_pct": 1.0, "max_abs_error_pct": 1.0}}}}}}    # no speeds: not a row
-    f, again, out = tmp_path / "fidelity_x.json", tmp_path / "fidelity_y.json", tmp_path / "so.json"
-    f.write_text(json.dumps(data))
-    again.write_text(json.dumps(dict(data, rescored_from="somewhere")))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speed_offset.py"), str(f), str(again), "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(out.read_text())
-    assert list(got["recordings"]) == ["fidelity_x.json"]  # the re-score's runs are the same runs
-    assert got["recordings"]["fidelity_x.json"]["tiny"] == {"runs": 12, "min": 0.9, "median": pytest.approx(1.03), "max": 1.3}
-    assert got["models"]["tiny"]["median_row_speed"] == pytest.approx(1.03)  # of the rows' 1.01, 1.05, 0.91, 1.3
-    assert got["models"]["tiny"]["rows_runs_within_3pct_of_calibrated_speed"] == 1
-    bins = got["models"]["tiny"]["bins"]
-    assert [b["plain"]["rows"] for b in bins] == [1, 1, 1, 1]
-    assert [b["plain"]["both_within"] for b in bins] == [1, 1, 0, 0]
-    assert [b["speed_matched"]["both_within"] for b in bins] == [1, 1, 1, 1]
-    assert bins[0]["real_run_vs_siblings"] == {"rows": 1, "median_within": 1, "worst_within": 0, "both_within": 0,
-                                               "median_of_median_pct": 3.0, "median_of_worst_pct": 16.0}
-    assert bins[1]["real_run_vs_siblings"] == {"rows": 0}
-    rho = got["all"]["spearman_offset_vs_error"]
-    assert rho["plain_median"] == pytest.approx(1.0) and rho["speed_matched_median"] == pytest.approx(1.0)
-    only_rescore = subprocess.run([sys.executable, str(ROOT / "bench" / "speed_offset.py"), str(again), "--out", str(out)],
-                                  capture_output=True, text=True, cwd=ROOT)
-    assert only_rescore.returncode != 0 and "no fresh recording" in only_rescore.stderr
-    assert "Traceback" not in only_rescore.stderr
-
-
-def test_pairwise_direction_counts_right_wrong_and_tied_pairs():
-    sys.path.insert(0, str(ROOT))
-    from bench.fidelity import pairwise, pairwise_speed_matched, spread_test_null_share
-
-    def row(sim, runs):
-        return {"metrics": {"makespan_s": {"sim": sim, "real": sorted(runs)[1], "real_runs": runs}}}
-    rows = {"a": row(10.0, [10.0, 10.1, 9.9]), "b": row(12.0, [12.0, 12.1, 11.9]),
-            "c": row(10.0, [11.0, 11.1, 10.9]), "d": row(11.0, [10.05, 10.0, 10.1]),
-            "e": row(12.0, [12.0, 12.05, 11.95]),
-            # one real run (a recording cut off): no spread to judge a difference by, never considered
-            "f": {"metrics": {"makespan_s": {"sim": 30.0, "real": 5.0}}}}
-    pw = pairwise({"t": rows})
-    # a-d and b-e differ by less than their runs' spread: not considered; a-b, b-c, b-d, a-e,
-    # c-e, d-e ordered right; a-c simulated as equal (tied: not right); c-d ordered the wrong way;
-    # b-e simulated as equal too, but not considered
-    assert pw["makespan_s"] == {"right": 6, "considered": 8, "share": 6 / 8, "tied": 1, "simulated_equal": 2}
-    assert pw["all"]["right"] == 6 and pw["all"]["tied"] == 1 and pw["all"]["runs"] == 3
-    assert pw["all"]["null_pass_share"] == spread_test_null_share(3)
-    # at the runs' own speeds: each simulation moved onto its real median orders every considered
-    # pair right, except a-c, whose simulated schedules were the same (still tied, not right)
-    for r in rows.values():
-        r["speed_matched"] = {"error_pct": {"makespan_s": 0.0}}
-    sm = pairwise_speed_matched({"t": rows})["makespan_s"]
-    assert (sm["right"], sm["considered"], sm["tied"]) == (7, 8, 1)
-    # d simulated 20 % slow at its speed: now above b, c and e, whose real runs are above its own
-    rows["d"]["speed_matched"]["error_pct"]["makespan_s"] = 20.0
-    sm = pairwise_speed_matched({"t": rows})["makespan_s"]
-    assert (sm["right"], sm["considered"], sm["tied"]) == (4, 8, 1)
-    del rows["d"]["speed_matched"]  # no speed-matched simulation: d's pairs are not judged
-    assert pairwise_speed_matched({"t": rows})["makespan_s"]["considered"] == 5
-
-
-def test_the_spread_tests_null_share_is_the_share_pairwise_passes_for_identical_runs():
-    """``spread_test_null_share`` (vectorised) and ``pairwise`` (row by row) are the same test:
-    on pairs of policies whose runs come from one distribution, pairwise counts as different
-    the share the former says, within the binomial error; more runs pass fewer such pairs."""
-    import numpy as np
-
-    sys.path.insert(0, str(ROOT))
-    from bench.fidelity import pairwise, spread_test_null_share
-
-    rng = np.random.default_rng(7)
-    pairs = 4000
-    by_trace = {}
-    for i in range(pairs):
-        runs = [list(rng.lognormal(0.0, 0.1, 3)) for _ in range(2)]
-        by_trace[i] = {p: {"metrics": {"makespan_s": {"sim": 1.0 + k, "real": float(np.median(r)), "real_runs": r}}}
-                       for k, (p, r) in enumerate(zip("ab", runs))}
-    got = pairwise(by_trace)["makespan_s"]["considered"] / pairs
-    want = spread_test_null_share(3)
-    assert abs(got - want) < 4 * (want * (1 - want) / pairs) ** 0.5
-    assert 0.0 < spread_test_null_share(5) < want < spread_test_null_share(2)
-
-
 # ---------------------------------------------------------------------------- real runs
 
 
@@ -352,6 +206,7 @@ def micro_profile(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path):
     prof = json.loads(micro_profile.read_text())
     assert prof["schema"] == "schedlab-profile/1" and prof["model"] == "micro" and prof["dtype"] == "float32"
@@ -371,6 +226,7 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_profile_mismatch_names_the_difference(micro_profile, monkeypatch):
     from schedlab import engine  # noqa: F401
     from schedlab.engine.calibrate import profile_mismatch
@@ -395,6 +251,7 @@ def test_profile_mismatch_names_the_difference(micro_profile, monkeypatch):
     assert profile_mismatch(kept, info) is None and "allocator settings" in profile_mismatch(meta, info)
 
 
+@pytest.mark.slow
 def test_validate_end_to_end(micro_profile, tmp_path):
     out = tmp_path / "val"
     proc = cli("validate", "--policy", "prefer-prefill", "--trace", "real-smoke", "--model", "micro",
@@ -441,6 +298,7 @@ def test_validate_end_to_end(micro_profile, tmp_path):
     assert any(p.name.startswith("validate_") and p.suffix == ".png" for p in figs.iterdir())
 
 
+@pytest.mark.slow
 def test_validate_bad_inputs(micro_profile, tmp_path):
     for args, frag in (
         (["--policy", "nope", "--trace", "real-smoke"], "unknown policy"),
@@ -529,6 +387,7 @@ def test_the_grids_steady_decode_sample_skips_the_passes_right_after_the_batch_f
     assert decode_warm({"calibration": {"grid": "quick"}}) == 0 and decode_warm({}) == 0
 
 
+@pytest.mark.slow
 def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path):
     """``speed_probe="replay"``: the machine's speed before and after the real runs is the
     default calibration's own replay trace run again in the real loop (drawn again from the
@@ -541,7 +400,7 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
                                   write_profile)
     from schedlab.engine.models import load_model
     from schedlab.policies import make_policy
-    from schedlab.api import validate_many
+    from schedlab.api._validation import validate_many
     from schedlab.analysis.validation import speed_line
 
     info = load_model("micro")
@@ -582,125 +441,3 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     with pytest.raises(ValueError, match="speed_probe"):
         validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
                       {"kind": "linear", "profile": str(path)}, said.append, speed_probe="wall")
-    # probed before every round too: each real run simulated at the speed between its probes
-    said.clear()
-    out = validate_many({"unified": make_policy("unified"), "slots": make_policy("slots")}, tr, info, cost, 10**6,
-                        {}, 2, 5, {"kind": "linear", "profile": str(path)}, said.append, speed_probe="replay",
-                        probe_each_round=True)
-    ms = out["unified"][0]["machine_speed"]
-    probes = ms["probes"]
-    assert len(probes) == 3 and probes[0] == ms["before"] and probes[-1] == ms["after"]
-    assert all(p["kind"] == "replay" for p in probes)
-    assert probes[0]["at_s"] < probes[1]["at_s"] < probes[2]["at_s"]
-    assert sum("before round 2/2" in m for m in said) == 1
-    for name in ("unified", "slots"):
-        adj = out[name][0]["drift_adjusted"]
-        assert adj["kind"] == "probed each round" and len(adj["speeds"]) == 2
-        # run k lies between probe k and probe k + 1: its speed between theirs
-        for k, f in enumerate(adj["speeds"]):
-            lo, hi = sorted((probes[k]["ratio"], probes[k + 1]["ratio"]))
-            assert lo - 1e-4 <= f <= hi + 1e-4
-        assert adj["speed_factor"] == pytest.approx(sum(adj["speeds"]) / 2, rel=1e-3)
-        assert adj["step_error_pct"]["n"] == sum(len(r._result.steps) for r in out[name][2])
-        # beside it, the same made at the two ends' mean only
-        assert adj["ends_only"]["speed_factor"] == pytest.approx((probes[0]["ratio"] + probes[-1]["ratio"]) / 2)
-        assert adj["ends_only"]["median_abs_error_pct"] >= 0
-    assert "between the rounds at" in speed_line(ms)
-
-
-def test_probe_speeds_interpolate_in_time_between_the_probes_around_each_run():
-    from schedlab.api import probe_speeds
-
-    probes = [{"at_s": 0.0, "ratio": 1.0}, None, {"at_s": 10.0, "ratio": 2.0}, {"at_s": 20.0, "ratio": 1.0},
-              {"at_s": 30.0, "ratio": None}]
-    assert probe_speeds(probes, [5.0, 15.0, 10.0, -3.0, 25.0]) == pytest.approx([1.5, 1.5, 2.0, 1.0, 1.0])
-    assert probe_speeds(probes[:2], [1.0]) is None  # one timed probe: nothing to interpolate
-
-
-def test_fidelity_bench_records_with_probes_each_round_and_a_rescore_reproduces_it(tmp_path):
-    """bench/fidelity.py end to end on the micro model (a real default calibration, real runs,
-    the speed probed before every round): its JSON holds the per-round drift-adjusted comparison
-    with the ends-only one beside it; ``--rescore`` of its kept runs (no real run) makes the
-    same comparisons again — plain, drift-adjusted both ways, speed-matched — and a kept
-    directory without the model is one clear line."""
-    bench = [sys.executable, str(ROOT / "bench" / "fidelity.py"), "--models", "micro", "--policies", "unified,slots"]
-    kept, first, again = tmp_path / "kept", tmp_path / "first.json", tmp_path / "again.json"
-    proc = subprocess.run(bench + ["--repeat", "2", "--speed-probe", "passes", "--probe-each-round", "--keep", str(kept),
-                                   "--out", str(first)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(first.read_text())
-    assert rec["probe_each_round"] is True
-    proc = subprocess.run(bench + ["--rescore", str(kept), "--out", str(again)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    re = json.loads(again.read_text())
-    for pname in ("unified", "slots"):
-        a = rec["models"]["micro"]["traces"]["real-smoke"][pname]
-        b = re["models"]["micro"]["traces"]["real-smoke"][pname]
-        assert len(a["machine_speed"]["probes"]) == 3
-        assert a["drift_adjusted"]["kind"] == "probed each round" and len(a["drift_adjusted"]["speeds"]) == 2
-        for key in ("median_abs_error_pct", "max_abs_error_pct"):
-            assert b[key] == pytest.approx(a[key])
-            assert b["speed_matched"][key] == pytest.approx(a["speed_matched"][key])
-            assert b["drift_adjusted"][key] == pytest.approx(a["drift_adjusted"][key])
-            assert b["drift_adjusted"]["ends_only"][key] == pytest.approx(a["drift_adjusted"]["ends_only"][key])
-        assert b["drift_adjusted"]["step_error_pct"]["total_pct"] == pytest.approx(
-            a["drift_adjusted"]["step_error_pct"]["total_pct"])
-    assert re["models"]["micro"]["overall"]["drift_adjusted_ends_only"]["rows"] == 2
-    # --profile: the kept runs scored against another profile, steps included: the kept one with
-    # every coefficient doubled halves the step bias and leaves the speed-matched errors as they were
-    prof = json.loads((kept / "micro" / "profile.json").read_text())
-    doubled = tmp_path / "doubled.json"
-    doubled.write_text(json.dumps(dict(prof, coefficients={k: 2 * v for k, v in prof["coefficients"].items()})))
-    proc = subprocess.run(bench + ["--rescore", str(kept), "--profile", str(doubled), "--out", str(again)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    two = json.loads(again.read_text())
-    assert two["profile"] == str(doubled)
-    for pname in ("unified", "slots"):
-        a = rec["models"]["micro"]["traces"]["real-smoke"][pname]
-        b = two["models"]["micro"]["traces"]["real-smoke"][pname]
-        assert b["step_bias"]["median"] == pytest.approx(a["step_bias"]["median"] / 2, rel=0.02)
-        assert b["step_error_pct"]["total_pct"] == pytest.approx(100 + 2 * a["step_error_pct"]["total_pct"], rel=0.02)
-        assert b["speed_matched"]["median_abs_error_pct"] == pytest.approx(a["speed_matched"]["median_abs_error_pct"],
-                                                                            abs=1.0)
-    proc = subprocess.run(bench + ["--rescore", str(kept), "--profile", str(doubled), "--refit", "--out", str(again)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode != 0 and "no --refit" in proc.stderr and "Traceback" not in proc.stderr
-    for args, frag in ((["--force", "i_after"], "goes with --rescore DIR --refit"),
-                       (["--refit", "--force", "d_pass"], "not a candidate term: d_pass")):
-        proc = subprocess.run(bench + ["--rescore", str(kept), *args, "--out", str(again)],
-                              capture_output=True, text=True, cwd=ROOT)
-        assert proc.returncode != 0 and frag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    # --force: the refit keeps the term whatever the replay's score says (micro's wakes: fitted, >= 0)
-    proc = subprocess.run(bench + ["--rescore", str(kept), "--refit", "--force", "i_after", "--out", str(again)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    forced = json.loads(again.read_text())
-    assert forced["force"] == ["i_after"] and "i_after" in forced["models"]["micro"]["calibration"]["chosen"]["terms"]
-    # a recording cut off inside the trace: slots' second run and its validation.json never came
-    slots = kept / "micro" / "real-smoke" / "slots"
-    (slots / "validation.json").unlink()
-    shutil.rmtree(slots / "real-2")
-    proc = subprocess.run(bench + ["--rescore", str(kept), "--out", str(again)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cut = json.loads(again.read_text())["models"]["micro"]
-    s1, u1 = cut["traces"]["real-smoke"]["slots"], cut["traces"]["real-smoke"]["unified"]
-    assert s1["partial_runs"] == 1 and s1["real_spread_pct_median"] is None and s1["drift_adjusted"] is None
-    assert s1["step_bias"]["steps"] > 0 and s1["speed_matched"] is not None
-    for m, r in s1["metrics"].items():  # measured: the one run that finished, as it was recorded
-        if r["real"] is not None:
-            assert r["real"] == pytest.approx(rec["models"]["micro"]["traces"]["real-smoke"]["slots"]["metrics"][m]
-                                              ["real_runs"][0]), m
-    assert u1["median_abs_error_pct"] == pytest.approx(
-        re["models"]["micro"]["traces"]["real-smoke"]["unified"]["median_abs_error_pct"])
-    assert all(v["considered"] == 0 for v in cut["pairwise"].values())  # every pair has slots' one run
-    shutil.rmtree(slots / "real")
-    proc = subprocess.run(bench + ["--rescore", str(kept), "--out", str(again)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert proc.returncode != 0 and "no finished real run" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run(bench[:2] + ["--models", "tiny", "--rescore", str(kept), "--out", str(again)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode != 0 and "not kept" in proc.stderr and "Traceback" not in proc.stderr

@@ -110,6 +110,7 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
         "simulate: error: --passes writes passes.parquet into the --out directory: give --out DIR too"]
 
 
+@pytest.mark.slow
 def test_same_seed_byte_identical_other_seed_differs(tmp_path, profile):
     def go(seed: int, name: str) -> Path:
         out = tmp_path / name
@@ -124,6 +125,7 @@ def test_same_seed_byte_identical_other_seed_differs(tmp_path, profile):
     assert (a / "requests.csv").read_bytes() != (c / "requests.csv").read_bytes()
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_one_line_errors(tmp_path, profile):
     prof = ["--profile", str(profile)]
     bad_json = tmp_path / "bad.json"

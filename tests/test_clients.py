@@ -19,7 +19,7 @@ from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.sim import ClientSource, WallClock, run, summarize
 from schedlab.sim.sources import clients
-from simkit import command, KNOWN, read_table
+from simkit import command, read_table
 from test_loop import FixedBackend, cost
 from schedlab.traces.schema import Request
 

@@ -308,6 +308,7 @@ def test_spec_parsing_and_options():
 # python -m schedlab.traces.build --sonnet-tokenizer
 
 
+@pytest.mark.slow
 def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
     from schedlab.traces import build as tbuild
 

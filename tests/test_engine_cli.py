@@ -28,6 +28,7 @@ def assert_one_line_error(proc, *fragments):
         assert frag in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_run_real_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = cli("--policy", "prefer-prefill", "--trace", "real-smoke", "--model", "micro", "--out", str(out),
@@ -61,6 +62,7 @@ def test_run_real_end_to_end(tmp_path):
         assert float(r["first_token_s"]) > float(r["arrival_s"]) and float(r["finish_s"]) >= float(r["first_token_s"])
 
 
+@pytest.mark.slow
 def test_profile_predictions_and_blas_mismatch_warning(tmp_path):
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({
@@ -113,6 +115,7 @@ def test_bad_input_is_one_line(bad_models, args, fragments):
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS uses Accelerate")
+@pytest.mark.slow
 def test_missing_fast_blas_is_told_once(tmp_path):
     import os
 

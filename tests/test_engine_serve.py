@@ -97,6 +97,7 @@ def test_vllm_without_pressure_equals_its_references_too(micro, references):
     ("static", {"batch_size": "3"}),
     ("slots", {"n_slots": "2"}),
 ])
+@pytest.mark.slow
 def test_prefix_caching_copies_cached_kv_and_tokens_stay_exact(micro, shared_references, name, options):
     reqs = shared_trace()
     off, b_off = run_real(micro, make_policy(name, options), reqs, block_size=16)
@@ -151,6 +152,7 @@ def test_closed_loop_clients_on_the_real_engine(micro, references):
     assert_exact(backend, references, trace())
 
 
+@pytest.mark.slow
 def test_run_real_cli_with_prefix_caching_lowers_ttft(tmp_path):
     """run-real on a shared-prefix trace: prefix caching lowers TTFT, every token checked by the
     engine; the summary reports the hit rate."""

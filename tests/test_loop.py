@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from schedlab.policies import make_policy
 from schedlab.sim import SimClock, run
 from schedlab.sim.cost import LinearCostModel
@@ -178,7 +180,7 @@ def test_repeated_decode_steps_in_bulk_equal_planning_every_step():
 
 
 def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
-    from schedlab.policies.base import PassShape
+    from schedlab.policies.base import CostModel, PassShape
     from schedlab.sim.profiles import resolve_profile
 
     from schedlab.sim.cost import KV_KNEE
@@ -191,14 +193,30 @@ def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
             shape = PassShape(ctx, (), False, len(ctx), 0, 0)
             want = [cm.pass_seconds(PassShape(tuple(c + j for c in ctx), (), False, len(ctx))) for j in range(1, 40)]
             assert list(cm.decode_run_seconds(shape, 39)) == want
+            # the base class's default (pass by pass) gives the same seconds
+            assert list(CostModel.decode_run_seconds(cm, shape, 39)) == want
 
 
-def test_a_real_backends_warm_up_is_not_part_of_the_run():
+def test_a_real_backends_warm_up_is_not_part_of_the_run(monkeypatch):
     """A wall-clock run starts its clock after the backend's start() (the engine's warm-up):
-    a request arriving at 0 is served at once, not after the warm-up's seconds."""
-    import time
+    a request arriving at 0 is served at once, not after the warm-up's seconds. The wall is a
+    fake one that moves only when the backend works (and SimPy's real-time sleep), so the
+    figures are exact on any machine, however loaded."""
+    from types import SimpleNamespace
+
+    import simpy.rt
 
     from schedlab.sim import WallClock
+    from schedlab.sim import clock as clock_module
+
+    wall = [1000.0]
+
+    def sleep(seconds):
+        wall[0] += max(seconds, 0.0)
+
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(monotonic=lambda: wall[0]))
+    monkeypatch.setattr(simpy.rt, "monotonic", lambda: wall[0])
+    monkeypatch.setattr(simpy.rt, "sleep", sleep)
 
     class WarmBackend(FixedBackend):
         mode = "real"
@@ -207,20 +225,22 @@ def test_a_real_backends_warm_up_is_not_part_of_the_run():
             return WallClock()
 
         def start(self, state, requests):
-            time.sleep(0.4)  # a warm-up
+            sleep(0.5)  # a warm-up
 
         def execute(self, p, shape, state):
-            t = time.perf_counter()
-            time.sleep(0.01)
-            return time.perf_counter() - t
+            sleep(PREFILL_S if p.prefill else DECODE_S)
+            return PREFILL_S if p.prefill else DECODE_S
 
     res = run([Request("A", 0.0, 4, 2)], make_policy("unified"), cost(), kv_capacity=100, backend=WarmBackend())
-    assert res.steps[0].start_s < 0.2 and res.requests[0].first_token_s < 0.3, list(res.steps)
+    assert [(s.start_s, s.end_s) for s in res.steps] == [(0.0, PREFILL_S), (PREFILL_S, PREFILL_S + DECODE_S)]
+    assert res.requests[0].first_token_s == PREFILL_S
 
 
 def test_a_cost_model_without_a_run_formula_is_asked_once_per_pass_in_bulk_runs():
     """Bulk repeats may evaluate a cost model's own decode_run_seconds ahead (a pure formula);
-    any other cost model is asked exactly once per pass run, as when planning every step."""
+    any other cost model (a CostModel with the default, or any object with the two methods) is
+    asked exactly once per pass run, as when planning every step."""
+    from schedlab.policies import CostModel
     from simkit import cost_model
 
     class Recording:
@@ -234,10 +254,95 @@ def test_a_cost_model_without_a_run_formula_is_asked_once_per_pass_in_bulk_runs(
         def step_overhead_seconds(self, n_passes, n_rows):
             return self.inner.step_overhead_seconds(n_passes, n_rows)
 
+    class RecordingModel(Recording, CostModel):
+        pass
+
     tr = traces.load("mixed.json").requests
     for name in ("mlx-default", "static", "vllm"):
-        rec = Recording(cost_model())
-        res = run(tr, make_policy(name), rec, kv_capacity=200_000)
-        assert len(rec.shapes) == len(res.passes), name
         plain = run(tr, make_policy(name), cost_model(), kv_capacity=200_000)
-        assert [r.token_times for r in res.requests] == [r.token_times for r in plain.requests], name
+        for kind in (Recording, RecordingModel):
+            rec = kind(cost_model())
+            res = run(tr, make_policy(name), rec, kv_capacity=200_000)
+            assert len(rec.shapes) == len(res.passes), (name, kind)
+            assert [r.token_times for r in res.requests] == [r.token_times for r in plain.requests], (name, kind)
+
+
+def test_the_loop_charges_the_terms_a_cost_model_declares_and_a_plain_object_has_none():
+    """The loop calls a CostModel's idle_seconds on every wake and its after_wake_seconds on the
+    steps after one when it has_after_wake; an object with only pass_seconds and
+    step_overhead_seconds runs as a model without such terms (and a policy still reads its own
+    attributes through the view)."""
+    from schedlab.policies import CostModel, as_cost_model
+
+    reqs = [Request("A", 0.0, 10, 3), Request("B", 10.0, 4, 3)]
+    base = cost()
+
+    class Plain:
+        meta = {"kv_tokens": 7}
+
+        def pass_seconds(self, shape):
+            return base.pass_seconds(shape)
+
+        def step_overhead_seconds(self, n_passes, n_rows):
+            return base.step_overhead_seconds(n_passes, n_rows)
+
+    class Terms(Plain, CostModel):
+        def __init__(self, after: bool):
+            self.has_after_wake = after
+
+        def idle_seconds(self, idle_s):
+            return 0.25, 0.5
+
+        def after_wake_seconds(self, k):
+            return 0.125 if k == 1 else 0.0
+
+    seen = []
+
+    class Reading:
+        name = "reading"
+
+        def __init__(self):
+            self.inner = make_policy("unified")
+
+        def plan(self, view):
+            seen.append(view.cost_model.meta["kv_tokens"])
+            return self.inner.plan(view)
+
+    plain = run(reqs, Reading(), Plain(), kv_capacity=1000)
+    assert seen and set(seen) == {7}
+    same = run(reqs, make_policy("unified"), base, kv_capacity=1000)
+    assert [(s.start_s, s.end_s) for s in plain.steps] == [(s.start_s, s.end_s) for s in same.steps]
+    with_after, without = (run(reqs, make_policy("unified"), Terms(a), kv_capacity=1000) for a in (True, False))
+    woke = [i for i, s in enumerate(plain.steps) if s.index in plain.wakes and s.start_s > 0]
+    assert len(woke) == 1
+    w = woke[0]
+    for res, after in ((with_after, 0.125), (without, 0.0)):
+        took = [s.end_s - s.start_s for s in res.steps]
+        plain_took = [s.end_s - s.start_s for s in plain.steps]
+        assert res.steps[w].start_s == 10.25  # the wake's own seconds come before its step
+        assert took[w] == pytest.approx(plain_took[w] + 0.5)  # and its step pays the extra
+        assert took[w + 1] == pytest.approx(plain_took[w + 1] + after)
+        assert took[w + 2:] == pytest.approx(plain_took[w + 2:]) and took[:w] == plain_took[:w]
+    with pytest.raises(TypeError, match="pass_seconds"):
+        as_cost_model(object())
+
+
+def test_a_profile_with_an_old_step_jitter_entry_simulates_as_without_it(tmp_path):
+    """Calibrations once stored the steps' spread (``step_jitter``) in the profile; the
+    simulator never used it, and such a profile still loads: its entry is ignored."""
+    import json
+
+    from schedlab.sim.profiles import resolve_profile
+
+    data = json.loads(resolve_profile(None).read_text())
+    assert "step_jitter" not in data
+    plain, old = tmp_path / "plain.json", tmp_path / "old.json"
+    plain.write_text(json.dumps(data))
+    old.write_text(json.dumps({**data, "step_jitter": {"quantiles": [0.5, 1.0, 1.5], "steps": 300}}))
+    a, b = LinearCostModel.from_profile(plain), LinearCostModel.from_profile(old)
+    assert a.coefficients == b.coefficients
+    tr = traces.load("real-smoke").requests
+    ra, rb = (run(tr, make_policy("unified"), m, kv_capacity=a.meta["kv_tokens"]) for m in (a, b))
+    assert list(ra.steps) == list(rb.steps) and len(ra.steps) > 10
+    assert [r.token_times for r in ra.requests] == [r.token_times for r in rb.requests]
+    assert ra.meta == rb.meta == {}  # nothing of it reaches the run's metadata

@@ -51,6 +51,7 @@ def test_committed_without_outputs(name):
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.slow
 def test_runs_top_to_bottom(name, tmp_path):
     nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
     # first, a probe cell: the kernel must be this interpreter (same venv, same packages)

@@ -347,11 +347,12 @@ def test_validation_dir_needs_measured_steps(validation_dir, tmp_path):
 
 
 def cli(*args, cwd=None):
-    code = "import sys; from schedlab.viz import plot_main; sys.argv[0] = 'plot'; plot_main()"
+    code = "import sys; from schedlab.commands.plot import main; sys.argv[0] = 'plot'; main()"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_writes_every_figure_in_both_formats(runs, validation_dir, tmp_path):
     out = tmp_path / "figs"
     base = validation_dir[0]
@@ -373,6 +374,7 @@ def test_cli_writes_every_figure_in_both_formats(runs, validation_dir, tmp_path)
             assert root.tag.endswith("svg")
 
 
+@pytest.mark.slow
 def test_cli_default_out_is_run_dir_plots_and_format_option(runs):
     path = runs["pp"][0]
     p = cli(path, "--format", "svg", "-q")
@@ -441,7 +443,7 @@ def cli_in_process(*args):
     import contextlib
     import io
 
-    from schedlab.viz import plot_main
+    from schedlab.commands.plot import main as plot_main
 
     err = io.StringIO()
     argv = sys.argv

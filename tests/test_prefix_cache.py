@@ -150,6 +150,7 @@ def test_every_policy_runs_with_prefix_caching_and_shared_prefixes_lower_ttft(po
     assert sum(st.prefill_tokens for st in on.steps) == sum(st.prefill_tokens for st in off.steps) - pc["saved_prefill_tokens"]
 
 
+@pytest.mark.slow
 def test_mooncake_window_hit_rate_grows_with_capacity_up_to_the_trace_bound():
     """Hit rates on the bundled Mooncake window: a replay one request at a time (the paper's
     Figure 9 method: the request sequence only) reaches the infinite-cache bound computed from

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,8 @@ from schedlab.sim import run
 from schedlab.sim.sources import ClientSource
 from simkit import cost_model
 from schedlab.traces.schema import Request
+
+pytestmark = pytest.mark.slow  # hypothesis draws hundreds of runs: ~2 minutes
 
 POLICY_OPTIONS = {
     "mlx-default": {"completion_batch_size": st.integers(1, 6), "prefill_batch_size": st.integers(1, 4),

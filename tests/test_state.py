@@ -155,7 +155,7 @@ def test_finishing_and_new_block_counts_equal_a_count_over_the_rows():
         p = Pass(decode=tuple(rows), prefill=tuple(chunks))
         st.apply_admin(Plan(), b.t)
         shape = st.shape(p)
-        new, finishing = st._shaped[1], st._shaped[5]
+        new, finishing = st._shaped.new_blocks, st._shaped.finishing
         ctxs = [st.by_id[x].context for x in rows]
         assert finishing == sum(st.by_id[x].tokens_left == 1 for x in rows)
         want = sum(c % 4 == 1 for c in ctxs)

@@ -131,7 +131,7 @@ def test_table_has_a_line_per_row():
 
 def sweep_cmd(*args):
     return [sys.executable, "-c",
-            "import sys; from schedlab.viz import sweep_main; sys.argv[0] = 'sweep'; sweep_main()", *map(str, args)]
+            "import sys; from schedlab.commands.sweep import main; sys.argv[0] = 'sweep'; main()", *map(str, args)]
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +141,7 @@ def profile(tmp_path_factory):
     return p
 
 
+@pytest.mark.slow
 def test_cli_prints_table_writes_csv_json_and_figures(tmp_path, profile, cost):
     trace = write_trace(tmp_path / "t.json", small_trace())
     out = tmp_path / "out"

@@ -21,7 +21,8 @@ from schedlab.traces.loaders import DATA_DIR, MOONCAKE_TICK_S, jitter_ticks, par
 from schedlab.traces.transforms import head, mean_rate, scale_lengths, scale_rate, thin, to_rate, window
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = tbuild.DEFAULT_SOURCE
+#: the source traces, where traces/build.py looks by default: shared/traces beside the clone (CI has it)
+SOURCE = ROOT.parent / "shared" / "traces"
 CONV_CSV = DATA_DIR / "azure2023_conv.csv"
 CODE_CSV = DATA_DIR / "azure2023_code.csv"
 MC_WINDOW = DATA_DIR / "mooncake_conv_10min.jsonl"
@@ -35,6 +36,15 @@ def conv() -> Trace:
 @pytest.fixture(scope="module")
 def mc_lines() -> list[dict]:
     return [json.loads(line) for line in MC_WINDOW.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def source() -> Path:
+    """The source traces: a test that needs them fails without them (it does not skip)."""
+    if not SOURCE.is_dir():
+        pytest.fail(f"source traces not found: {SOURCE} (the shared/traces folder beside the clone, where "
+                    "traces/build.py looks by default); the tests that rebuild traces/data need them", pytrace=False)
+    return SOURCE
 
 
 def _sorted_from_zero(tr: Trace) -> None:
@@ -209,9 +219,8 @@ def test_mooncake_jitter_off_keeps_stamps(tmp_path):
     assert [r.arrival_s for r in jit.requests] != [r.arrival_s for r in tr.requests]
 
 
-@pytest.mark.skipif(not (SOURCE / "mooncake_fast25").is_dir(), reason="source traces not on this machine")
-def test_mooncake_synthetic_poisson_stamps_kept():
-    path = SOURCE / "mooncake_fast25" / "mooncake_fast25_synthetic.jsonl"
+def test_mooncake_synthetic_poisson_stamps_kept(source):
+    path = source / "mooncake_fast25" / "mooncake_fast25_synthetic.jsonl"
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     tr = traces.load(str(path), seed=5)
     assert "as stamped" in tr.description
@@ -490,10 +499,11 @@ def _run_build(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(not SOURCE.is_dir(), reason="source traces not on this machine")
-def test_build_regenerates_every_bundled_file_byte_identical(tmp_path):
+@pytest.mark.slow
+def test_build_regenerates_every_bundled_file_byte_identical(source, tmp_path):
+    """From its default source (no --source: the checkout's shared/traces beside it), byte for byte."""
     out = tmp_path / "data"
-    res = _run_build("--out", str(out), "--source", str(SOURCE))
+    res = _run_build("--out", str(out))
     assert res.returncode == 0, res.stderr
     built = sorted(p.name for p in out.iterdir())
     shipped = sorted(p.name for p in DATA_DIR.iterdir() if p.is_file())
@@ -502,6 +512,7 @@ def test_build_regenerates_every_bundled_file_byte_identical(tmp_path):
         assert (out / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_build_synthetic_only_matches_and_mixed_rate_override(tmp_path):
     same = tmp_path / "same"
     assert tbuild.main(["--out", str(same), "--synthetic-only"]) == 0

@@ -143,6 +143,7 @@ def test_repeat_is_exactly_how_long_the_blocks_last():
 
 
 @pytest.mark.parametrize("block_size,prefix", [(1, False), (16, False), (16, True), (7, True)])
+@pytest.mark.slow
 def test_bulk_repeats_equal_planning_every_step_under_kv_pressure(block_size, prefix):
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("mooncake_conv_10min").requests[:120]
@@ -192,6 +193,7 @@ def test_kv_pressure_on_the_azure_hour_head_finishes_everything(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["preempted_requests"] == s["preempted_requests"]
 
 
+@pytest.mark.slow
 def test_acceptance_simulate_vllm_on_the_azure_hour_with_a_small_kv(tmp_path):
     """simulate --policy vllm --trace azure2023_conv --kv-tokens N finishes every request and
     reports preemptions."""

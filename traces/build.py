@@ -1,17 +1,17 @@
 """Regenerate every bundled file in traces/data, byte-identically.
 
-    python -m schedlab.traces.build                      # rewrite traces/data from /work/shared/traces
+    python -m schedlab.traces.build                      # rewrite traces/data from the source traces
     python -m schedlab.traces.build --out /tmp/x         # write elsewhere (tests compare with traces/data)
     python -m schedlab.traces.build --mixed-rate 2.5     # mixed.json at another rate
     python -m schedlab.traces.build --check              # exit 1 when traces/data is out of date
     python -m schedlab.traces.build --synthetic-only     # only the generated traces (no source needed)
 
-Sources (``--source``, default /work/shared/traces): azure2023/azure2023_{conv,code}.csv and
-mooncake_fast25/mooncake_fast25_conversation.jsonl with their license files. The Azure hours
-and licenses are copied verbatim; the Mooncake window is the source's lines, verbatim, whose
-timestamp falls in MOONCAKE_WINDOW_MS; the synthetic traces come from :mod:`traces.generate`
-(mixed.json samples lengths from the Azure conversation hour); sonnet.txt (vLLM's copy of
-Shakespeare's sonnets) is vendored: kept as it is in traces/data and copied to --out;
+Sources (``--source DIR``; default ``shared/traces`` beside the clone, in the folder that holds the
+repository): azure2023/azure2023_{conv,code}.csv and mooncake_fast25/mooncake_fast25_conversation.jsonl
+with their license files. The Azure hours and licenses are copied verbatim; the Mooncake window is
+the source's lines, verbatim, whose timestamp falls in MOONCAKE_WINDOW_MS; the synthetic traces come
+from :mod:`traces.generate` (mixed.json samples lengths from the Azure conversation hour); sonnet.txt
+(vLLM's copy of Shakespeare's sonnets) is vendored: kept as it is in traces/data and copied to --out;
 README.md is rendered with the statistics of every bundled trace.
 
 sonnet.json: with a tokenizer (``SONNET_TOKENIZER`` below, or ``--sonnet-tokenizer
@@ -47,7 +47,10 @@ SONNET_RATE_RPS = 0.5
 MOONCAKE_WINDOW_MS = (0, 600_000)
 SEED = 0
 
-DEFAULT_SOURCE = Path("/work/shared/traces")
+#: the repository (this file is traces/build.py in it) and the source traces' default place: the
+#: ``shared/traces`` folder beside the clone
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SOURCE = REPO.parent / "shared" / "traces"
 AZURE_COMMIT = "b469a113"
 MOONCAKE_COMMIT = "3b5a5941"
 
@@ -301,7 +304,8 @@ def _positive_float(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="python -m schedlab.traces.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DATA_DIR, help="write here (default: traces/data)")
-    ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="the source traces' directory")
+    ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE,
+                    help=f"the source traces' directory (default: {DEFAULT_SOURCE})")
     ap.add_argument("--mixed-rate", type=_positive_float, default=MIXED_RATE_RPS,
                     help=f"mixed.json request rate (default {MIXED_RATE_RPS:g} req/s)")
     ap.add_argument("--sonnet-rate", type=_positive_float, default=SONNET_RATE_RPS,

@@ -6,7 +6,7 @@ GPU serving engine, fitted to serving kernels' measured times, :mod:`analysis.an
 and :mod:`analysis.analytic.kernels`; the default on NVIDIA presets), ``mlx-lm`` and
 ``llama.cpp`` (fitted to published single-request figures, ``analysis/hardware/benchmarks.json``,
 :mod:`analysis.analytic.roofline` and :mod:`analysis.analytic.fit`). See
-:mod:`analysis.analytic.hardware` for the presets. Imports no ``mlx``.
+:mod:`analysis.analytic.hardware` for the presets, :mod:`analysis.analytic.efficiency` for the factors. Imports no ``mlx``.
 
 Entry point for the CLI::
 
@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from .efficiency import ENGINES, Efficiency, ServingEfficiency, engine_kind
 from .errors import AnalyticError
 from .fit import FitResult, fit_efficiency, refit
 from .local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local, shape_from_sample
-from .hardware import Efficiency, Hardware, list_hardware, load_hardware, measure_cpu
+from .hardware import Hardware, list_hardware, load_hardware, measure_cpu
 from .modelspec import ModelSpec, bundled_model_configs, check_quant, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward, kv_capacity_tokens
-from .serving import ENGINES, ServingCostModel, ServingEfficiency, engine_kind
+from .serving import ServingCostModel
 
 __all__ = [
     "AnalyticCostModel", "AnalyticError", "Efficiency", "FitResult", "Forward", "Hardware", "ModelSpec",

@@ -39,8 +39,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from schedlab.policies.base import PassShape
 
+from .efficiency import Efficiency
 from .errors import AnalyticError
-from .hardware import (BENCHMARKS_FILE, HARDWARE_DIR, HARDWARE_FILE, DEFAULT_EFFICIENCY, Efficiency, Hardware,
+from .hardware import (BENCHMARKS_FILE, HARDWARE_DIR, HARDWARE_FILE, DEFAULT_EFFICIENCY, Hardware,
                        hardware_from_preset, load_hardware, read_hardware_file)
 from .modelspec import ModelSpec, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward
@@ -176,7 +177,7 @@ def fit_efficiency(
     a local optimum; the one with the least squared relative error wins.
 
     ``optional``: optional factors to fit as well (``attention``, ``decode_attention``,
-    ``copy``, ``copy_overhead_per_layer_s``; see ``hardware.Efficiency``). One not asked
+    ``copy``, ``copy_overhead_per_layer_s``; see ``efficiency.Efficiency``). One not asked
     for keeps the prior's value, or, where the prior has none, falls back as the model does
     (attention to compute, decode attention to attention, copy to bandwidth, copy overhead 0).
     """

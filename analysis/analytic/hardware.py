@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from .efficiency import ENGINES, Efficiency, ServingEfficiency, engine_kind
 from .errors import AnalyticError
 
 HARDWARE_DIR = Path(__file__).resolve().parent.parent / "hardware"
@@ -31,121 +32,6 @@ CPU_CACHE_SCHEMA = "schedlab-cpu-local/1"
 #: dtype aliases users may type
 _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
                   "float": "fp32", "float8": "fp8"}
-
-
-#: optional efficiency factors (fractions of a peak; None: fall back to a main factor)
-OPTIONAL_FACTORS = ("attention", "decode_attention", "copy")
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fractions of peak a real engine reaches, and its per-forward floor.
-
-    compute: achieved / peak FLOP/s on compute-bound forwards (prefill).
-    bandwidth: achieved / peak bytes/s on memory-bound forwards (decode).
-    overhead_per_layer_s: fixed seconds per layer per forward (kernel launches, dispatch).
-    step_overhead_s: seconds per scheduler step outside forwards (0: not modelled).
-
-    Optional factors (None / 0: the plain roofline, as every published-figure fit uses):
-
-    attention: achieved / peak FLOP/s on the attention scores of prefill chunks (None: the
-      compute factor). Where attention is not a fused kernel running at the matmul rate
-      (MLX on CPU: scores, mask, softmax and exp materialised), it is far slower.
-    decode_attention: the same for decode rows' attention (one query per row; None: the
-      attention factor).
-    copy: achieved / peak bytes/s of the batch-cache copies (joins and leaves; None: the
-      bandwidth factor).
-    copy_overhead_per_layer_s: fixed seconds per layer per copy event (a join or a leave).
-    """
-
-    compute: float
-    bandwidth: float
-    overhead_per_layer_s: float = 0.0
-    step_overhead_s: float = 0.0
-    basis: str = "default"  # fitted | borrowed | default | user
-    engine: str = ""
-    source: str = ""
-    #: factors for mixture-of-experts models (gathered expert matmuls run slower than dense
-    #: ones): a mapping with compute, bandwidth, overhead_per_layer_s (+ basis, source)
-    moe: Mapping[str, Any] | None = field(default=None, compare=False)
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    attention: float | None = None
-    decode_attention: float | None = None
-    copy: float | None = None
-    copy_overhead_per_layer_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for key in ("compute", "bandwidth") + OPTIONAL_FACTORS:
-            v = getattr(self, key)
-            if v is None and key in OPTIONAL_FACTORS:
-                continue
-            if not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise AnalyticError(f"efficiency {key} must be in (0, 1], got {v!r}")
-        for key in ("overhead_per_layer_s", "step_overhead_s", "copy_overhead_per_layer_s"):
-            v = getattr(self, key)
-            if not isinstance(v, (int, float)) or v < 0 or v != v:
-                raise AnalyticError(f"efficiency {key} must be >= 0, got {v!r}")
-
-        if self.moe is not None:
-            for key in ("compute", "bandwidth", "overhead_per_layer_s"):
-                if not isinstance(self.moe.get(key), (int, float)):
-                    raise AnalyticError(f"efficiency moe block lacks {key}")
-            if not (0 < self.moe["compute"] <= 1 and 0 < self.moe["bandwidth"] <= 1 and self.moe["overhead_per_layer_s"] >= 0):
-                raise AnalyticError("efficiency moe block out of range")
-
-    def for_model(self, is_moe: bool) -> "Efficiency":
-        """The factors that apply to a model: the ``moe`` block for MoE models when present."""
-        if not is_moe or not self.moe:
-            return self
-        m = self.moe
-        return replace(self, compute=float(m["compute"]), bandwidth=float(m["bandwidth"]),
-                       overhead_per_layer_s=float(m["overhead_per_layer_s"]),
-                       basis=str(m.get("basis", self.basis)), source=str(m.get("source", self.source)), moe=None)
-
-    @property
-    def attention_factor(self) -> float:
-        """The factor applied to prefill attention FLOPs."""
-        return self.compute if self.attention is None else self.attention
-
-    @property
-    def decode_attention_factor(self) -> float:
-        """The factor applied to decode rows' attention FLOPs."""
-        return self.attention_factor if self.decode_attention is None else self.decode_attention
-
-    @property
-    def copy_factor(self) -> float:
-        """The factor applied to batch-cache copy bytes."""
-        return self.bandwidth if self.copy is None else self.copy
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {"compute": self.compute, "bandwidth": self.bandwidth,
-             "overhead_per_layer_s": self.overhead_per_layer_s, "step_overhead_s": self.step_overhead_s,
-             "basis": self.basis, "engine": self.engine, "source": self.source}
-        for key in OPTIONAL_FACTORS:  # only when set: the presets' blocks stay as they are
-            if getattr(self, key) is not None:
-                d[key] = getattr(self, key)
-        if self.copy_overhead_per_layer_s:
-            d["copy_overhead_per_layer_s"] = self.copy_overhead_per_layer_s
-        if self.moe:
-            d["moe"] = dict(self.moe)
-        d.update(self.extra)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Efficiency":
-        known = {"compute", "bandwidth", "overhead_per_layer_s", "step_overhead_s", "basis", "engine", "source", "moe",
-                 "copy_overhead_per_layer_s", *OPTIONAL_FACTORS}
-        try:
-            opt = {k: (None if d.get(k) is None else float(d[k])) for k in OPTIONAL_FACTORS}
-            return cls(compute=float(d["compute"]), bandwidth=float(d["bandwidth"]),
-                       overhead_per_layer_s=float(d.get("overhead_per_layer_s", 0.0)),
-                       step_overhead_s=float(d.get("step_overhead_s", 0.0)),
-                       basis=str(d.get("basis", "default")), engine=str(d.get("engine", "")),
-                       source=str(d.get("source", "")), moe=dict(d["moe"]) if d.get("moe") else None,
-                       extra={k: v for k, v in d.items() if k not in known},
-                       copy_overhead_per_layer_s=float(d.get("copy_overhead_per_layer_s", 0.0)), **opt)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise AnalyticError(f"bad efficiency block: {exc}") from None
 
 
 #: Used only where a preset has no efficiency block (before `refit`), and for cpu-local.
@@ -237,8 +123,6 @@ def _value(preset: Mapping[str, Any], key: str, name: str) -> float:
 
 def _published_engine(preset: Mapping[str, Any]) -> str:
     """The engine kind of a preset's published-figure ``efficiency`` block ('' when unknown)."""
-    from .serving import engine_kind
-
     eff = preset.get("efficiency") or {}
     try:
         return engine_kind(str(eff.get("engine", "")))
@@ -274,8 +158,6 @@ def hardware_from_preset(name: str, preset: Mapping[str, Any], engine: str | Non
     chosen = _published_engine(preset) if eff_block else ""
     want = engine if engine is not None else preset.get("default_engine")
     if want:
-        from .serving import ENGINES, ServingEfficiency
-
         want = str(want).strip().lower()
         if want not in ENGINES:
             raise AnalyticError(f"unknown engine '{want}' (engines: {', '.join(ENGINES)})")

@@ -19,7 +19,7 @@ both:
 - ``plain``: the three-factor roofline (compute, bandwidth, per-layer overhead), what a
   published-figure fit gives;
 - ``full``: plus the optional factors (attention and decode attention rates, batch-cache
-  copy rate and per-copy overhead; see ``hardware.Efficiency``).
+  copy rate and per-copy overhead; see ``efficiency.Efficiency``).
 
 The result is the ``analytic_cpu_local`` block ``calibrate --analytic`` writes into a
 profile, and :func:`efficiency_from_block` turns it back into a cost model. No mlx here.
@@ -33,9 +33,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from schedlab.policies.base import PassShape
 
+from .efficiency import Efficiency
 from .errors import AnalyticError
 from .fit import OPTIONAL_PARAMS, fit_efficiency
-from .hardware import CPU_LOCAL, DEFAULT_EFFICIENCY, Efficiency, Hardware, load_hardware, machine_key
+from .hardware import CPU_LOCAL, DEFAULT_EFFICIENCY, Hardware, load_hardware, machine_key
 from .modelspec import model_spec
 from .roofline import AnalyticCostModel
 

@@ -9,7 +9,7 @@ The larger of the compute and the memory term wins **per forward**, not per pass
 phase: a forward is one pass over the weights, so its arithmetic and its traffic overlap;
 two forwards run one after the other.
 
-Optional factors (``hardware.Efficiency``; unset in every published-figure fit, where the
+Optional factors (``efficiency.Efficiency``; unset in every published-figure fit, where the
 line above is the whole model) split the compute term and add the batch-cache copies::
 
     seconds = o * layers + max(matmul FLOPs / (P e_c) + attention FLOPs / (P e_attn), bytes / (W e_b))
@@ -56,7 +56,7 @@ both switchable (``lazy_prefill``, ``causal_skip``):
   MLP); a padded forward is lazy when none of its rows completes. A PassShape without
   ``prefill_done`` counts as completing (the full cost).
 
-Efficiencies are the preset's fitted factors (``hardware.Efficiency``, see
+Efficiencies are the preset's fitted factors (``efficiency.Efficiency``, see
 ``analysis/hardware/EFFICIENCY.md``); a mixture-of-experts model uses the preset's ``moe`` factors.
 
 Weight bytes follow the quantisation (``bits``): mlx affine quantisation stores a 16-bit scale
@@ -72,10 +72,11 @@ from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
 
-from schedlab.policies.base import PassShape
+from schedlab.policies.base import CostModel, PassShape
 
+from .efficiency import Efficiency
 from .errors import AnalyticError
-from .hardware import Efficiency, Hardware
+from .hardware import Hardware
 from .modelspec import DEFAULT_GROUP_SIZE, ModelSpec, bits_per_weight, check_quant
 
 STYLES = ("mlx", "fused")
@@ -99,8 +100,9 @@ class Forward(NamedTuple):
     chunks: tuple = ()  # (tokens, cached) of each prefill chunk
 
 
-class AnalyticCostModel:
-    """Implements ``policies.base.CostModel`` from hardware peaks and a model's shape."""
+class AnalyticCostModel(CostModel):
+    """A ``policies.base.CostModel`` from hardware peaks and a model's shape (pass and step
+    seconds; no after-idle terms, its decode runs pass by pass: the base class's defaults)."""
 
     def __init__(
         self,
@@ -287,7 +289,7 @@ class AnalyticCostModel:
                     yield Forward(n, 0 if partial else 1, self._qk(n, b) * (self._partial_qk if partial else 1.0),
                                   b, n, partial_tokens=n if partial else 0.0)
 
-    # ------------------------------------------------------------------ CostModel protocol
+    # ------------------------------------------------------------------ CostModel
     def _seconds(self, tokens: float, head: float, qk: float, kv: float, partial: float = 0.0) -> float:
         """One prefill forward's seconds (kv: KV tokens read + written). The hot path of pass_seconds."""
         c = ((tokens * self._flops_per_token - partial * self._partial_saving + head * self._flops_per_head_row)

@@ -1,13 +1,14 @@
 """A GPU serving engine's passes (vLLM-class: FlashAttention, paged KV, cuBLAS GEMMs), kernel by kernel.
 
 Engines differ in how far from the chip's peaks they run, so efficiencies belong to an
-engine, not to a chip. Three engines are known (:data:`ENGINES`):
+engine, not to a chip. Three engines are known (:data:`analysis.analytic.efficiency.ENGINES`):
 
 - ``vllm``: a GPU serving engine (vLLM, Sarathi-Serve, SGLang): one forward per pass over all
   its tokens (decode rows and prefill chunks together, no padding), FlashAttention for prefill
   chunks, paged decode attention. Its factors are fitted to serving kernels' measured times
   (Vidur's public profiling medians, not shipped: ``analysis/hardware/kernels/README.md``;
-  the fit and its errors: ``analysis/hardware/SERVING.md``); this model.
+  the fit and its errors: ``analysis/hardware/SERVING.md``); this model, its factors a
+  :class:`~analysis.analytic.efficiency.ServingEfficiency`.
 - ``mlx-lm`` and ``llama.cpp``: the plain roofline of :mod:`analysis.analytic.roofline` with
   factors fitted to those engines' published single-request figures (``EFFICIENCY.md``).
 
@@ -44,128 +45,14 @@ the bits, their FLOPs run at the fp16 rate).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 from schedlab.policies.base import PassShape
 
-from .errors import AnalyticError
-from .hardware import Efficiency, Hardware
+from .efficiency import ServingEfficiency
+from .hardware import Hardware
 from .modelspec import DEFAULT_GROUP_SIZE, ModelSpec
 from .roofline import AnalyticCostModel, Forward
-
-#: engine kinds: a GPU serving engine, mlx-lm on Apple silicon, llama.cpp
-ENGINES = ("vllm", "mlx-lm", "llama.cpp")
-
-
-def engine_kind(engine: str | None) -> str:
-    """The engine kind (one of :data:`ENGINES`) an efficiency block's ``engine`` text names."""
-    e = (engine or "").strip().lower()
-    if e.startswith(("vllm", "sarathi", "sglang", "serving")):
-        return "vllm"
-    if e.startswith("mlx"):
-        return "mlx-lm"
-    if e.startswith("llama.cpp") or e.startswith("llamacpp") or e.startswith("llama-cpp"):
-        return "llama.cpp"
-    raise AnalyticError(f"unknown engine '{engine}' (engines: {', '.join(ENGINES)})")
-
-
-def _tuple(v: Any, key: str) -> tuple[float, ...]:
-    if not isinstance(v, (list, tuple)) or not v:
-        raise AnalyticError(f"serving efficiency {key} must be a non-empty list")
-    return tuple(float(x) for x in v)
-
-
-@dataclass(frozen=True)
-class ServingEfficiency:
-    """The ``vllm`` engine's factors on one chip (see the module docstring for where each enters).
-
-    Efficiencies are fractions of the chip's peak FLOP/s or bandwidth, in (0, 1]; a table is
-    (knots, efficiencies), interpolated in log2 of the knot variable (inverse efficiencies
-    linearly), flat beyond its ends.
-    """
-
-    gemm_tile_tokens: int
-    compute_tokens: tuple[float, ...]
-    compute: tuple[float, ...]
-    bandwidth: float
-    overhead_per_layer_s: float
-    decode_rows: tuple[float, ...]
-    decode_attention: tuple[float, ...]
-    decode_overhead_per_layer_s: float
-    decode_per_row_s: float
-    prefill_chunks: tuple[float, ...]
-    prefill_context: tuple[float, ...]
-    prefill_causal: tuple[float, ...]
-    prefill_overhead_per_layer_s: float
-    step_overhead_s: float = 0.0
-    basis: str = "fitted"
-    engine: str = "vllm"
-    source: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    TABLES = (("compute_tokens", "compute"), ("decode_rows", "decode_attention"),
-              ("prefill_chunks", "prefill_context"), ("prefill_chunks", "prefill_causal"))
-    SCALARS = ("bandwidth", "overhead_per_layer_s", "decode_overhead_per_layer_s", "decode_per_row_s",
-               "prefill_overhead_per_layer_s", "step_overhead_s")
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.gemm_tile_tokens, int) or self.gemm_tile_tokens < 1:
-            raise AnalyticError(f"gemm_tile_tokens must be a positive integer, got {self.gemm_tile_tokens!r}")
-        for kx, ky in self.TABLES:
-            xs, ys = getattr(self, kx), getattr(self, ky)
-            if len(xs) != len(ys) or any(b <= a for a, b in zip(xs, xs[1:])) or xs[0] <= 0:
-                raise AnalyticError(f"serving efficiency {ky}: knots must be increasing, positive and one per value")
-            if any(not 0 < y <= 1 for y in ys):
-                raise AnalyticError(f"serving efficiency {ky} must be in (0, 1], got {ys}")
-        if not 0 < self.bandwidth <= 1:
-            raise AnalyticError(f"serving efficiency bandwidth must be in (0, 1], got {self.bandwidth}")
-        for k in self.SCALARS[1:]:
-            v = getattr(self, k)
-            if not v >= 0:
-                raise AnalyticError(f"serving efficiency {k} must be >= 0, got {v!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"engine": self.engine, "basis": self.basis, "source": self.source,
-                             "gemm_tile_tokens": self.gemm_tile_tokens}
-        for kx, ky in self.TABLES:
-            d[kx] = [float(x) for x in getattr(self, kx)]
-            d[ky] = [round(float(y), 4) for y in getattr(self, ky)]
-        for k in self.SCALARS:
-            d[k] = float(f"{getattr(self, k):.4g}") if k.endswith("_s") else round(float(getattr(self, k)), 4)
-        d.update(self.extra)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ServingEfficiency":
-        known = {"engine", "basis", "source", "gemm_tile_tokens", *cls.SCALARS}
-        for kx, ky in cls.TABLES:
-            known |= {kx, ky}
-        try:
-            return cls(gemm_tile_tokens=int(d["gemm_tile_tokens"]),
-                       compute_tokens=_tuple(d["compute_tokens"], "compute_tokens"),
-                       compute=_tuple(d["compute"], "compute"), bandwidth=float(d["bandwidth"]),
-                       overhead_per_layer_s=float(d["overhead_per_layer_s"]),
-                       decode_rows=_tuple(d["decode_rows"], "decode_rows"),
-                       decode_attention=_tuple(d["decode_attention"], "decode_attention"),
-                       decode_overhead_per_layer_s=float(d["decode_overhead_per_layer_s"]),
-                       decode_per_row_s=float(d["decode_per_row_s"]),
-                       prefill_chunks=_tuple(d["prefill_chunks"], "prefill_chunks"),
-                       prefill_context=_tuple(d["prefill_context"], "prefill_context"),
-                       prefill_causal=_tuple(d["prefill_causal"], "prefill_causal"),
-                       prefill_overhead_per_layer_s=float(d["prefill_overhead_per_layer_s"]),
-                       step_overhead_s=float(d.get("step_overhead_s", 0.0)), basis=str(d.get("basis", "fitted")),
-                       engine=str(d.get("engine", "vllm")), source=str(d.get("source", "")),
-                       extra={k: v for k, v in d.items() if k not in known})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise AnalyticError(f"bad serving efficiency block: {exc}") from None
-
-    def plain(self) -> Efficiency:
-        """The nearest plain-roofline factors (large-T GEMM efficiency, bandwidth, overhead)."""
-        return Efficiency(compute=self.compute[-1], bandwidth=self.bandwidth,
-                          overhead_per_layer_s=self.overhead_per_layer_s, step_overhead_s=self.step_overhead_s,
-                          basis=self.basis, engine=self.engine, source=self.source)
-
 
 def log_weights(x: float, knots: Sequence[float]) -> list[tuple[int, float]]:
     """(knot index, weight) pairs of piecewise-linear interpolation in log2 x, clamped."""
@@ -187,7 +74,7 @@ def inv_interp(x: float, knots: Sequence[float], effs: Sequence[float]) -> float
 
 
 class ServingCostModel(AnalyticCostModel):
-    """Implements ``policies.base.CostModel`` for the ``vllm`` engine (see the module docstring)."""
+    """A ``policies.base.CostModel`` for the ``vllm`` engine (see the module docstring)."""
 
     engine = "vllm"
 
@@ -270,7 +157,7 @@ class ServingCostModel(AnalyticCostModel):
         cx, cy = self._prefill_coef(n)
         return self._L * self.serving.prefill_overhead_per_layer_s + cx * n * b + cy * n * (n + 1) / 2.0
 
-    # ------------------------------------------------------------------ CostModel protocol
+    # ------------------------------------------------------------------ CostModel
     def _chunks(self, s: PassShape) -> Sequence[tuple[int, int]]:
         chunks = s.prefill
         if chunks and s.padded:  # a padded pass computes rows x longest chunk at the longest context

@@ -1,0 +1,150 @@
+"""What every module of the API shares: the one-line error boundary, checks of plain arguments
+(seeds, SLOs, figure formats, a model spec) and the default ``log``. Imports nothing heavy."""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+
+from ..errors import SchedlabError, SchedlabWarning, opt, user_error_types
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    from schedlab.traces.schema import Request, Trace
+
+PolicyLike = Union[str, type, Any]
+TraceLike = Union[str, Path, "Trace", Sequence["Request"], "pd.DataFrame"]
+#: ``log(kind, message)``: kind is "progress", "note" or "warning"
+Log = Callable[[str, str], None]
+
+
+def _error_types() -> tuple[type[BaseException], ...]:
+    from schedlab.analysis.plots import RunDirError
+
+    return user_error_types() + (RunDirError,)
+
+
+def public(fn):
+    """A public function's boundary: bad input, from anywhere below, leaves as one
+    ``SchedlabError`` line without the frames it came through."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SchedlabError as exc:
+            raise exc.with_traceback(None) from None
+        except Exception as exc:
+            if isinstance(exc, _error_types()):
+                raise SchedlabError(str(exc), getattr(exc, "code", 1)) from None
+            raise
+
+    return wrapper
+
+
+def fail(message: str, code: int = 1):
+    raise SchedlabError(message, code)
+
+
+def logger(log: Log | None) -> Log:
+    """``log``, or the default: warnings as ``SchedlabWarning``, the rest dropped."""
+    if log is not None:
+        return log
+
+    def default(kind: str, message: str) -> None:
+        if kind == "warning":
+            warnings.warn(message, SchedlabWarning, stacklevel=4)
+
+    return default
+
+
+def check_seed(seed: Any, what: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        fail(f"{opt(what)} must be an integer, got {seed!r}", 2)
+    return seed
+
+
+def check_kv_tokens(kv_tokens: int | None) -> None:
+    if kv_tokens is None:
+        return
+    if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int):
+        fail(f"{opt('kv_tokens')} must be an integer, got {kv_tokens!r}", 2)
+    if kv_tokens < 1:
+        fail(f"{opt('kv_tokens')} must be >= 1, got {kv_tokens}", 2)
+
+
+def check_model(model: str, dtype: str) -> None:
+    """A model spec and dtype, checked without importing mlx."""
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine.models import check_spec
+
+    if not isinstance(model, (str, Path)):
+        fail(f"model is a preset name, a .gguf file or a checkpoint directory, got {type(model).__name__}", 2)
+    check_spec(str(model), dtype)
+
+
+def parse_slo(slo: str | Mapping[str, float] | None) -> dict[str, float]:
+    """``"ttft_ms=500,tpot_ms=50"`` or ``{"ttft_ms": 500}``: the same checks either way."""
+    from schedlab.sim.metrics import SLO_KEYS
+
+    if slo is None or slo == "" or slo == {}:
+        return {}
+    if isinstance(slo, Mapping):
+        out = {}
+        for k, v in slo.items():
+            if k not in SLO_KEYS:
+                fail(f"unknown SLO key {k!r} (use {', '.join(SLO_KEYS)})", 2)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                if isinstance(v, str):
+                    out.update(parse_slo(f"{k}={v}"))
+                    continue
+                fail(f"SLO {k}={v!r} is not a number", 2)
+            if not math.isfinite(v) or v <= 0:
+                fail(f"SLO {k}={v!r} must be a finite number > 0", 2)
+            out[k] = float(v)
+        return out
+    if not isinstance(slo, str):
+        fail(f"slo is a mapping such as {{'ttft_ms': 2000}} or a string 'ttft_ms=2000,...', got {type(slo).__name__}", 2)
+    out: dict[str, float] = {}
+    for item in slo.split(","):
+        item = item.strip()
+        if "=" not in item:
+            fail(f"SLO '{item}' is not key=value (keys: {', '.join(SLO_KEYS)})", 2)
+        k, v = (x.strip() for x in item.split("=", 1))
+        if k not in SLO_KEYS:
+            fail(f"unknown SLO key {k!r} (use {', '.join(SLO_KEYS)})", 2)
+        try:
+            limit = float(v)
+        except ValueError:
+            fail(f"SLO {k}={v!r} is not a number", 2)
+        if not math.isfinite(limit) or limit <= 0:
+            fail(f"SLO {k}={v!r} must be a finite number > 0", 2)
+        out[k] = limit
+    return out
+
+
+def parse_formats(formats: str | Sequence[str]) -> list[str]:
+    """Figure formats: png, svg or both (``"png,svg"`` or a list)."""
+    items = formats.split(",") if isinstance(formats, str) else list(formats)
+    fmts = [str(f).strip().lower().lstrip(".") for f in items if str(f).strip()]
+    bad = [f for f in fmts if f not in ("png", "svg")]
+    if bad or not fmts:
+        text = formats if isinstance(formats, str) else ",".join(map(str, items))
+        fail(f"{opt('format') if opt('format') != 'format' else 'formats'} must be png, svg or png,svg; got {text!r}", 2)
+    return list(dict.fromkeys(fmts))
+
+
+def is_frame(obj: Any) -> bool:
+    import sys
+
+    pd = sys.modules.get("pandas")
+    return pd is not None and isinstance(obj, pd.DataFrame)
+
+
+def policy_options(pol) -> dict:
+    """A policy's options as meta.json records them."""
+    get = getattr(pol, "options", None)
+    return get() if callable(get) else {}

@@ -1,0 +1,261 @@
+"""What ``validate`` does under its API function (private to the API package: not part of the
+public API, which is ``schedlab.validate``): the policies' simulations and interleaved real runs
+with the machine's speed timed around them (``validate_many``), the comparisons made again with
+the machine's speed taken out (``drift_adjusted``, ``speed_matched``), and the cost model of both
+sides (``validation_cost``, ``analytic_cost``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from ._base import Log, fail, policy_options
+from .profiles import ProfileLike, profile_path
+from .runs import Run, real_dir_name
+
+
+def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None], repeat: int,
+                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True,
+                  speed_probe: str = "passes") -> dict[str, tuple[dict, Run, list[Run]]]:
+    """Policies side by side: each one's simulation, then the real runs round by round — run k
+    of every policy before run k + 1 of any — and the machine's speed timed once before the
+    first round and once after the last. This machine's speed drifts by tens of percent within
+    minutes: one policy's runs after another's would compare the two policies at two speeds of
+    the machine; interleaved, every policy meets the same spells. Then, per policy, the
+    comparison (validation.json's content, written under its directory when given), its
+    simulated run and its real runs.
+
+    ``speed_check_runs``: time the machine's speed before and after (``machine_speed``,
+    ``drift_adjusted``); ``speed_probe``: how: ``"passes"`` (the profile's reference passes,
+    isolated: ``engine.calibrate.speed_check``) or ``"replay"`` (a default calibration's own
+    replay run again by one policy in the real loop: ``replay_speed_check``; the reference passes
+    where the profile has no replay).
+
+    The real runs plan and predict with the same cost model as the simulation: the policy
+    sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)
+    is that model's, analytic with ``hardware``."""
+    import json
+
+    from schedlab.analysis.residuals import bias, concat, residual_table
+    from schedlab.analysis.validation import compare as compare_runs
+    from schedlab.engine.backend import MLXBackend
+    from schedlab.engine.calibrate import has_replay, replay_speed_check, speed_check
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.features import step_table
+    from schedlab.sim.metrics import summarize
+
+    if speed_probe not in ("passes", "replay"):
+        raise ValueError(f"speed_probe: 'passes' or 'replay', not {speed_probe!r}")
+    sims: dict[str, Run] = {}
+    metas = {}
+    for name, pol in pols.items():
+        metas[name] = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed,
+                       "policy_options": policy_options(pol)}
+        say(f"{pol.name}: simulating")
+        sim_res = run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
+        sims[name] = Run(sim_res, summarize(sim_res), metas[name])
+        if dirs.get(name) is not None:
+            sims[name].save(dirs[name] / "sim")
+    speed_ref = _speed_reference(cost_meta) if speed_check_runs else None
+    replay = speed_probe == "replay" and has_replay(speed_ref)
+
+    def time_speed():
+        got = replay_speed_check(info, speed_ref) if replay else None
+        return got if got is not None else speed_check(info, speed_ref, seed=seed)
+
+    speed = {}
+    if speed_ref is not None:
+        say("running the profile's replay again (the machine's speed now)" if replay
+            else "timing the profile's reference passes (the machine's speed now)")
+        speed["before"] = time_speed()
+    reals: dict[str, list[Run]] = {name: [] for name in pols}
+    for k in range(repeat):
+        for name, pol in pols.items():
+            say(f"{pol.name}: real run {k + 1}/{repeat}")
+            res = run_loop(tr.requests, pol, cost, kv_capacity=capacity,
+                           backend=MLXBackend(info, seed=seed, ignore_eos=True), trace_name=tr.name)
+            real = Run(res, summarize(res), metas[name])
+            if dirs.get(name) is not None:
+                real.save(dirs[name] / real_dir_name(k))
+            if res.error:
+                fail(f"{pol.name}: real run stopped: {res.error}")
+            reals[name].append(real)
+    if speed_ref is not None:
+        speed["after"] = time_speed()
+    out = {}
+    for name, pol in pols.items():
+        summaries = [r._summary for r in reals[name]]
+        steps = [st for r in reals[name] for st in r._result.steps]
+        v = compare_runs(sims[name]._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
+        tables = [step_table(r._result) for r in reals[name]]
+        feats = concat(tables)
+        v["step_bias"] = bias(feats)
+        v["residuals"] = residual_table(feats)
+        if speed_ref is not None:
+            v["machine_speed"] = speed
+            adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps)
+            if adj is not None:
+                v["drift_adjusted"] = adj
+        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables])
+        if matched is not None:
+            v["speed_matched"] = matched
+        v["model"] = info.name
+        v["cost_model"] = cost_meta
+        v["sim_dir"] = "sim"
+        v["real_dirs"] = [real_dir_name(k) for k in range(repeat)]
+        if dirs.get(name) is not None:
+            (dirs[name] / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
+        out[name] = (v, sims[name], reals[name])
+    return out
+
+
+def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: list) -> dict | None:
+    """The simulation again with every pass scaled by the machine's measured speed during the
+    real runs (the mean of the before/after ratios), compared with the same real runs: how far
+    the model is once the machine's drift is taken out. Reported beside the plain comparison,
+    never instead of it."""
+    from schedlab.analysis.validation import compare as compare_runs
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.cost import ScaledCostModel
+    from schedlab.sim.metrics import summarize
+
+    ratios = [r["ratio"] for r in (speed.get("before"), speed.get("after")) if r and r.get("ratio")]
+    if not ratios:
+        return None
+    factor = sum(ratios) / len(ratios)
+    res = run_loop(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
+    scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
+    c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
+    return {"speed_factor": factor, "median_abs_error_pct": c["median_abs_error_pct"],
+            "max_abs_error_pct": c["max_abs_error_pct"], "step_error_pct": c["step_error_pct"],
+            "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
+
+
+def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
+    """A real run's own speed against its cost model (``analysis.residuals.run_speed``): its
+    steps' total measured seconds over their total predicted seconds, from its step table."""
+    from schedlab.analysis.residuals import run_speed as speed
+
+    return speed(cols, coef)
+
+
+def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | None:
+    """The comparison again with the simulation made at each real run's own speed (``run_speed``:
+    the one number a real run tells about the machine as a whole while it ran; the policy still
+    plans with the cost model, as it did in the real run): per metric the median of those
+    simulations against the median of the real runs, as the plain comparison takes it. On a
+    shared machine that speed moves by tens of percent between identical runs minutes apart;
+    this takes it out, so what remains is the model's — the order and shape of the steps, the
+    queueing they cause — while the speeds are reported beside it. Reported beside the plain
+    comparison, never instead of it."""
+    from schedlab.analysis.validation import compare as compare_runs, median_summary
+    from schedlab.sim import run as run_loop
+    from schedlab.sim.backend import SimBackend
+    from schedlab.sim.metrics import summarize
+
+    if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
+        return None
+    sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name,
+                               backend=SimBackend(cost, time_scale=f)))
+            for f in speeds]
+    c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name)
+    return {"speeds": [round(f, 4) for f in speeds],
+            "median_abs_error_pct": c["median_abs_error_pct"], "max_abs_error_pct": c["max_abs_error_pct"],
+            "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
+
+
+def _speed_reference(cost_meta: dict) -> dict | None:
+    """The measured profile the speed check times against (None for an analytic model)."""
+    import json
+
+    path = cost_meta.get("profile")  # analytic: only cpu-local factors fitted to a profile name one
+    if not path:
+        return None
+    try:
+        prof = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return prof if isinstance(prof, dict) and prof.get("samples") else None
+
+
+def validation_cost(profile: ProfileLike, hardware, kv_tokens, info, out: Path | None, log: Log):
+    """(cost model, KV capacity, description) for both sides of the validation.
+
+    Without ``hardware``: the linear model of a measured profile (``find_or_calibrate``).
+    With it: the analytic roofline of the engine's model (its config; the dtype's width for
+    weights and KV) on that hardware preset. On ``cpu-local`` its factors are the ones fitted
+    to this model on this machine where a matching profile has them (``calibrate
+    --analytic``), else fitted now to a matching profile's stored samples, else the priors;
+    one note says which.
+    """
+    from schedlab.sim.cost import DEFAULT_KV_TOKENS
+
+    if hardware:
+        cost, meta = analytic_cost(hardware, info)
+        log("note", meta["factors_note"])
+        return cost, kv_tokens or DEFAULT_KV_TOKENS, meta
+    from schedlab.sim.cost import LinearCostModel
+    from schedlab.engine.calibrate import find_or_calibrate
+
+    given = None if profile is None else str(profile_path(profile))
+    path, note = find_or_calibrate(given, info, out, lambda msg: log("progress", msg))
+    if note:
+        log("note", note)
+    cost = LinearCostModel.from_profile(path)
+    capacity = kv_tokens or int(cost.meta.get("kv_tokens", DEFAULT_KV_TOKENS))
+    return cost, capacity, {"kind": "linear", "profile": str(path)}
+
+
+def _matching_profiles(info):
+    """Profiles measured on this model and machine: bundled ones, then calibrate's cache."""
+    import json
+
+    from schedlab.engine.calibrate import candidate_profiles, profile_mismatch
+
+    for path in candidate_profiles(info):
+        try:
+            prof = json.loads(path.read_text())
+            if isinstance(prof, dict) and profile_mismatch(prof, info) is None:
+                yield path, prof
+        except Exception:  # a broken file is no match
+            continue
+
+
+def analytic_cost(hardware: str, info):
+    """(analytic cost model, description) of ``info``'s model on ``hardware``."""
+    from schedlab.engine.calibrate import analytic_bits
+    from schedlab.analysis.analytic import analytic_from_config, load_hardware
+    from schedlab.analysis.analytic.local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local
+
+    bits, kv_bits = analytic_bits(info)
+    hw = load_hardware(hardware)
+    name = str(info.name)
+    factors, source = "preset", f"{hw.name}'s preset factors ({hw.efficiency.basis}); not measured on this machine"
+    fitted_from = None
+    if hw.name == "cpu-local":
+        factors, source = "prior", (f"no profile of {name} measured on this machine: cpu-local's prior factors "
+                                    f"(fit them with calibrate --analytic)")
+        for path, prof in _matching_profiles(info):
+            block = prof.get(BLOCK_KEY)
+            why = block_mismatch(block, name, bits, kv_bits) if block is not None else "none"
+            if block is not None and why is None:
+                hw, _ = efficiency_from_block(block, hw)
+                factors, source = "fitted", f"cpu-local factors fitted for {name} on this machine, from {path}"
+                fitted_from = path
+                break
+            if isinstance(prof.get("samples"), list) and prof["samples"]:
+                try:
+                    block = fit_local(prof["samples"], info.config, name=name, quant=bits, kv_bits=kv_bits, hardware=hw)
+                except ValueError:
+                    continue
+                hw, _ = efficiency_from_block(block, hw)
+                factors, source = "fitted-now", (f"cpu-local factors fitted now to the samples of {path} "
+                                                 f"(store them with calibrate --analytic)")
+                fitted_from = path
+                break
+    cost = analytic_from_config(hw, info.config, bits, name=name, kv_bits=kv_bits)
+    meta = {"kind": "analytic", "hardware": hw.name, "factors": factors, "factors_note": source,
+            "analytic": cost.meta()}
+    if fitted_from is not None:  # the profile whose passes the factors were fitted to
+        meta["profile"] = str(fitted_from)
+    return cost, meta

@@ -1,0 +1,168 @@
+"""``calibrate``: time the real engine over a grid (or fit real runs) and fit the cost model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..errors import opt
+from ._base import Log, check_model, check_seed, fail, logger, public
+from .profiles import Profile
+from .runs import Run
+
+
+def _grid(grid: str | Mapping[str, Any] | None, quick: bool, info=None):
+    """The calibration grid: ``grid`` by name, or the model's grid (the compact one for large
+    models, else quick or default; ``engine.calibrate.grid_for``) with ``grid``'s fields."""
+    import dataclasses
+
+    from schedlab.engine.calibrate import GRIDS, grid_for
+
+    base = grid_for(info, quick=quick) if info is not None else GRIDS["quick" if quick else "default"]
+    if grid is None:
+        return base
+    if isinstance(grid, str):
+        if grid not in GRIDS:
+            fail(f"unknown grid {grid!r} (grids: {', '.join(GRIDS)}, or a mapping of grid fields)", 2)
+        return GRIDS[grid]
+    if not isinstance(grid, Mapping):
+        fail(f"grid is a name ({', '.join(GRIDS)}) or a mapping of grid fields, got {type(grid).__name__}", 2)
+    fields = {f.name for f in dataclasses.fields(base)}
+    bad = sorted(set(grid) - fields)
+    if bad:
+        fail(f"grid: unknown field(s) {', '.join(map(str, bad))} (fields: {', '.join(sorted(fields))})", 2)
+    return dataclasses.replace(base, **{"name": f"{base.name}+custom", **grid})
+
+
+def _from_runs(runs: Sequence[Any], grid: Any, out: str | Path | None) -> Profile:
+    """calibrate --from-runs: a profile fitted to real runs' features.parquet (no mlx needed)."""
+    import json
+
+    from schedlab.analysis.runfit import RunsError, load_runs, profile_from_runs
+
+    if isinstance(runs, (str, Path)):
+        runs = [runs]
+    dirs = [r._dir if isinstance(r, Run) and r._dir is not None else r for r in runs]
+    if any(isinstance(d, Run) for d in dirs):
+        fail("from_runs takes run directories: save() a Run first", 2)
+    if not dirs:
+        fail(f"{opt('from_runs')} needs one or more run directories", 2)
+    out = Path(out) if out is not None else None
+    if out is not None:
+        if out.exists() and out.is_dir():
+            fail(f"{opt('out')} {out} is a directory; give a file name")
+        if not out.parent.exists():
+            fail(f"{opt('out')}: directory {out.parent} does not exist")
+    grid_prof = None
+    if isinstance(grid, Profile):
+        grid_prof = grid.data
+    elif grid is not None:
+        if not isinstance(grid, (str, Path)):
+            fail(f"with from_runs, grid is a grid profile (a path or a Profile), got {type(grid).__name__}", 2)
+        try:
+            grid_prof = json.loads(Path(grid).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            fail(f"{opt('grid')} {grid}: not a readable profile JSON ({exc})")
+        if not isinstance(grid_prof, dict) or not isinstance(grid_prof.get("coefficients"), dict):
+            fail(f"{opt('grid')} {grid}: not a profile (no coefficients)")
+    try:
+        data = profile_from_runs(load_runs([Path(d) for d in dirs]), grid_prof,
+                                 kind="grid+runs" if grid_prof else "runs")
+    except RunsError as exc:
+        fail(str(exc))
+    prof = Profile(data)
+    if out is not None:
+        prof.save(out)
+    return prof
+
+
+def _stored_profile(path: Path, info) -> dict:
+    """A profile JSON with samples, measured on this model and machine."""
+    import json
+
+    from schedlab.engine.calibrate import profile_mismatch
+
+    name = opt("from_profile")
+    try:
+        prof = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fail(f"{name} {path}: not a readable profile JSON ({exc})")
+    if not isinstance(prof, dict) or not isinstance(prof.get("samples"), list) or not prof["samples"]:
+        fail(f"{name} {path}: the profile stores no samples")
+    missing = [k for k in ("fit_report", "calibration", "coefficients") if k not in prof]
+    if missing:
+        fail(f"{name} {path}: not a calibrate profile (no {', '.join(missing)})")
+    why = profile_mismatch(prof, info)
+    if why:
+        fail(f"{name} {path} was not measured on this model and machine: {why}")
+    return prof
+
+
+@public
+def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = False,
+              grid: str | Mapping[str, Any] | Path | Profile | None = None, seed: int = 0, model_seed: int = 0,
+              analytic: bool = False, from_profile: str | Path | None = None, replay: bool = False,
+              keep_runs: str | Path | None = None, from_runs: Sequence[str | Path] | None = None,
+              out: str | Path | None = None, log: Log | None = None) -> Profile:
+    """Time real passes over a grid and fit the cost model (the ``calibrate`` command).
+
+    ``quick``: the smaller grid (models above 50M parameters use the compact one); ``grid``: a
+    grid by name (``quick``, ``default``, ``compact``) or a mapping of ``engine.calibrate.Grid``
+    fields replacing those of the chosen grid (e.g.
+    ``{"decode_batches": (1, 2, 4), "rounds": 2}``); ``analytic``: also fit the cpu-local
+    roofline's factors; ``from_profile``: with ``analytic``, time nothing and fit those factors
+    to this profile's samples; ``replay``: the default calibration (what ``validate`` and
+    ``run_real`` make when no profile matches: the quick grid, then a short real replay of a few
+    policies, fitted together), ``keep_runs``: keep the replay's run directories there;
+    ``from_runs``: time nothing, fit to these real runs' steps (``run_real``/``validate`` output
+    directories, their features.parquet), whole runs held out, on top of ``grid``'s fit when
+    ``grid`` is then a grid profile (a path or ``Profile``); ``out``: write the profile JSON (and
+    its .md report) there. ``log`` hears progress lines."""
+    if from_runs is not None:
+        return _from_runs(from_runs, grid, out)
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine import blas
+
+    log = logger(log)
+    seed, model_seed = check_seed(seed), check_seed(model_seed, "model_seed")
+    check_model(model, dtype)
+    out = Path(out) if out is not None else None
+    if out is not None:
+        if out.exists() and out.is_dir():
+            fail(f"{opt('out')} {out} is a directory; give a file name")
+        if not out.parent.exists():
+            fail(f"{opt('out')}: directory {out.parent} does not exist")
+    if from_profile is not None and not analytic:
+        fail(f"{opt('from_profile')} goes with {opt('analytic')}", 2)
+    if from_profile is not None and not Path(from_profile).is_file():
+        fail(f"{opt('from_profile')} {from_profile}: no such file")
+    if keep_runs is not None and not replay:
+        fail(f"{opt('keep_runs')} goes with {opt('replay')}", 2)
+    _grid(grid, quick)  # a bad grid fails before the model loads
+    from schedlab.engine.calibrate import calibrate as run_calibration
+    from schedlab.engine.models import load_model
+
+    info = load_model(str(model), dtype=dtype, seed=model_seed)
+    blas.notify_if_missing()
+    chosen = _grid(grid, quick, info)
+
+    def say(msg: str) -> None:
+        log("progress", msg)
+
+    if from_profile is not None:
+        data = _stored_profile(Path(from_profile), info)
+    elif replay:
+        from schedlab.engine.calibrate import calibrate_default
+
+        data = calibrate_default(info, seed=seed, progress=say, keep=Path(keep_runs) if keep_runs is not None else None)
+    else:
+        data = run_calibration(info, chosen, seed=seed, progress=say)
+    if analytic:
+        from schedlab.engine.calibrate import fit_analytic
+
+        say("analytic roofline: fitting cpu-local's factors to the samples")
+        data["analytic_cpu_local"] = fit_analytic(data["samples"], info)
+    prof = Profile(data)
+    if out is not None:
+        prof.save(out)
+    return prof

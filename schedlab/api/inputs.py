@@ -1,0 +1,201 @@
+"""Inputs: a policy (``policy``, ``bundled_policies``) and a trace (``load_trace``,
+``trace_stats``) from what a caller gives: a bundled name, a file, a class, an object, a list of
+requests or a DataFrame."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from ..errors import opt
+from ._base import PolicyLike, TraceLike, fail, is_frame, public
+
+if TYPE_CHECKING:  # pragma: no cover
+    from schedlab.policies.base import Policy
+    from schedlab.traces.schema import Trace
+
+
+def as_policy(spec: PolicyLike, options: Mapping[str, Any] | None = None):
+    """A policy object from a name, file spec, class or object (``policy``, without the error boundary)."""
+    from schedlab.policies import POLICIES, make_policy
+    from schedlab.policies.base import OptionError
+
+    options = dict(options or {})
+    for key in list(options):
+        if not isinstance(key, str) or not key:
+            fail(f"policy option names are strings, got {key!r}", 2)
+        norm = key.replace("-", "_")
+        if norm != key:
+            options[norm] = options.pop(key)
+    if isinstance(spec, (str, Path)):
+        spec = str(spec)
+        if not spec.strip():
+            fail("policy is empty", 2)
+        if spec in POLICIES:
+            _check_option_types(POLICIES[spec], options)
+        pol = make_policy(spec, options)
+    elif isinstance(spec, type):
+        if not callable(getattr(spec, "plan", None)):
+            fail(f"policy class {spec.__name__} has no plan(view) method")
+        if hasattr(spec, "from_options"):
+            _check_option_types(spec, options)
+            pol = spec.from_options(options)
+        else:
+            try:
+                pol = spec(**options)
+            except TypeError as exc:
+                raise OptionError(f"policy '{spec.__name__}': {exc}") from None
+            if not hasattr(pol, "name"):
+                try:
+                    pol.name = spec.__name__
+                except AttributeError:
+                    pass
+    elif callable(getattr(spec, "plan", None)):
+        if options:
+            fail(f"options go with a policy's name or class, not with a policy object "
+                  f"({getattr(spec, 'name', type(spec).__name__)!r} is built already)", 2)
+        pol = spec
+    else:
+        fail(f"a policy is a bundled name ({', '.join(POLICIES)}), 'file.py:Class', a class or an "
+              f"object with a plan(view) method; got {type(spec).__name__}", 2)
+    return pol
+
+
+def _check_option_types(cls: type, options: Mapping[str, Any]) -> None:
+    """Python values for a bundled policy's options must have the option's type (strings are
+    parsed as ``-o key=value``)."""
+    import dataclasses
+
+    from schedlab.policies.base import OptionError
+
+    if not dataclasses.is_dataclass(cls):
+        return
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in options.items():
+        f = fields.get(key)
+        if f is None or isinstance(value, str) or f.default is dataclasses.MISSING:
+            continue
+        kind = type(f.default)
+        ok = (isinstance(value, bool) if kind is bool else
+              isinstance(value, int) and not isinstance(value, bool) if kind is int else
+              isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              if kind is float else True)
+        if not ok:
+            raise OptionError(f"policy '{getattr(cls, 'name', cls.__name__)}': option {key}={value!r} "
+                              f"is not a valid {kind.__name__}")
+
+
+@public
+def policy(spec: PolicyLike, /, **options: Any) -> "Policy":
+    """A policy object: ``spec`` is a bundled name (``"unified"``), ``"file.py:Class"`` or
+    ``"module:Class"``, a class (built with its options) or an object with ``plan(view)``
+    (returned as it is). ``options``: the policy's options (``-o key=value``), e.g.
+    ``policy("chunked-prefill", budget=512)``."""
+    return as_policy(spec, options)
+
+
+def bundled_policies() -> dict[str, dict[str, Any]]:
+    """The bundled policies and their default options."""
+    from schedlab.policies import POLICIES
+
+    return {name: cls().options() for name, cls in POLICIES.items()}
+
+
+def _plain(v: Any) -> Any:
+    """A DataFrame cell as the JSON loader sees it: numpy scalars and arrays as Python values."""
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        v = v.tolist()
+    return v
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def as_trace(trace: TraceLike, seed: int = 0, tokenizer: Any = None, name: str | None = None,
+             recount: bool = False) -> "Trace":
+    """A ``traces.Trace`` with token counts from anything ``load_trace`` takes; ``tokenizer``
+    counts prompts given as text (``recount``: also those given with counts)."""
+    from schedlab import traces
+    from schedlab.traces.schema import Request, Trace, TraceError, request_from_json
+
+    if isinstance(trace, Trace):
+        tr = trace
+    elif isinstance(trace, (str, Path)):
+        return traces.load(trace, seed=seed, tokenizer=tokenizer, recount=recount)
+    elif is_frame(trace):
+        where = name or "DataFrame"
+        missing = [c for c in ("id", "arrival_s", "output_tokens") if c not in trace.columns]
+        if missing:
+            raise TraceError(f"{where}: missing column(s) {', '.join(missing)} (a trace has id, arrival_s, "
+                             f"prompt_tokens, output_tokens)")
+        rows = [{k: _plain(v) for k, v in row.items() if not _missing(_plain(v))}
+                for row in trace.to_dict("records")]
+        tr = Trace(name or "dataframe", "", [request_from_json(row, i, where) for i, row in enumerate(rows)])
+    elif isinstance(trace, Iterable) and not isinstance(trace, (bytes, Mapping)):
+        reqs = list(trace)
+        bad = next((r for r in reqs if not isinstance(r, Request)), None)
+        if bad is not None:
+            raise TraceError(f"a list of requests holds traces.Request objects, got {type(bad).__name__}")
+        if not reqs:
+            raise TraceError("the trace has no requests")
+        tr = Trace(name or "requests", "", reqs)
+    else:
+        raise TraceError(f"a trace is a name or path, a dataset spec (random:n=50), a traces.Trace, a list of "
+                         f"traces.Request or a DataFrame; got {type(trace).__name__}")
+    if tokenizer is not None:
+        tr = traces.tokenize(tr, tokenizer, recount=recount)
+    return traces.require_counts(tr)
+
+
+@public
+def load_trace(trace: TraceLike, *, seed: int = 0, tokenizer: Any = None, rate: float | None = None,
+               head: int | None = None, name: str | None = None) -> "Trace":
+    """A trace (``traces.Trace``: ``name``, ``requests``) from a bundled name or path (JSON,
+    Azure CSV, Mooncake JSONL), a dataset spec (``"random:n=200,input_len=512,rate=2"``), a
+    list of ``traces.Request`` or a DataFrame with the columns id, arrival_s, prompt_tokens,
+    output_tokens. ``seed``: the loader's randomness (tick jitter, datasets); ``tokenizer``:
+    counts prompts given as text; ``head``: keep the first N requests; ``rate``: rescale the
+    arrivals to this mean rate (req/s); ``name``: the trace's name (lists and DataFrames)."""
+    from schedlab import traces
+
+    tr = as_trace(trace, seed=seed, tokenizer=tokenizer, name=name)
+    if head is not None:
+        tr = traces.head(tr, head)
+    if rate is not None:
+        tr = traces.to_rate(tr, rate)
+    return tr
+
+
+@public
+def trace_stats(trace: TraceLike, *, seed: int = 0) -> dict[str, float]:
+    """Requests, duration, mean rate, prompt and output token percentiles of a trace."""
+    from schedlab import traces
+
+    return traces.trace_stats(as_trace(trace, seed=seed))
+
+
+def policy_list(policy, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Policies by name: one (a name, class or object), several (a list, or "a,b"), or "all";
+    ``options`` go to every one given by name or class."""
+    from schedlab.policies import POLICIES
+
+    if isinstance(policy, str):
+        items = list(POLICIES) if policy == "all" else [p.strip() for p in policy.split(",") if p.strip()]
+    elif isinstance(policy, (list, tuple)):
+        items = list(policy)
+    else:
+        items = [policy]
+    if not items:
+        fail(f"{opt('policy')} is empty", 2)
+    out: dict[str, Any] = {}
+    for item in items:
+        pol = as_policy(item, options if isinstance(item, (str, Path, type)) else None)
+        name = getattr(pol, "name", type(pol).__name__)
+        if name in out:
+            fail(f"policy {name!r} given twice", 2)
+        out[name] = pol
+    return out
+
+

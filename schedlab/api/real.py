@@ -1,0 +1,313 @@
+"""The real MLX engine: ``run_real`` (the ``run-real`` command), and under it ``load_engine``,
+a model loaded with the cost model its policy plans with (an ``Engine``), which runs a policy
+over a trace or a live arrival source (``serve``'s). ``model_info`` describes a model.
+
+Nothing here imports mlx until one of these is called; ``engine`` is imported first there, so
+OpenBLAS is loaded before MLX."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ._base import Log, PolicyLike, TraceLike, check_model, check_seed, fail, logger, parse_slo, policy_options, public
+from .inputs import as_policy, as_trace
+from .options import ClientOptions, EngineOptions, ReplicaOptions, merged
+from .profiles import CostModel, ProfileLike, linear_model, profile_path
+from .runs import Run
+
+if TYPE_CHECKING:  # pragma: no cover
+    from schedlab.engine.backend import MLXBackend
+    from schedlab.engine.models import ModelInfo
+    from schedlab.engine.noise import Noise
+
+
+@contextlib.contextmanager
+def noise_env(spec: str | None):
+    """The engine's noise settings (``engine.noise``: gc-off, pin=CPUS, warmup=N, malloc-keep,
+    mlx-cache=SIZE), checked; in the environment while the block runs, so that every backend and
+    calibration made in it uses them (as the commands' ``--noise`` does). Yields the settings."""
+    import os
+
+    from schedlab.engine.noise import ENV, Noise
+
+    if spec is not None and not isinstance(spec, str):
+        fail(f"noise is a string such as 'gc-off,pin=0-1,warmup=3', got {type(spec).__name__}", 2)
+    noise = Noise.parse(spec if spec is not None else os.environ.get(ENV))
+    saved = os.environ.get(ENV)
+    if spec is not None:
+        os.environ[ENV] = spec
+    try:
+        yield noise
+    finally:
+        if spec is not None:
+            if saved is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = saved
+
+
+def _blas_mismatch(profile_blas, engine_blas) -> str | None:
+    """A one-line warning when the profile was measured under another BLAS or thread count."""
+    if not isinstance(profile_blas, dict):
+        return None
+    want = (profile_blas.get("name"), profile_blas.get("threads"))
+    have = (engine_blas.get("name"), engine_blas.get("threads"))
+    if want[0] is None:
+        return None
+    if want[0] != have[0] or (want[1] is not None and want[1] != have[1]):
+        return (f"the profile was measured with BLAS {want[0]} ({want[1]} threads) but the engine "
+                f"uses {have[0]} ({have[1]} threads): predicted_s will be off")
+    return None
+
+
+def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, info, log: Log,
+               notes: list[str]):
+    """(cost model, KV capacity, profile path) the policy sees and steps are predicted with.
+
+    ``profile``: that file (a warning when it was measured elsewhere). Otherwise one measured on
+    this model and machine (bundled, or calibrate's cache), else a quick calibration now (cached
+    for the next run), as ``validate`` does; with ``no_calibrate`` the bundled default profile,
+    which ``simulate`` uses, with a warning that its predictions are for another setup. Then a
+    warning when the profile was measured under another BLAS setup.
+    """
+    from schedlab.engine import blas
+    from schedlab.engine.calibrate import candidate_profiles, find_or_calibrate, profile_mismatch
+    from schedlab.sim.cost import read_profile
+    from schedlab.sim.profiles import resolve_profile
+
+    def note(kind: str, text: str) -> None:
+        notes.append(text)
+        log(kind, text)
+
+    if profile is None and no_calibrate:
+        matching = []
+        for p in candidate_profiles(info):
+            try:
+                if profile_mismatch(read_profile(p), info) is None:
+                    matching.append(p)
+            except Exception:  # a broken cache file is no match
+                continue
+        path = matching[0] if matching else resolve_profile(None)
+        if not matching:
+            note("warning", f"no cost profile for model {info.name} on this machine: the policy plans and "
+                            f"steps.parquet's predicted_s come from the bundled {path.name} (measured elsewhere)")
+    else:
+        given = None if profile is None else str(profile_path(profile))
+        path, why = find_or_calibrate(given, info, None, lambda msg: log("progress", msg))
+        if why:
+            note("note" if profile is None else "warning", why)
+    cost, capacity, path = linear_model(path, kv_tokens)
+    mismatch = _blas_mismatch(cost.meta.get("blas"), blas.info())
+    if mismatch:
+        note("warning", mismatch)
+    return cost, capacity, path
+
+
+class Engine:
+    """A model loaded on the real MLX engine (``load_engine``), with the cost model a policy
+    plans with and each step is predicted with, and the replica it runs.
+
+    - ``info``: the model (``engine.models.ModelInfo``: ``name``, ``tokenizer``,
+      ``eos_token_ids``, ``max_context``, ``check_trace(requests)``, ``metadata()``);
+    - ``cost_model``: a ``CostModel`` (its ``kv_tokens``: the replica's KV capacity);
+    - ``options``, ``replica``: the ``EngineOptions`` and ``ReplicaOptions`` it was loaded with;
+      ``seed``: the prompt ids' and the sampling's seed (and a trace's, in ``run``);
+    - ``notes``: what loading noted or warned about (a run's meta.json keeps them);
+    - ``run(policy, arrivals)``: a ``Run``; ``make_backend()``: a fresh engine backend for it.
+    """
+
+    def __init__(self, info: "ModelInfo", options: EngineOptions, replica: ReplicaOptions, seed: int,
+                 cost_model: CostModel, noise: "Noise", sampler: Any, notes: list[str]):
+        self.info = info
+        self.options = options
+        self.replica = replica
+        self.seed = seed
+        self.cost_model = cost_model
+        self.noise = noise
+        self._sampler = sampler
+        self.notes = list(notes)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.cost_model.kv_tokens
+
+    def make_backend(self) -> "MLXBackend":
+        """A fresh engine backend (``engine.backend.MLXBackend``) with this engine's sampling,
+        seed, EOS handling and noise settings: what ``run`` runs on unless given one (``serve``
+        hooks its ``on_token`` first)."""
+        from schedlab.engine.backend import MLXBackend
+
+        return MLXBackend(self.info, sampling=self._sampler, seed=self.seed, ignore_eos=self.options.ignore_eos,
+                          noise=self.noise)
+
+    @public
+    def run(self, policy: PolicyLike, arrivals: Any, *, trace_name: str | None = None,
+            clients: ClientOptions | None = None, slo: str | Mapping[str, float] | None = None,
+            on_step: Callable[[int, int], None] | None = None, clock: Any = None,
+            backend: "MLXBackend | None" = None) -> Run:
+        """Run ``policy`` on this engine over ``arrivals``: a trace (anything ``load_trace``
+        takes; prompts given as text are counted with the model's tokenizer; ``clients``: the
+        clients in front of the replica) or an arrival source (``sim.sources``: e.g. a
+        ``LiveSource`` whose requests come from other threads while the replica runs, as
+        ``serve``'s HTTP handlers submit them; with ``clock``, the ``sim.WallClock`` it stamps
+        arrivals with). ``trace_name``: the run's trace name (default: the trace's, ``"live"``
+        for a source); ``slo``: goodput SLOs; ``on_step(finished, requests)`` is called after
+        every step; ``backend``: the engine backend to run on (default: ``make_backend()``)."""
+        pol = as_policy(policy)
+        slos = parse_slo(slo)
+        if hasattr(arrivals, "process"):  # an arrival source
+            if clients is not None:
+                fail("clients go with a trace, not with an arrival source", 2)
+            return self._run(pol, arrivals, trace_name or "live", slos, on_step, clock, backend)
+        tr = _model_trace(self.info, arrivals, self.seed)
+        return self._run(pol, (clients or ClientOptions()).arrivals(tr.requests, self.seed), trace_name or tr.name,
+                         slos, on_step, clock, backend)
+
+    def _run(self, pol, arrivals, trace_name: str, slos: dict, on_step, clock, backend) -> Run:
+        from schedlab.analysis.residuals import bias
+        from schedlab.sim import run as run_loop
+        from schedlab.sim.features import step_table
+        from schedlab.sim.metrics import summarize
+
+        backend = backend if backend is not None else self.make_backend()
+        hook = None if on_step is None else (lambda state: on_step(state.finished, state.n_accepted))
+        rep = self.replica
+        result = run_loop(arrivals, pol, self.cost_model.model, kv_capacity=self.kv_tokens, backend=backend,
+                          trace_name=trace_name, on_step=hook, block_size=rep.block_size,
+                          prefix_caching=rep.prefix_caching, clock=clock)
+        summary = summarize(result, slo=slos or None)
+        return Run(result, summary, {"profile": self.cost_model.source["profile"], "kv_tokens": result.kv_capacity,
+                                     "seed": self.seed, "block_size": rep.block_size,
+                                     "prefix_caching": rep.prefix_caching, "model_seed": self.options.model_seed,
+                                     "policy_options": policy_options(pol), "warnings": list(self.notes),
+                                     "step_bias": bias(step_table(result)), "noise": self.noise.describe()},
+                   _write_texts=lambda path: backend.write_texts(path, result.requests))
+
+    def __repr__(self) -> str:
+        return (f"Engine(model={self.info.name!r}, dtype={self.info.dtype!r}, kv_tokens={self.kv_tokens}, "
+                f"profile={self.cost_model.source.get('profile')!r})")
+
+
+def _engine_checks(options: EngineOptions):
+    """The sampler: what is checked of the engine's options before a model loads."""
+    from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+    from schedlab.engine.sampling import parse_sampling
+
+    check_model(options.model, options.dtype)
+    return parse_sampling(options.sampling)
+
+
+def _load(options: EngineOptions, replica: ReplicaOptions, profile: ProfileLike, no_calibrate: bool, seed: int,
+          log: Log, sampler, noise, before_cost: Callable[["ModelInfo"], Any] | None = None) -> Engine:
+    """The model loaded, then (after ``before_cost(info)``, which checks what needs the model)
+    its cost model: calibrated first where no profile matches. Called with the noise settings in
+    the environment (``noise_env``)."""
+    from schedlab.engine.models import load_model
+
+    if profile is not None:
+        profile_path(profile)  # a bad profile fails before the model loads
+    info = load_model(options.model, dtype=options.dtype, seed=options.model_seed)
+    if before_cost is not None:
+        before_cost(info)
+    notes: list[str] = []
+    cost, capacity, path = _real_cost(profile, replica.kv_tokens, no_calibrate, info, log, notes)
+    return Engine(info, options, replica, seed, CostModel(cost, capacity, {"profile": str(path)}), noise, sampler,
+                  notes)
+
+
+@public
+def load_engine(engine: EngineOptions | None = None, *, replica: ReplicaOptions | None = None,
+                profile: ProfileLike = None, no_calibrate: bool = False, seed: int = 0, log: Log | None = None,
+                model: str = "tiny", dtype: str = "float32", sampling: str = "greedy", noise: str | None = None,
+                model_seed: int = 0, ignore_eos: bool = False, kv_tokens: int | None = None, block_size: int = 16,
+                prefix_caching: bool = False, require_tokenizer: bool = False) -> Engine:
+    """Load a model on the real MLX engine with the cost model its policies plan with: an
+    ``Engine``, whose ``run`` runs a policy over a trace or a live arrival source.
+
+    ``engine`` (an ``EngineOptions``, or its fields ``model``, ``dtype``, ``sampling``,
+    ``noise``, ``model_seed``, ``ignore_eos``) and ``replica`` (a ``ReplicaOptions``, or its
+    fields ``kv_tokens``, ``block_size``, ``prefix_caching``): see those classes. ``profile``:
+    the cost model the policy sees and each step is predicted with (default: one measured on this
+    model and machine, else a quick calibration first, cached for the next time;
+    ``no_calibrate``: the bundled profile instead); ``seed``: the prompt ids' and the
+    sampling's; ``require_tokenizer``: fail (before any calibration) when the model has no
+    tokenizer, i.e. takes no text; ``log(kind, message)`` hears progress, notes and warnings
+    (default: warnings as ``SchedlabWarning``)."""
+    opts = merged(EngineOptions, engine, "engine", model=model, dtype=dtype, sampling=sampling, noise=noise,
+                  model_seed=model_seed, ignore_eos=ignore_eos)
+    rep = merged(ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size,
+                 prefix_caching=prefix_caching)
+    seed = check_seed(seed)
+    sampler = _engine_checks(opts)
+
+    def has_tokenizer(info) -> None:
+        if require_tokenizer and info.tokenizer is None:
+            fail(f"model {info.name} has no tokenizer, so it takes no text (models with one: smollm2-135m, a .gguf "
+                 f"file or an mlx-lm checkpoint directory with tokenizer.json)")
+
+    with noise_env(opts.noise) as settings:
+        return _load(opts, rep, profile, no_calibrate, seed, logger(log), sampler, settings, before_cost=has_tokenizer)
+
+
+@public
+def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype: str = "float32",
+             options: Mapping[str, Any] | None = None, profile: ProfileLike = None, no_calibrate: bool = False,
+             kv_tokens: int | None = None, seed: int = 0, ignore_eos: bool = False, model_seed: int = 0,
+             sampling: str = "greedy", slo: str | Mapping[str, float] | None = None, noise: str | None = None,
+             log: Log | None = None, on_step: Callable[[int, int], None] | None = None, block_size: int = 16,
+             prefix_caching: bool = False, max_concurrency: int | None = None,
+             request_rate: float | str | None = None, burstiness: float | None = None,
+             think_time: float | None = None, engine: EngineOptions | None = None,
+             replica: ReplicaOptions | None = None, clients: ClientOptions | None = None) -> Run:
+    """Run ``policy`` on ``trace`` with a real MLX model (the ``run-real`` command): the same
+    loop as ``simulate``, every pass a real forward, the clock wall time.
+
+    ``engine`` (or ``model``, ``dtype``, ``sampling``, ``noise``, ``model_seed``,
+    ``ignore_eos``), ``replica`` (or ``kv_tokens``, ``block_size``, ``prefix_caching``) and
+    ``clients`` (or ``max_concurrency``, ``request_rate``, ``burstiness``, ``think_time``): see
+    ``EngineOptions``, ``ReplicaOptions``, ``ClientOptions``. ``profile`` and ``no_calibrate``:
+    see ``load_engine``; ``seed``: the trace's and the prompt ids' seed. Prompts given as text are
+    counted with the model's tokenizer; ``run.texts`` holds what the model generated,
+    ``run.features`` and ``run.residuals()`` the steps' measured/predicted. ``log(kind,
+    message)`` hears progress, notes and warnings (default: warnings as ``SchedlabWarning``);
+    ``on_step(finished, requests)`` is called after every step."""
+    log = logger(log)
+    seed = check_seed(seed)
+    opts = merged(EngineOptions, engine, "engine", model=model, dtype=dtype, sampling=sampling, noise=noise,
+                  model_seed=model_seed, ignore_eos=ignore_eos)
+    rep = merged(ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size,
+                 prefix_caching=prefix_caching)
+    cl = merged(ClientOptions, clients, "clients", max_concurrency=max_concurrency, request_rate=request_rate,
+                burstiness=burstiness, think_time=think_time)
+    pol = as_policy(policy, options)
+    sampler = _engine_checks(opts)
+    slos = parse_slo(slo)
+    got: dict[str, Any] = {}
+
+    def read_trace(info) -> None:  # with the model's tokenizer, before any calibration
+        got["trace"] = _model_trace(info, trace, seed)
+
+    with noise_env(opts.noise) as settings:
+        eng = _load(opts, rep, profile, no_calibrate, seed, log, sampler, settings, before_cost=read_trace)
+    tr = got["trace"]
+    return eng._run(pol, cl.arrivals(tr.requests, seed), tr.name, slos, on_step, None, None)
+
+
+def _model_trace(info, trace: TraceLike, seed: int):
+    """``trace`` read with ``info``'s tokenizer (text prompts counted by it), checked against
+    the model's context."""
+    tok = info.tokenizer
+    tr = as_trace(trace, seed=seed, tokenizer=tok, recount=tok is not None)
+    info.check_trace(tr.requests)
+    return tr
+
+
+@public
+def model_info(model: str = "tiny", *, dtype: str = "float32", model_seed: int = 0) -> dict[str, Any]:
+    """What the engine records about ``model`` (as in a real run's meta.json): architecture,
+    parameters, dtype, tokenizer, mlx and mlx-lm versions, device, BLAS and machine. Loads it."""
+    from schedlab.engine.models import load_model
+
+    check_model(model, dtype)
+    return load_model(str(model), dtype=dtype, seed=check_seed(model_seed, "model_seed")).metadata()

@@ -1,0 +1,193 @@
+"""``serve``: a scheduling policy behind an OpenAI-compatible HTTP server, on the real MLX engine.
+
+The same replica loop as ``run-real`` (policy, state machine, ``MLXBackend``, wall clock); only
+the arrival source differs: requests come from HTTP clients (``sim.sources.LiveSource``) instead
+of a trace. The loop runs in the main thread; uvicorn serves FastAPI in a second one, started
+once the engine has warmed up and the clock runs. Between the two:
+
+- a handler turns a request into a ``traces.Request`` (text, counted with the model's
+  tokenizer, ``max_tokens``), opens a stream for it and submits it to the source, which stamps
+  its arrival time;
+- the backend hands each token to its request's stream as the pass that made it ends
+  (``MLXBackend.on_token``); a request that finishes (or that the replica refuses: larger than
+  its KV capacity) closes its stream with a finish reason (or an error) from ``on_finish``;
+- SIGINT/SIGTERM close the source: requests in flight finish and are answered, new ones get
+  503, then the run ends and ``--out`` gets the run directory ``run-real`` writes plus
+  ``trace.json``, the requests as they arrived (text, token counts, arrival times): the traffic
+  the server saw, for ``simulate``/``validate`` to replay under any policy.
+
+Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream`` with server-sent events, ``stream_options.include_usage``).
+Bad input is an OpenAI-style error (``{"error": {"message", "type", "param", "code"}}``) with
+status 400 (404 for an unknown model, 503 while shutting down); no other request is affected.
+The server samples as ``--sampling`` says (greedy by default) for every request: a request
+asking for other sampling (``temperature``, ``top_p``, ``n``, ``logprobs``, penalties, ...) gets a
+400 saying so rather than a silently different answer (vLLM's extensions likewise: ``ignore_eos``
+is honoured, ``repetition_penalty``, ``top_k``, ``min_p``, ``min_tokens`` only at their neutral
+values, as ``vllm bench serve`` sends them). ``stop`` strings end a request at the
+token that completes one (the text stops before it, finish reason ``stop``); a streaming client
+that goes away ends its request at its next token (``/health`` counts them as ``cancelled``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from ..errors import SchedlabError
+from ._app import BLOCK_SIZE_HELP, NOISE_HELP, PREFIX_HELP, log_to_stderr, make_app, parse_options, run_app
+from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server
+
+# ---------------------------------------------------------------------------- the command
+
+serve_app = make_app(
+    "Serve a scheduling policy on a real MLX model behind an OpenAI-compatible HTTP API "
+    "(/v1/completions, /v1/chat/completions, /v1/models); on SIGINT/SIGTERM finish the requests in "
+    "flight, print the `vllm bench serve` summary of what was served and write it with --out.")
+
+
+def _listening(http_server) -> tuple[str, int] | None:
+    for s in getattr(http_server, "servers", None) or []:
+        for sock in getattr(s, "sockets", None) or []:
+            host, port = sock.getsockname()[:2]
+            return host, port
+    return None
+
+
+@serve_app.command()
+def serve(
+    policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="a model with a tokenizer: smollm2-135m, a llama .gguf file or a local mlx-lm checkpoint directory"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized or auto"),
+    option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+    port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port; the chosen one is printed)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model name clients give (default: the model's)"),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="max_tokens of a request that gives none (capped by the context)"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, else calibrate first)"),
+    no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
+    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
+    block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
+    sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1 (for every request)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the engine's prompt ids and sampling"),
+    model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
+    out: Optional[Path] = typer.Option(None, "--out", help="at shutdown write the run directory (as run-real --out) and trace.json, the requests as served"),
+    noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but the listening line, errors and warnings"),
+) -> None:
+    """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
+    import schedlab
+
+    if not (0 <= port <= 65535):
+        raise SchedlabError(f"--port must be 0..65535, got {port}", 2)
+    if max_tokens < 1:
+        raise SchedlabError(f"--max-tokens must be >= 1, got {max_tokens}", 2)
+    if out is not None and out.exists() and not out.is_dir():
+        raise SchedlabError(f"--out {out} exists and is not a directory")
+    engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
+    replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
+    pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
+    eng = schedlab.load_engine(engine, replica=replica, profile=profile, no_calibrate=no_calibrate, seed=seed,
+                               require_tokenizer=True, log=log_to_stderr("serve", quiet))
+    run, error = _serve(eng, pol, host, port, served_model_name or eng.info.name, max_tokens, out,
+                        log_to_stderr("serve", quiet))
+    if run is not None and not quiet:
+        print(run.report())
+    if error:
+        raise SchedlabError(error)
+
+
+def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path | None, log):
+    """Serve ``pol`` on the loaded engine ``eng`` until SIGINT/SIGTERM: (the run, an error or None)."""
+    import uvicorn
+
+    from schedlab.sim import LiveSource, WallClock
+
+    info = eng.info
+    backend = eng.make_backend()
+    clock = WallClock()
+    bridge = Bridge(backend, eng.kv_tokens, info.tokenizer, frozenset(info.eos_token_ids or ()))
+    http: dict[str, Any] = {}
+    temperature = 0.0 if backend.sampling.greedy else backend.sampling.temperature
+
+    def start_http() -> None:  # the clock runs: from now on arrivals are the run's
+        srv = Server(info, source, bridge, name, temperature, max_tokens)
+        config = uvicorn.Config(srv.app, host=host, port=port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
+        hs = uvicorn.Server(config)
+        t = threading.Thread(target=hs.run, name="schedlab-http", daemon=True)
+        t.start()
+        while not hs.started and t.is_alive():
+            time.sleep(0.01)
+        http.update(server=hs, thread=t)
+        where = _listening(hs) if hs.started else None
+        if where is None:
+            http["error"] = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
+            source.close()
+            return
+        print(f"serve: listening on http://{where[0]}:{where[1]} (policy {getattr(pol, 'name', type(pol).__name__)}, "
+              f"model {name}, KV {eng.kv_tokens} tokens)", file=sys.stderr, flush=True)
+
+    source = LiveSource(clock, on_ready=start_http, on_finish=bridge.on_finish)
+    stopping = {"n": 0}
+
+    def stop(signum, frame) -> None:
+        stopping["n"] += 1
+        if stopping["n"] > 1:
+            raise KeyboardInterrupt
+        source.close()
+        log("progress", f"shutting down: finishing {bridge.in_flight()} request(s) in flight")
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    run = None
+    try:
+        run = eng.run(pol, source, trace_name="served", clock=clock, backend=backend)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        why = (run.error if run is not None else None) or "the replica stopped"
+        bridge.fail_all(APIError(500, f"the server could not finish this request: {why}", kind="server_error"))
+        hs = http.get("server")
+        if hs is not None:
+            hs.should_exit = True
+            http["thread"].join(timeout=10)
+    if http.get("error"):
+        return None, http["error"]
+    if out is not None:
+        run.save(out)
+        _write_served_trace(Path(out) / "trace.json", run, source.received, pol, name)
+    return run, run.error
+
+
+def _write_served_trace(path: Path, run, received, pol, name: str) -> None:
+    """trace.json: the requests as served, for simulate/validate to replay. A request that
+    stopped at EOS has the tokens it generated as its output (what a replay must generate); one
+    refused keeps its max_tokens (refused again); times from the first arrival (a replay on the
+    real engine need not sit idle first)."""
+    from dataclasses import replace
+
+    from schedlab.traces.schema import Trace
+
+    req = run.requests
+    done = req[req["finish_s"].notna()]
+    made = {str(i): int(n) for i, n in zip(done["id"], done["output_tokens"])}
+    t0 = received[0].arrival_s if received else 0.0
+    trace = Trace(name="served", description=f"requests served by schedlab serve (policy "
+                                             f"{getattr(pol, 'name', type(pol).__name__)}, model {name}); "
+                                             f"arrival_s from the first arrival ({t0:.3f} s into the run); "
+                                             f"output_tokens: the tokens each generated",
+                  requests=[replace(r, arrival_s=round(r.arrival_s - t0, 6), output_tokens=made.get(r.id, r.output_tokens))
+                            for r in received])
+    path.write_text(json.dumps(trace.to_json(), ensure_ascii=False, indent=1) + "\n")
+
+
+def main() -> None:
+    run_app(serve_app, "serve")
