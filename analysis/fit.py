@@ -13,7 +13,14 @@ import random
 import statistics
 from typing import Any, Callable, Iterable, Sequence
 
-from schedlab.sim.cost import DECODE_SHAPE_TERMS, FEATURES, PASS_FEATURES, PREFILL_SHAPE_TERMS, LinearCostModel, fit_linear
+from schedlab.sim.cost import (
+    DECODE_SHAPE_TERMS,
+    FEATURES,
+    PASS_FEATURES,
+    PREFILL_SHAPE_TERMS,
+    LinearCostModel,
+    fit_linear,
+)
 
 from .samples import DECODE_BASE, DECODE_TERMS, JOIN_TERMS, LEAVE_TERMS, PREFILL_BASE, STEP_TERMS, Sample
 
@@ -47,8 +54,12 @@ def _errors(model: LinearCostModel, samples: Sequence[Sample], predict: Callable
         return {"n": 0}
     errs = [100.0 * (predict(s) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
     abs_e = sorted(abs(e) for e in errs)
-    return {"n": len(errs), "median_abs_pct": statistics.median(abs_e), "max_abs_pct": abs_e[-1],
-            "mean_pct": statistics.fmean(errs)}
+    return {
+        "n": len(errs),
+        "median_abs_pct": statistics.median(abs_e),
+        "max_abs_pct": abs_e[-1],
+        "mean_pct": statistics.fmean(errs),
+    }
 
 
 def _r2(samples: Sequence[Sample], predict: Callable[[Sample], float]) -> float | None:
@@ -67,7 +78,10 @@ def _dot(coef: dict[str, float], feats: dict[str, float], names: Iterable[str]) 
 
 def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]]:
     """Coefficients for every term, each group fitted apart, plus the fit report."""
-    by = {g: [s for s in samples if s.group == g] for g in ("decode", "join", "leave", "prefill", "padded", "mixed", "step")}
+    by = {
+        g: [s for s in samples if s.group == g]
+        for g in ("decode", "join", "leave", "prefill", "padded", "mixed", "step")
+    }
     coef: dict[str, float] = dict.fromkeys(FEATURES, 0.0)
     report: dict[str, Any] = {}
 
@@ -79,15 +93,24 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
             # measure of its own, not the fit's three quarters alone: 13-15 points judge a term poorly)
             terms, report[f"{name}_shape_tries"] = shape_terms(group, terms, shape)
         y = [s.seconds - (base(s) if base else 0.0) for s in fit]
-        got = fit_linear([s.features for s in fit], y, terms, relative=relative,
-                         scale_by=[s.seconds for s in fit] if relative else None)
+        got = fit_linear(
+            [s.features for s in fit],
+            y,
+            terms,
+            relative=relative,
+            scale_by=[s.seconds for s in fit] if relative else None,
+        )
         coef.update(got)
 
         def pred(s):
             return _dot(coef, s.features, terms) + (base(s) if base else 0.0)
 
-        report[name] = {"terms": list(terms), "fit": _errors(None, fit, pred), "r2": _r2(fit, pred),
-                        "held_out": _errors(None, held, pred)}
+        report[name] = {
+            "terms": list(terms),
+            "fit": _errors(None, fit, pred),
+            "r2": _r2(fit, pred),
+            "held_out": _errors(None, held, pred),
+        }
 
     fit_group("decode", by["decode"], DECODE_BASE, shape=DECODE_SHAPE_TERMS)
     decode_part = lambda s: _dot(coef, s.features, DECODE_TERMS)  # noqa: E731
@@ -102,8 +125,11 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
     # every pass sample, held-out or not, as one number users can quote
     all_pass = [s for g in ("decode", "join", "leave", "prefill", "padded", "mixed") for s in by[g]]
     report["all_passes"] = _errors(model, all_pass, passes)
-    held = [s for g in ("decode", "join", "leave") for s in split(by[g])[1]] + split(
-        by["prefill"] + by["padded"])[1] + by["mixed"]
+    held = (
+        [s for g in ("decode", "join", "leave") for s in split(by[g])[1]]
+        + split(by["prefill"] + by["padded"])[1]
+        + by["mixed"]
+    )
     report["held_out_passes"] = _errors(model, held, passes)
     return coef, report
 
@@ -118,8 +144,9 @@ def _loo_median(samples: Sequence[Sample], terms: Sequence[str]) -> float:
     return statistics.median(errs)
 
 
-def shape_terms(samples: Sequence[Sample], base: Sequence[str], candidates: Sequence[str]
-                ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+def shape_terms(
+    samples: Sequence[Sample], base: Sequence[str], candidates: Sequence[str]
+) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
     """The terms to fit to a group's ``samples``: ``base``, plus each of ``candidates`` (the
     group's shape terms, forward selection) that lowers the leave-one-out median |error| of
     the group's points by ``SHAPE_MIN_GAIN`` points. Whether a batch's second to fourth rows
@@ -155,9 +182,12 @@ def format_report(profile: dict[str, Any]) -> str:
     what = f"{cal.get('samples')} grid samples"
     if cal.get("kind") in ("runs", "grid+replay", "grid+runs"):
         what += f" + {cal.get('steps')} real steps of {len(cal.get('runs') or [])} run(s) ({cal['kind']})"
-    lines = [f"calibrated {profile['model']} ({profile['dtype']}, BLAS {profile['blas'].get('name')} "
-             f"x{profile['blas'].get('threads')})" + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else "")
-             + f", {what}"]
+    lines = [
+        f"calibrated {profile['model']} ({profile['dtype']}, BLAS {profile['blas'].get('name')} "
+        f"x{profile['blas'].get('threads')})"
+        + (f" in {cal['wall_s']} s" if cal.get("wall_s") is not None else "")
+        + f", {what}"
+    ]
     if rep.get("held_out_passes"):
         lines += _grid_lines(rep)
     if profile.get("runs_report"):
@@ -178,18 +208,27 @@ def _grid_lines(rep: dict[str, Any]) -> list[str]:
         h = r.get("held_out", {})
         r2 = r.get("r2")
         fit_med = r.get("fit", {}).get("median_abs_pct")
-        lines.append(f"{g:<10} {_f(r2, 4):>7} {_f(fit_med, 1):>11} {h.get('n', 0):>11} "
-                     f"{_f(h.get('median_abs_pct'), 1):>8} {_f(h.get('max_abs_pct'), 1):>8}")
+        lines.append(
+            f"{g:<10} {_f(r2, 4):>7} {_f(fit_med, 1):>11} {h.get('n', 0):>11} "
+            f"{_f(h.get('median_abs_pct'), 1):>8} {_f(h.get('max_abs_pct'), 1):>8}"
+        )
     for group, base in (("decode", DECODE_BASE), ("prefill", PREFILL_BASE)):
         tries = rep.get(f"{group}_shape_tries")
         if tries:
-            lines.append(f"{group} terms (leave-one-out median |%| of the {group} points; a shape term kept when "
-                         f"it drops by >= {SHAPE_MIN_GAIN}): " + ", ".join(
-                             f"{'+'.join(t['terms'][len(base):]) or 'base'} {t['loo_median_abs_pct']:.1f}"
-                             + (" kept" if t["kept"] and len(t["terms"]) > len(base) else "") for t in tries))
+            lines.append(
+                f"{group} terms (leave-one-out median |%| of the {group} points; a shape term kept when "
+                f"it drops by >= {SHAPE_MIN_GAIN}): "
+                + ", ".join(
+                    f"{'+'.join(t['terms'][len(base) :]) or 'base'} {t['loo_median_abs_pct']:.1f}"
+                    + (" kept" if t["kept"] and len(t["terms"]) > len(base) else "")
+                    for t in tries
+                )
+            )
     h = rep["held_out_passes"]
-    lines.append(f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
-                 f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}")
+    lines.append(
+        f"held-out passes: median |error| {_f(h.get('median_abs_pct'), 1)} %, "
+        f"max {_f(h.get('max_abs_pct'), 1)} % over {h.get('n')}"
+    )
     return lines
 
 

@@ -47,11 +47,19 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 RUN_FILES = ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet")
-REQUEST_COLUMNS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",
-                   "finish_s", "ttft_ms", "decode_rate_tok_s", "status")
+REQUEST_COLUMNS = (
+    "id",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "first_token_s",
+    "finish_s",
+    "ttft_ms",
+    "decode_rate_tok_s",
+    "status",
+)
 TOKEN_COLUMNS = ("request_id", "token_index", "time_s")
-STEP_COLUMNS = ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
-                "prefill_tokens", "passes")
+STEP_COLUMNS = ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens", "passes")
 PASS_COLUMNS = ("step", "pass", "request_id", "kind", "tokens", "start_s", "end_s")
 FORMATS = ("png", "svg")
 
@@ -152,8 +160,9 @@ def _read_csv(path: Path, columns: Sequence[str], numeric: Sequence[str], *, str
                 if c in df.columns:
                     df[c] = df[c].astype(object)
         else:
-            df = pd.read_csv(path, dtype={c: str for c in str_cols}, keep_default_na=False,
-                             na_values=[""], encoding="utf-8")
+            df = pd.read_csv(
+                path, dtype={c: str for c in str_cols}, keep_default_na=False, na_values=[""], encoding="utf-8"
+            )
     except UnicodeDecodeError:
         raise RunDirError(f"{path}: not a UTF-8 text file") from None
     except pd.errors.EmptyDataError:
@@ -183,8 +192,7 @@ def _checked(df, path, columns: Sequence[str], numeric: Sequence[str], *, str_co
         bad = col.isna() & df[c].notna()
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
-            raise RunDirError(f"{path}: column {c} has a non-numeric value {df[c].iloc[row]!r} "
-                              f"(data row {row + 1})")
+            raise RunDirError(f"{path}: column {c} has a non-numeric value {df[c].iloc[row]!r} (data row {row + 1})")
         df[c] = col.astype(float)
     for c in required:
         if df[c].isna().any():
@@ -210,11 +218,13 @@ def load_run(path: str | Path) -> RunData:
         raise RunDirError(f"{p} is not a run directory (it is a file; give the directory written by simulate --out)")
     missing = [f for f in RUN_FILES if not (p / f).is_file()]
     if missing and (p / "sim").is_dir() and (p / "real").is_dir():
-        raise RunDirError(f"{p} has sim/ and real/ but no validation.json (not a validation directory), "
-                          f"and is not a run directory")
+        raise RunDirError(
+            f"{p} has sim/ and real/ but no validation.json (not a validation directory), and is not a run directory"
+        )
     if missing:
-        raise RunDirError(f"{p} is not a run directory: missing {', '.join(missing)} "
-                          f"(write one with simulate --out DIR)")
+        raise RunDirError(
+            f"{p} is not a run directory: missing {', '.join(missing)} (write one with simulate --out DIR)"
+        )
     summary = _read_json(p / "summary.json")
     _check_summary(summary, p)
     requests = _read_csv(p / "requests.csv", REQUEST_COLUMNS, (), str_cols=("id", "status"))
@@ -232,17 +242,22 @@ def _check_summary(summary: dict[str, Any], p: Path) -> None:
             raise RunDirError(f"{p / 'summary.json'}: no '{key}' key (not a schedlab summary)")
 
 
-def run_data(summary: dict[str, Any], requests, tokens, steps, passes=None, *, path: str | Path = "run",
-             label: str | None = None) -> RunData:
+def run_data(
+    summary: dict[str, Any], requests, tokens, steps, passes=None, *, path: str | Path = "run", label: str | None = None
+) -> RunData:
     """A run's tables (as a run directory holds them: requests.csv's columns, tokens, steps
     and passes as read from their Parquet files) checked and typed as ``load_run`` reads them;
     any problem is one ``RunDirError`` line naming ``path``."""
     p = Path(path)
     _check_summary(summary, p)
-    requests = _checked(requests, p / "requests.csv", REQUEST_COLUMNS,
-                        ("arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
-                         "ttft_ms", "decode_rate_tok_s"),
-                        str_cols=("id", "status"), required=("arrival_s", "output_tokens"))
+    requests = _checked(
+        requests,
+        p / "requests.csv",
+        REQUEST_COLUMNS,
+        ("arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s", "ttft_ms", "decode_rate_tok_s"),
+        str_cols=("id", "status"),
+        required=("arrival_s", "output_tokens"),
+    )
     fin = requests["status"] == "finished"
     for c in ("first_token_s", "finish_s", "ttft_ms"):
         if requests.loc[fin, c].isna().any():
@@ -250,25 +265,45 @@ def run_data(summary: dict[str, Any], requests, tokens, steps, passes=None, *, p
     if requests["id"].duplicated().any():
         dup = requests["id"][requests["id"].duplicated()].iloc[0]
         raise RunDirError(f"{p / 'requests.csv'}: duplicate request id {dup}")
-    tokens = _checked(tokens, p / "tokens.parquet", TOKEN_COLUMNS, ("token_index", "time_s"),
-                      str_cols=("request_id",), required=("token_index", "time_s"))
-    steps = _checked(steps, p / "steps.parquet", STEP_COLUMNS,
-                     ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
-                      "prefill_tokens", "passes"),
-                     required=("start_s", "end_s", "decode_rows", "prefill_tokens", "passes"))
+    tokens = _checked(
+        tokens,
+        p / "tokens.parquet",
+        TOKEN_COLUMNS,
+        ("token_index", "time_s"),
+        str_cols=("request_id",),
+        required=("token_index", "time_s"),
+    )
+    steps = _checked(
+        steps,
+        p / "steps.parquet",
+        STEP_COLUMNS,
+        ("step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens", "passes"),
+        required=("start_s", "end_s", "decode_rows", "prefill_tokens", "passes"),
+    )
     unknown = set(tokens["request_id"]) - set(requests["id"])
     if unknown:
         raise RunDirError(f"{p / 'tokens.parquet'}: request id {sorted(unknown)[0]} is not in requests.csv")
     if passes is not None:
-        passes = _checked(passes, p / "passes.parquet", PASS_COLUMNS,
-                          ("step", "pass", "tokens", "start_s", "end_s"),
-                          str_cols=("request_id", "kind"),
-                          required=("step", "pass", "tokens", "start_s", "end_s"))
+        passes = _checked(
+            passes,
+            p / "passes.parquet",
+            PASS_COLUMNS,
+            ("step", "pass", "tokens", "start_s", "end_s"),
+            str_cols=("request_id", "kind"),
+            required=("step", "pass", "tokens", "start_s", "end_s"),
+        )
         kinds = set(passes["kind"]) - {"decode", "prefill"}
         if kinds:
             raise RunDirError(f"{p / 'passes.parquet'}: kind must be decode or prefill, got {sorted(kinds)[0]!r}")
-    return RunData(path=p, summary=summary, requests=requests, tokens=tokens, steps=steps,
-                   passes=passes, label=label or f"{summary['policy']} ({summary['mode']})")
+    return RunData(
+        path=p,
+        summary=summary,
+        requests=requests,
+        tokens=tokens,
+        steps=steps,
+        passes=passes,
+        label=label or f"{summary['policy']} ({summary['mode']})",
+    )
 
 
 def load_validation(path: str | Path) -> ValidationData:
@@ -404,8 +439,13 @@ def _wide(x: np.ndarray, ratio: float = 30.0) -> bool:
 
 METRICS = {
     "ttft": ("ttft_ms", "Time to first token", "TTFT (ms)", "fraction of requests with TTFT ≤ x", "requests"),
-    "itl": ("itl_ms", "Inter-token latency", "ITL: gap between consecutive tokens (ms)",
-            "fraction of token gaps ≤ x", "token gaps"),
+    "itl": (
+        "itl_ms",
+        "Inter-token latency",
+        "ITL: gap between consecutive tokens (ms)",
+        "fraction of token gaps ≤ x",
+        "token gaps",
+    ),
 }
 
 
@@ -419,8 +459,9 @@ def _draw_cdf(ax, values: np.ndarray, *, color, linestyle, label_prefix: str) ->
     label = f"{label_prefix}: p50 {fmt_ms(p50)}, p99 {fmt_ms(p99)}"
     if x.size:
         dx, dy = _thin(x, y)
-        ax.step(np.r_[dx[0], dx], np.r_[0.0, dy], where="post", color=color, linestyle=linestyle,
-                linewidth=1.8, label=label)
+        ax.step(
+            np.r_[dx[0], dx], np.r_[0.0, dy], where="post", color=color, linestyle=linestyle, linewidth=1.8, label=label
+        )
         ax.plot([p50], [0.5], marker="o", markersize=7, color=color, markeredgecolor="white", zorder=5)
         ax.plot([p99], [0.99], marker="D", markersize=6, color=color, markeredgecolor="white", zorder=5)
     else:
@@ -501,15 +542,26 @@ def plot_decode_rates(runs: Sequence[RunData], out_dir: str | Path, formats=FORM
             ax.set_xlabel("requests, sorted by decode rate (ascending)")
         if rates.size > 48:  # ids are not on the axis: name the slowest
             slow = ", ".join(f"{i} ({v:.3g})" for i, v in zip(ids[:3], rates[:3]))
-            ax.text(0.01, 0.97, f"slowest: {slow} tok/s", transform=ax.transAxes, va="top", ha="left",
-                    fontsize=8.5, bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.3"})
+            ax.text(
+                0.01,
+                0.97,
+                f"slowest: {slow} tok/s",
+                transform=ax.transAxes,
+                va="top",
+                ha="left",
+                fontsize=8.5,
+                bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.3"},
+            )
         ax.set_xlim(-0.7, max(rates.size, 1) - 0.3)
         ax.set_ylabel("decode rate (tok/s)")
         skipped = len(r.finished) - rates.size
         note = f"; {skipped} with one output token have no rate" if skipped else ""
         med_text = f"median {med:.3g} tok/s (dashed)" if med is not None else "no decode rates"
-        ax.set_title(f"{r.label}: {rates.size} requests, {med_text}, {int(starved.sum())} below "
-                     f"{STARVED_FRACTION:.0%} of it (red){note}", fontsize=10)
+        ax.set_title(
+            f"{r.label}: {rates.size} requests, {med_text}, {int(starved.sum())} below "
+            f"{STARVED_FRACTION:.0%} of it (red){note}",
+            fontsize=10,
+        )
         _style(ax)
         ax.grid(False, axis="x")
         data[r.label] = {"ids": list(ids), "heights": rates, "median": med, "starved": list(ids[starved])}
@@ -568,8 +620,10 @@ def token_segments(run: RunData, ids: Sequence[str]) -> list[tuple[str, str, flo
 def pass_segments(run: RunData, ids: Sequence[str]) -> list[tuple[str, str, float, float]]:
     p = run.passes
     rows = p[p["request_id"].isin(set(ids))]
-    return [(rid, kind, float(s), float(e)) for rid, kind, s, e in
-            zip(rows["request_id"], rows["kind"], rows["start_s"], rows["end_s"])]
+    return [
+        (rid, kind, float(s), float(e))
+        for rid, kind, s, e in zip(rows["request_id"], rows["kind"], rows["start_s"], rows["end_s"])
+    ]
 
 
 def timeline_lanes(run: RunData, lanes: int = DEFAULT_LANES, window: tuple[float, float] | None = None):
@@ -604,8 +658,15 @@ def _lane_rects(ax, x, w, lane, half, color, edge, z) -> None:
     ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors=edge, linewidths=0.3, zorder=z))
 
 
-def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *, lanes: int = DEFAULT_LANES,
-                  window: tuple[float, float] | None = None, formats=FORMATS) -> dict[str, Any]:
+def plot_timeline(
+    run: RunData,
+    out_dir: str | Path,
+    name: str | None = None,
+    *,
+    lanes: int = DEFAULT_LANES,
+    window: tuple[float, float] | None = None,
+    formats=FORMATS,
+) -> dict[str, Any]:
     """Per-request lanes of prefill and decode work over time, with per-step batch panels."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -662,10 +723,18 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
     if alive_line:
         from matplotlib.collections import LineCollection
 
-        ax.add_collection(LineCollection([[(a, i), (b, i)] for a, b, i in alive_line], colors="#b0b0b0",
-                                         linewidths=0.8, zorder=1))
-    ax.plot(shown["arrival_s"].to_numpy(float), np.arange(len(ids)), linestyle="none", marker="|",
-            color="black", markersize=7, zorder=4)
+        ax.add_collection(
+            LineCollection([[(a, i), (b, i)] for a, b, i in alive_line], colors="#b0b0b0", linewidths=0.8, zorder=1)
+        )
+    ax.plot(
+        shown["arrival_s"].to_numpy(float),
+        np.arange(len(ids)),
+        linestyle="none",
+        marker="|",
+        color="black",
+        markersize=7,
+        zorder=4,
+    )
 
     first_start: dict[str, float] = {}
     for rid, kind, s, e in segs:
@@ -705,24 +774,46 @@ def plot_timeline(run: RunData, out_dir: str | Path, name: str | None = None, *,
         prefill_label = "pass that completed the prompt: first token"
         decode_label = "decode: ends at the token, starts at the last known pass boundary"
         how = "from tokens.parquet: token times exact, prefill chunks not recorded"
-    handles = [Patch(color=WAIT_COLOR, label=wait_label), Patch(color=PREFILL_COLOR, label=prefill_label),
-               Patch(color=DECODE_COLOR, label=decode_label),
-               Line2D([], [], color="black", marker="|", linestyle="none", markersize=8, label="arrival"),
-               Line2D([], [], color="#b0b0b0", label="in system (gaps = stalled)")]
+    handles = [
+        Patch(color=WAIT_COLOR, label=wait_label),
+        Patch(color=PREFILL_COLOR, label=prefill_label),
+        Patch(color=DECODE_COLOR, label=decode_label),
+        Line2D([], [], color="black", marker="|", linestyle="none", markersize=8, label="arrival"),
+        Line2D([], [], color="#b0b0b0", label="in system (gaps = stalled)"),
+    ]
     if (shown["status"] == "rejected").any():
-        handles.append(Line2D([], [], color=STARVED_COLOR, marker="x", linestyle="none", markersize=7,
-                              label="rejected: needs more KV than the capacity"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=STARVED_COLOR,
+                marker="x",
+                linestyle="none",
+                markersize=7,
+                label="rejected: needs more KV than the capacity",
+            )
+        )
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     total = len(run.requests)
-    which = f"{len(ids)} of {alive} requests alive in {window[0]:g}–{window[1]:g} s" if window else \
-        f"first {len(ids)} of {total} requests by arrival"
+    which = (
+        f"{len(ids)} of {alive} requests alive in {window[0]:g}–{window[1]:g} s"
+        if window
+        else f"first {len(ids)} of {total} requests by arrival"
+    )
     title = f"{run.label}: step timeline, {which} ({how})"
     if run.summary.get("error"):
         title += f"\nthe run stopped early: {run.summary['error']}"
     ax_d.set_title(title, fontsize=10.5)
     files = save(fig, out_dir, name or f"timeline_{slug(run.label)}", formats)
-    return {"files": files, "figure": fig, "lanes": ids, "segments": segs, "source": source, "x_range": (x0, x1),
-            "steps_drawn": in_range["step"].to_numpy()}
+    return {
+        "files": files,
+        "figure": fig,
+        "lanes": ids,
+        "segments": segs,
+        "source": source,
+        "x_range": (x0, x1),
+        "steps_drawn": in_range["step"].to_numpy(),
+    }
 
 
 # ------------------------------------------------------------------------ validation
@@ -755,10 +846,12 @@ def plot_validation(v: ValidationData, out_dir: str | Path, name: str | None = N
     for ax, metric in zip(axes, ("ttft", "itl")):
         key, title, xlabel, ylabel, unit = METRICS[metric]
         d = {}
-        d["real"] = _draw_cdf(ax, metric_values(v.real, metric), color="black", linestyle="-",
-                              label_prefix="measured (real)")
-        d["sim"] = _draw_cdf(ax, metric_values(v.sim, metric), color="#d1495b", linestyle="--",
-                             label_prefix="simulated")
+        d["real"] = _draw_cdf(
+            ax, metric_values(v.real, metric), color="black", linestyle="-", label_prefix="measured (real)"
+        )
+        d["sim"] = _draw_cdf(
+            ax, metric_values(v.sim, metric), color="#d1495b", linestyle="--", label_prefix="simulated"
+        )
         _finish_cdf_axes(ax, [d["real"]["x"], d["sim"]["x"]], xlabel, ylabel)
         ax.set_title(f"{title} CDF ({d['real']['n']} real / {d['sim']['n']} sim {unit})", fontsize=10.5)
         ax.legend(loc="lower right", fontsize=8.5)
@@ -775,8 +868,15 @@ def plot_validation(v: ValidationData, out_dir: str | Path, name: str | None = N
     for i, kind in enumerate(("decode only", "prefill only", "decode + prefill")):
         m = kinds == kind
         if m.any():
-            ax.scatter(pred[m] * 1e3, meas[m] * 1e3, s=14, alpha=0.65, color=f"C{i}", linewidths=0,
-                       label=f"{kind} ({int(m.sum())} steps, median |err| {np.median(err[m]) * 100:.1f}%)")
+            ax.scatter(
+                pred[m] * 1e3,
+                meas[m] * 1e3,
+                s=14,
+                alpha=0.65,
+                color=f"C{i}",
+                linewidths=0,
+                label=f"{kind} ({int(m.sum())} steps, median |err| {np.median(err[m]) * 100:.1f}%)",
+            )
     lo = min(pred.min(), meas.min()) * 1e3 / 1.3
     hi = max(pred.max(), meas.max()) * 1e3 * 1.3
     ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="y = x (perfect prediction)")
@@ -789,14 +889,21 @@ def plot_validation(v: ValidationData, out_dir: str | Path, name: str | None = N
     ax.set_aspect("equal")
     ax.set_xlabel("predicted step time (ms), cost model")
     ax.set_ylabel("measured step time (ms), MLX")
-    ax.set_title(f"Step time: predicted vs measured\n{title_run}, {pred.size} steps, "
-                 f"median |error| {med:.1f}%", fontsize=10.5)
+    ax.set_title(
+        f"Step time: predicted vs measured\n{title_run}, {pred.size} steps, median |error| {med:.1f}%", fontsize=10.5
+    )
     ax.legend(loc="upper left", fontsize=8)
     _style(ax)
     files += save(fig, out_dir, f"{base}_step_time", formats)
     figures[f"{base}_step_time"] = fig
-    return {"files": files, "figures": figures, "cdfs": cdfs, "predicted_s": pred, "measured_s": meas,
-            "median_abs_pct_error": med}
+    return {
+        "files": files,
+        "figures": figures,
+        "cdfs": cdfs,
+        "predicted_s": pred,
+        "measured_s": meas,
+        "median_abs_pct_error": med,
+    }
 
 
 # ------------------------------------------------------------------------ everything
@@ -827,8 +934,14 @@ def check_against_summary(run: RunData) -> list[str]:
     return out
 
 
-def plot_all(paths: Sequence[str | Path], out_dir: str | Path | None, *, formats: Sequence[str] = FORMATS,
-             lanes: int = DEFAULT_LANES, window: tuple[float, float] | None = None) -> PlotReport:
+def plot_all(
+    paths: Sequence[str | Path],
+    out_dir: str | Path | None,
+    *,
+    formats: Sequence[str] = FORMATS,
+    lanes: int = DEFAULT_LANES,
+    window: tuple[float, float] | None = None,
+) -> PlotReport:
     """Every figure for the given run and validation directories."""
     runs, vals = load_inputs(paths)
     return plot_runs(runs, vals, out_dir, formats=formats, lanes=lanes, window=window)
@@ -837,9 +950,16 @@ def plot_all(paths: Sequence[str | Path], out_dir: str | Path | None, *, formats
 KINDS = ("ttft", "itl", "decode_rate", "timeline", "validation")
 
 
-def plot_runs(runs: Sequence[RunData], vals: Sequence[ValidationData], out_dir: str | Path | None, *,
-              formats: Sequence[str] = FORMATS, lanes: int = DEFAULT_LANES,
-              window: tuple[float, float] | None = None, kinds: Sequence[str] = KINDS) -> PlotReport:
+def plot_runs(
+    runs: Sequence[RunData],
+    vals: Sequence[ValidationData],
+    out_dir: str | Path | None,
+    *,
+    formats: Sequence[str] = FORMATS,
+    lanes: int = DEFAULT_LANES,
+    window: tuple[float, float] | None = None,
+    kinds: Sequence[str] = KINDS,
+) -> PlotReport:
     """Every figure (of ``kinds``) for runs (``vals``' sim and real runs among them) and
     validations: written to ``out_dir`` (nothing written when None) and returned as figures."""
     rep = PlotReport()

@@ -27,13 +27,28 @@ from schedlab.analysis.runfit import step_predictions
 # (name, column, bins as (label, lo, hi) with lo <= x < hi); None column: computed below
 BINS: tuple[tuple[str, str, tuple[tuple[str, float, float], ...]], ...] = (
     ("decode rows", "decode_rows", (("0", 0, 1), ("1", 1, 2), ("2-4", 2, 5), ("5-16", 5, 17), ("17+", 17, np.inf))),
-    ("prefill tokens", "prefill_tokens", (("0", 0, 1), ("1-64", 1, 65), ("65-256", 65, 257),
-                                          ("257-1024", 257, 1025), ("1025+", 1025, np.inf))),
-    ("longest decode context", "decode_ctx", (("none", 0, 1), ("1-255", 1, 256), ("256-1023", 256, 1024),
-                                              ("1024+", 1024, np.inf))),
+    (
+        "prefill tokens",
+        "prefill_tokens",
+        (("0", 0, 1), ("1-64", 1, 65), ("65-256", 65, 257), ("257-1024", 257, 1025), ("1025+", 1025, np.inf)),
+    ),
+    (
+        "longest decode context",
+        "decode_ctx",
+        (("none", 0, 1), ("1-255", 1, 256), ("256-1023", 256, 1024), ("1024+", 1024, np.inf)),
+    ),
     ("batch joins/leaves", "_change", (("none", 0, 1), ("joins", 1, 2), ("leaves", 2, 3), ("both", 3, 4))),
-    ("idle before (s)", "_idle", (("back to back", -1, 0), ("0-0.05", 0, 0.05), ("0.05-0.25", 0.05, 0.25),
-                                  ("0.25-1", 0.25, 1.0), ("1+", 1.0, np.inf))),
+    (
+        "idle before (s)",
+        "_idle",
+        (
+            ("back to back", -1, 0),
+            ("0-0.05", 0, 0.05),
+            ("0.05-0.25", 0.05, 0.25),
+            ("0.25-1", 0.25, 1.0),
+            ("1+", 1.0, np.inf),
+        ),
+    ),
     ("after a batch change", "after_change", (("no", 0, 1), ("yes", 1, 2))),
     ("passes in the step", "passes", (("1", 1, 2), ("2+", 2, np.inf))),
 )
@@ -71,11 +86,18 @@ def residual_table(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | N
             if not m.any():
                 continue
             r = ratio[m]
-            rows.append({"feature": name, "bin": label, "n": int(m.sum()),
-                         "median": float(np.median(r)), "p10": float(np.percentile(r, 10)),
-                         "p90": float(np.percentile(r, 90)),
-                         "time_share_pct": float(100.0 * meas[m].sum() / total) if total else 0.0,
-                         "total_pct": float(100.0 * (pred[m].sum() - meas[m].sum()) / meas[m].sum())})
+            rows.append(
+                {
+                    "feature": name,
+                    "bin": label,
+                    "n": int(m.sum()),
+                    "median": float(np.median(r)),
+                    "p10": float(np.percentile(r, 10)),
+                    "p90": float(np.percentile(r, 90)),
+                    "time_share_pct": float(100.0 * meas[m].sum() / total) if total else 0.0,
+                    "total_pct": float(100.0 * (pred[m].sum() - meas[m].sum()) / meas[m].sum()),
+                }
+            )
     return rows
 
 
@@ -86,8 +108,10 @@ def format_residuals(rows: Sequence[Mapping[str, Any]], title: str | None = None
     for r in rows:
         name = r["feature"] if r["feature"] != last else ""
         last = r["feature"]
-        lines.append(f"{name:<24}{r['bin']:<14}{r['n']:>7}{r['median']:>10.3f}"
-                     f"{r['p10']:>6.2f}-{r['p90']:<6.2f}{r['time_share_pct']:>8.1f}{r['total_pct']:>+9.1f}")
+        lines.append(
+            f"{name:<24}{r['bin']:<14}{r['n']:>7}{r['median']:>10.3f}"
+            f"{r['p10']:>6.2f}-{r['p90']:<6.2f}{r['time_share_pct']:>8.1f}{r['total_pct']:>+9.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -107,10 +131,16 @@ def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None
     def med(m):
         return float(np.median(ratio[m])) if m.any() else None
 
-    return {"steps": int(ok.sum()), "median": float(np.median(ratio)), "back_to_back": med(~idle),
-            "after_idle": med(idle), "after_idle_steps": int(idle.sum()),
-            "predicted_s": float(pred[ok].sum()), "measured_s": float(meas[ok].sum()),
-            "total_pct": float(100.0 * (pred[ok].sum() - meas[ok].sum()) / meas[ok].sum())}
+    return {
+        "steps": int(ok.sum()),
+        "median": float(np.median(ratio)),
+        "back_to_back": med(~idle),
+        "after_idle": med(idle),
+        "after_idle_steps": int(idle.sum()),
+        "predicted_s": float(pred[ok].sum()),
+        "measured_s": float(meas[ok].sum()),
+        "total_pct": float(100.0 * (pred[ok].sum() - meas[ok].sum()) / meas[ok].sum()),
+    }
 
 
 def run_speed(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> float | None:
@@ -126,12 +156,16 @@ def bias_line(b: Mapping[str, Any] | None) -> str | None:
     1.10, after idle 1.35 over 7); total predicted 2.31 s vs measured 2.71 s (-14.8 %)'."""
     if not b:
         return None
-    parts = [f"back to back {b['back_to_back']:.2f}" if b.get("back_to_back") is not None else None,
-             f"after idle {b['after_idle']:.2f} over {b['after_idle_steps']}" if b.get("after_idle") is not None else None]
+    parts = [
+        f"back to back {b['back_to_back']:.2f}" if b.get("back_to_back") is not None else None,
+        f"after idle {b['after_idle']:.2f} over {b['after_idle_steps']}" if b.get("after_idle") is not None else None,
+    ]
     parts = [p for p in parts if p]
-    line = (f"cost model on this run: measured/predicted median {b['median']:.2f} over {b['steps']} steps"
-            + (f" ({', '.join(parts)})" if parts else "")
-            + f"; total predicted {b['predicted_s']:.2f} s vs measured {b['measured_s']:.2f} s ({b['total_pct']:+.1f} %)")
+    line = (
+        f"cost model on this run: measured/predicted median {b['median']:.2f} over {b['steps']} steps"
+        + (f" ({', '.join(parts)})" if parts else "")
+        + f"; total predicted {b['predicted_s']:.2f} s vs measured {b['measured_s']:.2f} s ({b['total_pct']:+.1f} %)"
+    )
     if abs(b["total_pct"]) > 10 or abs(b["median"] - 1) > 0.1:
         line += ": the profile no longer fits this machine's speed (recalibrate: calibrate --replay, or calibrate --from-runs)"
     return line

@@ -55,7 +55,15 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from schedlab.sim.cost import DEFAULT_KV_TOKENS, FEATURES, PASS_FEATURES, PROFILE_SCHEMA, SHAPE_TERMS, STEP_FEATURES, nnls
+from schedlab.sim.cost import (
+    DEFAULT_KV_TOKENS,
+    FEATURES,
+    PASS_FEATURES,
+    PROFILE_SCHEMA,
+    SHAPE_TERMS,
+    STEP_FEATURES,
+    nnls,
+)
 from schedlab.analysis.samples import DECODE_TERMS, PREFILL_TERMS, Sample
 from schedlab.sim.features import STEP_TERMS, read_features
 
@@ -96,8 +104,7 @@ def load_runs(dirs: Iterable[str | Path]) -> list[RunSteps]:
         d = Path(d)
         if not d.is_dir():
             raise RunsError(f"{d}: no such run directory")
-        found = [d] if (d / "features.parquet").is_file() else sorted(
-            p.parent for p in d.rglob("features.parquet"))
+        found = [d] if (d / "features.parquet").is_file() else sorted(p.parent for p in d.rglob("features.parquet"))
         if not found:
             raise RunsError(f"{d}: no features.parquet (a real run of this version of run-real or validate writes one)")
         for p in found:
@@ -152,9 +159,13 @@ def errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, Any]:
     a = np.abs(e)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(pred > 0, meas / np.where(pred > 0, pred, 1.0), np.nan)
-    return {"n": int(len(meas)), "median_abs_pct": float(np.median(a)), "p90_abs_pct": float(np.percentile(a, 90)),
-            "bias": float(np.nanmedian(ratio)) if np.isfinite(ratio).any() else None,
-            "total_pct": float(100.0 * (pred.sum() - meas.sum()) / meas.sum())}
+    return {
+        "n": int(len(meas)),
+        "median_abs_pct": float(np.median(a)),
+        "p90_abs_pct": float(np.percentile(a, 90)),
+        "bias": float(np.nanmedian(ratio)) if np.isfinite(ratio).any() else None,
+        "total_pct": float(100.0 * (pred.sum() - meas.sum()) / meas.sum()),
+    }
 
 
 def by_group(pred: np.ndarray, meas: np.ndarray, groups: np.ndarray) -> dict[str, Any]:
@@ -187,8 +198,9 @@ class Config:
             raise ValueError(f"weigh_by: one of {', '.join(WEIGHTINGS)}, not {self.weigh_by!r}")
 
 
-def _design(cfg: Config, base: dict[str, float] | None, cols: dict[str, np.ndarray], overhead: bool = False
-            ) -> tuple[list[str], np.ndarray]:
+def _design(
+    cfg: Config, base: dict[str, float] | None, cols: dict[str, np.ndarray], overhead: bool = False
+) -> tuple[list[str], np.ndarray]:
     """The columns of one of the two fits: the passes' time (``overhead`` False: pass and idle
     terms) or the rest of the step (the loop's s_ terms)."""
     names: list[str] = []
@@ -231,9 +243,13 @@ def _weights(cols: dict[str, np.ndarray], balance: float, denom: np.ndarray | No
     return w
 
 
-def fit_config(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] | None,
-               grid: tuple[np.ndarray, np.ndarray, list[str]] | None = None, grid_weight: float = 1.0
-               ) -> dict[str, float]:
+def fit_config(
+    cfg: Config,
+    cols: dict[str, np.ndarray],
+    base: dict[str, float] | None,
+    grid: tuple[np.ndarray, np.ndarray, list[str]] | None = None,
+    grid_weight: float = 1.0,
+) -> dict[str, float]:
     """Coefficients (every FEATURES key) of one configuration fitted to ``cols`` (concatenated
     runs); ``grid``: (features matrix over GRID_TERMS + s_step, seconds, names) joined as rows
     in the joint mode.
@@ -257,9 +273,14 @@ def fit_config(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] 
     return _fit_once(cfg, cols, base, grid, grid_weight, np.maximum(pred, floor))
 
 
-def _fit_once(cfg: Config, cols: dict[str, np.ndarray], base: dict[str, float] | None,
-              grid: tuple[np.ndarray, np.ndarray, list[str]] | None, grid_weight: float,
-              denom: np.ndarray | None) -> dict[str, float]:
+def _fit_once(
+    cfg: Config,
+    cols: dict[str, np.ndarray],
+    base: dict[str, float] | None,
+    grid: tuple[np.ndarray, np.ndarray, list[str]] | None,
+    grid_weight: float,
+    denom: np.ndarray | None,
+) -> dict[str, float]:
     """One fit of ``fit_config``: each step's error relative to ``denom`` (None: its measured
     seconds). The grid's rows (joint mode) stay relative to their own seconds: each is already
     the median of repeated timings of one pass, not a single draw of a skewed time."""
@@ -351,11 +372,16 @@ class RunFit:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
-             grid: tuple[np.ndarray, np.ndarray, list[str]] | None = None,
-             candidates: Sequence[str] = CANDIDATES, modes: Sequence[str] | None = None,
-             balances: Sequence[float] = (0.0, 1.0), weigh_by: str = "prediction",
-             force: Sequence[str] = ()) -> RunFit:
+def fit_runs(
+    runs: Sequence[RunSteps],
+    base: dict[str, float] | None = None,
+    grid: tuple[np.ndarray, np.ndarray, list[str]] | None = None,
+    candidates: Sequence[str] = CANDIDATES,
+    modes: Sequence[str] | None = None,
+    balances: Sequence[float] = (0.0, 1.0),
+    weigh_by: str = "prediction",
+    force: Sequence[str] = (),
+) -> RunFit:
     """Fit the cost model to ``runs`` (and ``base``: a grid fit's coefficients; ``grid``: its
     samples as rows), choosing the mode, the weighting and the candidate terms by the score
     on whole held-out runs. The final coefficients are fitted to every run. ``force``:
@@ -404,8 +430,13 @@ def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
     report = {
         "runs": [r.name for r in runs],
         "steps": int(len(all_cols["measured_s"])),
-        "chosen": {"mode": cfg.mode, "balance": cfg.balance, "terms": list(cfg.terms), "scales": scales,
-                   "weigh_by": cfg.weigh_by},
+        "chosen": {
+            "mode": cfg.mode,
+            "balance": cfg.balance,
+            "terms": list(cfg.terms),
+            "scales": scales,
+            "weigh_by": cfg.weigh_by,
+        },
         "score": score_,
         "folds": cv["folds"],
         "held_out": cv["held_out"],
@@ -420,10 +451,17 @@ def fit_runs(runs: Sequence[RunSteps], base: dict[str, float] | None = None,
 
 def _row(cfg: Config, cv: dict, what: str) -> dict[str, Any]:
     h = cv["held_out"]
-    return {"mode": cfg.mode, "balance": cfg.balance, "what": what, "terms": list(cfg.terms),
-            "score": round(cv["score"], 3), "median_abs_pct": round(h["all"]["median_abs_pct"], 2),
-            "total_pct": round(h["all"]["total_pct"], 2),
-            "groups": {g: round(h[g]["median_abs_pct"], 2) for g in GROUPS if g in h}, "kept": False}
+    return {
+        "mode": cfg.mode,
+        "balance": cfg.balance,
+        "what": what,
+        "terms": list(cfg.terms),
+        "score": round(cv["score"], 3),
+        "median_abs_pct": round(h["all"]["median_abs_pct"], 2),
+        "total_pct": round(h["all"]["total_pct"], 2),
+        "groups": {g: round(h[g]["median_abs_pct"], 2) for g in GROUPS if g in h},
+        "kept": False,
+    }
 
 
 def _wake(runs: Sequence[RunSteps]) -> dict[str, Any]:
@@ -439,9 +477,13 @@ def _wake(runs: Sequence[RunSteps]) -> dict[str, Any]:
     allw = np.concatenate([r.cols["wake_s"][r.cols["after_idle"] > 0] for r in runs])
     med = float(np.median(allw)) if len(allw) else 0.0
     keep = bool(errs_with) and float(np.median(errs_with)) < float(np.median(errs_without))
-    return {"n": int(len(allw)), "i_wake": med, "keep": keep,
-            "held_out_median_abs_ms": float(np.median(errs_with)) * 1e3 if errs_with else None,
-            "held_out_median_abs_ms_without": float(np.median(errs_without)) * 1e3 if errs_without else None}
+    return {
+        "n": int(len(allw)),
+        "i_wake": med,
+        "keep": keep,
+        "held_out_median_abs_ms": float(np.median(errs_with)) * 1e3 if errs_with else None,
+        "held_out_median_abs_ms_without": float(np.median(errs_without)) * 1e3 if errs_without else None,
+    }
 
 
 def grid_rows(samples: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -463,27 +505,46 @@ def grid_rows(samples: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[str]
 
 def _run_key(meta: dict[str, Any]) -> tuple:
     b, m = meta.get("blas") or {}, meta.get("machine") or {}
-    return (meta.get("model"), meta.get("dtype"), meta.get("parameters"), b.get("name"), b.get("threads"),
-            b.get("config"), m.get("cpu_model"), m.get("cpu_count"))
+    return (
+        meta.get("model"),
+        meta.get("dtype"),
+        meta.get("parameters"),
+        b.get("name"),
+        b.get("threads"),
+        b.get("config"),
+        m.get("cpu_model"),
+        m.get("cpu_count"),
+    )
 
 
-def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None = None,
-                      *, kind: str = "runs", wall_s: float | None = None, weigh_by: str = "prediction",
-                      modes: Sequence[str] | None = None, force: Sequence[str] = ()) -> dict[str, Any]:
+def profile_from_runs(
+    runs: Sequence[Any],
+    grid_profile: dict[str, Any] | None = None,
+    *,
+    kind: str = "runs",
+    wall_s: float | None = None,
+    weigh_by: str = "prediction",
+    modes: Sequence[str] | None = None,
+    force: Sequence[str] = (),
+) -> dict[str, Any]:
     """A profile fitted to real runs (``analysis.runfit``), on top of a grid profile's fit when
     one is given (its samples are kept: ``speed_check`` times them again). Every run, and the
     grid, must come from one model and machine. ``weigh_by``: ``Config.weigh_by``; ``modes``:
     ``fit_runs``'s (default: joint)."""
     keys = {_run_key(r.meta) for r in runs}
     if len(keys) > 1 or None in next(iter(keys))[:3]:
-        raise RunsError("the runs are not all of one model and machine (or lack meta.json): "
-                        + "; ".join(sorted({str(k[:2]) for k in keys})))
+        raise RunsError(
+            "the runs are not all of one model and machine (or lack meta.json): "
+            + "; ".join(sorted({str(k[:2]) for k in keys}))
+        )
     meta = runs[0].meta
     if grid_profile is not None:
         gk = _run_key(grid_profile)
         if gk != next(iter(keys)):
-            raise RunsError(f"the grid profile was measured on {gk[:3]} {gk[6:]}, the runs on "
-                            f"{next(iter(keys))[:3]} {next(iter(keys))[6:]}")
+            raise RunsError(
+                f"the grid profile was measured on {gk[:3]} {gk[6:]}, the runs on "
+                f"{next(iter(keys))[:3]} {next(iter(keys))[6:]}"
+            )
     base = dict(grid_profile["coefficients"]) if grid_profile else None
     samples = (grid_profile or {}).get("samples") or []
     grid = grid_rows(samples) if samples else None
@@ -501,13 +562,20 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
         "device": meta.get("device"),
         "machine": src.get("machine"),
         # the grid's allocator settings, or the runs' (meta.json's noise): engine.noise.allocator_settings
-        "allocator": (grid_profile or {}).get("allocator") or {
+        "allocator": (grid_profile or {}).get("allocator")
+        or {
             "malloc_keep": bool((meta.get("noise") or {}).get("malloc_keep", False)),
-            "mlx_cache": (meta.get("noise") or {}).get("mlx_cache")},
+            "mlx_cache": (meta.get("noise") or {}).get("mlx_cache"),
+        },
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "calibration": {"kind": kind, "runs": [str(r.name) for r in runs], "steps": fit.report["steps"],
-                        "grid": (grid_profile or {}).get("calibration"), "samples": len(samples),
-                        "wall_s": None if wall_s is None else round(wall_s, 1)},
+        "calibration": {
+            "kind": kind,
+            "runs": [str(r.name) for r in runs],
+            "steps": fit.report["steps"],
+            "grid": (grid_profile or {}).get("calibration"),
+            "samples": len(samples),
+            "wall_s": None if wall_s is None else round(wall_s, 1),
+        },
         "coefficients": {k: fit.coefficients.get(k, 0.0) for k in FEATURES},
         "fit_report": (grid_profile or {}).get("fit_report") or {},
         "runs_report": fit.report,
@@ -520,23 +588,34 @@ def profile_from_runs(runs: Sequence[Any], grid_profile: dict[str, Any] | None =
 
 def format_runs_report(rep: dict[str, Any]) -> str:
     ch = rep["chosen"]
-    lines = [f"fitted to {rep['steps']} real steps of {len(rep['runs'])} run(s); held out: {rep['folds']}",
-             f"chosen: {ch['mode']} fit, group balance {ch['balance']:g}, terms {', '.join(ch['terms'])}"
-             + f", each step's error relative to its {_WEIGHT_WORDS[ch.get('weigh_by', 'measured')]} seconds"
-             + (", scales " + ", ".join(f"{k[2:]} x{v:.3f}" for k, v in ch["scales"].items() if v is not None)
-                if ch.get("scales") else "")]
+    lines = [
+        f"fitted to {rep['steps']} real steps of {len(rep['runs'])} run(s); held out: {rep['folds']}",
+        f"chosen: {ch['mode']} fit, group balance {ch['balance']:g}, terms {', '.join(ch['terms'])}"
+        + f", each step's error relative to its {_WEIGHT_WORDS[ch.get('weigh_by', 'measured')]} seconds"
+        + (
+            ", scales " + ", ".join(f"{k[2:]} x{v:.3f}" for k, v in ch["scales"].items() if v is not None)
+            if ch.get("scales")
+            else ""
+        ),
+    ]
     lines.append(f"{'held-out steps':<16}{'n':>7}{'med |%|':>9}{'p90 |%|':>9}{'meas/pred':>10}{'total %':>9}")
     for g in ("all",) + GROUPS:
         r = rep["held_out"].get(g)
         if r and r.get("n"):
-            lines.append(f"{g:<16}{r['n']:>7}{r['median_abs_pct']:>9.1f}{r['p90_abs_pct']:>9.1f}"
-                         f"{_f(r.get('bias'), 3):>10}{r['total_pct']:>+9.1f}")
-    lines.append("candidate terms (held-out score = mean of the groups' median |%| + |total %|; "
-                 f"kept when it drops by >= {rep['min_gain_pct']}):")
+            lines.append(
+                f"{g:<16}{r['n']:>7}{r['median_abs_pct']:>9.1f}{r['p90_abs_pct']:>9.1f}"
+                f"{_f(r.get('bias'), 3):>10}{r['total_pct']:>+9.1f}"
+            )
+    lines.append(
+        "candidate terms (held-out score = mean of the groups' median |%| + |total %|; "
+        f"kept when it drops by >= {rep['min_gain_pct']}):"
+    )
     for t in rep["tries"]:
         if t["mode"] == ch["mode"] and t["balance"] == ch["balance"]:
-            lines.append(f"  {t['what']:<14} score {t['score']:7.2f}  median {t['median_abs_pct']:6.2f} %  total "
-                         f"{t['total_pct']:+6.2f} %" + ("  kept" if t["kept"] else ""))
+            lines.append(
+                f"  {t['what']:<14} score {t['score']:7.2f}  median {t['median_abs_pct']:6.2f} %  total "
+                f"{t['total_pct']:+6.2f} %" + ("  kept" if t["kept"] else "")
+            )
     others = {}
     for t in rep["tries"]:
         key = (t["mode"], t["balance"])
@@ -546,8 +625,10 @@ def format_runs_report(rep: dict[str, Any]) -> str:
         lines.append(f"  (not chosen: {m} fit, balance {b:g}: best score {s:.2f})")
     w = rep["wake"]
     if w["n"]:
-        lines.append(f"wake-up after idle: median {w['i_wake'] * 1e3:.2f} ms over {w['n']} wakes"
-                     + (" (kept: i_wake)" if w["keep"] else " (not kept)"))
+        lines.append(
+            f"wake-up after idle: median {w['i_wake'] * 1e3:.2f} ms over {w['n']} wakes"
+            + (" (kept: i_wake)" if w["keep"] else " (not kept)")
+        )
     return "\n".join(lines)
 
 

@@ -33,10 +33,28 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 ROW_FIELDS = (
-    "policy", "rate_rps", "requests", "finished", "rejected", "ttft_p50_ms", "ttft_p99_ms",
-    "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_throughput_tok_s",
-    "request_throughput_rps", "goodput_rps", "slo_attainment", "makespan_s", "error",
-    "max_concurrency", "peak_concurrency", "preemptions", "recomputed_tokens", "prefix_hit_rate",
+    "policy",
+    "rate_rps",
+    "requests",
+    "finished",
+    "rejected",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "tpot_p50_ms",
+    "e2e_p50_ms",
+    "output_throughput_tok_s",
+    "request_throughput_rps",
+    "goodput_rps",
+    "slo_attainment",
+    "makespan_s",
+    "error",
+    "max_concurrency",
+    "peak_concurrency",
+    "preemptions",
+    "recomputed_tokens",
+    "prefix_hit_rate",
 )
 DEFAULT_ATTAINMENT = 0.9
 
@@ -57,8 +75,9 @@ class Job:
     concurrency: int | None = None  # None: no client limit
 
 
-def row_from_summary(policy: str, rate: float | None, s: Mapping[str, Any],
-                     concurrency: int | None = None) -> dict[str, Any]:
+def row_from_summary(
+    policy: str, rate: float | None, s: Mapping[str, Any], concurrency: int | None = None
+) -> dict[str, Any]:
     """One table row from a summary (summarize()'s dict)."""
     clients = s.get("clients") or {}
     return {
@@ -88,12 +107,24 @@ def row_from_summary(policy: str, rate: float | None, s: Mapping[str, Any],
 
 
 #: How every job runs, besides its policy, rate and concurrency (``sweep(settings=...)``).
-DEFAULT_SETTINGS = {"block_size": 1, "prefix_caching": False, "request_rate": None, "burstiness": None,
-                    "think_s": 0.0, "seed": 0}
+DEFAULT_SETTINGS = {
+    "block_size": 1,
+    "prefix_caching": False,
+    "request_rate": None,
+    "burstiness": None,
+    "think_s": 0.0,
+    "seed": 0,
+}
 
 
-def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, float] | None,
-            settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def run_job(
+    job: Job,
+    trace,
+    cost_model,
+    kv_capacity: int,
+    slo: Mapping[str, float] | None,
+    settings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Simulate one (policy, rate, concurrency); any failure becomes the row's ``error`` (one line)."""
     from schedlab.policies import make_policy
 
@@ -106,14 +137,28 @@ def run_job(job: Job, trace, cost_model, kv_capacity: int, slo: Mapping[str, flo
     try:
         tr = rescale(trace, job.rate) if job.rate is not None else trace
         pol = make_policy(job.policy, dict(job.options)) if isinstance(job.policy, str) else job.policy()
-        arrivals = clients(tr.requests, job.concurrency, st["request_rate"], st["burstiness"], st["think_s"], st["seed"])
-        result = run(arrivals, pol, cost_model, kv_capacity=kv_capacity, trace_name=tr.name,
-                     record_steps=False, block_size=st["block_size"], prefix_caching=st["prefix_caching"])
+        arrivals = clients(
+            tr.requests, job.concurrency, st["request_rate"], st["burstiness"], st["think_s"], st["seed"]
+        )
+        result = run(
+            arrivals,
+            pol,
+            cost_model,
+            kv_capacity=kv_capacity,
+            trace_name=tr.name,
+            record_steps=False,
+            block_size=st["block_size"],
+            prefix_caching=st["prefix_caching"],
+        )
         row = row_from_summary(label, job.rate, summarize(result, slo=slo or None), job.concurrency)
     except Exception as exc:  # a user's policy or a bad option: keep the other jobs going
         row = {k: None for k in ROW_FIELDS}
-        row.update(policy=label, rate_rps=job.rate, max_concurrency=job.concurrency,
-                   error=f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+        row.update(
+            policy=label,
+            rate_rps=job.rate,
+            max_concurrency=job.concurrency,
+            error=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
+        )
     row["index"] = job.index
     return row
 
@@ -161,8 +206,10 @@ def sweep(
     """
     rate_list = [None if r is None else float(r) for r in (rates or [None])]
     conc_list = list(concurrency or [None])
-    jobs = [Job(i, p, dict(options or {}), r, c)
-            for i, (p, r, c) in enumerate((p, r, c) for p in policies for r in rate_list for c in conc_list)]
+    jobs = [
+        Job(i, p, dict(options or {}), r, c)
+        for i, (p, r, c) in enumerate((p, r, c) for p in policies for r in rate_list for c in conc_list)
+    ]
     n = workers if workers is not None else default_workers(len(jobs))
     rows: list[dict[str, Any]] = []
     if n <= 1 or len(jobs) <= 1:
@@ -223,8 +270,12 @@ def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=No
     try:
         ctx = multiprocessing.get_context("spawn")
         with _main_not_reimported():  # the workers start during the submits
-            pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker,
-                                       initargs=(trace, cost_model, kv_capacity, slo, settings))
+            pool = ProcessPoolExecutor(
+                max_workers=n,
+                mp_context=ctx,
+                initializer=_init_worker,
+                initargs=(trace, cost_model, kv_capacity, slo, settings),
+            )
             futures = [pool.submit(_worker, job) for job in jobs]
         if not restored:
             signal.signal(signal.SIGINT, previous)
@@ -256,7 +307,9 @@ def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=No
 # ------------------------------------------------------------------------ analysis
 
 
-def max_sustained_rate(rows: Sequence[Mapping[str, Any]], attainment: float = DEFAULT_ATTAINMENT) -> dict[str, dict[str, Any]]:
+def max_sustained_rate(
+    rows: Sequence[Mapping[str, Any]], attainment: float = DEFAULT_ATTAINMENT
+) -> dict[str, dict[str, Any]]:
     """Per policy: the highest sustained rate (module docstring) and whether the sweep limited it."""
     out: dict[str, dict[str, Any]] = {}
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -270,8 +323,11 @@ def max_sustained_rate(rows: Sequence[Mapping[str, Any]], attainment: float = DE
                 failed_at = r["rate_rps"]
                 break
             best = r["rate_rps"]
-        out[pol] = {"rate_rps": best, "first_failing_rate_rps": failed_at,
-                    "limited_by_sweep": best is not None and failed_at is None}
+        out[pol] = {
+            "rate_rps": best,
+            "first_failing_rate_rps": failed_at,
+            "limited_by_sweep": best is not None and failed_at is None,
+        }
     return out
 
 
@@ -287,9 +343,14 @@ def format_table(rows: Sequence[Mapping[str, Any]], slo: bool = False) -> str:
         cols.append(("rate_rps", "rate/s", "{:g}"))
     if any(r.get("max_concurrency") is not None for r in rows):
         cols.append(("max_concurrency", "clients", "{:d}"))
-    cols += [("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
-             ("itl_p50_ms", "ITL p50 ms", "{:.1f}"), ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
-             ("output_throughput_tok_s", "tok/s", "{:.1f}"), ("request_throughput_rps", "req/s", "{:.2f}")]
+    cols += [
+        ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+        ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+        ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
+        ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
+        ("output_throughput_tok_s", "tok/s", "{:.1f}"),
+        ("request_throughput_rps", "req/s", "{:.2f}"),
+    ]
     if any(r.get("preemptions") for r in rows):
         cols.append(("preemptions", "preempted", "{:d}"))
     if any(r.get("prefix_hit_rate") is not None for r in rows):
@@ -322,8 +383,9 @@ def write_results(out_dir, rows, info: Mapping[str, Any]) -> list:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(ROW_FIELDS)
         for r in rows:
-            w.writerow(["" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k])
-                        for k in ROW_FIELDS])
+            w.writerow(
+                ["" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k]) for k in ROW_FIELDS]
+            )
     (out / "sweep.json").write_text(json.dumps({**info, "rows": list(rows)}, indent=2) + "\n")
     return [out / "sweep.csv", out / "sweep.json"]
 
@@ -331,9 +393,17 @@ def write_results(out_dir, rows, info: Mapping[str, Any]) -> list:
 # ------------------------------------------------------------------------ figure
 
 
-def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainment: float = DEFAULT_ATTAINMENT,
-               sustained: Mapping[str, Mapping[str, Any]] | None = None, offered_tok_per_req: float | None = None,
-               title: str = "", formats: Sequence[str] = ("png", "svg")) -> dict[str, Any]:
+def plot_sweep(
+    rows,
+    out_dir,
+    *,
+    slo: Mapping[str, float] | None = None,
+    attainment: float = DEFAULT_ATTAINMENT,
+    sustained: Mapping[str, Mapping[str, Any]] | None = None,
+    offered_tok_per_req: float | None = None,
+    title: str = "",
+    formats: Sequence[str] = ("png", "svg"),
+) -> dict[str, Any]:
     """Latency against load: p50/p99 TTFT and ITL vs request rate (or, for a sweep of client
     concurrency at one rate, vs the number of clients), one colour per policy (per policy and
     concurrency when both vary)."""
@@ -374,9 +444,18 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
         limit = (slo or {}).get("ttft_ms" if metric == "ttft" else "tpot_ms")
         if limit is not None:
             ax.axhline(limit, color="#444444", linestyle=":", linewidth=1.2)
-            ax.text(0.99, limit, f"SLO: {'TTFT' if metric == 'ttft' else 'TPOT'} ≤ {limit:g} ms",
-                    transform=ax.get_yaxis_transform(), va="center", ha="right", fontsize=8, color="#444444", zorder=6,
-                    bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"})
+            ax.text(
+                0.99,
+                limit,
+                f"SLO: {'TTFT' if metric == 'ttft' else 'TPOT'} ≤ {limit:g} ms",
+                transform=ax.get_yaxis_transform(),
+                va="center",
+                ha="right",
+                fontsize=8,
+                color="#444444",
+                zorder=6,
+                bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"},
+            )
         allv = np.concatenate(ys) if ys else np.array([])
         if _wide(allv, 20):
             _plain_log_axis(ax.yaxis)
@@ -390,8 +469,14 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
         data[f"{pol}/output_throughput_tok_s"] = (x, y)
     if offered_tok_per_req:
         rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
-        ax.plot(rates, rates * offered_tok_per_req, color="#888888", linestyle=":", linewidth=1.2,
-                label="offered: rate × mean output tokens")
+        ax.plot(
+            rates,
+            rates * offered_tok_per_req,
+            color="#888888",
+            linestyle=":",
+            linewidth=1.2,
+            label="offered: rate × mean output tokens",
+        )
         ax.legend(loc="upper left", fontsize=8, frameon=False)
     ax.set_title("Output token throughput vs load", fontsize=10.5)
     ax.set_ylabel("output throughput (tok/s)")
@@ -407,9 +492,18 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
             if best is not None:
                 ax.axvline(best, color=color[pol], linestyle=":", linewidth=1.2)
         ax.axhline(attainment * 100, color="#444444", linestyle="--", linewidth=1)
-        ax.text(0.99, attainment * 100, f"threshold {attainment:.0%}", transform=ax.get_yaxis_transform(),
-                va="center", ha="right", fontsize=8, color="#444444", zorder=6,
-                bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"})
+        ax.text(
+            0.99,
+            attainment * 100,
+            f"threshold {attainment:.0%}",
+            transform=ax.get_yaxis_transform(),
+            va="center",
+            ha="right",
+            fontsize=8,
+            color="#444444",
+            zorder=6,
+            bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"},
+        )
         ax.set_ylim(-3, 103)
         slo_text = ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items())
         ax.set_title(f"SLO attainment ({slo_text})", fontsize=10.5)
@@ -418,9 +512,25 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
             for pol in policies:
                 s_ = sustained.get(pol, {})
                 r_ = s_.get("rate_rps")
-                lines.append(f"{pol}: " + ("none" if r_ is None else f"{r_:g} req/s" + (" (sweep max)" if s_.get("limited_by_sweep") else "")))
-            ax.text(0.02, 0.03, "\n".join(lines), transform=ax.transAxes, ha="left", va="bottom", fontsize=8,
-                    bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.3"}, zorder=6)
+                lines.append(
+                    f"{pol}: "
+                    + (
+                        "none"
+                        if r_ is None
+                        else f"{r_:g} req/s" + (" (sweep max)" if s_.get("limited_by_sweep") else "")
+                    )
+                )
+            ax.text(
+                0.02,
+                0.03,
+                "\n".join(lines),
+                transform=ax.transAxes,
+                ha="left",
+                va="bottom",
+                fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.3"},
+                zorder=6,
+            )
         ax.set_ylabel("requests meeting every SLO (%)")
     else:
         for pol in policies:
@@ -431,8 +541,10 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
             rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
             ax.plot(rates, rates, color="#888888", linestyle=":", linewidth=1.2, label="offered rate (y = x)")
             ax.legend(loc="upper left", fontsize=8, frameon=False)
-        ax.set_title("Completed requests/s vs " + ("clients" if by_clients else "offered rate")
-                     + " (give --slo for attainment)", fontsize=10.5)
+        ax.set_title(
+            "Completed requests/s vs " + ("clients" if by_clients else "offered rate") + " (give --slo for attainment)",
+            fontsize=10.5,
+        )
         ax.set_ylabel("request throughput (req/s)")
         ax.set_ylim(bottom=0)
 
@@ -440,8 +552,10 @@ def plot_sweep(rows, out_dir, *, slo: Mapping[str, float] | None = None, attainm
         ax.set_xlabel(xlabel)
         _style(ax)
     handles = [Line2D([], [], color=color[p], linewidth=2, label=p) for p in policies]
-    handles += [Line2D([], [], color="black", linestyle="-", marker="o", markersize=4, label="p50"),
-                Line2D([], [], color="black", linestyle="--", marker="s", markersize=4, label="p99")]
+    handles += [
+        Line2D([], [], color="black", linestyle="-", marker="o", markersize=4, label="p50"),
+        Line2D([], [], color="black", linestyle="--", marker="s", markersize=4, label="p99"),
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=9, frameon=False)
     if title:
         fig.suptitle(title, fontsize=12)

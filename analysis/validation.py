@@ -64,7 +64,7 @@ def hold_one_out(sim: float | None, runs: Sequence[float]) -> tuple[float, float
         return None
     se, re_ = [], []
     for i, held in enumerate(runs):
-        ref = statistics.median(runs[:i] + runs[i + 1:])
+        ref = statistics.median(runs[:i] + runs[i + 1 :])
         if ref:
             se.append(100.0 * abs(sim - ref) / abs(ref))
             re_.append(100.0 * abs(held - ref) / abs(ref))
@@ -79,9 +79,13 @@ def repeat_summary(metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, float]
     if not pairs:
         return None
     sim, real = [p[0] for p in pairs], [p[1] for p in pairs]
-    return {"sim_median_pct": float(statistics.median(sim)), "sim_max_pct": float(max(sim)),
-            "real_median_pct": float(statistics.median(real)), "real_max_pct": float(max(real)),
-            "metrics": len(pairs)}
+    return {
+        "sim_median_pct": float(statistics.median(sim)),
+        "sim_max_pct": float(max(sim)),
+        "real_median_pct": float(statistics.median(real)),
+        "real_max_pct": float(max(real)),
+        "metrics": len(pairs),
+    }
 
 
 def step_errors(steps: Sequence[Any]) -> dict[str, float | None]:
@@ -95,15 +99,28 @@ def step_errors(steps: Sequence[Any]) -> dict[str, float | None]:
     if not errs:
         return {"p50": None, "p90": None, "mean_signed": None, "n": 0}
     a = np.abs(np.asarray(errs))
-    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "mean_signed": float(np.mean(errs)), "n": len(errs),
-            "total_pct": 100.0 * (sum(s.predicted_s for s in steps if s.predicted_s is not None and s.measured_s)
-                                  - sum(s.measured_s for s in steps if s.predicted_s is not None and s.measured_s))
-                         / max(sum(s.measured_s for s in steps if s.predicted_s is not None and s.measured_s), 1e-12)}
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "mean_signed": float(np.mean(errs)),
+        "n": len(errs),
+        "total_pct": 100.0
+        * (
+            sum(s.predicted_s for s in steps if s.predicted_s is not None and s.measured_s)
+            - sum(s.measured_s for s in steps if s.predicted_s is not None and s.measured_s)
+        )
+        / max(sum(s.measured_s for s in steps if s.predicted_s is not None and s.measured_s), 1e-12),
+    }
 
 
-def compare(sim: Mapping[str, Any], reals: Sequence[Mapping[str, Any]], *, policy: str, trace: str,
-            real_steps: Sequence[Any] = ()) -> dict[str, Any]:
+def compare(
+    sim: Mapping[str, Any],
+    reals: Sequence[Mapping[str, Any]],
+    *,
+    policy: str,
+    trace: str,
+    real_steps: Sequence[Any] = (),
+) -> dict[str, Any]:
     """validation.json for one policy: simulated vs measured metrics and the step error."""
     if not reals:
         raise ValueError("compare needs at least one real run")
@@ -142,10 +159,15 @@ def format_table(v: Mapping[str, Any]) -> str:
     """The printed table: metric, simulated, measured, error %."""
     rep = v.get("repeats", 1)
     head = f"{v['policy']} on {v['trace']}" + (f" ({rep} real runs: measured = median)" if rep > 1 else "")
-    lines = [head, f"{'metric':<28}{'simulated':>12}{'measured':>12}{'error %':>10}" + ("  spread %" if rep > 1 else "")]
+    lines = [
+        head,
+        f"{'metric':<28}{'simulated':>12}{'measured':>12}{'error %':>10}" + ("  spread %" if rep > 1 else ""),
+    ]
     for key, row in v["metrics"].items():
+
         def num(x):
             return "-" if x is None else (f"{x:.1f}" if abs(x) >= 100 else f"{x:.2f}")
+
         err = "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}"
         line = f"{row['label']:<28}{num(row['sim']):>12}{num(row['real']):>12}{err:>10}"
         if rep > 1:
@@ -163,17 +185,23 @@ def format_table(v: Mapping[str, Any]) -> str:
         beyond = [r for r in rows if abs(r["error_pct"]) > r["spread_pct"]]
         spreads = sorted(r["spread_pct"] for r in rows)
         if rows:
-            lines.append(f"{len(beyond)} of {len(rows)} metrics' |error| exceed the real runs' spread "
-                         f"(spread median {spreads[len(spreads) // 2]:.1f} %, max {spreads[-1]:.1f} %)")
+            lines.append(
+                f"{len(beyond)} of {len(rows)} metrics' |error| exceed the real runs' spread "
+                f"(spread median {spreads[len(spreads) // 2]:.1f} %, max {spreads[-1]:.1f} %)"
+            )
     hoo = v.get("hold_one_out")
     if hoo:
-        lines.append(f"each real run held out against the others' median: the simulation is off by "
-                     f"{hoo['sim_median_pct']:.1f} % (median over metrics; worst {hoo['sim_max_pct']:.1f} %), "
-                     f"a real run by {hoo['real_median_pct']:.1f} % (worst {hoo['real_max_pct']:.1f} %): "
-                     f"the machine's own repeat error")
+        lines.append(
+            f"each real run held out against the others' median: the simulation is off by "
+            f"{hoo['sim_median_pct']:.1f} % (median over metrics; worst {hoo['sim_max_pct']:.1f} %), "
+            f"a real run by {hoo['real_median_pct']:.1f} % (worst {hoo['real_max_pct']:.1f} %): "
+            f"the machine's own repeat error"
+        )
     if se.get("n"):
-        lines.append(f"per-step cost-model error over {se['n']} real steps: median |{se['p50']:.1f}| %, "
-                     f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %")
+        lines.append(
+            f"per-step cost-model error over {se['n']} real steps: median |{se['p50']:.1f}| %, "
+            f"p90 |{se['p90']:.1f}| %, total predicted vs measured {se['total_pct']:+.1f} %"
+        )
     sb = v.get("step_bias")
     if sb:
         from schedlab.analysis.residuals import bias_line
@@ -184,18 +212,25 @@ def format_table(v: Mapping[str, Any]) -> str:
         lines.append(speed)
     adj = v.get("drift_adjusted")
     if adj and adj.get("median_abs_error_pct") is not None:
-        how = (f"the simulation made at each run's speed probed between the rounds, x{min(adj['speeds']):.2f}-"
-               f"{max(adj['speeds']):.2f}" if adj.get("speeds")
-               else f"the simulation with every pass x{adj['speed_factor']:.2f}, the machine's measured speed")
-        lines.append(f"drift-adjusted ({how}): median |error| {adj['median_abs_error_pct']:.1f} %, max "
-                     f"{adj['max_abs_error_pct']:.1f} %, step median |{adj['step_error_pct']['p50']:.1f}| %")
+        how = (
+            f"the simulation made at each run's speed probed between the rounds, x{min(adj['speeds']):.2f}-"
+            f"{max(adj['speeds']):.2f}"
+            if adj.get("speeds")
+            else f"the simulation with every pass x{adj['speed_factor']:.2f}, the machine's measured speed"
+        )
+        lines.append(
+            f"drift-adjusted ({how}): median |error| {adj['median_abs_error_pct']:.1f} %, max "
+            f"{adj['max_abs_error_pct']:.1f} %, step median |{adj['step_error_pct']['p50']:.1f}| %"
+        )
     sm = v.get("speed_matched")
     if sm and sm.get("median_abs_error_pct") is not None:
         speeds = sm["speeds"]
         at = f"x{speeds[0]:.2f}" if len(speeds) == 1 else f"x{min(speeds):.2f}-{max(speeds):.2f}"
-        lines.append(f"speed-matched (the simulation made again at each real run's own speed, {at} the "
-                     f"cost model's): median |error| {sm['median_abs_error_pct']:.1f} %, max "
-                     f"{sm['max_abs_error_pct']:.1f} %: the model's share; the rest is the machine's speed")
+        lines.append(
+            f"speed-matched (the simulation made again at each real run's own speed, {at} the "
+            f"cost model's): median |error| {sm['median_abs_error_pct']:.1f} %, max "
+            f"{sm['max_abs_error_pct']:.1f} %: the model's share; the rest is the machine's speed"
+        )
     return "\n".join(lines)
 
 
@@ -203,26 +238,34 @@ def speed_line(speed: Mapping[str, Any] | None) -> str | None:
     """One line on the machine's speed around the real runs against its calibration."""
     if not speed:
         return None
-    got = {w: r["ratio"] for w in ("before", "after")
-           if isinstance(r := speed.get(w), Mapping) and r.get("ratio")}
+    got = {w: r["ratio"] for w in ("before", "after") if isinstance(r := speed.get(w), Mapping) and r.get("ratio")}
     if not got:
         return None
     replay = all(isinstance(r := speed.get(w), Mapping) and r.get("kind") == "replay" for w in got)
-    line = (("machine speed: the profile's own replay ran at " if replay
-             else "machine speed: the profile's reference passes ran at ")
-            + " and ".join(f"{x:.2f}x ({w} the real runs)" for w, x in got.items())
-            + (" the time the profile predicts" if replay else " their calibrated time"))
+    line = (
+        (
+            "machine speed: the profile's own replay ran at "
+            if replay
+            else "machine speed: the profile's reference passes ran at "
+        )
+        + " and ".join(f"{x:.2f}x ({w} the real runs)" for w, x in got.items())
+        + (" the time the profile predicts" if replay else " their calibrated time")
+    )
     worst = max(got.values(), key=lambda x: abs(x - 1.0))
     if abs(worst - 1.0) >= 0.05:
-        line += (f": this machine ran up to {100 * abs(worst - 1.0):.0f} % {'slower' if worst > 1 else 'faster'} "
-                 "than when the profile was measured; errors of that size are the machine, not the cost "
-                 "model (recalibrate to follow it)")
+        line += (
+            f": this machine ran up to {100 * abs(worst - 1.0):.0f} % {'slower' if worst > 1 else 'faster'} "
+            "than when the profile was measured; errors of that size are the machine, not the cost "
+            "model (recalibrate to follow it)"
+        )
     mid = [r["ratio"] for r in (speed.get("probes") or [])[1:-1] if isinstance(r, Mapping) and r.get("ratio")]
     if mid:
         line += f"; between the rounds at {', '.join(f'{x:.2f}x' for x in mid)}"
     if len(got) == 2:
         change = got["after"] / got["before"] - 1.0
         if abs(change) >= 0.1:  # one factor cannot stand for the runs: their speed moved under them
-            line += (f"; it {'slowed' if change > 0 else 'sped up'} by {100 * abs(change):.0f} % during them "
-                     "(every run met a different machine)")
+            line += (
+                f"; it {'slowed' if change > 0 else 'sped up'} by {100 * abs(change):.0f} % during them "
+                "(every run met a different machine)"
+            )
     return line

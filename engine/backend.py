@@ -122,8 +122,8 @@ def _merge_with_headroom(caches: Sequence[Any]) -> BatchKVCache:
     for i, (n, c) in enumerate(zip(lengths, caches)):
         if n:
             p = longest - n
-            keys[i:i + 1, :, p:longest] = c.keys[..., :n, :]
-            values[i:i + 1, :, p:longest] = c.values[..., :n, :]
+            keys[i : i + 1, :, p:longest] = c.keys[..., :n, :]
+            values[i : i + 1, :, p:longest] = c.values[..., :n, :]
     out = BatchKVCache([longest - n for n in lengths])
     out.keys, out.values = keys, values
     out.offset = out.offset + longest
@@ -143,9 +143,17 @@ class MLXBackend:
 
     mode = "real"
 
-    def __init__(self, model_info: ModelInfo, sampling: Any = "greedy", seed: int = 0,
-                 *, warmup: bool = True, check: bool = True, ignore_eos: bool = False,
-                 noise: Noise | None = None):
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        sampling: Any = "greedy",
+        seed: int = 0,
+        *,
+        warmup: bool = True,
+        check: bool = True,
+        ignore_eos: bool = False,
+        noise: Noise | None = None,
+    ):
         self.info = model_info
         self.noise = noise if noise is not None else Noise.from_env()
         self._noise_saved = None
@@ -177,10 +185,21 @@ class MLXBackend:
         # KV left by finished or preempted requests that still own cached blocks:
         # rid -> (per layer (keys, values) of its first n tokens, n, their token ids)
         self._retained: dict[str, tuple[list[tuple[Any, Any]], int, list[int]]] = {}
-        self.stats = {"passes": 0, "forwards": 0, "decode_rows": 0, "prefill_tokens": 0,
-                      "padded_prefill_tokens": 0, "joins": 0, "leaves": 0, "parks": 0,
-                      "copy_s": 0.0, "execute_s": 0.0, "warmup_s": 0.0, "preemptions": 0,
-                      "cached_tokens_loaded": 0}
+        self.stats = {
+            "passes": 0,
+            "forwards": 0,
+            "decode_rows": 0,
+            "prefill_tokens": 0,
+            "padded_prefill_tokens": 0,
+            "joins": 0,
+            "leaves": 0,
+            "parks": 0,
+            "copy_s": 0.0,
+            "execute_s": 0.0,
+            "warmup_s": 0.0,
+            "preemptions": 0,
+            "cached_tokens_loaded": 0,
+        }
 
     # ------------------------------------------------------------------ protocol
     def make_clock(self) -> WallClock:
@@ -236,13 +255,16 @@ class MLXBackend:
                 self._emit(rid, t, state)
             self.stats["decode_rows"] += len(self._rows)
             self.stats["forwards"] += 1
-            finishing = [rid for rid in p.decode  # at max_tokens, or stopped at EOS just now
-                         if by_id[rid].generated + 1 >= by_id[rid].output_tokens]
+            finishing = [
+                rid
+                for rid in p.decode  # at max_tokens, or stopped at EOS just now
+                if by_id[rid].generated + 1 >= by_id[rid].output_tokens
+            ]
         for rids, tok, _ in chunks:
             if tok is not None:
                 for rid, t in zip(rids, tok.tolist()):
                     self._emit(rid, t, state)
-        self.stats["forwards"] += (1 if p.padded and len(p.prefill) > 1 else len(p.prefill))
+        self.stats["forwards"] += 1 if p.padded and len(p.prefill) > 1 else len(p.prefill)
         self.stats["prefill_tokens"] += shape.prefill_tokens
         self.stats["padded_prefill_tokens"] += shape.padded_prefill_tokens
         if finishing:
@@ -331,8 +353,10 @@ class MLXBackend:
         n = self._kv.get(rid, 0)
         if rid in self._rows:
             i = self._rows.index(rid)
-            return [(c.keys[i:i + 1, :, c._idx - n:c._idx], c.values[i:i + 1, :, c._idx - n:c._idx])
-                    for c in self._batch]
+            return [
+                (c.keys[i : i + 1, :, c._idx - n : c._idx], c.values[i : i + 1, :, c._idx - n : c._idx])
+                for c in self._batch
+            ]
         if rid in self._cache:
             return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in self._cache[rid]]
         raise KeyError(f"the engine holds no KV for request {rid}")
@@ -363,8 +387,9 @@ class MLXBackend:
         kept = self._retained.get(owner)
         if kept is not None and kept[1] >= end:
             return kept[0], kept[2]
-        raise EngineStateError(f"step {state.step_index}: cached block of request {owner} up to token {end} "
-                               "is not held by the engine")
+        raise EngineStateError(
+            f"step {state.step_index}: cached block of request {owner} up to token {end} is not held by the engine"
+        )
 
     def _load_cached(self, p: Pass, state) -> None:
         """Requests admitted with a cached prefix get its KV before their first pass."""
@@ -394,16 +419,20 @@ class MLXBackend:
             arrays, src_ids = self._source(owner, e * bs, state)
             lo, hi = j * bs, e * bs
             if self.check and src_ids is not None and list(src_ids[lo:hi]) != ids[lo:hi]:
-                raise EngineStateError(f"step {state.step_index}: request {r.id} tokens {lo}..{hi} differ from "
-                                       f"those of request {owner}, whose cached blocks it was given")
+                raise EngineStateError(
+                    f"step {state.step_index}: request {r.id} tokens {lo}..{hi} differ from "
+                    f"those of request {owner}, whose cached blocks it was given"
+                )
             parts.append([(kk[..., lo:hi, :], vv[..., lo:hi, :]) for kk, vv in arrays])
             j = e
         caches = [KVCache() for _ in range(self.n_layers)]
         for layer, c in enumerate(caches):
             ks = [part[layer][0] for part in parts]
             vs = [part[layer][1] for part in parts]
-            c.update_and_fetch(ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2),
-                               vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2))
+            c.update_and_fetch(
+                ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2),
+                vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2),
+            )
         self._timed_copy(_cache_arrays(caches))
         self._cache[r.id] = caches
         self._kv[r.id] = n
@@ -430,13 +459,16 @@ class MLXBackend:
         if set(self._rows) != state.batch:
             raise EngineStateError(
                 f"step {state.step_index}: engine batch rows {sorted(self._rows)} differ from the "
-                f"state machine's {sorted(state.batch)}")
+                f"state machine's {sorted(state.batch)}"
+            )
         for rid in list(p.decode) + [rid for rid, _ in p.prefill]:
             r = state.by_id[rid]
             have = self._kv.get(rid, 0)
             if have != self._expected_kv(r):
-                raise EngineStateError(f"step {state.step_index}: request {rid} holds {have} KV "
-                                       f"tokens in the engine, {self._expected_kv(r)} in the state")
+                raise EngineStateError(
+                    f"step {state.step_index}: request {rid} holds {have} KV "
+                    f"tokens in the engine, {self._expected_kv(r)} in the state"
+                )
             if len(self._ids(r)) != r.prompt_tokens + r.generated:
                 raise EngineStateError(f"step {state.step_index}: request {rid} token count differs")
 
@@ -462,11 +494,14 @@ class MLXBackend:
         with open(path, "w") as f:
             for r in requests:
                 ids = self.tokens.get(r.id, [])
-                row = {"id": r.id, "prompt_tokens": r.prompt_tokens, "output_tokens": len(ids),
-                       "finish_reason": ("stop" if r.id in self.stopped else
-                                         "length" if r.finish_s is not None else None),
-                       "text": tok.decode([t for t in ids if t not in self.eos]) if tok is not None else None,
-                       "token_ids": ids}
+                row = {
+                    "id": r.id,
+                    "prompt_tokens": r.prompt_tokens,
+                    "output_tokens": len(ids),
+                    "finish_reason": ("stop" if r.id in self.stopped else "length" if r.finish_s is not None else None),
+                    "text": tok.decode([t for t in ids if t not in self.eos]) if tok is not None else None,
+                    "token_ids": ids,
+                }
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def _text_ids(self, r, req) -> list[int]:
@@ -475,9 +510,11 @@ class MLXBackend:
 
         ids = list(traces.prompt_ids(req, self.info.tokenizer))
         if len(ids) != r.prompt_tokens:
-            raise EngineError(f"request {r.id}: its text is {len(ids)} tokens for model {self.info.name}'s "
-                              f"tokenizer but the trace says {r.prompt_tokens} (load the trace with this "
-                              f"model's tokenizer: traces.load(..., tokenizer=..., recount=True))")
+            raise EngineError(
+                f"request {r.id}: its text is {len(ids)} tokens for model {self.info.name}'s "
+                f"tokenizer but the trace says {r.prompt_tokens} (load the trace with this "
+                f"model's tokenizer: traces.load(..., tokenizer=..., recount=True))"
+            )
         return ids
 
     def _own_cache(self, rid: str) -> list[Any]:
@@ -517,8 +554,8 @@ class MLXBackend:
                     for c in self._batch:
                         kc = KVCache()
                         pad = c._idx - self._kv[rid]
-                        kc.keys = c.keys[i:i + 1, :, pad:c._idx]
-                        kc.values = c.values[i:i + 1, :, pad:c._idx]
+                        kc.keys = c.keys[i : i + 1, :, pad : c._idx]
+                        kc.values = c.values[i : i + 1, :, pad : c._idx]
                         kc.offset = self._kv[rid]
                         caches.append(kc)
                     self._cache[rid] = caches
@@ -575,7 +612,7 @@ class MLXBackend:
         """One chunk as its own forward over the request's own cache (lazy)."""
         caches = self._own_cache(rid)
         start = self._kv[rid]
-        x = mx.array([self._ids(r)[start:start + n]], dtype=mx.uint32)
+        x = mx.array([self._ids(r)[start : start + n]], dtype=mx.uint32)
         h = self._hidden(x, caches)
         self._kv[rid] = start + n
         tok = None
@@ -592,7 +629,7 @@ class MLXBackend:
         longest = max(ns)
         rows = []
         for rid, n, s in zip(rids, ns, starts):
-            ids = self._ids(by_id[rid])[s:s + n]
+            ids = self._ids(by_id[rid])[s : s + n]
             rows.append(ids + [0] * (longest - n))
         x = mx.array(rows, dtype=mx.uint32)
         batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(self.n_layers)]
@@ -604,15 +641,14 @@ class MLXBackend:
             own = []
             for bc in batch:
                 kc = KVCache()
-                kc.keys = bc.keys[i:i + 1, :, base - s:base + n]
-                kc.values = bc.values[i:i + 1, :, base - s:base + n]
+                kc.keys = bc.keys[i : i + 1, :, base - s : base + n]
+                kc.values = bc.values[i : i + 1, :, base - s : base + n]
                 kc.offset = s + n
                 own.append(kc)
             self._cache[rid] = own
             self._kv[rid] = s + n
             arrays += _cache_arrays(own)
-        done = [i for i, (rid, n, s) in enumerate(zip(rids, ns, starts))
-                if s + n == by_id[rid].prefill_target]
+        done = [i for i, (rid, n, s) in enumerate(zip(rids, ns, starts)) if s + n == by_id[rid].prefill_target]
         tok = None
         if done:
             sel = h[mx.array(done), mx.array([ns[i] - 1 for i in done])]
@@ -674,8 +710,15 @@ class MLXBackend:
                 self._kv.pop(rid, None)
                 self._cache.pop(rid, None)
             self._batch, self._rows = saved
-            for key in ("forwards", "decode_rows", "prefill_tokens", "padded_prefill_tokens",
-                        "joins", "leaves", "parks"):
+            for key in (
+                "forwards",
+                "decode_rows",
+                "prefill_tokens",
+                "padded_prefill_tokens",
+                "joins",
+                "leaves",
+                "parks",
+            ):
                 self.stats[key] = 0
             self.stats["copy_s"] = 0.0
 

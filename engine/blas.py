@@ -42,9 +42,11 @@ from typing import Any
 
 ENV = "SCHEDLAB_BLAS"
 THREAD_TIMEOUT = "4"  # see "Spinning" above
-HINT = ("schedlab: MLX is using its bundled reference BLAS (slow: ~10-20x slower prefill). "
-        "For fast CPU matmuls: `apt install libopenblas0-pthread`, or "
-        "`pip install cmeel-openblas` plus libgfortran5; or point SCHEDLAB_BLAS at a libopenblas.so")
+HINT = (
+    "schedlab: MLX is using its bundled reference BLAS (slow: ~10-20x slower prefill). "
+    "For fast CPU matmuls: `apt install libopenblas0-pthread`, or "
+    "`pip install cmeel-openblas` plus libgfortran5; or point SCHEDLAB_BLAS at a libopenblas.so"
+)
 
 SYSTEM_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -69,8 +71,10 @@ def _candidates() -> list[tuple[str, str]]:
         if not entry:
             continue
         sp = Path(entry)
-        for cand in (sp / "cmeel.prefix" / "lib" / "libopenblas.so.0",
-                     sp.parent / "cmeel.prefix" / "lib" / "libopenblas.so.0"):
+        for cand in (
+            sp / "cmeel.prefix" / "lib" / "libopenblas.so.0",
+            sp.parent / "cmeel.prefix" / "lib" / "libopenblas.so.0",
+        ):
             key = str(cand)
             if key not in seen:
                 seen.add(key)
@@ -119,9 +123,15 @@ def ensure_loaded() -> dict[str, Any]:
         return _state
     mlx_first = "mlx.core" in sys.modules
     info: dict[str, Any] = {
-        "name": "reference (bundled with mlx)", "path": None, "source": "mlx-wheel",
-        "config": None, "threads": 1, "active": False, "loaded_before_mlx": not mlx_first,
-        "env": os.environ.get(ENV), "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "name": "reference (bundled with mlx)",
+        "path": None,
+        "source": "mlx-wheel",
+        "config": None,
+        "threads": 1,
+        "active": False,
+        "loaded_before_mlx": not mlx_first,
+        "env": os.environ.get(ENV),
+        "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
         "notes": [],
     }
     if sys.platform == "darwin":
@@ -147,12 +157,18 @@ def ensure_loaded() -> dict[str, Any]:
             info["notes"].append(f"{path}: {exc}")
             continue
         name, config, threads = _describe(lib)
-        info.update(name=name, path=os.path.realpath(path) if os.path.exists(path) else path,
-                    source=source, config=config, threads=threads,
-                    active=_resolves_to(lib) and not mlx_first)
+        info.update(
+            name=name,
+            path=os.path.realpath(path) if os.path.exists(path) else path,
+            source=source,
+            config=config,
+            threads=threads,
+            active=_resolves_to(lib) and not mlx_first,
+        )
         if mlx_first:
-            info["notes"].append("mlx was imported before engine: MLX keeps its bundled BLAS; "
-                                 "from schedlab import engine first")
+            info["notes"].append(
+                "mlx was imported before engine: MLX keeps its bundled BLAS; from schedlab import engine first"
+            )
         info["_lib"] = lib  # keep the handle alive
         break
     _state = info

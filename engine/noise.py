@@ -77,8 +77,9 @@ class Noise:
                 if warmup < 0:
                     raise EngineError(f"noise setting warmup={warmup}: must be >= 0")
             else:
-                raise EngineError(f"unknown noise setting {part!r} (gc-off, pin=CPUS, warmup=N, malloc-keep, "
-                                  f"mlx-cache=SIZE)")
+                raise EngineError(
+                    f"unknown noise setting {part!r} (gc-off, pin=CPUS, warmup=N, malloc-keep, mlx-cache=SIZE)"
+                )
         return cls(gc_off, pin, warmup, keep, cache)
 
     @classmethod
@@ -102,9 +103,14 @@ class Noise:
         return allocator_settings(self.describe())
 
     def describe(self) -> dict[str, Any]:
-        return {"gc_off": self.gc_off, "pin": list(self.pin) if self.pin else None, "warmup": self.warmup,
-                "malloc_keep": self.malloc_keep, "mlx_cache": self.mlx_cache,
-                "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS")}
+        return {
+            "gc_off": self.gc_off,
+            "pin": list(self.pin) if self.pin else None,
+            "warmup": self.warmup,
+            "malloc_keep": self.malloc_keep,
+            "mlx_cache": self.mlx_cache,
+            "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
+        }
 
     def enter(self) -> Any:
         """Apply (pin every thread, collect then disable the collector); returns what ``leave``

@@ -17,8 +17,7 @@ def h64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def prompt_ids(seed: int, rid: str, n: int, vocab: int,
-               prefix_ids: Sequence[int] | None = None) -> list[int]:
+def prompt_ids(seed: int, rid: str, n: int, vocab: int, prefix_ids: Sequence[int] | None = None) -> list[int]:
     """Deterministic prompt token ids for request ``rid``, in ``[0, vocab)``.
 
     Requests that share a Mooncake hash block (``prefix_ids[i]``, 512 tokens) get identical
@@ -57,8 +56,11 @@ class Sampling:
         return self.temperature == 0.0
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "greedy"} if self.greedy else {
-            "kind": "temperature", "temperature": self.temperature, "seed": self.seed}
+        return (
+            {"kind": "greedy"}
+            if self.greedy
+            else {"kind": "temperature", "temperature": self.temperature, "seed": self.seed}
+        )
 
 
 def parse_sampling(spec: Any) -> Sampling:
@@ -74,14 +76,12 @@ def parse_sampling(spec: Any) -> Sampling:
         items = {}
         for part in text.split(","):
             if "=" not in part:
-                raise EngineError(f"sampling '{text}' is not 'greedy' or key=value pairs "
-                                  "(temperature=0.7,seed=1)")
+                raise EngineError(f"sampling '{text}' is not 'greedy' or key=value pairs (temperature=0.7,seed=1)")
             k, v = part.split("=", 1)
             items[k.strip()] = v.strip()
     unknown = set(items) - {"temperature", "temp", "seed"}
     if unknown:
-        raise EngineError(f"unknown sampling key(s): {', '.join(sorted(unknown))} "
-                          "(use temperature=..,seed=..)")
+        raise EngineError(f"unknown sampling key(s): {', '.join(sorted(unknown))} (use temperature=..,seed=..)")
     try:
         temp = float(items.get("temperature", items.get("temp", 0.0)))
         seed = int(items.get("seed", 0))

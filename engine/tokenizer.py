@@ -34,13 +34,25 @@ _GPT2 = "gpt2"
 _DIGITS_GPT2 = "digits+gpt2"
 _LLAMA3 = "llama3"
 PRE_TOKENIZERS = {
-    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2, "phi-2": _GPT2, "olmo": _GPT2,
-    "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2,
-    "codeshell": _DIGITS_GPT2, "command-r": _DIGITS_GPT2,
-    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
+    "default": _GPT2,
+    "gpt2": _GPT2,
+    "gpt-2": _GPT2,
+    "phi-2": _GPT2,
+    "olmo": _GPT2,
+    "smollm": _DIGITS_GPT2,
+    "starcoder": _DIGITS_GPT2,
+    "refact": _DIGITS_GPT2,
+    "codeshell": _DIGITS_GPT2,
+    "command-r": _DIGITS_GPT2,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "falcon3": _LLAMA3,
 }
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 CONTROL, USER_DEFINED = 3, 4  # GGUF token types
 
@@ -52,9 +64,17 @@ def _one_line(text: Any) -> str:
 class TextTokenizer:
     """Encode/decode text and render chat templates for one model."""
 
-    def __init__(self, tokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
-                 chat_template: str | None, add_bos_token: bool = False, source: str = "",
-                 kind: str = ""):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None,
+        add_bos_token: bool = False,
+        source: str = "",
+        kind: str = "",
+    ):
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_ids = [int(t) for t in dict.fromkeys(eos_token_ids)]
@@ -86,8 +106,13 @@ class TextTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
         """The model's chat template over ``messages`` (Hugging Face's Jinja conventions).
 
         ``tokenize=True`` returns ids (the rendered text encoded without adding BOS again:
@@ -95,14 +120,26 @@ class TextTokenizer:
         """
         if not self.chat_template:
             raise EngineError(f"tokenizer of {self.source or 'this model'} has no chat template")
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        text = render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "source": self.source, "vocab_size": self.vocab_size,
-                "bos_token_id": self.bos_token_id, "eos_token_ids": list(self.eos_token_ids),
-                "add_bos_token": self.add_bos_token, "chat_template": bool(self.chat_template)}
+        return {
+            "kind": self.kind,
+            "source": self.source,
+            "vocab_size": self.vocab_size,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "add_bos_token": self.add_bos_token,
+            "chat_template": bool(self.chat_template),
+        }
 
     # ------------------------------------------------------------------ files
     def save(self, out: str | Path, model_max_length: int | None = None) -> list[Path]:
@@ -174,8 +211,15 @@ class TextTokenizer:
         e = tid("eos_token")
         if e is not None:
             eos.append(e)
-        return cls(tok, bos_token_id=tid("bos_token"), eos_token_ids=eos, chat_template=template,
-                   add_bos_token=bool(cfg.get("add_bos_token", False)), source=str(path), kind="tokenizer.json")
+        return cls(
+            tok,
+            bos_token_id=tid("bos_token"),
+            eos_token_ids=eos,
+            chat_template=template,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            source=str(path),
+            kind="tokenizer.json",
+        )
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], source: str = "") -> "TextTokenizer | None":
@@ -186,8 +230,9 @@ class TextTokenizer:
 # ---------------------------------------------------------------------- chat templates
 
 
-def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                         **kwargs: Any) -> str:
+def render_chat_template(
+    template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+) -> str:
     """Render a Hugging Face chat template (sandboxed Jinja, trim_blocks/lstrip_blocks)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -198,15 +243,16 @@ def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
-        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     try:
-        return env.from_string(template).render(messages=list(messages),
-                                                add_generation_prompt=add_generation_prompt, **kwargs)
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
+        )
     except jinja2.exceptions.TemplateError as exc:
         raise EngineError(f"chat template failed: {_one_line(exc)}") from None
 
@@ -241,8 +287,10 @@ def _from_gguf(meta: dict[str, Any], source: str) -> TextTokenizer | None:
     if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise EngineError(f"{where}GGUF tokenizer metadata has no token list (tokenizer.ggml.tokens)")
     if kind not in ("gpt2", "llama"):
-        raise EngineError(f"{where}GGUF tokenizer model '{kind}' is not supported (supported: gpt2 byte-level BPE, "
-                          "llama SentencePiece BPE)")
+        raise EngineError(
+            f"{where}GGUF tokenizer model '{kind}' is not supported (supported: gpt2 byte-level BPE, "
+            "llama SentencePiece BPE)"
+        )
     types = _ints(meta.get("tokenizer.ggml.token_type")) or [1] * len(tokens)
     if len(types) != len(tokens):
         raise EngineError(f"{where}GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
@@ -266,18 +314,26 @@ def _from_gguf(meta: dict[str, Any], source: str) -> TextTokenizer | None:
         pre = PRE_TOKENIZERS.get(pre_name)
         if pre is None:
             known = sorted(PRE_TOKENIZERS)
-            raise EngineError(f"{where}GGUF pre-tokenizer '{pre_name}' is not supported (supported: {', '.join(known)})")
+            raise EngineError(
+                f"{where}GGUF pre-tokenizer '{pre_name}' is not supported (supported: {', '.join(known)})"
+            )
         tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=(pre == _LLAMA3)))
         if pre == _GPT2:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         elif pre == _DIGITS_GPT2:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
         else:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated", invert=False),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         tok.decoder = decoders.ByteLevel()
         label = f"gguf gpt2 (pre {pre_name})"
     else:
@@ -311,11 +367,18 @@ def _from_gguf(meta: dict[str, Any], source: str) -> TextTokenizer | None:
     if add_bos and bos is not None:
         bt = tokens[int(bos)]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bt}:0 $A:0", pair=f"{bt}:0 $A:0 {bt}:1 $B:1", special_tokens=[(bt, int(bos))])
+            single=f"{bt}:0 $A:0", pair=f"{bt}:0 $A:0 {bt}:1 $B:1", special_tokens=[(bt, int(bos))]
+        )
     template = meta.get("tokenizer.chat_template")
-    return TextTokenizer(tok, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
-                         chat_template=template if isinstance(template, str) else None,
-                         add_bos_token=add_bos, source=source, kind=label)
+    return TextTokenizer(
+        tok,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        chat_template=template if isinstance(template, str) else None,
+        add_bos_token=add_bos,
+        source=source,
+        kind=label,
+    )
 
 
 def _split_merges(raw: Sequence[str], where: str) -> list[tuple[str, str]]:

@@ -92,7 +92,22 @@ def _load_class(spec: str) -> type:
 
 
 __all__ = [
-    "POLICIES", "make_policy", "PolicyNotFound", "OptionError", "CostModel", "as_cost_model", "Pass", "PassShape",
-    "Phase", "Plan", "Policy", "PolicyBase", "RequestView", "SchedulerView", "admit_fifo",
-    "count_finishing", "fifo_chunks", "finishes_this_pass",
+    "POLICIES",
+    "make_policy",
+    "PolicyNotFound",
+    "OptionError",
+    "CostModel",
+    "as_cost_model",
+    "Pass",
+    "PassShape",
+    "Phase",
+    "Plan",
+    "Policy",
+    "PolicyBase",
+    "RequestView",
+    "SchedulerView",
+    "admit_fifo",
+    "count_finishing",
+    "fifo_chunks",
+    "finishes_this_pass",
 ]

@@ -63,6 +63,7 @@ class RequestView(Protocol):
     def kv_footprint(self) -> int: ...  # most KV tokens it will ever hold: prompt + output - 1
     @property
     def context(self) -> int: ...  # while admitted: kv_tokens + 1 (what a decode row attends to)
+
     preemptions: int  # times it was preempted (recompute)
     cached_tokens: int  # prompt tokens found in the prefix cache at its first admission
 
@@ -111,8 +112,9 @@ class Plan(_PlanFields):
 
     __slots__ = ()
 
-    def __new__(cls, admit: Sequence[str] = (), preempt: Sequence[str] = (), passes: Sequence[Pass] = (),
-                repeat: int = 0):
+    def __new__(
+        cls, admit: Sequence[str] = (), preempt: Sequence[str] = (), passes: Sequence[Pass] = (), repeat: int = 0
+    ):
         if type(admit) is not tuple:
             admit = tuple(admit)
         if type(preempt) is not tuple:
@@ -205,8 +207,9 @@ class CostModel:
 
     def decode_run_seconds(self, shape: PassShape, k: int) -> Iterator[float]:
         predict, rows = self.pass_seconds, len(shape.decode_contexts)
-        return (predict(PassShape(tuple(c + j for c in shape.decode_contexts), (), False, rows))
-                for j in range(1, k + 1))
+        return (
+            predict(PassShape(tuple(c + j for c in shape.decode_contexts), (), False, rows)) for j in range(1, k + 1)
+        )
 
 
 class _Plain(CostModel):
@@ -232,8 +235,9 @@ def as_cost_model(model: Any) -> CostModel:
     if isinstance(model, CostModel):
         return model
     if not (callable(getattr(model, "pass_seconds", None)) and callable(getattr(model, "step_overhead_seconds", None))):
-        raise TypeError(f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); got {type(model).__name__}"
+        )
     return _Plain(model)
 
 
@@ -276,7 +280,9 @@ class SchedulerView(Protocol):
 
     def shape(self, p: Pass) -> PassShape: ...
 
-    def prefix_hit(self, r: RequestView) -> tuple[int, int]: ...  # (cached tokens, free blocks it takes) if admitted now
+    def prefix_hit(
+        self, r: RequestView
+    ) -> tuple[int, int]: ...  # (cached tokens, free blocks it takes) if admitted now
 
     def freeable_blocks(self, r: RequestView) -> int: ...  # blocks freed if running r is preempted now
 
@@ -355,9 +361,7 @@ def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
                 raise ValueError
             return value
     except ValueError:
-        raise OptionError(
-            f"policy '{policy}': option {key}={raw!r} is not a valid {kind.__name__}"
-        ) from None
+        raise OptionError(f"policy '{policy}': option {key}={raw!r} is not a valid {kind.__name__}") from None
     return raw
 
 
@@ -380,9 +384,7 @@ def count_finishing(rows: Iterable[RequestView]) -> int:
     return list(map(_TOKENS_LEFT, rows)).count(1)
 
 
-def admit_fifo(
-    view: SchedulerView, max_new: int, *, reserved: int | None = None
-) -> list[RequestView]:
+def admit_fifo(view: SchedulerView, max_new: int, *, reserved: int | None = None) -> list[RequestView]:
     """Take waiting requests in arrival order while their whole KV footprint fits.
 
     Admission reserves ``prompt + output - 1`` tokens per request, rounded up to whole KV

@@ -18,7 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import (
-    Pass, Plan, PolicyBase, RequestView, SchedulerView, admit_fifo, count_finishing, decode_plan, require_positive,
+    Pass,
+    Plan,
+    PolicyBase,
+    RequestView,
+    SchedulerView,
+    admit_fifo,
+    count_finishing,
+    decode_plan,
+    require_positive,
 )
 
 

@@ -54,8 +54,7 @@ class Vllm(PolicyBase):
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
-        require_positive(self.name, max_num_seqs=self.max_num_seqs,
-                         max_num_batched_tokens=self.max_num_batched_tokens)
+        require_positive(self.name, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 
@@ -97,7 +96,7 @@ class Vllm(PolicyBase):
                 cum = list(accumulate(map(eq, map(mod, ctxs[i:j], _repeat(bs)), _repeat(one))))
                 k = bisect_right(cum, free)
                 if k:
-                    decode.extend(ids[i:i + k])
+                    decode.extend(ids[i : i + k])
                     free -= cum[k - 1]
                     budget -= k
                     i += k
@@ -164,10 +163,14 @@ class Vllm(PolicyBase):
         # step. Such steps are planned one by one.
         if decode and not chunks and not preempt and not (head_short and view.prefix_caching):
             # (then the decode rows are the first running requests, in order)
-            offsets = list(map(mod, ctxs[:len(decode)], _repeat(bs)))
+            offsets = list(map(mod, ctxs[: len(decode)], _repeat(bs)))
             repeat = self._repeat(offsets, free, bs)
-        return Plan(admit=tuple(admit), preempt=tuple(preempt),
-                    passes=(Pass(decode=tuple(decode), prefill=tuple(chunks)),), repeat=repeat)
+        return Plan(
+            admit=tuple(admit),
+            preempt=tuple(preempt),
+            passes=(Pass(decode=tuple(decode), prefill=tuple(chunks)),),
+            repeat=repeat,
+        )
 
     @staticmethod
     def _repeat(offsets: list[int], free: int, bs: int) -> int:

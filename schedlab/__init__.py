@@ -37,10 +37,33 @@ del _checkout
 __version__ = "0.1.0"
 
 _API = (
-    "Run", "Profile", "Validation", "CostModel", "Figures", "Engine", "ReplicaOptions", "ClientOptions",
-    "EngineOptions", "policy", "bundled_policies", "load_trace", "trace_stats", "cost_model", "load_profile",
-    "model_info", "profile_mismatch", "simulate", "load_engine", "run_real", "calibrate", "validate", "compare",
-    "sweep", "plot_sweep", "plot", "load_run",
+    "Run",
+    "Profile",
+    "Validation",
+    "CostModel",
+    "Figures",
+    "Engine",
+    "ReplicaOptions",
+    "ClientOptions",
+    "EngineOptions",
+    "policy",
+    "bundled_policies",
+    "load_trace",
+    "trace_stats",
+    "cost_model",
+    "load_profile",
+    "model_info",
+    "profile_mismatch",
+    "simulate",
+    "load_engine",
+    "run_real",
+    "calibrate",
+    "validate",
+    "compare",
+    "sweep",
+    "plot_sweep",
+    "plot",
+    "load_run",
 )
 __all__ = ["SchedlabError", "SchedlabWarning", *_API]
 

@@ -12,10 +12,26 @@ import sys
 COMMANDS = {
     "simulate": ("schedlab.commands.simulate", "main", "simulate a policy over a trace with a calibrated cost model"),
     "run-real": ("schedlab.commands.real", "main", "run the same policy on the real MLX engine"),
-    "serve": ("schedlab.commands.serve", "main", "serve a policy on the real engine behind an OpenAI-compatible HTTP server"),
-    "validate": ("schedlab.commands.validate", "main", "run-real and simulate on one trace: prediction against measurement"),
-    "calibrate": ("schedlab.commands.calibrate", "main", "time the real engine and fit the cost-model profile simulate uses"),
-    "sweep": ("schedlab.commands.sweep", "main", "every policy at every request rate: latency against load, SLO capacity"),
+    "serve": (
+        "schedlab.commands.serve",
+        "main",
+        "serve a policy on the real engine behind an OpenAI-compatible HTTP server",
+    ),
+    "validate": (
+        "schedlab.commands.validate",
+        "main",
+        "run-real and simulate on one trace: prediction against measurement",
+    ),
+    "calibrate": (
+        "schedlab.commands.calibrate",
+        "main",
+        "time the real engine and fit the cost-model profile simulate uses",
+    ),
+    "sweep": (
+        "schedlab.commands.sweep",
+        "main",
+        "every policy at every request rate: latency against load, SLO capacity",
+    ),
     "plot": ("schedlab.commands.plot", "main", "TTFT/ITL CDFs, decode rates and step timelines of run directories"),
     "export-mlx": ("schedlab.commands.export", "main", "write a GGUF model as an mlx-lm checkpoint directory"),
 }
@@ -43,8 +59,10 @@ def main() -> None:
         raise SystemExit(0)
     name = args[0]
     if name not in COMMANDS:
-        print(f"schedlab: error: no command {name!r}; one of: {', '.join(COMMANDS)} (see schedlab --help)",
-              file=sys.stderr)
+        print(
+            f"schedlab: error: no command {name!r}; one of: {', '.join(COMMANDS)} (see schedlab --help)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     module, entry, _ = COMMANDS[name]
     sys.argv = [f"schedlab {name}", *args[1:]]

@@ -13,7 +13,23 @@ from .metrics import format_summary, summarize
 from .state import PlanError, ReplicaState, RequestState
 
 __all__ = [
-    "ArrivalSource", "ClientSource", "LiveSource", "SimClock", "SourceClosed", "TraceSource", "WallClock",
-    "Backend", "LinearCostModel", "PlanError", "PolicyError", "ProfileError", "ReplicaState",
-    "RequestState", "RunResult", "SimBackend", "format_summary", "run", "summarize",
+    "ArrivalSource",
+    "ClientSource",
+    "LiveSource",
+    "SimClock",
+    "SourceClosed",
+    "TraceSource",
+    "WallClock",
+    "Backend",
+    "LinearCostModel",
+    "PlanError",
+    "PolicyError",
+    "ProfileError",
+    "ReplicaState",
+    "RequestState",
+    "RunResult",
+    "SimBackend",
+    "format_summary",
+    "run",
+    "summarize",
 ]

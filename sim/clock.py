@@ -59,8 +59,9 @@ class SimClock:
     def woke(self) -> None:
         self.t = self.env.now
 
-    def advance_steps(self, overhead: float, seconds, until: float | None,
-                      lookahead: bool = True) -> tuple[list, list, list]:
+    def advance_steps(
+        self, overhead: float, seconds, until: float | None, lookahead: bool = True
+    ) -> tuple[list, list, list]:
         # the running sum t + overhead + s1 + overhead + s2 ..., added in that order (float
         # for float what advance() gives), taken in growing chunks: an arrival usually stops a
         # run long before its seconds run out
@@ -117,8 +118,9 @@ class WallClock:
     def woke(self) -> None:
         pass
 
-    def advance_steps(self, overhead: float, seconds, until: float | None,
-                      lookahead: bool = True) -> tuple[list, list, list]:
+    def advance_steps(
+        self, overhead: float, seconds, until: float | None, lookahead: bool = True
+    ) -> tuple[list, list, list]:
         taken: list[float] = []
         starts: list[float] = []
         ends: list[float] = []

@@ -76,9 +76,31 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from schedlab.policies.base import CostModel, PassShape, as_cost_model
 
-PASS_FEATURES = ("d_pass", "d_multi", "d_rows", "d_kv", "d_ctx", "d_few", "d_kv_long", "c_join0", "c_join", "c_join_row",
-                 "c_join_ctx", "c_extend", "c_leave0", "c_leave", "c_leave_row",
-                 "p_pass", "p_tokens", "p_attn", "p_ctx", "p_done0", "p_done", "p_done_attn", "p_small")
+PASS_FEATURES = (
+    "d_pass",
+    "d_multi",
+    "d_rows",
+    "d_kv",
+    "d_ctx",
+    "d_few",
+    "d_kv_long",
+    "c_join0",
+    "c_join",
+    "c_join_row",
+    "c_join_ctx",
+    "c_extend",
+    "c_leave0",
+    "c_leave",
+    "c_leave_row",
+    "p_pass",
+    "p_tokens",
+    "p_attn",
+    "p_ctx",
+    "p_done0",
+    "p_done",
+    "p_done_attn",
+    "p_small",
+)
 STEP_FEATURES = ("s_step", "s_pass", "s_row")
 IDLE_FEATURES = ("i_wake", "i_step", "i_gap", "i_after")
 IDLE_STEP_FEATURES = ("i_step", "i_gap")  # the ones charged inside the step (i_wake comes before it)
@@ -92,7 +114,9 @@ PREFILL_SHAPE_TERMS = ("p_small",)  # the same, for the prefill terms
 SHAPE_TERMS = DECODE_SHAPE_TERMS + PREFILL_SHAPE_TERMS
 FEATURES = PASS_FEATURES + STEP_FEATURES + IDLE_FEATURES
 PROFILE_SCHEMA = "schedlab-profile/1"
-DEFAULT_KV_TOKENS = 262_144  # KV capacity when neither --kv-tokens nor the profile gives one (a setting, not a measurement)
+DEFAULT_KV_TOKENS = (
+    262_144  # KV capacity when neither --kv-tokens nor the profile gives one (a setting, not a measurement)
+)
 
 
 class ProfileError(ValueError):
@@ -115,8 +139,11 @@ def shape_features(rows: int, longest: int, chunks: int, tokens: int, padded: bo
     one decode pass and one chunk or one padded pass per step (every bundled policy's steps);
     several unpadded chunks are taken as of one size."""
     n = max(1, round(tokens / chunks)) if chunks > 0 and tokens > 0 else 0
-    s = PassShape(decode_contexts=(int(longest),) * max(int(rows), 0),
-                  prefill=((n, 0),) * int(chunks) if n else (), padded=bool(padded) and n > 0)
+    s = PassShape(
+        decode_contexts=(int(longest),) * max(int(rows), 0),
+        prefill=((n, 0),) * int(chunks) if n else (),
+        padded=bool(padded) and n > 0,
+    )
     return {k: _unit_models()[k].pass_seconds(s) for k in SHAPE_TERMS}
 
 
@@ -173,9 +200,31 @@ class LinearCostModel(CostModel):
         self.has_after_wake = bool(self._after)
 
     def pass_seconds(self, s: PassShape) -> float:
-        (d_pass, d_multi, d_rows, d_kv, d_ctx, d_few, d_kv_long, c_join0, c_join, c_join_row, c_join_ctx, c_extend,
-         c_leave0, c_leave, c_leave_row, p_pass, p_tokens, p_attn, p_ctx, p_done0, p_done, p_done_attn,
-         p_small) = self._d
+        (
+            d_pass,
+            d_multi,
+            d_rows,
+            d_kv,
+            d_ctx,
+            d_few,
+            d_kv_long,
+            c_join0,
+            c_join,
+            c_join_row,
+            c_join_ctx,
+            c_extend,
+            c_leave0,
+            c_leave,
+            c_leave_row,
+            p_pass,
+            p_tokens,
+            p_attn,
+            p_ctx,
+            p_done0,
+            p_done,
+            p_done_attn,
+            p_small,
+        ) = self._d
         t = 0.0
         ctx = s.decode_contexts
         if ctx:
@@ -242,8 +291,10 @@ class LinearCostModel(CostModel):
         if multi is not None:
             out = (t + multi for t in out)
         if d_kv_long:
-            out = (t + d_kv_long * rows * (longest - KV_KNEE) if longest > KV_KNEE else t
-                   for t, longest in zip(out, range(first, first + k)))
+            out = (
+                t + d_kv_long * rows * (longest - KV_KNEE) if longest > KV_KNEE else t
+                for t, longest in zip(out, range(first, first + k))
+            )
         return out
 
     # ------------------------------------------------------------------ profiles

@@ -36,15 +36,48 @@ from typing import Any
 
 import numpy as np
 
-from .cost import (FEATURES, SHAPE_TERMS, after_wake_features, idle_features, pass_features, shape_features,
-                   step_features)
+from .cost import (
+    FEATURES,
+    SHAPE_TERMS,
+    after_wake_features,
+    idle_features,
+    pass_features,
+    shape_features,
+    step_features,
+)
 
 STEP_TERMS = tuple(k for k in FEATURES if k != "i_wake")  # i_wake is charged before the step
-RAW = ("passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
-       "prefill_chunks", "prefill_tokens", "prefill_ctx", "done_chunks", "padded")
-COLUMNS = (("step", "start_s", "end_s", "measured_s", "predicted_s", "passes_s", "overhead_s",
-            "after_idle", "idle_before_s", "wake_s", "batch_changed", "after_change")
-           + RAW + STEP_TERMS)
+RAW = (
+    "passes",
+    "decode_rows",
+    "decode_ctx",
+    "joins",
+    "leaves",
+    "batch_rows_before",
+    "prefill_chunks",
+    "prefill_tokens",
+    "prefill_ctx",
+    "done_chunks",
+    "padded",
+)
+COLUMNS = (
+    (
+        "step",
+        "start_s",
+        "end_s",
+        "measured_s",
+        "predicted_s",
+        "passes_s",
+        "overhead_s",
+        "after_idle",
+        "idle_before_s",
+        "wake_s",
+        "batch_changed",
+        "after_change",
+    )
+    + RAW
+    + STEP_TERMS
+)
 
 
 def step_table(result: Any) -> dict[str, np.ndarray] | None:
@@ -138,9 +171,23 @@ def features_table(cols: dict[str, np.ndarray]):
     """features.parquet's table (pyarrow): counts as integers, the rest as floats."""
     import pyarrow as pa
 
-    ints = {"step", "passes", "decode_rows", "decode_ctx", "joins", "leaves", "batch_rows_before",
-            "prefill_chunks", "prefill_tokens", "prefill_ctx", "done_chunks", "padded",
-            "after_idle", "batch_changed", "after_change"}
+    ints = {
+        "step",
+        "passes",
+        "decode_rows",
+        "decode_ctx",
+        "joins",
+        "leaves",
+        "batch_rows_before",
+        "prefill_chunks",
+        "prefill_tokens",
+        "prefill_ctx",
+        "done_chunks",
+        "padded",
+        "after_idle",
+        "batch_changed",
+        "after_change",
+    }
     return pa.table({k: (cols[k].astype(np.int64) if k in ints else cols[k].astype(np.float64)) for k in COLUMNS})
 
 
@@ -155,9 +202,16 @@ def read_features(path: str | Path) -> dict[str, np.ndarray]:
     cols = {name: table.column(name).to_numpy(zero_copy_only=False).astype(float) for name in table.column_names}
     missing = [k for k in SHAPE_TERMS if k not in cols]
     if missing and "decode_rows" in cols:  # written before these terms existed
-        derived = [shape_features(int(r), int(c), int(n), int(t), bool(p)) for r, c, n, t, p in  # p_tokens: rows x
-                   zip(cols["decode_rows"], cols["decode_ctx"], cols["prefill_chunks"], cols["p_tokens"],  # longest
-                       cols["padded"])]                                                                   # when padded
+        derived = [
+            shape_features(int(r), int(c), int(n), int(t), bool(p))
+            for r, c, n, t, p in zip(  # p_tokens: rows x
+                cols["decode_rows"],
+                cols["decode_ctx"],
+                cols["prefill_chunks"],
+                cols["p_tokens"],  # longest
+                cols["padded"],
+            )
+        ]  # when padded
         for k in missing:
             cols[k] = np.array([d[k] for d in derived], dtype=float)
     if "i_after" not in cols and "after_idle" in cols:  # written before it

@@ -105,8 +105,7 @@ class StepLog(_Columns):
         self._runs: list[tuple] = []  # (position in the lists, first index, t0, ends, predicted, rows, kv0)
         self._in_runs = 0
 
-    def add_run(self, index0: int, t0: float, ends: list[float], predicted: list[float], rows: int,
-                kv0: int) -> None:
+    def add_run(self, index0: int, t0: float, ends: list[float], predicted: list[float], rows: int, kv0: int) -> None:
         """``len(ends)`` decode steps of ``rows`` rows from step ``index0`` on: the first starts
         at ``t0``, each next one where the one before ended; KV grows by ``rows`` a step from
         ``kv0``; nothing measured, no prefill, one pass each."""
@@ -130,8 +129,9 @@ class StepLog(_Columns):
         """The columns as numpy arrays in ``fields`` order (``measured_s``: a list, None where
         nothing was measured), the runs filled in, all as whole columns (no per-run numpy)."""
         lists = self._lists
-        plain = [col if dt is None else np.fromiter(col, dtype=dt, count=len(col))
-                 for col, dt in zip(lists, _STEP_TYPES)]
+        plain = [
+            col if dt is None else np.fromiter(col, dtype=dt, count=len(col)) for col, dt in zip(lists, _STEP_TYPES)
+        ]
         if not self._runs:
             return plain
         pos_l, i0_l, t0_l, ends_l, pred_l, rows_l, kv0_l = zip(*self._runs)
@@ -157,8 +157,17 @@ class StepLog(_Columns):
         start[1:] = ends[:-1]
         start[first] = t0
         rows_r = np.repeat(rows, m)
-        from_runs = (np.repeat(i0, m) + within, start, ends, pred, None, rows_r, 0, 1,
-                     np.repeat(kv0, m) + (within + 1) * rows_r)
+        from_runs = (
+            np.repeat(i0, m) + within,
+            start,
+            ends,
+            pred,
+            None,
+            rows_r,
+            0,
+            1,
+            np.repeat(kv0, m) + (within + 1) * rows_r,
+        )
         out: list = []
         for col, run_col, dt in zip(plain, from_runs, _STEP_TYPES):
             if dt is None:  # measured_s: nothing is measured in a run of repeats
@@ -237,8 +246,9 @@ def run(
     clock = clock if clock is not None else backend.make_clock()
     env = clock.env
     policy_name = getattr(policy, "name", type(policy).__name__)
-    state = ReplicaState((), kv_capacity, policy_name, block_size=block_size,
-                         prefix_caching=prefix_caching, token_keys=token_keys)
+    state = ReplicaState(
+        (), kv_capacity, policy_name, block_size=block_size, prefix_caching=prefix_caching, token_keys=token_keys
+    )
     steps = StepLog()
     pass_log = PassLog()
     s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps._lists
@@ -276,6 +286,7 @@ def run(
         def execute(p, shape, state, _run=backend.execute, _keep=shapes.append):
             _keep(shape)
             return _run(p, shape, state)
+
     idle_cost = cost_model.idle_seconds
     # the steps after a wake are counted only for a model that charges them
     after_wake = cost_model.after_wake_seconds if cost_model.has_after_wake else None
@@ -298,13 +309,20 @@ def run(
             return t_end
         rows = len(p.decode)
         predicted_overhead = overhead(1, rows)
-        seconds, pass_starts, ends = clock.advance_steps(backend.step_overhead(predicted_overhead),
-                                                         repeat_decode(shape, k), nxt, lookahead)
+        seconds, pass_starts, ends = clock.advance_steps(
+            backend.step_overhead(predicted_overhead), repeat_decode(shape, k), nxt, lookahead
+        )
         t = ends[-1] if ends else t_end
         m = len(ends)
         if record_steps:
-            steps.add_run(state.step_index, t_end, ends, list(map(add, _repeat(predicted_overhead, m), seconds)),
-                          rows, state.kv_used)
+            steps.add_run(
+                state.step_index,
+                t_end,
+                ends,
+                list(map(add, _repeat(predicted_overhead, m), seconds)),
+                rows,
+                state.kv_used,
+            )
         if log_passes:
             p_step.extend(range(state.step_index, state.step_index + m))
             p_k.extend([0] * m)
@@ -332,8 +350,8 @@ def run(
                 raise
             except Exception as exc:  # the user's policy code
                 raise PolicyError(
-                    f"policy '{policy_name}' step {state.step_index} raised "
-                    f"{type(exc).__name__}: {exc}") from exc
+                    f"policy '{policy_name}' step {state.step_index} raised {type(exc).__name__}: {exc}"
+                ) from exc
             for r in state.apply_admin(plan, t0):
                 backend.release(r)
             passes = [p for p in plan.passes if p.decode or p.prefill]
@@ -364,7 +382,8 @@ def run(
                     continue
                 raise PlanError(
                     f"policy '{policy_name}' step {state.step_index}: planned nothing with "
-                    f"{state.n_accepted - state.finished} request(s) unfinished and no arrivals left")
+                    f"{state.n_accepted - state.finished} request(s) unfinished and no arrivals left"
+                )
             n_rows = 0
             for p in passes:
                 n_rows += len(p.decode) + len(p.prefill)
@@ -418,8 +437,15 @@ def run(
             state.step_index += 1
             if on_step is not None:
                 on_step(state)
-            if plan.repeat and repeat_decode is not None and not ended and len(passes) == 1 \
-                    and not passes[0].prefill and len(state.prefilling) == prefilling and since_wake is None:
+            if (
+                plan.repeat
+                and repeat_decode is not None
+                and not ended
+                and len(passes) == 1
+                and not passes[0].prefill
+                and len(state.prefilling) == prefilling
+                and since_wake is None
+            ):
                 # (no row finished and none was handed off from prefilling: the queues are
                 # as the policy saw them)
                 t_end = run_repeats(plan.repeat, passes[0], shape, t_end)
@@ -440,17 +466,30 @@ def run(
         if "No scheduled events left" not in str(exc):
             raise
         # the replica waits idle for an arrival that waits for a finish: a closed loop stalled
-        error = (f"policy '{policy_name}' step {state.step_index}: planned nothing with "
-                 f"{state.n_accepted - state.finished} request(s) unfinished while the arrival source "
-                 f"waits for one of them to finish")
+        error = (
+            f"policy '{policy_name}' step {state.step_index}: planned nothing with "
+            f"{state.n_accepted - state.finished} request(s) unfinished while the arrival source "
+            f"waits for one of them to finish"
+        )
     meta = backend.finish()
     describe = getattr(source, "describe", None)
     return RunResult(
-        policy=policy_name, mode=backend.mode, trace=trace_name, requests=state.requests,
-        rejected=state.rejected, steps=steps, passes=pass_log, wall_s=time.perf_counter() - wall0,
-        meta=meta, error=error, kv_capacity=state.kv_capacity, shapes=shapes, wakes=wakes,
+        policy=policy_name,
+        mode=backend.mode,
+        trace=trace_name,
+        requests=state.requests,
+        rejected=state.rejected,
+        steps=steps,
+        passes=pass_log,
+        wall_s=time.perf_counter() - wall0,
+        meta=meta,
+        error=error,
+        kv_capacity=state.kv_capacity,
+        shapes=shapes,
+        wakes=wakes,
         block_size=state.block_size,
         prefix_cache=state.prefix.stats() if state.prefix is not None else None,
         source=describe() if describe is not None else None,
-        scheduled_s=getattr(source, "scheduled_s", None), passes_recorded=log_passes,
+        scheduled_s=getattr(source, "scheduled_s", None),
+        passes_recorded=log_passes,
     )

@@ -19,25 +19,41 @@ PERCENTILES = (50, 90, 99)
 _TOKEN_TIMES = attrgetter("token_times")
 
 
-def dist(values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES,
-         *, overwrite: bool = False) -> dict[str, float | None]:
+def dist(
+    values: Sequence[float] | np.ndarray, percentiles: Iterable[float] = PERCENTILES, *, overwrite: bool = False
+) -> dict[str, float | None]:
     """Mean and percentiles. ``overwrite``: ``values`` is a float array the caller no longer
     needs, partitioned in place (no copy of millions of ITLs)."""
     a = np.asarray(values, dtype=float)
     percentiles = tuple(percentiles)
     out: dict[str, float | None] = {"mean": float(a.mean()) if a.size else None}
     # one partition for all of them (the same values as one call each)
-    at = (np.percentile(a, percentiles, overwrite_input=overwrite).tolist() if a.size and percentiles
-          else [None] * len(percentiles))
+    at = (
+        np.percentile(a, percentiles, overwrite_input=overwrite).tolist()
+        if a.size and percentiles
+        else [None] * len(percentiles)
+    )
     for p, v in zip(percentiles, at):
         out[f"p{p:g}"] = v
     return out
 
 
 REQUEST_COLUMNS = (
-    "id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
-    "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
-    "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s",
+    "id",
+    "arrival_s",
+    "prompt_tokens",
+    "output_tokens",
+    "first_token_s",
+    "finish_s",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "decode_rate_tok_s",
+    "status",
+    "preemptions",
+    "recomputed_tokens",
+    "cached_tokens",
+    "scheduled_s",
 )
 _COL = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
 _STATUS = _COL["status"]
@@ -58,14 +74,32 @@ def request_table(result) -> list[tuple]:
             o = r.output_tokens
             f, e = r.first_token_s, r.finish_s
             span = e - f
-            out.append((r.id, a, r.prompt_tokens, o, f, e, (f - a) * 1e3,
-                        span / (o - 1) * 1e3 if o > 1 else None, (e - a) * 1e3,
-                        (o - 1) / span if o > 1 and span > 0 else None, "finished",
-                        r.preemptions, r.recomputed_tokens, r.cached_tokens, sched))
+            out.append(
+                (
+                    r.id,
+                    a,
+                    r.prompt_tokens,
+                    o,
+                    f,
+                    e,
+                    (f - a) * 1e3,
+                    span / (o - 1) * 1e3 if o > 1 else None,
+                    (e - a) * 1e3,
+                    (o - 1) / span if o > 1 and span > 0 else None,
+                    "finished",
+                    r.preemptions,
+                    r.recomputed_tokens,
+                    r.cached_tokens,
+                    sched,
+                )
+            )
         else:
             status = "rejected" if r.id in rejected else "unfinished"
-            out.append((r.id, a, r.prompt_tokens, r.output_tokens) + (None,) * 6
-                       + (status, r.preemptions, r.recomputed_tokens, r.cached_tokens, sched))
+            out.append(
+                (r.id, a, r.prompt_tokens, r.output_tokens)
+                + (None,) * 6
+                + (status, r.preemptions, r.recomputed_tokens, r.cached_tokens, sched)
+            )
     return out
 
 
@@ -88,8 +122,7 @@ def token_times_flat(result) -> tuple[np.ndarray, np.ndarray]:
     flat = getattr(result, "_token_flat", None)
     # token times are only ever appended: the same counts are the same times
     if flat is None or not np.array_equal(flat[0], counts):
-        times = np.fromiter(chain.from_iterable(map(_TOKEN_TIMES, requests)), dtype=np.float64,
-                            count=int(counts.sum()))
+        times = np.fromiter(chain.from_iterable(map(_TOKEN_TIMES, requests)), dtype=np.float64, count=int(counts.sum()))
         flat = (counts, times)
         try:
             result._token_flat = flat
@@ -113,11 +146,13 @@ def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray, scale: fl
     first = ends[:-1]  # index of each request's first token after the first request
     keep[first[(first > 0) & (first < times.size)] - 1] = False
     for i in np.flatnonzero(~finished).tolist():  # (only a run that stopped early has any)
-        keep[max(ends[i] - counts[i] - 1, 0):max(ends[i] - 1, 0)] = False
+        keep[max(ends[i] - counts[i] - 1, 0) : max(ends[i] - 1, 0)] = False
     return gaps[keep]
 
 
-def summarize(result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    result, percentiles: Iterable[float] = PERCENTILES, slo: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """summary.json for a run (see issue: keys as `vllm bench serve --save-result`)."""
     percentiles = tuple(percentiles)
     table = request_table(result)

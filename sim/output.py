@@ -43,14 +43,27 @@ from .metrics import REQUEST_COLUMNS, request_table, token_times_flat
 # requests.csv's integer columns (the rest but id and status are floats, empty where None)
 _INT_COLUMNS = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens")
 STEP_COLUMNS = (
-    "step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows", "prefill_tokens",
-    "passes", "kv_tokens",
+    "step",
+    "start_s",
+    "end_s",
+    "predicted_s",
+    "measured_s",
+    "decode_rows",
+    "prefill_tokens",
+    "passes",
+    "kv_tokens",
 )
 
 
 @gc_paused()  # millions of rows are made here, almost no cycles
-def write_run(out: str | Path, result, summary: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
-              meta: Mapping[str, Any] | None = None, *, passes: bool = True) -> Path:
+def write_run(
+    out: str | Path,
+    result,
+    summary: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    meta: Mapping[str, Any] | None = None,
+    *,
+    passes: bool = True,
+) -> Path:
     """Write the run directory. ``summary``: summary.json's content, or what computes it (asked
     for once the large tables are being written: the two go on at once)."""
     out = Path(out)
@@ -63,11 +76,14 @@ def write_run(out: str | Path, result, summary: Mapping[str, Any] | Callable[[],
     # requests.csv are made
     token_times_flat(result)  # (made once, here: the summary's ITLs read them as well)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        writes = [pool.submit(_write_table, tokens_table, out / "tokens.parquet", result),
-                  pool.submit(_write_table, steps_table, out / "steps.parquet", result.steps)]
+        writes = [
+            pool.submit(_write_table, tokens_table, out / "tokens.parquet", result),
+            pool.submit(_write_table, steps_table, out / "steps.parquet", result.steps),
+        ]
         if passes:
-            writes.append(pool.submit(_write_table, passes_table, out / "passes.parquet", result.requests,
-                                      result.passes))
+            writes.append(
+                pool.submit(_write_table, passes_table, out / "passes.parquet", result.requests, result.passes)
+            )
         if callable(summary):
             summary = summary()
         stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
@@ -185,8 +201,9 @@ def _write_table(make, path: Path, *args) -> None:
 
     table = make(*args)
     dicts = [f.name for f in table.schema if pa.types.is_dictionary(f.type)]
-    pq.write_table(table, path, compression="zstd", compression_level=1, use_dictionary=dicts or False,
-                   write_statistics=False)
+    pq.write_table(
+        table, path, compression="zstd", compression_level=1, use_dictionary=dicts or False, write_statistics=False
+    )
 
 
 def tokens_table(result):
@@ -207,8 +224,10 @@ def tokens_table(result):
         index[firsts[1:]] = 1 - sizes[:-1]
         index[0] = 0
         np.cumsum(index, dtype=np.int32, out=index)
-    return pa.Table.from_arrays([_dictionary(owner, _ids(requests)), _arrow(index), _arrow(times)],
-                                names=["request_id", "token_index", "time_s"])
+    return pa.Table.from_arrays(
+        [_dictionary(owner, _ids(requests)), _arrow(index), _arrow(times)],
+        names=["request_id", "token_index", "time_s"],
+    )
 
 
 def passes_table(requests, passes):
@@ -232,25 +251,39 @@ def passes_table(requests, passes):
     width = nd + npf
     size = int(width.sum())
     owner_t = np.fromiter(
-        chain.from_iterable(chain(map(pos.__getitem__, p.decode), map(pos.__getitem__, map(_FIRST, p.prefill)))
-                            for p in distinct), dtype=np.int32, count=size)
-    kind_t = np.repeat(np.tile(np.array([0, 1], dtype=np.int8), len(distinct)),
-                       np.stack((nd, npf), axis=1).reshape(-1))
+        chain.from_iterable(
+            chain(map(pos.__getitem__, p.decode), map(pos.__getitem__, map(_FIRST, p.prefill))) for p in distinct
+        ),
+        dtype=np.int32,
+        count=size,
+    )
+    kind_t = np.repeat(np.tile(np.array([0, 1], dtype=np.int8), len(distinct)), np.stack((nd, npf), axis=1).reshape(-1))
     tokens_t = np.ones(size, dtype=np.int32)
-    tokens_t[kind_t == 1] = np.fromiter(chain.from_iterable(map(_prefill_tokens, distinct)), dtype=np.int32,
-                                        count=int(npf.sum()))
+    tokens_t[kind_t == 1] = np.fromiter(
+        chain.from_iterable(map(_prefill_tokens, distinct)), dtype=np.int32, count=int(npf.sum())
+    )
     offset = np.cumsum(width) - width
     # every logged pass's rows: its template's, in order
     widths = width[run_of]
     row_start = np.cumsum(widths) - widths
     index = np.repeat(offset[run_of] - row_start, widths)
     index += np.arange(len(index))
-    cols = [np.repeat(np.fromiter(c, dtype=dt, count=n), widths)
-            for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))]
+    cols = [
+        np.repeat(np.fromiter(c, dtype=dt, count=n), widths)
+        for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))
+    ]
     return pa.Table.from_arrays(
-        [_arrow(cols[0]), _arrow(cols[1]), _dictionary(owner_t[index], _ids(requests)),
-         _dictionary(kind_t[index], ["decode", "prefill"]), _arrow(tokens_t[index]), _arrow(cols[2]), _arrow(cols[3])],
-        names=["step", "pass", "request_id", "kind", "tokens", "start_s", "end_s"])
+        [
+            _arrow(cols[0]),
+            _arrow(cols[1]),
+            _dictionary(owner_t[index], _ids(requests)),
+            _dictionary(kind_t[index], ["decode", "prefill"]),
+            _arrow(tokens_t[index]),
+            _arrow(cols[2]),
+            _arrow(cols[3]),
+        ],
+        names=["step", "pass", "request_id", "kind", "tokens", "start_s", "end_s"],
+    )
 
 
 def _ids(requests) -> list[str]:

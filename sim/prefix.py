@@ -104,7 +104,7 @@ class PrefixCache:
             n_ids = len(ids)
             for j in range(len(hs), n_blocks):
                 lo = j * bs
-                key = tuple(ids[lo:lo + bs]) if lo + bs <= n_ids else own
+                key = tuple(ids[lo : lo + bs]) if lo + bs <= n_ids else own
                 h = hash((h, key))
                 hs.append(h)
             return hs
@@ -115,7 +115,7 @@ class PrefixCache:
             hi = lo + bs
             if hi <= shared_end:
                 m0, m1 = lo // SHARED_BLOCK, (hi - 1) // SHARED_BLOCK
-                key = (pid[m0], lo % SHARED_BLOCK) if m0 == m1 else (*pid[m0:m1 + 1], lo % SHARED_BLOCK)
+                key = (pid[m0], lo % SHARED_BLOCK) if m0 == m1 else (*pid[m0 : m1 + 1], lo % SHARED_BLOCK)
             else:
                 key = own
             h = hash((h, key))

@@ -87,10 +87,16 @@ class ClientSource:
     known (the replica then hands control to SimPy in time for it).
     """
 
-    def __init__(self, requests: Sequence[Request], max_concurrency: int | None = None,
-                 think_s: float = 0.0, schedule: Sequence[float] | None = None):
-        if max_concurrency is not None and (isinstance(max_concurrency, bool) or int(max_concurrency) != max_concurrency
-                                            or max_concurrency < 1):
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        max_concurrency: int | None = None,
+        think_s: float = 0.0,
+        schedule: Sequence[float] | None = None,
+    ):
+        if max_concurrency is not None and (
+            isinstance(max_concurrency, bool) or int(max_concurrency) != max_concurrency or max_concurrency < 1
+        ):
             raise ValueError(f"max_concurrency must be an integer >= 1, got {max_concurrency!r}")
         if not (think_s >= 0 and math.isfinite(think_s)):
             raise ValueError(f"think time must be a finite number >= 0, got {think_s!r}")
@@ -184,8 +190,14 @@ class LiveSource:
 
     requests = None  # none known up front
 
-    def __init__(self, clock, *, poll_s: float = 0.002, on_ready: Callable[[], None] | None = None,
-                 on_finish: Callable[[Any, float], None] | None = None):
+    def __init__(
+        self,
+        clock,
+        *,
+        poll_s: float = 0.002,
+        on_ready: Callable[[], None] | None = None,
+        on_finish: Callable[[Any, float], None] | None = None,
+    ):
         if not (poll_s > 0 and math.isfinite(poll_s)):
             raise ValueError(f"poll_s must be a finite number > 0, got {poll_s!r}")
         self.clock = clock
@@ -203,8 +215,9 @@ class LiveSource:
         ``SourceClosed`` before the clock runs or after ``close()``."""
         with self._lock:
             if self._closed or not self._running:
-                raise SourceClosed("the replica is not taking requests" if not self._closed
-                                   else "the replica is shutting down")
+                raise SourceClosed(
+                    "the replica is not taking requests" if not self._closed else "the replica is shutting down"
+                )
             r = replace(request, arrival_s=self.clock.now())
             self._queue.put(r)
         return r
@@ -240,8 +253,14 @@ class LiveSource:
             self.on_finish(r, t)
 
 
-def clients(requests: Sequence[Request], max_concurrency: int | None = None, request_rate: float | None = None,
-            burstiness: float | None = None, think_s: float = 0.0, seed: Any = 0):
+def clients(
+    requests: Sequence[Request],
+    max_concurrency: int | None = None,
+    request_rate: float | None = None,
+    burstiness: float | None = None,
+    think_s: float = 0.0,
+    seed: Any = 0,
+):
     """What to hand ``run``: the requests themselves when no client option is given (a trace
     replay), else a ``ClientSource``: requests issued in trace order at the trace's times or,
     with ``request_rate``, at ``vllm bench serve``'s schedule (``traces.request_times``:
@@ -255,7 +274,9 @@ def clients(requests: Sequence[Request], max_concurrency: int | None = None, req
 
         schedule = request_times(len(requests), request_rate, 1.0 if burstiness is None else burstiness, seed)
     src = ClientSource(requests, max_concurrency, think_s, schedule)
-    src.options = {"request_rate": request_rate,
-                   "burstiness": (1.0 if burstiness is None else burstiness) if request_rate is not None else None,
-                   "schedule": "request-rate" if request_rate is not None else "trace arrival times"}
+    src.options = {
+        "request_rate": request_rate,
+        "burstiness": (1.0 if burstiness is None else burstiness) if request_rate is not None else None,
+        "schedule": "request-rate" if request_rate is not None else "trace arrival times",
+    }
     return src

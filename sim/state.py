@@ -69,10 +69,30 @@ class RequestState:
     """One request's progress. Policies see it read-only (properties without setters)."""
 
     __slots__ = (
-        "id", "arrival_s", "prompt_tokens", "output_tokens", "prefix_ids", "index", "request",
-        "_phase", "_prefilled", "_target", "_left", "_ctx", "_reserved",
-        "admitted_s", "first_token_s", "finish_s", "_tt", "_seg", "_times", "preemptions",
-        "recomputed_tokens", "cached_tokens", "_high", "_blk",
+        "id",
+        "arrival_s",
+        "prompt_tokens",
+        "output_tokens",
+        "prefix_ids",
+        "index",
+        "request",
+        "_phase",
+        "_prefilled",
+        "_target",
+        "_left",
+        "_ctx",
+        "_reserved",
+        "admitted_s",
+        "first_token_s",
+        "finish_s",
+        "_tt",
+        "_seg",
+        "_times",
+        "preemptions",
+        "recomputed_tokens",
+        "cached_tokens",
+        "_high",
+        "_blk",
     )
 
     def __init__(self, req: Request, index: int):
@@ -115,6 +135,7 @@ class RequestState:
     @property
     def generated(self) -> int:
         return self.output_tokens - self._left
+
     tokens_left = property(attrgetter("_left"))
 
     @property
@@ -148,8 +169,10 @@ class RequestState:
         return self._tt
 
     def __repr__(self) -> str:
-        return (f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"
-                f"{self._target} generated={self.generated}/{self.output_tokens}>")
+        return (
+            f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"
+            f"{self._target} generated={self.generated}/{self.output_tokens}>"
+        )
 
 
 class _CachedRequestState(RequestState):
@@ -244,8 +267,19 @@ class _Queue(Sequence):
 class ReplicaView:
     """What ``policy.plan(view)`` reads. Valid for the step it was handed out in."""
 
-    __slots__ = ("_state", "now", "step_index", "cost_model", "waiting", "prefilling", "decoding",
-                 "running", "kv_capacity", "block_size", "kv_blocks")
+    __slots__ = (
+        "_state",
+        "now",
+        "step_index",
+        "cost_model",
+        "waiting",
+        "prefilling",
+        "decoding",
+        "running",
+        "kv_capacity",
+        "block_size",
+        "kv_blocks",
+    )
 
     def __init__(self, state: "ReplicaState", cost_model: CostModel | None):
         self._state = state
@@ -302,9 +336,16 @@ class ReplicaState:
     ``open`` stays true while the arrival source may still send requests.
     """
 
-    def __init__(self, requests: Sequence[Request] = (), kv_capacity: int = 0, policy_name: str = "policy",
-                 *, block_size: int = 1, prefix_caching: bool = False,
-                 token_keys: Callable[[Any], Sequence[int] | None] | None = None):
+    def __init__(
+        self,
+        requests: Sequence[Request] = (),
+        kv_capacity: int = 0,
+        policy_name: str = "policy",
+        *,
+        block_size: int = 1,
+        prefix_caching: bool = False,
+        token_keys: Callable[[Any], Sequence[int] | None] | None = None,
+    ):
         self.policy_name = policy_name
         if isinstance(block_size, bool) or int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block size must be an integer >= 1, got {block_size!r}")
@@ -330,7 +371,11 @@ class ReplicaState:
         self.decoding: dict[str, RequestState] = {}
         self.running: dict[str, RequestState] = {}  # prefilling + decoding, admission order
         self.waiting_q, self.prefilling_q, self.decoding_q, self.running_q = (
-            _Queue(self.waiting), _Queue(self.prefilling), _Queue(self.decoding), _Queue(self.running))
+            _Queue(self.waiting),
+            _Queue(self.prefilling),
+            _Queue(self.decoding),
+            _Queue(self.running),
+        )
         self.kv_used = 0
         self.kv_reserved = 0
         self.finished = 0
@@ -366,9 +411,15 @@ class ReplicaState:
         self.by_id[r.id] = r
         if r.kv_footprint > self.kv_capacity:
             blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
-            self.rejected.append((r, (
-                f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
-                f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}{blocks}")))
+            self.rejected.append(
+                (
+                    r,
+                    (
+                        f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
+                        f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}{blocks}"
+                    ),
+                )
+            )
             return None
         self.accepted.append(r)
         self.n_accepted += 1
@@ -583,8 +634,9 @@ class ReplicaState:
         if self.blocks_used + new > self.kv_blocks:
             if bs == 1:
                 raise self._fail(f"needs {self.blocks_used + new} KV tokens but the capacity is {self.kv_capacity}")
-            raise self._fail(f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is "
-                             f"{self.kv_blocks} blocks")
+            raise self._fail(
+                f"needs {self.blocks_used + new} KV blocks of {bs} tokens but the capacity is {self.kv_blocks} blocks"
+            )
         self._shaped = _new_checked(Checked, (p, new, rs, dset, handoff, finishing, joiners, leavers))
         padded = bool(p.padded and chunks)
         if not decode:
@@ -649,9 +701,10 @@ class ReplicaState:
             return r._ctx
         if r._phase is PREFILLING and r._target - r._prefilled == 1:
             return r._target  # hand-off: the last prompt token is the decode input
-        raise self._fail(f"decodes request {rid} which is {r._phase.value}"
-                         + (f" with {r._target - r._prefilled} prompt tokens left"
-                            if r._phase is PREFILLING else ""))
+        raise self._fail(
+            f"decodes request {rid} which is {r._phase.value}"
+            + (f" with {r._target - r._prefilled} prompt tokens left" if r._phase is PREFILLING else "")
+        )
 
     def apply_pass(self, p: Pass, t: float) -> list[RequestState]:
         """Advance requests by an already-checked pass that ended at ``t``; return finishes."""

@@ -9,9 +9,24 @@ from schedlab.traces.schema import Request
 
 # Known coefficients (not a profile: tests only). Decode ~ a few ms, prefill ~ 20k tok/s.
 KNOWN = {
-    "d_pass": 0.004, "d_multi": 0.001, "d_rows": 0.0002, "d_kv": 2e-8, "d_ctx": 1e-7,
-    "c_join0": 0.001, "c_join": 1e-8, "c_leave0": 0.0005, "c_leave": 1e-8,
-    "p_pass": 0.004, "p_tokens": 5e-5, "p_attn": 2e-9, "p_ctx": 1e-7, "p_done0": 0.002, "p_done": 2e-5, "p_done_attn": 5e-10, "s_step": 0.0005, "s_row": 1e-5,
+    "d_pass": 0.004,
+    "d_multi": 0.001,
+    "d_rows": 0.0002,
+    "d_kv": 2e-8,
+    "d_ctx": 1e-7,
+    "c_join0": 0.001,
+    "c_join": 1e-8,
+    "c_leave0": 0.0005,
+    "c_leave": 1e-8,
+    "p_pass": 0.004,
+    "p_tokens": 5e-5,
+    "p_attn": 2e-9,
+    "p_ctx": 1e-7,
+    "p_done0": 0.002,
+    "p_done": 2e-5,
+    "p_done_attn": 5e-10,
+    "s_step": 0.0005,
+    "s_row": 1e-5,
 }
 
 

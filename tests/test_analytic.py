@@ -13,9 +13,18 @@ import pytest
 from schedlab.policies import make_policy
 from schedlab.policies.base import CostModel, PassShape
 from schedlab.sim import run
-from schedlab.analysis.analytic import (AnalyticError, Efficiency, analytic_from_config, engine_kind, fit_efficiency,
-                          kv_capacity_tokens, load_hardware, load_model_config,
-                          make_analytic_cost_model, model_spec)
+from schedlab.analysis.analytic import (
+    AnalyticError,
+    Efficiency,
+    analytic_from_config,
+    engine_kind,
+    fit_efficiency,
+    kv_capacity_tokens,
+    load_hardware,
+    load_model_config,
+    make_analytic_cost_model,
+    model_spec,
+)
 from schedlab.analysis.analytic.fit import load_benchmarks, point_model, predict_point, refit
 from schedlab.analysis.analytic.hardware import BENCHMARKS_FILE, HARDWARE_FILE, read_hardware_file
 from schedlab.analysis.analytic.modelspec import bundled_model_configs, bits_per_weight
@@ -56,7 +65,7 @@ PUBLISHED = [
 def test_parameter_counts_match_the_published_totals(name, kind, billions, digits):
     m = spec(name)
     n = {"total": m.total_params, "active": m.active_params, "non_embedding": m.non_embedding_params}[kind]
-    assert abs(n / 1e9 - billions) < 0.6 * 10 ** -digits
+    assert abs(n / 1e9 - billions) < 0.6 * 10**-digits
 
 
 def test_every_bundled_config_is_read_and_dense_models_are_wholly_active():
@@ -83,16 +92,43 @@ def test_counts_agree_with_the_engine_presets_formula():
 
 
 def test_moe_layout_fields_of_other_families():
-    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=100, intermediate_size=256, tie_word_embeddings=True)
+    base = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        intermediate_size=256,
+        tie_word_embeddings=True,
+    )
     mixtral = model_spec(dict(base, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2), "mx")
     assert mixtral.moe_layers == 4 and mixtral.expert_params == 3 * 64 * 256  # expert width = intermediate_size
-    ds = model_spec(dict(base, model_type="deepseek_v3", n_routed_experts=16, num_experts_per_tok=4,
-                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1), "ds")
+    ds = model_spec(
+        dict(
+            base,
+            model_type="deepseek_v3",
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+        ),
+        "ds",
+    )
     assert ds.moe_layers == 3 and ds.dense_layers == 1
     assert ds.shared_params == 64 * 16 + 3 * 64 * 32  # router + one shared expert
-    qsparse = model_spec(dict(base, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                              moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3]), "q")
+    qsparse = model_spec(
+        dict(
+            base,
+            model_type="qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        ),
+        "q",
+    )
     assert qsparse.moe_layers == 1  # layers 1 and 3 are sparse by step, 3 is forced dense
 
 
@@ -145,8 +181,11 @@ def test_a_2048_token_prefill_is_compute_bound_at_flops_over_peak(h100_8b):
     (f,) = cm.forwards(shape)
     assert cm.bound(f) == "compute"
     matmul = m.total_params - 2 * m.embed_params - m.norm_params  # layers only
-    flops = (2 * 2048 * matmul + 2 * m.vocab * m.hidden  # one head row
-             + 4 * m.layers * m.heads * m.head_dim * 2048 * 2049 / 2)  # causal attention
+    flops = (
+        2 * 2048 * matmul
+        + 2 * m.vocab * m.hidden  # one head row
+        + 4 * m.layers * m.heads * m.head_dim * 2048 * 2049 / 2
+    )  # causal attention
     eff = hw.efficiency
     expected = flops / (hw.peak("fp16") * eff.compute) + m.layers * eff.overhead_per_layer_s
     assert cm.pass_seconds(shape) == pytest.approx(expected, rel=1e-9)
@@ -184,10 +223,14 @@ def test_pass_seconds_is_the_sum_of_its_forwards():
     cm = make_analytic_cost_model("l40s", "qwen3-30b-a3b", 8, engine="llama.cpp")[0]
     rng = random.Random(3)
     for _ in range(300):
-        s = PassShape(decode_contexts=tuple(rng.randint(1, 5000) for _ in range(rng.randint(0, 8))),
-                      prefill=tuple((rng.randint(1, 900), rng.randint(0, 3000)) for _ in range(rng.randint(0, 3))),
-                      padded=rng.random() < 0.5, batch_rows_before=rng.randint(0, 8), joins=rng.randint(0, 2),
-                      leaves=rng.randint(0, 3))
+        s = PassShape(
+            decode_contexts=tuple(rng.randint(1, 5000) for _ in range(rng.randint(0, 8))),
+            prefill=tuple((rng.randint(1, 900), rng.randint(0, 3000)) for _ in range(rng.randint(0, 3))),
+            padded=rng.random() < 0.5,
+            batch_rows_before=rng.randint(0, 8),
+            joins=rng.randint(0, 2),
+            leaves=rng.randint(0, 3),
+        )
         assert cm.pass_seconds(s) == pytest.approx(sum(cm.forward_seconds(f) for f in cm.forwards(s)), rel=1e-12)
 
 
@@ -212,7 +255,7 @@ def test_moe_tokens_touch_more_experts_up_to_all_of_them():
     assert hits[-1] == pytest.approx(m.n_experts) and max(hits) <= m.n_experts
     cm = make_analytic_cost_model("m4-max", "qwen3-30b-a3b", 4)[0]
     read = [cm.weight_bytes_read(t) for t in (1, 16, 4096)]
-    assert read[0] < read[1] < read[2] <= cm.weight_bytes_read(10 ** 6)
+    assert read[0] < read[1] < read[2] <= cm.weight_bytes_read(10**6)
     dense = make_analytic_cost_model("m4-max", "qwen3-8b", 4)[0]
     assert dense.weight_bytes_read(1) == dense.weight_bytes_read(4096)
 
@@ -299,8 +342,9 @@ def test_fit_efficiency_recovers_known_factors():
     true = Efficiency(0.4, 0.65, 3e-4)
     cm = analytic_from_config(hw, cfg_of("qwen3-8b"), 4, efficiency=true)
     rng = random.Random(7)
-    shapes = [PassShape(decode_contexts=tuple(rng.randint(10, 4000) for _ in range(rng.randint(1, 16))))
-              for _ in range(12)]
+    shapes = [
+        PassShape(decode_contexts=tuple(rng.randint(10, 4000) for _ in range(rng.randint(1, 16)))) for _ in range(12)
+    ]
     shapes += [PassShape(prefill=((rng.randint(256, 2048), rng.randint(0, 1000)),)) for _ in range(6)]
     shapes += [PassShape(prefill=((rng.randint(1, 8), 0),)) for _ in range(3)]  # tiny: overhead shows
     samples = [(s, cm.pass_seconds(s)) for s in shapes]
@@ -317,8 +361,7 @@ def test_fit_efficiency_keeps_priors_it_cannot_identify():
     shapes = [PassShape(decode_contexts=(c,)) for c in (100, 20000, 40000)]
     assert all(cm.bound(f) == "memory" for s in shapes for f in cm.forwards(s))
     decode_only = [(s, cm.pass_seconds(s)) for s in shapes]
-    res = fit_efficiency(decode_only, hardware=hw, model=cfg_of("qwen3-8b"), quant=4,
-                         prior=Efficiency(0.3, 0.5, 1e-4))
+    res = fit_efficiency(decode_only, hardware=hw, model=cfg_of("qwen3-8b"), quant=4, prior=Efficiency(0.3, 0.5, 1e-4))
     assert "compute" not in res.fitted and res.efficiency.compute == pytest.approx(0.3)
     assert (res.efficiency.bandwidth, res.efficiency.overhead_per_layer_s) == pytest.approx((0.65, 3e-4), rel=1e-3)
     with pytest.raises(AnalyticError):
@@ -334,7 +377,13 @@ def test_kv_capacity_is_memory_left_after_weights_over_kv_per_token():
     hw = load_hardware("h100-sxm")
     cfg = cfg_of("llama-3.1-8b")
     m = model_spec(cfg, "llama-3.1-8b")
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+    per_token = (
+        2
+        * cfg["num_hidden_layers"]
+        * cfg["num_key_value_heads"]
+        * (cfg["hidden_size"] // cfg["num_attention_heads"])
+        * 2
+    )
     assert m.kv_bytes_per_token() == per_token
     expected = int((hw.memory_bytes * 0.9 - m.weight_bytes(16)) // per_token)
     assert kv_capacity_tokens(hw, m, 16) == expected
@@ -352,11 +401,14 @@ def test_weights_that_do_not_fit_are_a_one_line_error():
     assert kv > 100_000 and meta["kv_tokens"] == kv and meta["weight_gb"] < 512
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (("m9", "qwen3-4b", 4), "unknown hardware 'm9' (presets: a100-40gb-sxm"),
-    (("m4-max", "qwen9", 4), "unknown model config 'qwen9' (bundled: llama-2-7b, llama-3.1-8b"),
-    (("m4-max", "qwen3-4b", 7), "--quant must be one of"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (("m9", "qwen3-4b", 4), "unknown hardware 'm9' (presets: a100-40gb-sxm"),
+        (("m4-max", "qwen9", 4), "unknown model config 'qwen9' (bundled: llama-2-7b, llama-3.1-8b"),
+        (("m4-max", "qwen3-4b", 7), "--quant must be one of"),
+    ],
+)
 def test_unknown_names_list_the_choices(args, fragment):
     with pytest.raises(AnalyticError) as e:
         make_analytic_cost_model(*args)
@@ -371,9 +423,30 @@ def test_every_preset_figure_has_a_source_that_exists():
     sources = data["sources"]
     for sid, s in sources.items():
         assert s["url"] and s["title"], sid
-    required = {"m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ultra", "m3", "m3-pro", "m3-max",
-                "m3-ultra", "m4", "m4-pro", "m4-max", "a100-40gb-sxm", "a100-80gb-sxm", "h100-sxm", "h100-pcie", "h200",
-                "l40s", "cpu-local"}
+    required = {
+        "m1",
+        "m1-pro",
+        "m1-max",
+        "m1-ultra",
+        "m2",
+        "m2-pro",
+        "m2-max",
+        "m2-ultra",
+        "m3",
+        "m3-pro",
+        "m3-max",
+        "m3-ultra",
+        "m4",
+        "m4-pro",
+        "m4-max",
+        "a100-40gb-sxm",
+        "a100-80gb-sxm",
+        "h100-sxm",
+        "h100-pcie",
+        "h200",
+        "l40s",
+        "cpu-local",
+    }
     assert required <= set(data["presets"])
     used = set()
     for name, p in data["presets"].items():
@@ -414,11 +487,13 @@ def test_cpu_local_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_the_analytic_model_never_imports_mlx():
-    code = ("import sys; from schedlab.analysis.analytic import make_analytic_cost_model; "
-            "from schedlab.policies.base import PassShape; "
-            "c, kv, m = make_analytic_cost_model('m3-ultra', 'qwen3-235b-a22b', 4); "
-            "c.pass_seconds(PassShape(decode_contexts=(10,))); "
-            "assert not [k for k in sys.modules if k == 'mlx' or k.startswith('mlx.')], 'mlx imported'")
+    code = (
+        "import sys; from schedlab.analysis.analytic import make_analytic_cost_model; "
+        "from schedlab.policies.base import PassShape; "
+        "c, kv, m = make_analytic_cost_model('m3-ultra', 'qwen3-235b-a22b', 4); "
+        "c.pass_seconds(PassShape(decode_contexts=(10,))); "
+        "assert not [k for k in sys.modules if k == 'mlx' or k.startswith('mlx.')], 'mlx imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

@@ -27,10 +27,17 @@ from simkit import command, read_table
 BIN = Path(sys.executable).parent
 
 # A CPU with round figures (no measurement: the fits below must not depend on this machine)
-CPU = Hardware(name="cpu-local", title="test CPU", kind="cpu", memory_bytes=16e9, bandwidth=20e9,
-               peak_flops={"fp32": 200e9}, default_compute="fp32", efficiency=DEFAULT_EFFICIENCY["cpu"])
-TRUE = Efficiency(0.12, 0.4, 1.2e-3, attention=0.03, decode_attention=0.015, copy=0.25,
-                  copy_overhead_per_layer_s=4e-4)
+CPU = Hardware(
+    name="cpu-local",
+    title="test CPU",
+    kind="cpu",
+    memory_bytes=16e9,
+    bandwidth=20e9,
+    peak_flops={"fp32": 200e9},
+    default_compute="fp32",
+    efficiency=DEFAULT_EFFICIENCY["cpu"],
+)
+TRUE = Efficiency(0.12, 0.4, 1.2e-3, attention=0.03, decode_attention=0.015, copy=0.25, copy_overhead_per_layer_s=4e-4)
 
 
 def preset(name):
@@ -60,11 +67,24 @@ def grid_shapes(seed=0):
         for j, c in enumerate((0, 300, 1000, 2500)):
             out.append(("prefill", PassShape(prefill=((n, c),), prefill_done=((i + j) % 2 == 1,))))
     for k, (rows, n, c) in enumerate(((2, 64, 0), (4, 256, 0), (8, 32, 500), (3, 512, 300))):
-        out.append(("padded", PassShape(prefill=((n, c),) * rows, padded=True,
-                                        prefill_done=(bool(k % 2),) + (False,) * (rows - 1))))
+        out.append(
+            (
+                "padded",
+                PassShape(prefill=((n, c),) * rows, padded=True, prefill_done=(bool(k % 2),) + (False,) * (rows - 1)),
+            )
+        )
     for b, c, n, cc in ((4, 256, 128, 0), (16, 512, 256, 0), (8, 1000, 64, 500)):
-        out.append(("mixed", PassShape(decode_contexts=(c,) * b, batch_rows_before=b, prefill=((n, cc),),
-                                       prefill_done=(rng.random() < 0.5,))))
+        out.append(
+            (
+                "mixed",
+                PassShape(
+                    decode_contexts=(c,) * b,
+                    batch_rows_before=b,
+                    prefill=((n, cc),),
+                    prefill_done=(rng.random() < 0.5,),
+                ),
+            )
+        )
     return out
 
 
@@ -74,12 +94,26 @@ def profile_samples(cm, step_s=2.5e-4, noise=0.0, seed=1):
     rows = []
     for group, s in grid_shapes():
         secs = cm.pass_seconds(s) * (1 + rng.uniform(-noise, noise))
-        rows.append({"group": group, "label": f"{group} {len(rows)}", "seconds": secs, "runs": [secs],
-                     "features": {k: v for k, v in pass_features(s).items() if v}})
+        rows.append(
+            {
+                "group": group,
+                "label": f"{group} {len(rows)}",
+                "seconds": secs,
+                "runs": [secs],
+                "features": {k: v for k, v in pass_features(s).items() if v},
+            }
+        )
     for i in range(40):
         over = step_s * (1 + (0.2 if i % 3 == 0 else -0.1 if i % 3 == 1 else 0.0))
-        rows.append({"group": "step", "label": f"step {i}", "seconds": over, "runs": [over],
-                     "features": {"s_step": 1.0, "s_row": float(i % 7)}})
+        rows.append(
+            {
+                "group": "step",
+                "label": f"step {i}",
+                "seconds": over,
+                "runs": [over],
+                "features": {"s_step": 1.0, "s_row": float(i % 7)},
+            }
+        )
     return rows
 
 
@@ -89,8 +123,15 @@ def profile_samples(cm, step_s=2.5e-4, noise=0.0, seed=1):
 def test_optional_factors_round_trip_and_presets_keep_their_blocks():
     d = TRUE.to_dict()
     back = Efficiency.from_dict(d)
-    for k in ("compute", "bandwidth", "overhead_per_layer_s", "attention", "decode_attention", "copy",
-              "copy_overhead_per_layer_s"):
+    for k in (
+        "compute",
+        "bandwidth",
+        "overhead_per_layer_s",
+        "attention",
+        "decode_attention",
+        "copy",
+        "copy_overhead_per_layer_s",
+    ):
         assert getattr(back, k) == getattr(TRUE, k), k
     assert back.extra == {}
     plain = Efficiency(0.5, 0.7, 1e-4)
@@ -115,8 +156,7 @@ def test_attention_and_copies_cost_what_their_factors_say():
     assert cm.bound(f) == "compute"
     matmul = 2 * n * m.active_matmul_params() + 2 * m.vocab * m.hidden
     attn = 4 * m.layers * m.heads * m.head_dim * n * (b + n)  # every score: MLX's CPU attention masks
-    expected = (m.layers * TRUE.overhead_per_layer_s + matmul / (200e9 * TRUE.compute)
-                + attn / (200e9 * TRUE.attention))
+    expected = m.layers * TRUE.overhead_per_layer_s + matmul / (200e9 * TRUE.compute) + attn / (200e9 * TRUE.attention)
     assert cm.pass_seconds(s) == pytest.approx(expected, rel=1e-12)
     # copies: outside the max, at the copy rate, plus a per-layer overhead per copy event
     steady = PassShape(decode_contexts=(2000,) * 16, batch_rows_before=16)
@@ -125,8 +165,9 @@ def test_attention_and_copies_cost_what_their_factors_say():
     assert cm.pass_seconds(joined) - cm.pass_seconds(steady) == pytest.approx(copy, rel=1e-9)
     # a leave that keeps no row copies nothing
     gone = PassShape(decode_contexts=(2000,) * 2, batch_rows_before=2, leaves=2)
-    assert cm.pass_seconds(gone) == pytest.approx(cm.pass_seconds(PassShape(decode_contexts=(2000,) * 2,
-                                                                            batch_rows_before=2)), rel=1e-12)
+    assert cm.pass_seconds(gone) == pytest.approx(
+        cm.pass_seconds(PassShape(decode_contexts=(2000,) * 2, batch_rows_before=2)), rel=1e-12
+    )
 
 
 def test_lazy_prefill_on_cpu_and_the_fast_path_agrees_with_the_forwards():
@@ -145,11 +186,18 @@ def test_lazy_prefill_on_cpu_and_the_fast_path_agrees_with_the_forwards():
         for _ in range(300):
             chunks = tuple((rng.randint(1, 700), rng.randint(0, 2000)) for _ in range(rng.randint(0, 3)))
             done_flags = tuple(rng.random() < 0.5 for _ in chunks) if rng.random() < 0.8 else ()
-            s = PassShape(decode_contexts=tuple(rng.randint(1, 3000) for _ in range(rng.randint(0, 9))),
-                          prefill=chunks, padded=rng.random() < 0.5, batch_rows_before=rng.randint(0, 9),
-                          joins=rng.randint(0, 2), leaves=rng.randint(0, 3), prefill_done=done_flags)
+            s = PassShape(
+                decode_contexts=tuple(rng.randint(1, 3000) for _ in range(rng.randint(0, 9))),
+                prefill=chunks,
+                padded=rng.random() < 0.5,
+                batch_rows_before=rng.randint(0, 9),
+                joins=rng.randint(0, 2),
+                leaves=rng.randint(0, 3),
+                prefill_done=done_flags,
+            )
             assert model.pass_seconds(s) == pytest.approx(
-                sum(model.forward_seconds(f) for f in model.forwards(s)), rel=1e-12, abs=1e-15)
+                sum(model.forward_seconds(f) for f in model.forwards(s)), rel=1e-12, abs=1e-15
+            )
 
 
 # ---------------------------------------------------------------------- shapes from samples
@@ -178,12 +226,26 @@ def test_fit_local_recovers_known_factors_from_synthetic_samples():
     samples = profile_samples(truth)
     block = fit_local(samples, preset("tiny"), name="tiny", hardware=CPU)
     full = Efficiency.from_dict(block["models"]["full"]["efficiency"])
-    for k in ("compute", "bandwidth", "overhead_per_layer_s", "attention", "decode_attention", "copy",
-              "copy_overhead_per_layer_s"):
+    for k in (
+        "compute",
+        "bandwidth",
+        "overhead_per_layer_s",
+        "attention",
+        "decode_attention",
+        "copy",
+        "copy_overhead_per_layer_s",
+    ):
         assert getattr(full, k) == pytest.approx(getattr(TRUE, k), rel=1e-4), k
     assert full.step_overhead_s == pytest.approx(2.5e-4)  # the median of the fitted steps
-    assert set(block["models"]["full"]["fitted"]) == {"compute", "bandwidth", "overhead_per_layer_s", "attention",
-                                                      "decode_attention", "copy", "copy_overhead_per_layer_s"}
+    assert set(block["models"]["full"]["fitted"]) == {
+        "compute",
+        "bandwidth",
+        "overhead_per_layer_s",
+        "attention",
+        "decode_attention",
+        "copy",
+        "copy_overhead_per_layer_s",
+    }
     assert block["models"]["full"]["held_out_passes"]["max_abs_pct"] < 1e-6
     assert block["samples"]["skipped"] == 0 and block["samples"]["held_out"] >= 10
     # the plain roofline cannot express this CPU's slow attention: a worse fit, reported so
@@ -204,13 +266,17 @@ def test_fit_with_noise_stays_close_and_the_plain_fit_keeps_optional_factors_uns
     assert full["efficiency"]["attention"] == pytest.approx(TRUE.attention, rel=0.15)
     assert full["efficiency"]["compute"] == pytest.approx(TRUE.compute, rel=0.15)
     # fit_efficiency without optional factors and a prior without them: the plain roofline
-    res = fit_efficiency([(s, truth.pass_seconds(s)) for _, s in grid_shapes()],
-                         cost_model=cpu_model(eff=Efficiency(0.2, 0.5, 1e-3)))
+    res = fit_efficiency(
+        [(s, truth.pass_seconds(s)) for _, s in grid_shapes()], cost_model=cpu_model(eff=Efficiency(0.2, 0.5, 1e-3))
+    )
     assert res.efficiency.attention is None and res.efficiency.copy is None
     # an optional factor the samples say nothing about (no join or leave: no copy) stays unset
     no_copies = [(s, truth.pass_seconds(s)) for g, s in grid_shapes() if g in ("decode", "prefill")]
-    res = fit_efficiency(no_copies, cost_model=cpu_model(eff=Efficiency(0.2, 0.5, 1e-3)),
-                         optional=("attention", "decode_attention", "copy"))
+    res = fit_efficiency(
+        no_copies,
+        cost_model=cpu_model(eff=Efficiency(0.2, 0.5, 1e-3)),
+        optional=("attention", "decode_attention", "copy"),
+    )
     assert "copy" not in res.fitted and res.efficiency.copy is None
     assert any(n.startswith("copy ") for n in res.notes)
     assert res.efficiency.attention == pytest.approx(TRUE.attention, rel=1e-4)
@@ -220,8 +286,11 @@ def test_fit_with_noise_stays_close_and_the_plain_fit_keeps_optional_factors_uns
 
 def test_fit_local_needs_readable_samples():
     with pytest.raises(AnalyticError, match="at least 4"):
-        fit_local([{"group": "step", "label": "s", "seconds": 1e-4, "features": {"s_step": 1.0}}],
-                  preset("tiny"), hardware=CPU)
+        fit_local(
+            [{"group": "step", "label": "s", "seconds": 1e-4, "features": {"s_step": 1.0}}],
+            preset("tiny"),
+            hardware=CPU,
+        )
 
 
 # ---------------------------------------------------------------------- the engine side
@@ -241,10 +310,19 @@ def _profile_for(info, samples, block=None):
 
     meta = info.metadata()
     coef, report = fit_profile([Sample.from_json(s) for s in samples])
-    prof = {"schema": "schedlab-profile/1", "model": meta["model"], "dtype": meta["dtype"],
-            "parameters": meta["parameters"], "blas": _blas_key(meta["blas"]), "machine": meta["machine"],
-            "kv_tokens": 262144, "calibration": {"grid": "synthetic", "seed": 0, "samples": len(samples), "wall_s": 0.0},
-            "coefficients": coef, "fit_report": report, "samples": samples}
+    prof = {
+        "schema": "schedlab-profile/1",
+        "model": meta["model"],
+        "dtype": meta["dtype"],
+        "parameters": meta["parameters"],
+        "blas": _blas_key(meta["blas"]),
+        "machine": meta["machine"],
+        "kv_tokens": 262144,
+        "calibration": {"grid": "synthetic", "seed": 0, "samples": len(samples), "wall_s": 0.0},
+        "coefficients": coef,
+        "fit_report": report,
+        "samples": samples,
+    }
     if block is not None:
         prof[BLOCK_KEY] = block
     return prof
@@ -283,16 +361,24 @@ def test_calibrate_analytic_from_a_stored_profile(micro, tmp_path):
     src.write_text(json.dumps(_profile_for(micro, profile_samples(truth))))
     out = tmp_path / "out.json"
     env = {"SCHEDLAB_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([*command("calibrate"), "--model", "micro", "--analytic", "--from-profile", str(src),
-                           "--out", str(out), "-q"], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, **env})
+    proc = subprocess.run(
+        [*command("calibrate"), "--model", "micro", "--analytic", "--from-profile", str(src), "--out", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, **env},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "with attention and copy factors" in proc.stdout
     prof = json.loads(out.read_text())
     assert prof[BLOCK_KEY]["model"] == "micro" and prof[BLOCK_KEY]["samples"]["skipped"] == 0
     assert "## Analytic roofline on cpu-local" in out.with_suffix(".md").read_text()
-    bad = subprocess.run([*command("calibrate"), "--model", "tiny", "--analytic", "--from-profile", str(src),
-                          "--out", str(out), "-q"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [*command("calibrate"), "--model", "tiny", "--analytic", "--from-profile", str(src), "--out", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.returncode != 0 and len(lines) == 1 and "not measured on this model" in lines[0]
 
@@ -303,14 +389,45 @@ def test_validate_hardware_cpu_local_end_to_end(tmp_path):
     predictions both come from the analytic model (here with its prior factors)."""
     reqs = [Request("a", 0.0, 40, 6), Request("b", 0.0, 24, 4), Request("c", 0.05, 16, 5)]
     trace = tmp_path / "tiny-trace.json"
-    trace.write_text(json.dumps({"name": "tiny-trace", "description": "test", "requests": [
-        {"id": r.id, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
-        for r in reqs]}))
+    trace.write_text(
+        json.dumps(
+            {
+                "name": "tiny-trace",
+                "description": "test",
+                "requests": [
+                    {
+                        "id": r.id,
+                        "arrival_s": r.arrival_s,
+                        "prompt_tokens": r.prompt_tokens,
+                        "output_tokens": r.output_tokens,
+                    }
+                    for r in reqs
+                ],
+            }
+        )
+    )
     out = tmp_path / "val"
     env = {**__import__("os").environ, "SCHEDLAB_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([*command("validate"), "--policy", "mlx-default", "--trace", str(trace), "--model", "micro",
-                           "--hardware", "cpu-local", "--out", str(out), "-q"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            *command("validate"),
+            "--policy",
+            "mlx-default",
+            "--trace",
+            str(trace),
+            "--model",
+            "micro",
+            "--hardware",
+            "cpu-local",
+            "--out",
+            str(out),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "prior factors" in proc.stderr and "per-step cost-model error" in proc.stdout
     v = json.loads((out / "validation.json").read_text())

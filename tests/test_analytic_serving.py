@@ -21,14 +21,30 @@ from pathlib import Path
 
 import pytest
 
-from schedlab.analysis.analytic import (AnalyticError, ServingCostModel, load_hardware, load_model_config,
-                               make_analytic_cost_model, predict_pass)
+from schedlab.analysis.analytic import (
+    AnalyticError,
+    ServingCostModel,
+    load_hardware,
+    load_model_config,
+    make_analytic_cost_model,
+    predict_pass,
+)
 from schedlab.analysis.analytic.__main__ import main as analytic_main
 from schedlab.analysis.analytic.hardware import HARDWARE_DIR, read_hardware_file
-from schedlab.analysis.analytic.kernels import (ATTENTION_FILE, EXAMPLES, FIT_PLAN,
-                                       SOURCE_COMMIT, PresetKernelFit, _example_measured, attention_table,
-                                       fit_record, kernel_data_dir, linear_table, refit_serving,
-                                       serving_report)
+from schedlab.analysis.analytic.kernels import (
+    ATTENTION_FILE,
+    EXAMPLES,
+    FIT_PLAN,
+    SOURCE_COMMIT,
+    PresetKernelFit,
+    _example_measured,
+    attention_table,
+    fit_record,
+    kernel_data_dir,
+    linear_table,
+    refit_serving,
+    serving_report,
+)
 from schedlab.analysis.analytic.efficiency import ServingEfficiency
 from schedlab.policies.base import PassShape
 
@@ -129,7 +145,10 @@ def test_the_fitted_model_reproduces_measured_kernels(a100):
     for tokens, ms in LINEAR_MS.items():
         assert a100.linear_seconds(tokens) / L * 1e3 == pytest.approx(ms, rel=KERNEL_TOL), tokens
     for (rows, ctx), ms in DECODE_MS.items():
-        assert a100.decode_attention_seconds(rows, rows * ctx) / L * 1e3 == pytest.approx(ms, rel=KERNEL_TOL), (rows, ctx)
+        assert a100.decode_attention_seconds(rows, rows * ctx) / L * 1e3 == pytest.approx(ms, rel=KERNEL_TOL), (
+            rows,
+            ctx,
+        )
     for (n, b), ms in PREFILL_MS.items():
         assert a100.prefill_attention_seconds(n, b) / L * 1e3 == pytest.approx(ms, rel=KERNEL_TOL), (n, b)
 
@@ -173,7 +192,9 @@ def test_every_serving_figure_has_a_source(recorded):
         else:
             assert ATTENTION_FILE in src, name
     src = recorded["source"]
-    assert src["commit"] == SOURCE_COMMIT and ATTENTION_FILE in src["files"] and "extract_vidur.py" in src["extracted_by"]
+    assert (
+        src["commit"] == SOURCE_COMMIT and ATTENTION_FILE in src["files"] and "extract_vidur.py" in src["extracted_by"]
+    )
     readme = (KERNEL_DIR / "README.md").read_text()
     assert "MIT License" in readme and SOURCE_COMMIT in readme and "not shipped" in readme
 
@@ -194,9 +215,18 @@ def test_missing_tables_are_a_one_line_error_naming_the_directory(tmp_path, caps
 
 
 def _from_record(recorded) -> dict[str, PresetKernelFit]:
-    return {name: PresetKernelFit(name, ServingEfficiency.from_dict(r["factors"]), r["points"], r["errors"],
-                                  r["per_model"], r["examples"], r["notes"])
-            for name, r in recorded["presets"].items()}
+    return {
+        name: PresetKernelFit(
+            name,
+            ServingEfficiency.from_dict(r["factors"]),
+            r["points"],
+            r["errors"],
+            r["per_model"],
+            r["examples"],
+            r["notes"],
+        )
+        for name, r in recorded["presets"].items()
+    }
 
 
 def test_the_recorded_fit_is_what_hardware_json_and_serving_md_say(recorded):
@@ -222,8 +252,11 @@ def test_the_recorded_held_out_errors_meet_the_goal(recorded):
     assert passes["n"] > 1000
     assert passes["median_abs"] <= 0.10 and passes["worst_abs"] <= 0.25
     assert recorded["presets"]["a100-80gb-sxm"]["held_out"] == {
-        "headline": "passes (all), held out", "n": passes["n"], "median_abs": passes["median_abs"],
-        "worst_abs": passes["worst_abs"]}
+        "headline": "passes (all), held out",
+        "n": passes["n"],
+        "median_abs": passes["median_abs"],
+        "worst_abs": passes["worst_abs"],
+    }
     for kind in ("prefill", "decode", "mixed"):
         st = a[f"passes ({kind}), held out"]
         assert st["n"] > 50 and st["median_abs"] <= 0.10 and st["worst_abs"] <= 0.25, kind
@@ -233,7 +266,8 @@ def test_the_recorded_held_out_errors_meet_the_goal(recorded):
         roles = {m: st["role"] for m, st in r["per_model"].items()}
         assert {m for m, role in roles.items() if role == "fit"} == set(FIT_PLAN[name]["fit_models"]), name
         assert name == "h100-sxm" or {"Meta-Llama-3-8B", "CodeLlama-34b-Instruct-hf"} <= {
-            m for m, role in roles.items() if role == "held out"}
+            m for m, role in roles.items() if role == "held out"
+        }
 
 
 # ------------------------------------------------------------------ re-check from the tables (failing without them)
@@ -295,8 +329,10 @@ def test_mixed_passes_cost_their_parts_in_sequence(a100):
     assert parts["decode_attention"] > 0.3 * parts["linear"]  # would vanish under a single max
     rng = random.Random(5)
     for _ in range(200):
-        s = PassShape(decode_contexts=tuple(rng.randint(1, 4000) for _ in range(rng.randint(0, 128))),
-                      prefill=tuple((rng.randint(1, 2048), rng.randint(0, 3000)) for _ in range(rng.randint(0, 3))))
+        s = PassShape(
+            decode_contexts=tuple(rng.randint(1, 4000) for _ in range(rng.randint(0, 128))),
+            prefill=tuple((rng.randint(1, 2048), rng.randint(0, 3000)) for _ in range(rng.randint(0, 3))),
+        )
         assert a100.pass_seconds(s) == pytest.approx(sum(a100.parts(s).values()), rel=1e-9)
         # one forward per pass; its seconds are the pass's (notebooks read forwards / forward_seconds)
         fs = list(a100.forwards(s))
@@ -353,8 +389,13 @@ def test_the_serving_model_is_not_slower_on_the_hot_path(a100):
     """Counted, not timed: the interpreter events of pass_seconds, against the plain roofline's."""
     old = make_analytic_cost_model("a100-80gb-sxm", "llama-2-7b", None, engine="llama.cpp")[0]
     rng = random.Random(1)
-    shapes = [PassShape(decode_contexts=tuple(rng.randint(100, 4000) for _ in range(rng.randint(1, 128))),
-                        prefill=((rng.randint(1, 512), rng.randint(0, 3000)),)) for _ in range(500)]
+    shapes = [
+        PassShape(
+            decode_contexts=tuple(rng.randint(100, 4000) for _ in range(rng.randint(1, 128))),
+            prefill=((rng.randint(1, 512), rng.randint(0, 3000)),),
+        )
+        for _ in range(500)
+    ]
     assert _interpreter_events(a100, shapes) <= _interpreter_events(old, shapes)  # ~34 vs ~40 per pass
 
 
@@ -372,8 +413,10 @@ def test_the_recorded_h100_check_is_what_the_vllm_engine_gives():
         if "decode_rows" in s:
             shape = PassShape(decode_contexts=(int(s["decode_context"]),) * int(s["decode_rows"]))
         else:
-            shape = PassShape(prefill=tuple((int(n), int(b)) for n, b in s["prefill"]),
-                              prefill_done=tuple(bool(x) for x in s.get("prefill_done", ())))
+            shape = PassShape(
+                prefill=tuple((int(n), int(b)) for n, b in s["prefill"]),
+                prefill_done=tuple(bool(x) for x in s.get("prefill_done", ())),
+            )
         assert row["name"] == e["name"]
         assert row["predicted_ms"] == pytest.approx(cost.pass_seconds(shape) * 1e3, rel=1e-9), row["name"]
         measured = e["variants"]["fused_graph"]["median_ms"]

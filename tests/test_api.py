@@ -21,11 +21,21 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 TABLES = ("requests", "tokens", "steps", "passes")
 # a calibration grid small enough for seconds on micro, covering real-smoke's shapes
-SMALL_GRID = dict(name="test-small", decode_batches=(1, 2, 4, 8), decode_contexts=(40, 200), decode_reps=2,
-                  prefill_chunks=(1, 16, 64, 128), prefill_contexts=(0, 128), prefill_reps=1,
-                  max_attention=128 * 300, padded=((2, 32, 0), (3, 64, 0), (4, 16, 64)),
-                  mixed=((2, 64, 32, 0), (4, 100, 16, 64)), loop_requests=4, loop_policies=("mlx-default",),
-                  rounds=1)
+SMALL_GRID = dict(
+    name="test-small",
+    decode_batches=(1, 2, 4, 8),
+    decode_contexts=(40, 200),
+    decode_reps=2,
+    prefill_chunks=(1, 16, 64, 128),
+    prefill_contexts=(0, 128),
+    prefill_reps=1,
+    max_attention=128 * 300,
+    padded=((2, 32, 0), (3, 64, 0), (4, 16, 64)),
+    mixed=((2, 64, 32, 0), (4, 100, 16, 64)),
+    loop_requests=4,
+    loop_policies=("mlx-default",),
+    rounds=1,
+)
 
 
 def cli(name: str, *args, cwd=None) -> subprocess.CompletedProcess:
@@ -34,9 +44,12 @@ def cli(name: str, *args, cwd=None) -> subprocess.CompletedProcess:
 
 def read_dir(d: Path) -> dict:
     """A run directory's files read back as a user reads them."""
-    out = {"summary": json.loads((d / "summary.json").read_text()),
-           "requests": pd.read_csv(d / "requests.csv", dtype={"id": str, "status": str}, keep_default_na=False,
-                                   na_values=[""])}
+    out = {
+        "summary": json.loads((d / "summary.json").read_text()),
+        "requests": pd.read_csv(
+            d / "requests.csv", dtype={"id": str, "status": str}, keep_default_na=False, na_values=[""]
+        ),
+    }
     for name in ("tokens", "steps", "passes"):
         out[name] = pd.read_parquet(d / f"{name}.parquet")
     return out
@@ -52,19 +65,27 @@ def assert_run_is_dir(run: schedlab.Run, d: Path) -> None:
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("prof") / "known.json"
-    p.write_text(json.dumps({"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144,
-                             "coefficients": KNOWN}))
+    p.write_text(
+        json.dumps({"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144, "coefficients": KNOWN})
+    )
     return p
 
 
 @pytest.fixture(scope="module")
 def big_request_trace(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("tr") / "t.json"
-    p.write_text(json.dumps({"name": "t", "requests": [
-        {"id": "small1", "arrival_s": 0.0, "prompt_tokens": 100, "output_tokens": 10},
-        {"id": "huge", "arrival_s": 0.1, "prompt_tokens": 5000, "output_tokens": 10},
-        {"id": "small2", "arrival_s": 0.2, "prompt_tokens": 200, "output_tokens": 1},
-    ]}))
+    p.write_text(
+        json.dumps(
+            {
+                "name": "t",
+                "requests": [
+                    {"id": "small1", "arrival_s": 0.0, "prompt_tokens": 100, "output_tokens": 10},
+                    {"id": "huge", "arrival_s": 0.1, "prompt_tokens": 5000, "output_tokens": 10},
+                    {"id": "small2", "arrival_s": 0.2, "prompt_tokens": 200, "output_tokens": 1},
+                ],
+            }
+        )
+    )
     return p
 
 
@@ -72,15 +93,17 @@ def big_request_trace(tmp_path_factory) -> Path:
 
 
 def test_import_is_light_and_simulating_never_imports_mlx():
-    code = ("import sys, schedlab\n"
-            "heavy = {'mlx', 'mlx_lm', 'sim', 'engine', 'pandas', 'numpy', 'matplotlib', 'typer', 'simpy'}\n"
-            "assert not heavy & {m.split('.')[0] for m in sys.modules}, sorted(heavy & set(sys.modules))\n"
-            "run = schedlab.simulate('unified', 'real-smoke')\n"
-            "figs = run.plot()\n"
-            "assert run.requests['status'].eq('finished').all() and figs\n"
-            "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, 'the simulator imported the engine'\n"
-            "assert not {'typer', 'click', 'fastapi', 'schedlab.commands'} & set(sys.modules), 'the API imported commands'\n"
-            "print('ok')")
+    code = (
+        "import sys, schedlab\n"
+        "heavy = {'mlx', 'mlx_lm', 'sim', 'engine', 'pandas', 'numpy', 'matplotlib', 'typer', 'simpy'}\n"
+        "assert not heavy & {m.split('.')[0] for m in sys.modules}, sorted(heavy & set(sys.modules))\n"
+        "run = schedlab.simulate('unified', 'real-smoke')\n"
+        "figs = run.plot()\n"
+        "assert run.requests['status'].eq('finished').all() and figs\n"
+        "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, 'the simulator imported the engine'\n"
+        "assert not {'typer', 'click', 'fastapi', 'schedlab.commands'} & set(sys.modules), 'the API imported commands'\n"
+        "print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
@@ -111,16 +134,25 @@ def test_every_api_name_is_exported_and_no_module_shadows_one():
 
 SIM_CASES = {
     "options": ("chunked-prefill", "real-mixed", ["-o", "budget=256"], {"options": {"budget": 256}}),
-    "seed-and-slo": ("unified", "mooncake_conv_10min", ["--seed", "3", "--slo", "ttft_ms=2000,tpot_ms=100"],
-                     {"seed": 3, "slo": {"ttft_ms": 2000, "tpot_ms": 100}}),
+    "seed-and-slo": (
+        "unified",
+        "mooncake_conv_10min",
+        ["--seed", "3", "--slo", "ttft_ms=2000,tpot_ms=100"],
+        {"seed": 3, "slo": {"ttft_ms": 2000, "tpot_ms": 100}},
+    ),
     "rejected": ("mlx-default", "BIG", ["--kv-tokens", "1000"], {"kv_tokens": 1000}),
-    "analytic": ("static", "real-smoke", ["--hardware", "m4-max", "--model-config", "qwen3-8b", "--quant", "4"],
-                 {"hardware": "m4-max", "model_config": "qwen3-8b", "quant": 4}),
+    "analytic": (
+        "static",
+        "real-smoke",
+        ["--hardware", "m4-max", "--model-config", "qwen3-8b", "--quant", "4"],
+        {"hardware": "m4-max", "model_config": "qwen3-8b", "quant": 4},
+    ),
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "seed-and-slo" else c
-                                  for c in SIM_CASES])  # seed-and-slo: the Mooncake window, ~40 s
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "seed-and-slo" else c for c in SIM_CASES]
+)  # seed-and-slo: the Mooncake window, ~40 s
 def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace, tmp_path):
     policy, trace, args, kwargs = SIM_CASES[case]
     trace = str(big_request_trace) if trace == "BIG" else trace
@@ -136,7 +168,9 @@ def test_simulate_equals_the_commands_out_files(case, profile, big_request_trace
     assert errors == run.problems
     assert proc.returncode == (1 if run.problems else 0), proc.stderr
     if case == "rejected":
-        assert run.rejected and run.rejected[0][0] == "huge" and "KV capacity is 992 in blocks of 16" in run.rejected[0][1]  # 1000 tokens = 62 whole blocks
+        assert (
+            run.rejected and run.rejected[0][0] == "huge" and "KV capacity is 992 in blocks of 16" in run.rejected[0][1]
+        )  # 1000 tokens = 62 whole blocks
         assert list(run.requests["status"]) == ["finished", "rejected", "finished"]
         assert run.requests["tpot_ms"].isna().sum() == 2  # the rejected one and a one-token output
     # save() writes the same files, byte for byte (meta.json records the command line)
@@ -184,7 +218,7 @@ def test_a_simulation_without_its_pass_log_is_the_same_run_less_the_passes(profi
 # ---------------------------------------------------------------------------- policies and traces
 
 
-USER_POLICY = '''
+USER_POLICY = """
 from schedlab.policies.base import Pass, Plan
 
 
@@ -204,7 +238,7 @@ class ShortestFirst:
         if view.decoding:
             passes.append(Pass(decode=view.decoding.ids()))
         return Plan(admit=[r.id for r in admit], passes=passes)
-'''
+"""
 
 
 def _same_run(a: schedlab.Run, b: schedlab.Run) -> None:
@@ -217,8 +251,16 @@ def test_option_objects_give_the_run_their_fields_give(profile):
     replica = schedlab.ReplicaOptions(kv_tokens=4000, block_size=32, prefix_caching=True)
     clients = schedlab.ClientOptions(max_concurrency=3, think_time=0.5)
     a = schedlab.simulate("unified", "real-smoke", profile=profile, replica=replica, clients=clients)
-    b = schedlab.simulate("unified", "real-smoke", profile=profile, kv_tokens=4000, block_size=32,
-                          prefix_caching=True, max_concurrency=3, think_time=0.5)
+    b = schedlab.simulate(
+        "unified",
+        "real-smoke",
+        profile=profile,
+        kv_tokens=4000,
+        block_size=32,
+        prefix_caching=True,
+        max_concurrency=3,
+        think_time=0.5,
+    )
     assert a.summary == b.summary and a.meta == b.meta and a.kv_tokens == 4000 and a.meta["block_size"] == 32
     assert a.summary != schedlab.simulate("unified", "real-smoke", profile=profile).summary
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -240,8 +282,11 @@ def test_a_policy_may_be_a_name_a_class_an_object_or_a_file(profile, tmp_path):
     from schedlab.policies.chunked_prefill import ChunkedPrefill
 
     ref = schedlab.simulate("chunked-prefill", "real-mixed", options={"budget": 128}, profile=profile)
-    for pol, opts in ((ChunkedPrefill, {"budget": "128"}), (ChunkedPrefill(budget=128), None),
-                      (schedlab.policy("chunked-prefill", budget=128), None)):
+    for pol, opts in (
+        (ChunkedPrefill, {"budget": "128"}),
+        (ChunkedPrefill(budget=128), None),
+        (schedlab.policy("chunked-prefill", budget=128), None),
+    ):
         _same_run(ref, schedlab.simulate(pol, "real-mixed", options=opts, profile=profile))
     assert ref.meta["policy_options"]["budget"] == 128
     # a user's class (no from_options): by class, as an object, and as file.py:Class
@@ -255,8 +300,15 @@ def test_a_policy_may_be_a_name_a_class_an_object_or_a_file(profile, tmp_path):
     _same_run(by_file, schedlab.simulate(cls(room=4), "real-mixed", profile=profile))
     other = schedlab.simulate(cls(room=1), "real-mixed", profile=profile)
     assert other.summary["ttft_ms"] != by_file.summary["ttft_ms"]  # the option is used
-    assert set(schedlab.bundled_policies()) == {"mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill",
-                                        "unified", "vllm"}
+    assert set(schedlab.bundled_policies()) == {
+        "mlx-default",
+        "prefer-prefill",
+        "static",
+        "slots",
+        "chunked-prefill",
+        "unified",
+        "vllm",
+    }
 
 
 def test_a_trace_may_be_a_name_a_path_a_spec_a_list_or_a_dataframe(profile):
@@ -267,8 +319,9 @@ def test_a_trace_may_be_a_name_a_path_a_spec_a_list_or_a_dataframe(profile):
     frame = pd.DataFrame([r.to_json() for r in tr.requests]).sample(frac=1.0, random_state=1)  # any row order
     for given in (traces.resolve("real-mixed"), tr, tr.requests, frame):
         run = schedlab.simulate("unified", given, profile=profile)
-        assert {k: v for k, v in run.summary.items() if k != "trace"} == \
-            {k: v for k, v in ref.summary.items() if k != "trace"}
+        assert {k: v for k, v in run.summary.items() if k != "trace"} == {
+            k: v for k, v in ref.summary.items() if k != "trace"
+        }
         pd.testing.assert_frame_equal(run.tokens, ref.tokens)
     # a run's requests table is a trace too (its extra columns are ignored)
     again = schedlab.simulate("unified", ref.requests, profile=profile)
@@ -327,7 +380,10 @@ def _bad_cases(tmp):
         (lambda: S.simulate("static", "mixed", options={"frobnicate": 1}), "has no option 'frobnicate'"),
         (lambda: S.simulate(object(), "mixed"), "a policy is a bundled name"),
         (lambda: S.simulate("static", "no-such-trace"), "trace not found"),
-        (lambda: S.simulate("static", pd.DataFrame({"id": ["a"], "arrival_s": [0.0]})), "missing column(s) output_tokens"),
+        (
+            lambda: S.simulate("static", pd.DataFrame({"id": ["a"], "arrival_s": [0.0]})),
+            "missing column(s) output_tokens",
+        ),
         (lambda: S.simulate("static", [1, 2]), "traces.Request"),
         (lambda: S.simulate("static", "mixed", profile=tmp / "none.json"), "profile not found"),
         (lambda: S.simulate("static", "mixed", kv_tokens=0), "kv_tokens must be >= 1"),
@@ -343,8 +399,10 @@ def _bad_cases(tmp):
         (lambda: S.calibrate(model="micro", grid={"nope": 1}), "unknown field(s) nope"),
         (lambda: S.calibrate(model="micro", from_profile=one), "from_profile goes with analytic"),
         (lambda: S.validate("static", "real-smoke", model="micro", repeat=0), "repeat must be >= 1"),
-        (lambda: S.validate("static", "real-smoke", model="micro", profile=one, hardware="m4-max"),
-         "either profile or hardware"),
+        (
+            lambda: S.validate("static", "real-smoke", model="micro", profile=one, hardware="m4-max"),
+            "either profile or hardware",
+        ),
         (lambda: S.validate("static", "real-smoke", model="micro", hardware="warp-drive"), "unknown hardware"),
         (lambda: S.sweep("chunked-prefill", "mixed", rates=[0, 1]), "every rate must be a finite number > 0"),
         (lambda: S.sweep("chunked-prefill", "mixed", rates=[1], attainment=1.5), "attainment must be in (0, 1]"),
@@ -370,7 +428,9 @@ def test_bad_arguments_raise_one_error_type_with_one_line(tmp_path):
         frames = traceback.extract_tb(exc.__traceback__)
         boundary = [f for f in frames if Path(f.filename).parent.name == "api"]  # the public function's wrapper
         assert len(boundary) == 1 and Path(boundary[0].filename).name == "_base.py", frames
-        assert all(Path(f.filename).name in ("test_api.py", "python_api.py") for f in frames if f not in boundary), frames
+        assert all(Path(f.filename).name in ("test_api.py", "python_api.py") for f in frames if f not in boundary), (
+            frames
+        )
     # the same checks on the command line name the options as options
     proc = cli("simulate", "-p", "static", "-t", "mixed", "--kv-tokens", "0")
     assert proc.returncode == 2 and proc.stderr.strip() == "simulate: error: --kv-tokens must be >= 1, got 0"
@@ -378,11 +438,13 @@ def test_bad_arguments_raise_one_error_type_with_one_line(tmp_path):
 
 def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):
     f = tmp_path / "bad.py"
-    f.write_text("from schedlab.policies.base import Plan, Pass\n"
-                 "class DecodeWaiting:\n"
-                 "    name = 'decode-waiting'\n"
-                 "    def plan(self, view):\n"
-                 "        return Plan(passes=[Pass(decode=[view.waiting[0].id])])\n")
+    f.write_text(
+        "from schedlab.policies.base import Plan, Pass\n"
+        "class DecodeWaiting:\n"
+        "    name = 'decode-waiting'\n"
+        "    def plan(self, view):\n"
+        "        return Plan(passes=[Pass(decode=[view.waiting[0].id])])\n"
+    )
     run = schedlab.simulate(f"{f}:DecodeWaiting", "real-smoke", profile=profile)
     assert run.error and "policy 'decode-waiting' step 0" in run.error and run.problems == [run.error]
     assert run.summary["error"] == run.error and (run.requests["status"] == "unfinished").all()
@@ -401,8 +463,24 @@ def test_sweep_equals_the_commands_files(profile, tmp_path):
     traces.save_json(tr, path)
     slo = "ttft_ms=2000,tpot_ms=100"
     out = tmp_path / "cli"
-    proc = cli("sweep", "-p", "chunked-prefill,unified", "-t", path, "--rates", "0.5,4", "--profile", profile,
-               "--slo", slo, "--workers", "1", "--out", out, "-q")
+    proc = cli(
+        "sweep",
+        "-p",
+        "chunked-prefill,unified",
+        "-t",
+        path,
+        "--rates",
+        "0.5,4",
+        "--profile",
+        profile,
+        "--slo",
+        slo,
+        "--workers",
+        "1",
+        "--out",
+        out,
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     table = schedlab.sweep("chunked-prefill,unified", path, rates=[4, 0.5], profile=profile, slo=slo, workers=1)
     assert list(table.columns) == list(ROW_FIELDS) and len(table) == 4
@@ -419,8 +497,10 @@ def test_sweep_equals_the_commands_files(profile, tmp_path):
     from schedlab.policies.unified import Unified
 
     mine = schedlab.sweep([Unified], path, rates=[0.5, 4], profile=profile, slo=slo)
-    pd.testing.assert_frame_equal(mine.drop(columns="policy").reset_index(drop=True),
-                                  table[table["policy"] == "unified"].drop(columns="policy").reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        mine.drop(columns="policy").reset_index(drop=True),
+        table[table["policy"] == "unified"].drop(columns="policy").reset_index(drop=True),
+    )
     fig = schedlab.plot_sweep(table, out=tmp_path / "fig", formats="png")
     assert (tmp_path / "fig" / "latency_vs_load.png").is_file() and len(fig.axes) >= 4
 
@@ -485,9 +565,15 @@ def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
     prof, _ = micro
     trace = schedlab.load_trace("real-smoke", head=6)
     seen, logged = [], []
-    run = schedlab.run_real("prefer-prefill", trace, model="micro", profile=prof, options={"prefill_step_size": 64},
-                            on_step=lambda done, total: seen.append((done, total)),
-                            log=lambda k, m: logged.append((k, m)))
+    run = schedlab.run_real(
+        "prefer-prefill",
+        trace,
+        model="micro",
+        profile=prof,
+        options={"prefill_step_size": 64},
+        on_step=lambda done, total: seen.append((done, total)),
+        log=lambda k, m: logged.append((k, m)),
+    )
     assert run.mode == "real" and run.error is None and run.summary["finished"] == 6
     assert seen and seen[-1] == (6, 6) and not [m for k, m in logged if k == "warning"]
     st = run.steps
@@ -509,8 +595,22 @@ def test_run_real_gives_a_run_like_run_reals(micro, tmp_path):
         schedlab.calibrate(from_runs=[])
     # the command writes the same files, the same columns and types
     out = tmp_path / "cli"
-    proc = cli("run-real", "-p", "prefer-prefill", "-t", "real-smoke", "-m", "micro", "--profile", prof.path,
-               "-o", "prefill_step_size=64", "--out", out, "-q")
+    proc = cli(
+        "run-real",
+        "-p",
+        "prefer-prefill",
+        "-t",
+        "real-smoke",
+        "-m",
+        "micro",
+        "--profile",
+        prof.path,
+        "-o",
+        "prefill_step_size=64",
+        "--out",
+        out,
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in d.iterdir())
     back = schedlab.load_run(out)
@@ -523,8 +623,9 @@ def test_a_loaded_engine_runs_a_trace_and_a_live_source(micro):
     from schedlab.sim import LiveSource, WallClock
 
     prof, _ = micro
-    eng = schedlab.load_engine(schedlab.EngineOptions(model="micro"), replica=schedlab.ReplicaOptions(block_size=8),
-                               profile=prof)
+    eng = schedlab.load_engine(
+        schedlab.EngineOptions(model="micro"), replica=schedlab.ReplicaOptions(block_size=8), profile=prof
+    )
     assert eng.kv_tokens == prof.kv_tokens and eng.cost_model.source == {"profile": str(prof.path)}
     trace = schedlab.load_trace("real-smoke", head=4)
     a = eng.run("static", trace)
@@ -539,8 +640,11 @@ def test_a_loaded_engine_runs_a_trace_and_a_live_source(micro):
 
     source = LiveSource(clock, on_ready=ready)
     b = eng.run("static", source, clock=clock)
-    assert b.summary["finished"] == 4 and b.trace == "live" and [r.id for r in source.received] == \
-        [r.id for r in trace.requests]
+    assert (
+        b.summary["finished"] == 4
+        and b.trace == "live"
+        and [r.id for r in source.received] == [r.id for r in trace.requests]
+    )
     assert sorted(b.requests["output_tokens"]) == sorted(a.requests["output_tokens"])
     with pytest.raises(schedlab.SchedlabError, match="clients go with a trace"):
         eng.run("static", LiveSource(clock), clients=schedlab.ClientOptions(max_concurrency=2))
@@ -554,14 +658,25 @@ def test_validate_and_compare(micro, tmp_path):
     trace = schedlab.load_trace("real-smoke", head=6)
     out = tmp_path / "val"
     results, said = [], []
-    v = schedlab.validate(["unified", "static"], trace, model="micro", profile=prof, out=out, repeat=2,
-                          on_result=lambda name, r: results.append((name, r)),
-                          log=lambda kind, msg: said.append(msg))
+    v = schedlab.validate(
+        ["unified", "static"],
+        trace,
+        model="micro",
+        profile=prof,
+        out=out,
+        repeat=2,
+        on_result=lambda name, r: results.append((name, r)),
+        log=lambda kind, msg: said.append(msg),
+    )
     assert v.policies == ["unified", "static"] and [n for n, _ in results] == v.policies
     # the real runs go round by round (the machine drifts: every policy meets it alike), the
     # machine's speed timed once before the first round and once after the last
-    assert [m for m in said if "real run" in m] == ["unified: real run 1/2", "static: real run 1/2",
-                                                    "unified: real run 2/2", "static: real run 2/2"]
+    assert [m for m in said if "real run" in m] == [
+        "unified: real run 1/2",
+        "static: real run 1/2",
+        "unified: real run 2/2",
+        "static: real run 2/2",
+    ]
     assert v["unified"]["machine_speed"] == v["static"]["machine_speed"]
     assert sum("reference passes" in m for m in said) == 1 and len(v.real["static"]) == 2
     assert all(r is v[n] or r == v[n] for n, r in results) and results[0][1]["residuals"]
@@ -594,8 +709,9 @@ def test_validate_and_compare(micro, tmp_path):
     assert sorted(v.plot()) == sorted(schedlab.plot(out / "unified", out / "static"))
     assert {"validate_unified_cdfs", "validate_unified_step_time"} <= set(v.plot(kinds="validation"))
     again = v.save(tmp_path / "again")
-    assert sorted(p.name for p in again.rglob("*") if p.name != "meta.json") == \
-        sorted(p.name for p in out.rglob("*") if p.name != "meta.json")
+    assert sorted(p.name for p in again.rglob("*") if p.name != "meta.json") == sorted(
+        p.name for p in out.rglob("*") if p.name != "meta.json"
+    )
     # compare: the same comparison from runs made separately
     c = schedlab.compare(v.sim["static"], v.real["static"])
     pd.testing.assert_frame_equal(c.table, v.table.loc[["static"]])
@@ -634,11 +750,13 @@ def test_notebooks_use_only_the_api(name):
 def test_a_script_may_sweep_at_its_top_level(profile, tmp_path):
     # spawned workers do not re-run the script (they would start sweeps of their own and hang)
     script = tmp_path / "quick.py"
-    script.write_text("import schedlab\n"
-                      "print('top level')\n"
-                      f"t = schedlab.sweep('unified,static', 'real-mixed', rates=[0.5, 1], profile={str(profile)!r}, "
-                      "workers=2)\n"
-                      "print(len(t), t['error'].isna().all())\n")
+    script.write_text(
+        "import schedlab\n"
+        "print('top level')\n"
+        f"t = schedlab.sweep('unified,static', 'real-mixed', rates=[0.5, 1], profile={str(profile)!r}, "
+        "workers=2)\n"
+        "print(len(t), t['error'].isna().all())\n"
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["top", "level", "4", "True"]

@@ -47,10 +47,12 @@ def synthetic_samples(coef: dict[str, float], noise: float, seed: int = 1) -> li
             add("decode", f"B={b} C={c}", PassShape(decode_contexts=ctx))
             add("join", f"B={b} C={c} merge", PassShape(decode_contexts=ctx, joins=b, join_context=sum(ctx)))
             k = max(1, b // 8)
-            add("join", f"B={b} C={c} +{k}", PassShape(decode_contexts=ctx + (c // 2,) * k,
-                                                       batch_rows_before=b, joins=k, join_context=c // 2 * k))
-            add("leave", f"B={b} C={c}", PassShape(decode_contexts=ctx, batch_rows_before=b,
-                                                   leaves=(b + 1) // 2))
+            add(
+                "join",
+                f"B={b} C={c} +{k}",
+                PassShape(decode_contexts=ctx + (c // 2,) * k, batch_rows_before=b, joins=k, join_context=c // 2 * k),
+            )
+            add("leave", f"B={b} C={c}", PassShape(decode_contexts=ctx, batch_rows_before=b, leaves=(b + 1) // 2))
     for i, n in enumerate((1, 16, 64, 256, 1024, 2048)):
         for j, c in enumerate((0, 300, 1000, 2500)):
             done = (i + j) % 2 == 1
@@ -111,8 +113,11 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
     from schedlab.sim.features import COLUMNS, features_table, read_features
     import pyarrow.parquet as pq
 
-    shapes = [PassShape(decode_contexts=(KV_KNEE + 300,) + (40,) * 5), PassShape(decode_contexts=(90,)),
-              PassShape(decode_contexts=(KV_KNEE + 1, 7))]
+    shapes = [
+        PassShape(decode_contexts=(KV_KNEE + 300,) + (40,) * 5),
+        PassShape(decode_contexts=(90,)),
+        PassShape(decode_contexts=(KV_KNEE + 1, 7)),
+    ]
     for shape in shapes:
         f = pass_features(shape)
         old = {k: v for k, v in f.items() if v and k not in DECODE_SHAPE_TERMS}
@@ -120,16 +125,21 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
         for k in DECODE_SHAPE_TERMS:
             assert got.get(k, 0.0) == f[k], (shape, k)
     # a prefill sample (one chunk) and a padded one (rows from its label, as calibrate writes it)
-    for group, label, shape in (("prefill", "n=9 c=0", PassShape(prefill=((9, 0),))),
-                                ("prefill", "n=300 c=40 done", PassShape(prefill=((300, 40),), prefill_done=(True,))),
-                                ("padded", "rows=3 n<=12 c=0", PassShape(prefill=((12, 0), (5, 0), (7, 0)), padded=True))):
+    for group, label, shape in (
+        ("prefill", "n=9 c=0", PassShape(prefill=((9, 0),))),
+        ("prefill", "n=300 c=40 done", PassShape(prefill=((300, 40),), prefill_done=(True,))),
+        ("padded", "rows=3 n<=12 c=0", PassShape(prefill=((12, 0), (5, 0), (7, 0)), padded=True)),
+    ):
         f = pass_features(shape)
         old = {k: v for k, v in f.items() if v and k not in PREFILL_SHAPE_TERMS}
         got = Sample.from_json({"group": group, "label": label, "seconds": 0.01, "features": old}).features
         assert got["p_small"] == f["p_small"] > 0, label
     assert pass_features(shapes[0])["d_kv_long"] > 0 and pass_features(shapes[0])["d_few"] > 0
-    steps = shapes + [PassShape(prefill=((9, 0),)), PassShape(prefill=((12, 0), (5, 0), (7, 0)), padded=True),
-                      PassShape(decode_contexts=(600, 30), prefill=((40, 100),))]  # a mixed step
+    steps = shapes + [
+        PassShape(prefill=((9, 0),)),
+        PassShape(prefill=((12, 0), (5, 0), (7, 0)), padded=True),
+        PassShape(decode_contexts=(600, 30), prefill=((40, 100),)),
+    ]  # a mixed step
     cols = {k: np.zeros(len(steps)) for k in COLUMNS}
     for j, shape in enumerate(steps):
         cols["decode_rows"][j] = len(shape.decode_contexts)
@@ -139,7 +149,7 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
         cols["padded"][j] = int(shape.padded)
         for k, v in pass_features(shape).items():
             cols[k][j] = v
-    assert all(cols["p_small"][len(shapes):] > 0)
+    assert all(cols["p_small"][len(shapes) :] > 0)
     table = features_table(cols)
     pq.write_table(table.drop_columns(list(DECODE_SHAPE_TERMS + PREFILL_SHAPE_TERMS)), tmp_path / "features.parquet")
     back = read_features(tmp_path)
@@ -148,9 +158,14 @@ def test_samples_and_step_tables_recorded_before_the_decode_shape_terms_get_them
 
 
 def test_compare_errors_and_spread():
-    sim = {"ttft_ms": {"p50": 110.0, "p90": 200.0, "p99": 300.0}, "itl_ms": {"p50": 10.0, "p99": 50.0},
-           "tpot_ms": {"p50": 12.0}, "e2e_ms": {"p50": 900.0}, "output_throughput_tok_s": 95.0,
-           "makespan_s": 10.0}
+    sim = {
+        "ttft_ms": {"p50": 110.0, "p90": 200.0, "p99": 300.0},
+        "itl_ms": {"p50": 10.0, "p99": 50.0},
+        "tpot_ms": {"p50": 12.0},
+        "e2e_ms": {"p50": 900.0},
+        "output_throughput_tok_s": 95.0,
+        "makespan_s": 10.0,
+    }
     real1 = json.loads(json.dumps(sim))
     real1["ttft_ms"]["p50"] = 100.0
     real2 = json.loads(json.dumps(real1))
@@ -179,8 +194,14 @@ def test_hold_one_out_puts_the_simulation_where_a_real_run_stands():
     assert hold_one_out(110.0, runs)[0] < real_err < hold_one_out(150.0, runs)[0]
     assert hold_one_out(105.0, [100.0]) is None and hold_one_out(None, runs) is None
     # in compare: with several real runs, per comparison (median and worst over the metrics)
-    sim = {"ttft_ms": {"p50": 100.0, "p90": 200.0, "p99": 300.0}, "itl_ms": {"p50": 10.0, "p99": 50.0},
-           "tpot_ms": {"p50": 12.0}, "e2e_ms": {"p50": 900.0}, "output_throughput_tok_s": 95.0, "makespan_s": 10.0}
+    sim = {
+        "ttft_ms": {"p50": 100.0, "p90": 200.0, "p99": 300.0},
+        "itl_ms": {"p50": 10.0, "p99": 50.0},
+        "tpot_ms": {"p50": 12.0},
+        "e2e_ms": {"p50": 900.0},
+        "output_throughput_tok_s": 95.0,
+        "makespan_s": 10.0,
+    }
     reals = [json.loads(json.dumps(sim)) for _ in runs]
     for r, x in zip(reals, runs):
         r["ttft_ms"]["p50"] = x
@@ -219,6 +240,7 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
     assert rep["mixed"]["held_out"]["n"] >= 1
     assert len(prof["samples"]) == prof["calibration"]["samples"]
     from schedlab.engine.calibrate import DECODE_WARM, decode_warm
+
     assert decode_warm(prof) == DECODE_WARM  # its steady decode samples skipped the passes after the join
     assert micro_profile.with_suffix(".md").read_text().startswith("# Cost profile: micro")
     # simulate takes it as it is
@@ -254,8 +276,22 @@ def test_profile_mismatch_names_the_difference(micro_profile, monkeypatch):
 @pytest.mark.slow
 def test_validate_end_to_end(micro_profile, tmp_path):
     out = tmp_path / "val"
-    proc = cli("validate", "--policy", "prefer-prefill", "--trace", "real-smoke", "--model", "micro",
-               "--profile", str(micro_profile), "--repeat", "2", "--out", str(out), "-q")
+    proc = cli(
+        "validate",
+        "--policy",
+        "prefer-prefill",
+        "--trace",
+        "real-smoke",
+        "--model",
+        "micro",
+        "--profile",
+        str(micro_profile),
+        "--repeat",
+        "2",
+        "--out",
+        str(out),
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "TTFT p50 (ms)" in proc.stdout and "per-step cost-model error" in proc.stdout
     v = json.loads((out / "validation.json").read_text())
@@ -266,8 +302,9 @@ def test_validate_end_to_end(micro_profile, tmp_path):
     assert sim["mode"] == "sim" and all(r["mode"] == "real" for r in reals)
     row = v["metrics"]["makespan_s"]
     assert row["sim"] == sim["makespan_s"]
-    assert row["real"] == pytest.approx(sorted(r["makespan_s"] for r in reals)[0] / 2 + sorted(
-        r["makespan_s"] for r in reals)[1] / 2)
+    assert row["real"] == pytest.approx(
+        sorted(r["makespan_s"] for r in reals)[0] / 2 + sorted(r["makespan_s"] for r in reals)[1] / 2
+    )
     assert row["error_pct"] == pytest.approx(100 * (row["sim"] - row["real"]) / row["real"])
     for key, r in v["metrics"].items():
         assert {"sim", "real", "error_pct", "real_runs", "spread_pct", "within_spread"} <= set(r), key
@@ -304,8 +341,10 @@ def test_validate_bad_inputs(micro_profile, tmp_path):
         (["--policy", "nope", "--trace", "real-smoke"], "unknown policy"),
         (["--policy", "static", "--trace", "real-smoke", "--repeat", "0"], "--repeat"),
         (["--policy", "static", "--trace", "real-smoke", "--model", "huge"], "preset"),
-        (["--policy", "static", "--trace", "real-smoke", "--profile", str(micro_profile), "--hardware", "m4-max"],
-         "either --profile or --hardware"),
+        (
+            ["--policy", "static", "--trace", "real-smoke", "--profile", str(micro_profile), "--hardware", "m4-max"],
+            "either --profile or --hardware",
+        ),
     ):
         proc = cli("validate", *args, "--out", str(tmp_path / "x"))
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
@@ -317,10 +356,15 @@ def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
     from schedlab.engine.calibrate import speed_points
     from schedlab.analysis.validation import speed_line
 
-    samples = [{"group": "decode", "label": f"B={b} C={c}", "seconds": 0.001 * b + 1e-6 * c}
-               for b in (1, 2, 4, 16, 64) for c in (40, 600, 2500)]
-    samples += [{"group": "prefill", "label": f"n={n} c={c}" + (" done" if d else ""), "seconds": 1e-4 * n}
-                for n, c, d in ((1, 0, False), (16, 0, True), (64, 300, False), (256, 0, True), (2048, 0, False))]
+    samples = [
+        {"group": "decode", "label": f"B={b} C={c}", "seconds": 0.001 * b + 1e-6 * c}
+        for b in (1, 2, 4, 16, 64)
+        for c in (40, 600, 2500)
+    ]
+    samples += [
+        {"group": "prefill", "label": f"n={n} c={c}" + (" done" if d else ""), "seconds": 1e-4 * n}
+        for n, c, d in ((1, 0, False), (16, 0, True), (64, 300, False), (256, 0, True), (2048, 0, False))
+    ]
     samples += [{"group": "join", "label": "B=4 C=40 merge", "seconds": 0.01}]
     pts = speed_points({"samples": samples})
     dec = [a for k, a, _ in pts if k == "decode"]
@@ -396,8 +440,13 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     import pandas as pd
 
     from schedlab import traces
-    from schedlab.engine.calibrate import (calibrate_default, grid_coefficients, replay_speed_check, replay_trace,
-                                  write_profile)
+    from schedlab.engine.calibrate import (
+        calibrate_default,
+        grid_coefficients,
+        replay_speed_check,
+        replay_trace,
+        write_profile,
+    )
     from schedlab.engine.models import load_model
     from schedlab.policies import make_policy
     from schedlab.api._validation import validate_many
@@ -421,8 +470,19 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     tr = traces.load("real-smoke", seed=0)
     tr.requests = tr.requests[:4]
     said = []
-    out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 5,
-                        {"kind": "linear", "profile": str(path)}, said.append, speed_probe="replay")
+    out = validate_many(
+        {"unified": make_policy("unified")},
+        tr,
+        info,
+        cost,
+        10**6,
+        {},
+        1,
+        5,
+        {"kind": "linear", "profile": str(path)},
+        said.append,
+        speed_probe="replay",
+    )
     v = out["unified"][0]
     ms = v["machine_speed"]
     assert ms["before"]["kind"] == ms["after"]["kind"] == "replay" and "points" not in ms["before"]
@@ -431,13 +491,37 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     assert sum("replay again" in m for m in said) == 1  # said once, before the runs
     assert speed_line(ms).startswith("machine speed: the profile's own replay ran at")
     # a grid-only profile has no replay to run: the reference passes
-    grid_only = write_profile({k: v for k, v in prof.items() if k != "calibration"} | {"calibration": {"kind": "grid"}},
-                              tmp_path / "grid.json")
+    grid_only = write_profile(
+        {k: v for k, v in prof.items() if k != "calibration"} | {"calibration": {"kind": "grid"}},
+        tmp_path / "grid.json",
+    )
     assert replay_speed_check(info, json.loads(grid_only.read_text())) is None
-    out = validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
-                        {"kind": "linear", "profile": str(grid_only)}, said.append, speed_probe="replay")
+    out = validate_many(
+        {"unified": make_policy("unified")},
+        tr,
+        info,
+        cost,
+        10**6,
+        {},
+        1,
+        0,
+        {"kind": "linear", "profile": str(grid_only)},
+        said.append,
+        speed_probe="replay",
+    )
     assert out["unified"][0]["machine_speed"]["before"]["points"] >= 2
     assert sum(m.startswith("timing the profile's reference passes") for m in said) == 1  # this call's
     with pytest.raises(ValueError, match="speed_probe"):
-        validate_many({"unified": make_policy("unified")}, tr, info, cost, 10**6, {}, 1, 0,
-                      {"kind": "linear", "profile": str(path)}, said.append, speed_probe="wall")
+        validate_many(
+            {"unified": make_policy("unified")},
+            tr,
+            info,
+            cost,
+            10**6,
+            {},
+            1,
+            0,
+            {"kind": "linear", "profile": str(path)},
+            said.append,
+            speed_probe="wall",
+        )

@@ -21,8 +21,9 @@ def cli(name: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("prof") / "known.json"
-    p.write_text(json.dumps({"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144,
-                             "coefficients": KNOWN}))
+    p.write_text(
+        json.dumps({"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144, "coefficients": KNOWN})
+    )
     return p
 
 
@@ -37,26 +38,58 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 
 
 def test_summary_for_a_bundled_trace_from_any_directory(tmp_path, profile):
-    proc = cli("simulate", "--policy", "prefer-prefill", "--trace", "mixed.json", "--profile", str(profile), cwd=tmp_path)
+    proc = cli(
+        "simulate", "--policy", "prefer-prefill", "--trace", "mixed.json", "--profile", str(profile), cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for label in ("Serving Benchmark Result", "Successful requests:", "Benchmark duration (s):",
-                  "Request throughput (req/s):", "Output token throughput (tok/s):", "Mean TTFT (ms):",
-                  "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "P99 ITL (ms):",
-                  "Median E2EL (ms):", "Min decode rate (tok/s):", "Max decode rate (tok/s):"):
+    for label in (
+        "Serving Benchmark Result",
+        "Successful requests:",
+        "Benchmark duration (s):",
+        "Request throughput (req/s):",
+        "Output token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "Median TTFT (ms):",
+        "P99 TTFT (ms):",
+        "Mean TPOT (ms):",
+        "P99 ITL (ms):",
+        "Median E2EL (ms):",
+        "Min decode rate (tok/s):",
+        "Max decode rate (tok/s):",
+    ):
         assert label in out, label
     assert "Successful requests:                     300" in out
 
 
-
 def test_out_dir_files_and_their_agreement(tmp_path, profile):
     out = tmp_path / "run"
-    proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile),
-               "-o", "budget=256", "--out", str(out), "--passes")
+    proc = cli(
+        "simulate",
+        "-p",
+        "chunked-prefill",
+        "-t",
+        "real-mixed",
+        "--profile",
+        str(profile),
+        "-o",
+        "budget=256",
+        "--out",
+        str(out),
+        "--passes",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("policy", "mode", "trace", "requests", "finished", "makespan_s", "output_throughput_tok_s",
-                "request_throughput_rps"):
+    for key in (
+        "policy",
+        "mode",
+        "trace",
+        "requests",
+        "finished",
+        "makespan_s",
+        "output_throughput_tok_s",
+        "request_throughput_rps",
+    ):
         assert key in summary
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
@@ -64,9 +97,23 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
     assert summary["mode"] == "sim" and summary["policy"] == "chunked-prefill"
 
     reqs = read_table(out / "requests.csv")
-    assert list(reqs[0]) == ["id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s", "finish_s",
-                             "ttft_ms", "tpot_ms", "e2e_ms", "decode_rate_tok_s", "status",
-                             "preemptions", "recomputed_tokens", "cached_tokens", "scheduled_s"]
+    assert list(reqs[0]) == [
+        "id",
+        "arrival_s",
+        "prompt_tokens",
+        "output_tokens",
+        "first_token_s",
+        "finish_s",
+        "ttft_ms",
+        "tpot_ms",
+        "e2e_ms",
+        "decode_rate_tok_s",
+        "status",
+        "preemptions",
+        "recomputed_tokens",
+        "cached_tokens",
+        "scheduled_s",
+    ]
     assert all(r["preemptions"] == "0" and r["scheduled_s"] == r["arrival_s"] for r in reqs)
     assert len(reqs) == summary["requests"] == summary["finished"]
     tokens = read_table(out / "tokens.parquet")
@@ -80,8 +127,17 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
         assert float(r["first_token_s"]) == times[0] and float(r["finish_s"]) == times[-1]
         assert float(r["ttft_ms"]) == pytest.approx((times[0] - float(r["arrival_s"])) * 1e3)
     steps = read_table(out / "steps.parquet")
-    assert list(steps[0]) == ["step", "start_s", "end_s", "predicted_s", "measured_s", "decode_rows",
-                              "prefill_tokens", "passes", "kv_tokens"]
+    assert list(steps[0]) == [
+        "step",
+        "start_s",
+        "end_s",
+        "predicted_s",
+        "measured_s",
+        "decode_rows",
+        "prefill_tokens",
+        "passes",
+        "kv_tokens",
+    ]
     assert all(s["measured_s"] == "" for s in steps)  # nothing is measured in a simulation
     assert sum(int(s["prefill_tokens"]) for s in steps) == sum(int(r["prompt_tokens"]) for r in reqs)
     for s in steps:  # in simulation a step lasts exactly what was predicted
@@ -100,22 +156,48 @@ def test_out_dir_files_and_their_agreement(tmp_path, profile):
     # without --passes the same run writes the same files but passes.parquet, and does not
     # leave the earlier run's there; --passes needs --out
     before = {f: (out / f).read_bytes() for f in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet")}
-    proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile),
-               "-o", "budget=256", "--out", str(out), "-q")
+    proc = cli(
+        "simulate",
+        "-p",
+        "chunked-prefill",
+        "-t",
+        "real-mixed",
+        "--profile",
+        str(profile),
+        "-o",
+        "budget=256",
+        "--out",
+        str(out),
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (out / "passes.parquet").exists()
     assert before == {f: (out / f).read_bytes() for f in before}
     proc = cli("simulate", "-p", "chunked-prefill", "-t", "real-mixed", "--profile", str(profile), "--passes")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "simulate: error: --passes writes passes.parquet into the --out directory: give --out DIR too"]
+        "simulate: error: --passes writes passes.parquet into the --out directory: give --out DIR too"
+    ]
 
 
 @pytest.mark.slow
 def test_same_seed_byte_identical_other_seed_differs(tmp_path, profile):
     def go(seed: int, name: str) -> Path:
         out = tmp_path / name
-        proc = cli("simulate", "-p", "unified", "-t", "mooncake_conv_10min", "--profile", str(profile),
-                   "--seed", str(seed), "--out", str(out), "-q", "--passes")
+        proc = cli(
+            "simulate",
+            "-p",
+            "unified",
+            "-t",
+            "mooncake_conv_10min",
+            "--profile",
+            str(profile),
+            "--seed",
+            str(seed),
+            "--out",
+            str(out),
+            "-q",
+            "--passes",
+        )
         assert proc.returncode == 0, proc.stderr
         return out
 
@@ -156,9 +238,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, profile):
     for args, frags in cases:
         assert_one_line_error(cli("simulate", *args), *frags)
     # run-real and sweep read --slo with the same check, before any work
-    assert_one_line_error(cli("run-real", "-p", "static", "-t", "real-smoke", "--slo", "ttft=1"), "unknown SLO key 'ttft'")
-    assert_one_line_error(cli("sweep", "-p", "static", "-t", "mixed", "--rates", "1", "--slo", "ttft_ms=inf"),
-                          "finite number > 0")
+    assert_one_line_error(
+        cli("run-real", "-p", "static", "-t", "real-smoke", "--slo", "ttft=1"), "unknown SLO key 'ttft'"
+    )
+    assert_one_line_error(
+        cli("sweep", "-p", "static", "-t", "mixed", "--rates", "1", "--slo", "ttft_ms=inf"), "finite number > 0"
+    )
 
 
 def test_impossible_plan_and_crashing_policy(tmp_path, profile):
@@ -176,27 +261,51 @@ def test_impossible_plan_and_crashing_policy(tmp_path, profile):
         "class Lazy:\n"
         "    name = 'lazy'\n"
         "    def plan(self, view):\n"
-        "        return Plan()\n")
+        "        return Plan()\n"
+    )
     prof = ["--profile", str(profile)]
-    line = assert_one_line_error(cli("simulate", "-p", f"{f}:DecodeWaiting", "-t", "real-smoke", *prof),
-                                 "policy 'decode-waiting' step 0", "which is waiting")
+    line = assert_one_line_error(
+        cli("simulate", "-p", f"{f}:DecodeWaiting", "-t", "real-smoke", *prof),
+        "policy 'decode-waiting' step 0",
+        "which is waiting",
+    )
     assert line.startswith("simulate: error:")
-    assert_one_line_error(cli("simulate", "-p", f"{f}:Crash", "-t", "real-smoke", *prof),
-                          "policy 'crash' step 0 raised ZeroDivisionError")
-    assert_one_line_error(cli("simulate", "-p", f"{f}:Lazy", "-t", "real-smoke", *prof),
-                          "planned nothing", "no arrivals left")
+    assert_one_line_error(
+        cli("simulate", "-p", f"{f}:Crash", "-t", "real-smoke", *prof), "policy 'crash' step 0 raised ZeroDivisionError"
+    )
+    assert_one_line_error(
+        cli("simulate", "-p", f"{f}:Lazy", "-t", "real-smoke", *prof), "planned nothing", "no arrivals left"
+    )
 
 
 def test_prompt_larger_than_kv_capacity_loses_no_other_request(tmp_path, profile):
     tr = tmp_path / "t.json"
-    tr.write_text(json.dumps({"name": "t", "requests": [
-        {"id": "small1", "arrival_s": 0.0, "prompt_tokens": 100, "output_tokens": 10},
-        {"id": "huge", "arrival_s": 0.1, "prompt_tokens": 5000, "output_tokens": 10},
-        {"id": "small2", "arrival_s": 0.2, "prompt_tokens": 200, "output_tokens": 10},
-    ]}))
+    tr.write_text(
+        json.dumps(
+            {
+                "name": "t",
+                "requests": [
+                    {"id": "small1", "arrival_s": 0.0, "prompt_tokens": 100, "output_tokens": 10},
+                    {"id": "huge", "arrival_s": 0.1, "prompt_tokens": 5000, "output_tokens": 10},
+                    {"id": "small2", "arrival_s": 0.2, "prompt_tokens": 200, "output_tokens": 10},
+                ],
+            }
+        )
+    )
     out = tmp_path / "run"
-    proc = cli("simulate", "-p", "mlx-default", "-t", str(tr), "--profile", str(profile),
-               "--kv-tokens", "1000", "--out", str(out))
+    proc = cli(
+        "simulate",
+        "-p",
+        "mlx-default",
+        "-t",
+        str(tr),
+        "--profile",
+        str(profile),
+        "--kv-tokens",
+        "1000",
+        "--out",
+        str(out),
+    )
     assert_one_line_error(proc, "1 request(s) rejected", "huge", "the other requests ran")
     assert "Successful requests:                     2" in proc.stdout
     status = {r["id"]: r["status"] for r in read_table(out / "requests.csv")}

@@ -66,8 +66,9 @@ def test_two_clients_and_the_schedule():
 
 def test_think_time_delays_the_next_send():
     reqs = [Request("A", 0.0, 4, 1), Request("B", 0.0, 4, 1)]
-    res = run(ClientSource(reqs, 1, think_s=3.0), make_policy("unified"), cost(), kv_capacity=1000,
-              backend=FixedBackend())
+    res = run(
+        ClientSource(reqs, 1, think_s=3.0), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend()
+    )
     by = {r.id: r for r in res.requests}
     assert by["A"].finish_s == 1.0 and by["B"].arrival_s == 4.0 and by["B"].finish_s == 5.0
 
@@ -112,8 +113,13 @@ def test_request_rate_schedule_with_a_limit():
     rows = [{"arrival_s": r.arrival_s, "finish_s": r.finish_s} for r in res.requests]
     assert in_flight(rows) <= 4
     # no limit: the schedule alone (an open loop)
-    res = run(clients(tr.requests, None, request_rate=2.0, burstiness=0.5, seed=3), make_policy("unified"),
-              cost(), kv_capacity=100_000, backend=FixedBackend())
+    res = run(
+        clients(tr.requests, None, request_rate=2.0, burstiness=0.5, seed=3),
+        make_policy("unified"),
+        cost(),
+        kv_capacity=100_000,
+        backend=FixedBackend(),
+    )
     assert [r.arrival_s for r in res.requests] == want
     assert clients(tr.requests) is tr.requests  # no client option: a plain replay
 
@@ -180,8 +186,11 @@ def test_live_source_takes_requests_from_another_thread_while_the_replica_runs()
 
 def test_bad_client_arguments():
     reqs = [Request("a", 0.0, 4, 1)]
-    for kw, msg in (({"max_concurrency": 0}, "max_concurrency"), ({"think_s": -1.0}, "think time"),
-                    ({"schedule": [1.0, 2.0]}, "2 scheduled times for 1")):
+    for kw, msg in (
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"think_s": -1.0}, "think time"),
+        ({"schedule": [1.0, 2.0]}, "2 scheduled times for 1"),
+    ):
         with pytest.raises(ValueError, match=msg):
             ClientSource(reqs, **kw)
 
@@ -196,8 +205,17 @@ def cli(name: str, *args: str) -> subprocess.CompletedProcess:
 def test_simulate_max_concurrency_keeps_at_most_c_in_flight(tmp_path):
     """Acceptance: at most 8 requests in flight, read from requests.csv's timestamps."""
     out = tmp_path / "run"
-    proc = cli("simulate", "--policy", "vllm", "--trace", "random:n=300,input_len=512,output_len=128,range_ratio=0.5",
-               "--max-concurrency", "8", "--out", out)
+    proc = cli(
+        "simulate",
+        "--policy",
+        "vllm",
+        "--trace",
+        "random:n=300,input_len=512,output_len=128,range_ratio=0.5",
+        "--max-concurrency",
+        "8",
+        "--out",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Maximum request concurrency:             8" in proc.stdout
     assert "Peak concurrent requests:                8" in proc.stdout
@@ -213,17 +231,34 @@ def test_simulate_max_concurrency_keeps_at_most_c_in_flight(tmp_path):
 
 def test_simulate_request_rate_and_bad_client_options(tmp_path):
     out = tmp_path / "run"
-    proc = cli("simulate", "-p", "unified", "-t", "real-mixed", "--request-rate", "4", "--burstiness", "2",
-               "--max-concurrency", "3", "--think-time", "0.5", "--out", out)
+    proc = cli(
+        "simulate",
+        "-p",
+        "unified",
+        "-t",
+        "real-mixed",
+        "--request-rate",
+        "4",
+        "--burstiness",
+        "2",
+        "--max-concurrency",
+        "3",
+        "--think-time",
+        "0.5",
+        "--out",
+        out,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["clients"]["request_rate"] == 4 and summary["clients"]["burstiness"] == 2
     assert summary["clients"]["think_s"] == 0.5
-    for args, msg in ((["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
-                      (["--burstiness", "2"], "give --request-rate too"),
-                      (["--think-time", "1"], "give --max-concurrency too"),
-                      (["--request-rate", "fast"], "--request-rate must be a number"),
-                      (["--block-size", "0"], "--block-size must be >= 1")):
+    for args, msg in (
+        (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+        (["--burstiness", "2"], "give --request-rate too"),
+        (["--think-time", "1"], "give --max-concurrency too"),
+        (["--request-rate", "fast"], "--request-rate must be a number"),
+        (["--block-size", "0"], "--block-size must be >= 1"),
+    ):
         proc = cli("simulate", "-p", "unified", "-t", "real-smoke", *args)
         assert proc.returncode == 2, proc.stdout
         lines = proc.stderr.strip().splitlines()
@@ -232,18 +267,49 @@ def test_simulate_request_rate_and_bad_client_options(tmp_path):
 
 def test_sweep_over_concurrency(tmp_path):
     out = tmp_path / "sw"
-    proc = cli("sweep", "--policy", "vllm,unified", "--trace", "random:n=80,input_len=256,output_len=64",
-               "--concurrency", "4,1", "--kv-tokens", "4096", "--workers", "1", "--out", out, "--format", "png")
+    proc = cli(
+        "sweep",
+        "--policy",
+        "vllm,unified",
+        "--trace",
+        "random:n=80,input_len=256,output_len=64",
+        "--concurrency",
+        "4,1",
+        "--kv-tokens",
+        "4096",
+        "--workers",
+        "1",
+        "--out",
+        out,
+        "--format",
+        "png",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "2 policies x 2 concurrencies" in proc.stderr
     data = json.loads((out / "sweep.json").read_text())
     assert data["concurrency"] == [1, 4] and data["block_size"] == 16
     rows = data["rows"]
-    assert [(r["policy"], r["max_concurrency"]) for r in rows] == [("vllm", 1), ("vllm", 4), ("unified", 1), ("unified", 4)]
+    assert [(r["policy"], r["max_concurrency"]) for r in rows] == [
+        ("vllm", 1),
+        ("vllm", 4),
+        ("unified", 1),
+        ("unified", 4),
+    ]
     assert all(r["peak_concurrency"] == r["max_concurrency"] and r["finished"] == 80 for r in rows)
     # a row equals simulate's summary of the same run
-    direct = cli("simulate", "--policy", "vllm", "--trace", "random:n=80,input_len=256,output_len=64",
-                 "--max-concurrency", "4", "--kv-tokens", "4096", "--out", tmp_path / "one")
+    direct = cli(
+        "simulate",
+        "--policy",
+        "vllm",
+        "--trace",
+        "random:n=80,input_len=256,output_len=64",
+        "--max-concurrency",
+        "4",
+        "--kv-tokens",
+        "4096",
+        "--out",
+        tmp_path / "one",
+    )
     assert direct.returncode == 0, direct.stderr
     s = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert rows[1]["ttft_p99_ms"] == pytest.approx(s["ttft_ms"]["p99"], rel=1e-12)
@@ -261,9 +327,17 @@ def test_a_policy_that_stalls_a_closed_loop_is_a_one_line_error():
 
         def plan(self, view):
             from schedlab.policies.base import Plan
+
             return Plan()
 
-    res = run(ClientSource([Request("a", 0.0, 4, 1), Request("b", 0.0, 4, 1)], 1), Idle(), cost(),
-              kv_capacity=100, backend=FixedBackend())
-    assert res.error == ("policy 'idle' step 0: planned nothing with 1 request(s) unfinished while the "
-                         "arrival source waits for one of them to finish")
+    res = run(
+        ClientSource([Request("a", 0.0, 4, 1), Request("b", 0.0, 4, 1)], 1),
+        Idle(),
+        cost(),
+        kv_capacity=100,
+        backend=FixedBackend(),
+    )
+    assert res.error == (
+        "policy 'idle' step 0: planned nothing with 1 request(s) unfinished while the "
+        "arrival source waits for one of them to finish"
+    )

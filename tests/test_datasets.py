@@ -16,8 +16,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from schedlab import traces
 from schedlab.traces import TraceError
-from schedlab.traces.datasets import (SONNET_BASE_PROMPT, SONNET_FILE, length_range, parse_spec, random_dataset,
-                             request_times, sonnet_dataset, sonnet_lines)
+from schedlab.traces.datasets import (
+    SONNET_BASE_PROMPT,
+    SONNET_FILE,
+    length_range,
+    parse_spec,
+    random_dataset,
+    request_times,
+    sonnet_dataset,
+    sonnet_lines,
+)
 
 LINES = sonnet_lines()
 
@@ -45,8 +53,12 @@ def make_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(LINES, trainer=trainer)
     assert tok.get_vocab_size() > 300
     return tok
@@ -129,8 +141,9 @@ def test_random_seeds_reproduce_and_differ():
     # the rate changes the arrivals, not the lengths
     slow = traces.load(spec.replace("rate=2", "rate=0.5"), seed=7)
     fast = traces.load(spec, seed=7)
-    assert [(r.prompt_tokens, r.output_tokens) for r in slow.requests] == \
-        [(r.prompt_tokens, r.output_tokens) for r in fast.requests]
+    assert [(r.prompt_tokens, r.output_tokens) for r in slow.requests] == [
+        (r.prompt_tokens, r.output_tokens) for r in fast.requests
+    ]
     assert slow.requests[-1].arrival_s == pytest.approx(4 * fast.requests[-1].arrival_s)
 
 
@@ -181,11 +194,9 @@ def test_random_runs_in_the_simulator():
 
 @pytest.mark.parametrize("kind", ["chat-str", "chat-ids", "plain", "words"])
 def test_sonnet_lengths_are_exact(kind, bpe, words):
-    tok = {"chat-str": ChatML(bpe), "chat-ids": ChatML(bpe, as_ids=True), "plain": bpe,
-           "words": words}[kind]
+    tok = {"chat-str": ChatML(bpe), "chat-ids": ChatML(bpe, as_ids=True), "plain": bpe, "words": words}[kind]
     for input_len, prefix_len in ((1024, 200), (333, 0), (120, 100)):
-        tr = sonnet_dataset(tok, n=25, input_len=input_len, output_len=64, prefix_len=prefix_len,
-                            rate=3.0, seed=4)
+        tr = sonnet_dataset(tok, n=25, input_len=input_len, output_len=64, prefix_len=prefix_len, rate=3.0, seed=4)
         assert len(tr) == 25
         for r in tr.requests:
             assert r.prompt_tokens == input_len == _n(tok, r), (kind, r.id)
@@ -201,14 +212,14 @@ def test_sonnet_prompts_are_sonnet_lines(bpe):
     for r in tr.requests:
         text = r.messages[0][1]
         assert text.startswith(SONNET_BASE_PROMPT)
-        rest = text[len(SONNET_BASE_PROMPT):]
+        rest = text[len(SONNET_BASE_PROMPT) :]
         # whole file lines (the file's last line has no newline, so, as in vLLM, it runs
         # into the next one), then the start of one more line
         while True:
             line = next((x for x in LINES if rest.startswith(x)), None)
             if line is None:
                 break
-            rest = rest[len(line):]
+            rest = rest[len(line) :]
         assert rest == "" or any(x.startswith(rest) for x in LINES), rest
 
 
@@ -221,12 +232,13 @@ def test_sonnet_prefix_is_shared(bpe):
     while all(len(x) > common for x in ids) and len({x[common] for x in ids}) == 1:
         common += 1
     assert 240 <= common <= 360  # whole lines: about prefix_len tokens, chat header included
-    k = next(i for i in range(len(LINES), 0, -1)
-             if all(t.startswith(SONNET_BASE_PROMPT + "".join(LINES[:i])) for t in texts))
+    k = next(
+        i for i in range(len(LINES), 0, -1) if all(t.startswith(SONNET_BASE_PROMPT + "".join(LINES[:i])) for t in texts)
+    )
     assert k >= 10  # the file's first lines, in order
     # without a prefix the prompts part right after the base prompt
     free = sonnet_dataset(tok, n=12, input_len=800, output_len=8, prefix_len=0, seed=2)
-    firsts = {r.messages[0][1][len(SONNET_BASE_PROMPT):].splitlines()[0] for r in free.requests}
+    firsts = {r.messages[0][1][len(SONNET_BASE_PROMPT) :].splitlines()[0] for r in free.requests}
     assert len(firsts) > 6
 
 
@@ -314,8 +326,9 @@ def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     out = tmp_path / "data"
-    assert tbuild.main(["--out", str(out), "--synthetic-only", "--sonnet-tokenizer",
-                        "test_datasets:make_chat_bpe"]) == 0
+    assert (
+        tbuild.main(["--out", str(out), "--synthetic-only", "--sonnet-tokenizer", "test_datasets:make_chat_bpe"]) == 0
+    )
     tr = traces.load(str(out / "sonnet.json"))  # counted: loads without a tokenizer
     tok = make_chat_bpe()
     assert len(tr) == tbuild.SONNET_PARAMS["n"] and tr.requests[0].messages
@@ -328,5 +341,6 @@ def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
     assert tbuild.main(["--out", str(plain), "--synthetic-only"]) == 0
     assert (plain / "sonnet.json").read_bytes() == (SONNET_FILE.parent / "sonnet.json").read_bytes()
     assert tbuild.main(["--out", str(tmp_path / "x"), "--synthetic-only", "--sonnet-tokenizer", "nope"]) == 1
-    assert tbuild.main(["--out", str(tmp_path / "x"), "--synthetic-only", "--sonnet-tokenizer",
-                        "no_such_module:f"]) == 1
+    assert (
+        tbuild.main(["--out", str(tmp_path / "x"), "--synthetic-only", "--sonnet-tokenizer", "no_such_module:f"]) == 1
+    )

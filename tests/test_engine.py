@@ -40,17 +40,26 @@ def micro():
 def trace() -> list[Request]:
     """10 requests, prompts 10..300, outputs 1..60; four arrive while the first ones decode."""
     rows = [  # id, arrival_s, prompt, output
-        ("a", 0.0, 300, 60), ("b", 0.0, 10, 45), ("c", 0.0, 129, 1), ("d", 0.0, 64, 30),
-        ("e", 0.0, 1, 12), ("f", 0.005, 257, 20), ("g", 0.02, 77, 25), ("h", 0.03, 200, 2),
-        ("i", 0.05, 33, 40), ("j", 0.06, 150, 18),
+        ("a", 0.0, 300, 60),
+        ("b", 0.0, 10, 45),
+        ("c", 0.0, 129, 1),
+        ("d", 0.0, 64, 30),
+        ("e", 0.0, 1, 12),
+        ("f", 0.005, 257, 20),
+        ("g", 0.02, 77, 25),
+        ("h", 0.03, 200, 2),
+        ("i", 0.05, 33, 40),
+        ("j", 0.06, 150, 18),
     ]
     return [Request(rid, t, p, o) for rid, t, p, o in rows]
 
 
 @pytest.fixture(scope="module")
 def references(micro):
-    return {r.id: reference_tokens(micro, prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size), r.output_tokens)
-            for r in trace()}
+    return {
+        r.id: reference_tokens(micro, prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size), r.output_tokens)
+        for r in trace()
+    }
 
 
 def run_real(model, policy, requests=None, **backend_kw):
@@ -97,12 +106,19 @@ def test_every_policy_yields_the_reference_tokens(micro, references, name, optio
     # a late request was admitted while an earlier one was still decoding (static batching
     # admits only between batches, by design)
     reqs = {r.id: r for r in result.requests}
-    assert name == "static" or any(reqs[late].admitted_s < reqs[early].finish_s and reqs[late].admitted_s > reqs[early].first_token_s
-               for late in "fghij" for early in "abd")
+    assert name == "static" or any(
+        reqs[late].admitted_s < reqs[early].finish_s and reqs[late].admitted_s > reqs[early].first_token_s
+        for late in "fghij"
+        for early in "abd"
+    )
     # nothing is left behind: every finished request's KV was freed
     assert backend.batch_rows == [] and not any(backend.holds(r.id) for r in result.requests)
     stats = backend.stats
-    assert stats["joins"] == stats["leaves"] == sum(1 for r in trace() if r.output_tokens > 1 or name.startswith(("mlx", "prefer")))
+    assert (
+        stats["joins"]
+        == stats["leaves"]
+        == sum(1 for r in trace() if r.output_tokens > 1 or name.startswith(("mlx", "prefer")))
+    )
 
 
 def test_padded_chunks_really_pad(micro, references):
@@ -158,10 +174,10 @@ def assert_same_state(model, got_kv, ids, next_token):
     ref = whole_prompt_cache(model, ids)
     assert len(got_kv) == len(ref)
     for (k, v), c in zip(got_kv, ref):
-        assert k.shape == c.keys[..., :c.offset, :].shape
-        assert mx.allclose(k, c.keys[..., :c.offset, :], atol=1e-5, rtol=1e-5).item()
-        assert mx.allclose(v, c.values[..., :c.offset, :], atol=1e-5, rtol=1e-5).item()
-    ref_kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in ref]
+        assert k.shape == c.keys[..., : c.offset, :].shape
+        assert mx.allclose(k, c.keys[..., : c.offset, :], atol=1e-5, rtol=1e-5).item()
+        assert mx.allclose(v, c.values[..., : c.offset, :], atol=1e-5, rtol=1e-5).item()
+    ref_kv = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in ref]
     a, b = next_logits(model, got_kv, next_token), next_logits(model, ref_kv, next_token)
     assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
     assert mx.argmax(a).item() == mx.argmax(b).item()
@@ -300,7 +316,8 @@ def test_temperature_sampling_is_seeded_and_batch_invariant(micro, references):
 
 def test_full_logits_fallback_gives_the_same_tokens(micro, references):
     """Architectures whose head cannot be split off run model(x) (logits for every position)."""
-    full = dataclasses.replace(micro, fast_head=False, head=lambda h: h,
-                               hidden=lambda x, cache: micro.model(x, cache=cache))
+    full = dataclasses.replace(
+        micro, fast_head=False, head=lambda h: h, hidden=lambda x, cache: micro.model(x, cache=cache)
+    )
     _, backend = run_real(full, make_policy("static", {"batch_size": "3"}))
     assert_reference_tokens(backend, references)

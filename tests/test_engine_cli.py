@@ -18,7 +18,6 @@ def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([*command("run-real"), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
-
 def assert_one_line_error(proc, *fragments):
     assert proc.returncode != 0, proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -31,8 +30,19 @@ def assert_one_line_error(proc, *fragments):
 @pytest.mark.slow
 def test_run_real_end_to_end(tmp_path):
     out = tmp_path / "run"
-    proc = cli("--policy", "prefer-prefill", "--trace", "real-smoke", "--model", "micro", "--out", str(out),
-               "-o", "prefill_step_size=128", cwd=tmp_path)
+    proc = cli(
+        "--policy",
+        "prefer-prefill",
+        "--trace",
+        "real-smoke",
+        "--model",
+        "micro",
+        "--out",
+        str(out),
+        "-o",
+        "prefill_step_size=128",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Serving Benchmark Result" in proc.stdout and "real (MLX)" in proc.stdout
     for name in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet", "meta.json"):
@@ -46,7 +56,10 @@ def test_run_real_end_to_end(tmp_path):
     assert all(float(s["predicted_s"]) > 0 for s in steps)
     meta = json.loads((out / "meta.json").read_text())
     assert Path(meta["profile"]).is_file() and json.loads(Path(meta["profile"]).read_text())["model"] == "micro"
-    assert abs(sum(float(s["measured_s"]) for s in steps) - sum(float(s["end_s"]) - float(s["start_s"]) for s in steps)) < 1e-6
+    assert (
+        abs(sum(float(s["measured_s"]) for s in steps) - sum(float(s["end_s"]) - float(s["start_s"]) for s in steps))
+        < 1e-6
+    )
     tokens = read_table(out / "tokens.parquet")
     assert len(tokens) == summary["total_output_tokens"]
     meta = json.loads((out / "meta.json").read_text())
@@ -65,11 +78,22 @@ def test_run_real_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_profile_predictions_and_blas_mismatch_warning(tmp_path):
     prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({
-        "schema": "schedlab-profile/1", "kv_tokens": 100000,
-        "blas": {"name": "some-other-blas", "threads": 64},
-        "coefficients": {"d_pass": 0.003, "d_rows": 0.0002, "p_pass": 0.004, "p_tokens": 2e-5, "s_step": 0.0005},
-    }))
+    prof.write_text(
+        json.dumps(
+            {
+                "schema": "schedlab-profile/1",
+                "kv_tokens": 100000,
+                "blas": {"name": "some-other-blas", "threads": 64},
+                "coefficients": {
+                    "d_pass": 0.003,
+                    "d_rows": 0.0002,
+                    "p_pass": 0.004,
+                    "p_tokens": 2e-5,
+                    "s_step": 0.0005,
+                },
+            }
+        )
+    )
     out = tmp_path / "run"
     proc = cli("-p", "mlx-default", "-t", "real-smoke", "-m", "micro", "--profile", str(prof), "--out", str(out), "-q")
     assert proc.returncode == 0, proc.stderr
@@ -91,22 +115,32 @@ def bad_models(tmp_path_factory):
     (root / "cfg" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (root / "file.txt").write_text("x")
     long = root / "long.json"
-    long.write_text(json.dumps({"requests": [
-        {"id": "ok", "arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5},
-        {"id": "huge-one", "arrival_s": 0, "prompt_tokens": 32700, "output_tokens": 100}]}))
+    long.write_text(
+        json.dumps(
+            {
+                "requests": [
+                    {"id": "ok", "arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5},
+                    {"id": "huge-one", "arrival_s": 0, "prompt_tokens": 32700, "output_tokens": 100},
+                ]
+            }
+        )
+    )
     return root
 
 
-@pytest.mark.parametrize("args,fragments", [
-    (["--model", "no/such/model"], ["model not found"]),
-    (["--model", "{root}/empty"], ["no config.json"]),
-    (["--model", "{root}/cfg"], ["no model*.safetensors"]),
-    (["--model", "{root}/file.txt"], ["not a directory"]),
-    (["--model", "gigantic"], ["unknown model preset 'gigantic'"]),
-    (["--dtype", "float64"], ["unknown dtype 'float64'"]),
-    (["--sampling", "temperature=hot"], ["sampling"]),
-    (["--trace", "{root}/long.json", "--model", "micro"], ["request huge-one", "context of 32768"]),
-])
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--model", "no/such/model"], ["model not found"]),
+        (["--model", "{root}/empty"], ["no config.json"]),
+        (["--model", "{root}/cfg"], ["no model*.safetensors"]),
+        (["--model", "{root}/file.txt"], ["not a directory"]),
+        (["--model", "gigantic"], ["unknown model preset 'gigantic'"]),
+        (["--dtype", "float64"], ["unknown dtype 'float64'"]),
+        (["--sampling", "temperature=hot"], ["sampling"]),
+        (["--trace", "{root}/long.json", "--model", "micro"], ["request huge-one", "context of 32768"]),
+    ],
+)
 def test_bad_input_is_one_line(bad_models, args, fragments):
     args = [a.replace("{root}", str(bad_models)) for a in args]
     base = ["--policy", "mlx-default", "--trace", "real-smoke"]
@@ -120,13 +154,24 @@ def test_missing_fast_blas_is_told_once(tmp_path):
     import os
 
     tr = tmp_path / "two.json"
-    tr.write_text(json.dumps({"requests": [
-        {"id": "a", "arrival_s": 0, "prompt_tokens": 20, "output_tokens": 3},
-        {"id": "b", "arrival_s": 0, "prompt_tokens": 9, "output_tokens": 2}]}))
+    tr.write_text(
+        json.dumps(
+            {
+                "requests": [
+                    {"id": "a", "arrival_s": 0, "prompt_tokens": 20, "output_tokens": 3},
+                    {"id": "b", "arrival_s": 0, "prompt_tokens": 9, "output_tokens": 2},
+                ]
+            }
+        )
+    )
     out = tmp_path / "run"
-    proc = subprocess.run([*command("run-real"), "-p", "slots", "-t", str(tr), "-m", "micro", "-q", "--out", str(out),
-                           "--no-calibrate"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "SCHEDLAB_BLAS": "none"})
+    proc = subprocess.run(
+        [*command("run-real"), "-p", "slots", "-t", str(tr), "-m", "micro", "-q", "--out", str(out), "--no-calibrate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SCHEDLAB_BLAS": "none"},
+    )
     assert proc.returncode == 0, proc.stderr
     hints = [ln for ln in proc.stderr.splitlines() if "libopenblas0-pthread" in ln]
     assert len(hints) == 1 and "cmeel-openblas" in hints[0]

@@ -92,8 +92,10 @@ def py(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
 
 
-INFO = ("import json; from schedlab import engine; import mlx.core as mx; from schedlab.engine import blas; "
-        "mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8))); print(json.dumps(blas.info()))")
+INFO = (
+    "import json; from schedlab import engine; import mlx.core as mx; from schedlab.engine import blas; "
+    "mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8))); print(json.dumps(blas.info()))"
+)
 # macOS uses Accelerate; on Linux these tests need OpenBLAS (.ci/run installs it) and fail without it
 SKIP_BLAS = sys.platform == "darwin"
 
@@ -122,9 +124,11 @@ def test_blas_none_keeps_the_reference_blas_and_hints_once():
 
 @pytest.mark.skipif(SKIP_BLAS, reason="no OpenBLAS installed (macOS uses Accelerate)")
 def test_mlx_imported_first_is_detected():
-    proc = py("import json, mlx.core; from schedlab import engine; from schedlab.engine import blas; "
-              "print(json.dumps(blas.info()))",
-              SCHEDLAB_BLAS=None)
+    proc = py(
+        "import json, mlx.core; from schedlab import engine; from schedlab.engine import blas; "
+        "print(json.dumps(blas.info()))",
+        SCHEDLAB_BLAS=None,
+    )
     info = json.loads(proc.stdout)
     assert not info["active"] and not info["loaded_before_mlx"]
     assert any("from schedlab import engine first" in n for n in info["notes"])

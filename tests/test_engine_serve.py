@@ -35,8 +35,9 @@ def micro():
 
 
 def ref(model, r: Request) -> list[int]:
-    return reference_tokens(model, prompt_ids(0, r.id, r.prompt_tokens, model.vocab_size, r.prefix_ids),
-                            r.output_tokens)
+    return reference_tokens(
+        model, prompt_ids(0, r.id, r.prompt_tokens, model.vocab_size, r.prefix_ids), r.output_tokens
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,16 @@ def references(micro):
 def shared_trace() -> list[Request]:
     """Prompts sharing one or two 512-token blocks (Mooncake-style prefix ids), arriving while
     others run, some whole-block aligned (hit = prompt - 16), some one token long past it."""
-    rows = [("s0", 0.0, 700, 12, (11,)), ("s1", 0.0, 530, 6, (11,)), ("s2", 0.03, 1100, 9, (11, 22)),
-            ("s3", 0.05, 1024, 5, (11, 22)), ("s4", 0.08, 513, 7, (11,)), ("s5", 0.1, 900, 10, (33,)),
-            ("s6", 0.12, 1200, 4, (11, 22, 44)), ("s7", 0.14, 640, 8, (33,))]
+    rows = [
+        ("s0", 0.0, 700, 12, (11,)),
+        ("s1", 0.0, 530, 6, (11,)),
+        ("s2", 0.03, 1100, 9, (11, 22)),
+        ("s3", 0.05, 1024, 5, (11, 22)),
+        ("s4", 0.08, 513, 7, (11,)),
+        ("s5", 0.1, 900, 10, (33,)),
+        ("s6", 0.12, 1200, 4, (11, 22, 44)),
+        ("s7", 0.14, 640, 8, (33,)),
+    ]
     return [Request(rid, t, p, o, pid) for rid, t, p, o, pid in rows]
 
 
@@ -73,8 +81,9 @@ def assert_exact(backend, refs, requests):
 @pytest.mark.parametrize("kv,batch", [(640, 64), (512, 48), (400, 200)])
 def test_vllm_preempts_under_a_small_kv_and_tokens_equal_references(micro, references, kv, batch):
     """Acceptance: a small trace with a KV budget that forces preemption on the real engine."""
-    result, backend = run_real(micro, make_policy("vllm", {"max_num_batched_tokens": str(batch)}), trace(),
-                               kv=kv, block_size=16)
+    result, backend = run_real(
+        micro, make_policy("vllm", {"max_num_batched_tokens": str(batch)}), trace(), kv=kv, block_size=16
+    )
     s = summarize(result)
     assert s["preemptions"] > 0 and s["recomputed_tokens"] > 0
     assert backend.stats["preemptions"] == s["preemptions"]
@@ -84,19 +93,23 @@ def test_vllm_preempts_under_a_small_kv_and_tokens_equal_references(micro, refer
 
 
 def test_vllm_without_pressure_equals_its_references_too(micro, references):
-    result, backend = run_real(micro, make_policy("vllm", {"max_num_batched_tokens": "40", "max_num_seqs": "4"}),
-                               trace(), block_size=16)
+    result, backend = run_real(
+        micro, make_policy("vllm", {"max_num_batched_tokens": "40", "max_num_seqs": "4"}), trace(), block_size=16
+    )
     assert "preemptions" not in summarize(result)
     assert_exact(backend, references, trace())
 
 
-@pytest.mark.parametrize("name,options", [
-    ("vllm", {"max_num_batched_tokens": "256"}),
-    ("unified", {"token_budget": "300"}),
-    ("mlx-default", {"prefill_step_size": "200", "prefill_batch_size": "3"}),  # padded rows at other contexts
-    ("static", {"batch_size": "3"}),
-    ("slots", {"n_slots": "2"}),
-])
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("vllm", {"max_num_batched_tokens": "256"}),
+        ("unified", {"token_budget": "300"}),
+        ("mlx-default", {"prefill_step_size": "200", "prefill_batch_size": "3"}),  # padded rows at other contexts
+        ("static", {"batch_size": "3"}),
+        ("slots", {"n_slots": "2"}),
+    ],
+)
 @pytest.mark.slow
 def test_prefix_caching_copies_cached_kv_and_tokens_stay_exact(micro, shared_references, name, options):
     reqs = shared_trace()
@@ -140,13 +153,15 @@ def test_a_copied_block_is_checked_against_its_owner(micro):
 
     backend._ids = lying_ids
     with pytest.raises(EngineStateError, match="differ from those of request x"):
-        run(reqs, make_policy("vllm"), NO_COST, kv_capacity=100_000, backend=backend, block_size=16,
-            prefix_caching=True)
+        run(
+            reqs, make_policy("vllm"), NO_COST, kv_capacity=100_000, backend=backend, block_size=16, prefix_caching=True
+        )
 
 
 def test_closed_loop_clients_on_the_real_engine(micro, references):
-    result, backend = run_real(micro, make_policy("vllm", {"max_num_batched_tokens": "128"}),
-                               ClientSource(trace(), 2), block_size=16)
+    result, backend = run_real(
+        micro, make_policy("vllm", {"max_num_batched_tokens": "128"}), ClientSource(trace(), 2), block_size=16
+    )
     s = summarize(result)
     assert s["clients"]["peak_concurrency"] == 2
     assert_exact(backend, references, trace())
@@ -162,9 +177,27 @@ def test_run_real_cli_with_prefix_caching_lowers_ttft(tmp_path):
     out = {}
     for flag in ([], ["--prefix-caching"]):
         d = tmp_path / ("on" if flag else "off")
-        proc = subprocess.run([*command("run-real"), "--policy", "vllm", "--trace", str(path), "--model", "micro",
-                               "--no-calibrate", "--kv-tokens", "40000", "--out", str(d), "-q", *flag],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                *command("run-real"),
+                "--policy",
+                "vllm",
+                "--trace",
+                str(path),
+                "--model",
+                "micro",
+                "--no-calibrate",
+                "--kv-tokens",
+                "40000",
+                "--out",
+                str(d),
+                "-q",
+                *flag,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         out[bool(flag)] = (json.loads((d / "summary.json").read_text()), json.loads((d / "meta.json").read_text()))
     (on, meta_on), (off, meta_off) = out[True], out[False]

@@ -84,20 +84,32 @@ def test_the_steps_after_a_wake_pay_i_after_halving_and_runs_of_repeats_stay_exa
     # a simulation: the steps take that much longer
     sa = run(reqs, make_policy("unified"), plain, kv_capacity=1000)
     sb = run(reqs, make_policy("unified"), after, kv_capacity=1000)
-    assert [(s.decode_rows, s.prefill_tokens) for s in sa.steps] == [(s.decode_rows, s.prefill_tokens) for s in sb.steps]
+    assert [(s.decode_rows, s.prefill_tokens) for s in sa.steps] == [
+        (s.decode_rows, s.prefill_tokens) for s in sb.steps
+    ]
     durations = [(y.end_s - y.start_s) - (x.end_s - x.start_s) for x, y in zip(sa.steps, sb.steps)]
     assert durations == pytest.approx(charged(sb), abs=1e-9) and sum(d > 0 for d in durations) >= 2 * AFTER_WAKE_STEPS
     for name in ("mlx-default", "static", "vllm"):  # policies that plan runs of repeats
         bulk = run(reqs, make_policy(name), after, kv_capacity=1000)
         one_by_one = run(reqs, make_policy(name), after, kv_capacity=1000, on_step=lambda state: None)
-        assert [(s.start_s, s.end_s, s.decode_rows) for s in bulk.steps] == \
-               [(s.start_s, s.end_s, s.decode_rows) for s in one_by_one.steps], name
+        assert [(s.start_s, s.end_s, s.decode_rows) for s in bulk.steps] == [
+            (s.start_s, s.end_s, s.decode_rows) for s in one_by_one.steps
+        ], name
 
 
 def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_prediction():
     reqs = [Request(str(i), 0.3 * i if i % 3 else 2.0 * i, 20 + 7 * i, 3 + i % 4) for i in range(9)]
-    cm = LinearCostModel({**KNOWN, "c_join_row": 3e-4, "c_leave_row": 1e-4, "s_pass": 2e-4,
-                          "i_step": 0.01, "i_gap": 0.02, "i_after": 0.003})
+    cm = LinearCostModel(
+        {
+            **KNOWN,
+            "c_join_row": 3e-4,
+            "c_leave_row": 1e-4,
+            "s_pass": 2e-4,
+            "i_step": 0.01,
+            "i_gap": 0.02,
+            "i_after": 0.003,
+        }
+    )
     for name in ("chunked-prefill", "mlx-default", "unified"):
         res = run(reqs, make_policy(name), cm, kv_capacity=10**6, backend=FixedBackend())
         assert len(res.shapes) == len(res.passes) and all(isinstance(s, PassShape) for s in res.shapes)
@@ -115,8 +127,14 @@ def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_predi
 # ---------------------------------------------------------------------------- the fit
 
 
-def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float = 0.02, seed: int = 0,
-                   slow: tuple[float, float] = (0.0, 1.0)):
+def synthetic_runs(
+    truth: dict,
+    n_runs: int = 4,
+    steps: int = 400,
+    noise: float = 0.02,
+    seed: int = 0,
+    slow: tuple[float, float] = (0.0, 1.0),
+):
     """Step logs shaped like real runs (decode batches with joins and leaves, prefill chunks,
     arrivals to an idle replica), timed by ``truth`` (a linear model: planted terms included)
     with relative noise; ``slow``: (share, factor): that share of the steps, drawn at random,
@@ -136,7 +154,9 @@ def synthetic_runs(truth: dict, n_runs: int = 4, steps: int = 400, noise: float 
                 shape = PassShape(prefill=((n, c),), prefill_done=(True,))
                 idle_s = rng.uniform(0.005, 2.0)
             elif u < 0.25:
-                shape = PassShape(prefill=((rng.randint(8, 512), rng.choice((0, 300))),), prefill_done=(rng.random() < .5,))
+                shape = PassShape(
+                    prefill=((rng.randint(8, 512), rng.choice((0, 300))),), prefill_done=(rng.random() < 0.5,)
+                )
             else:
                 b = rng.randint(1, 24)
                 ctx = tuple(rng.randint(40, 1200) for _ in range(b))
@@ -191,8 +211,13 @@ def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
     assert held["all"]["median_abs_pct"] < 2.5 and abs(held["all"]["total_pct"]) < 1.0
     assert held["after idle"]["median_abs_pct"] < 2.5 and held["join/leave"]["median_abs_pct"] < 2.5
     # each planted term was kept because the held-out score dropped without it: the base fit is worse
-    base = [t for t in fit.report["tries"] if t["what"] == "base" and t["mode"] == fit.report["chosen"]["mode"]
-            and t["balance"] == fit.report["chosen"]["balance"]][0]
+    base = [
+        t
+        for t in fit.report["tries"]
+        if t["what"] == "base"
+        and t["mode"] == fit.report["chosen"]["mode"]
+        and t["balance"] == fit.report["chosen"]["balance"]
+    ][0]
     assert base["score"] > fit.report["score"] + 1.0
     assert base["groups"]["after idle"] > 3 * held["after idle"]["median_abs_pct"]
     # the wake-up latency is measured, not fitted
@@ -221,7 +246,7 @@ def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_s
     # a fifth of the steps take 1.5x: every shape's mean is 1.1x the truth, its median 1.0x
     runs = synthetic_runs(KNOWN, noise=0.02, seed=7, slow=(0.2, 1.5))
     cols = _concat(runs)
-    planted = (cols["measured_s"].sum() / predict(KNOWN, cols).sum())
+    planted = cols["measured_s"].sum() / predict(KNOWN, cols).sum()
     assert 1.07 < planted < 1.13  # the skew is there
     fit = fit_runs(runs)
     assert fit.report["chosen"]["weigh_by"] == "prediction"
@@ -280,8 +305,9 @@ def recorded(tmp_path_factory):
     dirs, outs = [], []
     for pol in ("unified", "chunked-prefill"):
         d = root / pol
-        proc = cli("run-real", "--policy", pol, "--trace", "real-smoke", "--model", "micro", "--no-calibrate",
-                   "--out", str(d))
+        proc = cli(
+            "run-real", "--policy", pol, "--trace", "real-smoke", "--model", "micro", "--no-calibrate", "--out", str(d)
+        )
         assert proc.returncode == 0, proc.stderr
         dirs.append(d)
         outs.append(proc.stdout)
@@ -327,13 +353,27 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(re
     err = np.abs(pred - meas) / meas * 100
     assert np.median(err) == pytest.approx(rep["fit"]["all"]["median_abs_pct"], rel=1e-6)
     assert "step_jitter" not in prof and "step_spread" not in rep  # the simulator predicts the mean only
-    assert 100 * (pred.sum() - meas.sum()) / meas.sum() == pytest.approx(rep["fit"]["all"]["total_pct"], rel=1e-6, abs=1e-9)
+    assert 100 * (pred.sum() - meas.sum()) / meas.sum() == pytest.approx(
+        rep["fit"]["all"]["total_pct"], rel=1e-6, abs=1e-9
+    )
     # a directory tree is searched, not required flat: the runs' parent gives both runs
     assert sorted(r.path for r in load_runs([dirs[0].parent])) == sorted(dirs)
     # a real run with the new profile predicts every step as the fit did (one formula)
     d = tmp_path / "check"
-    proc = cli("run-real", "--policy", "unified", "--trace", "real-smoke", "--model", "micro", "--profile", str(out),
-               "--out", str(d), "-q")
+    proc = cli(
+        "run-real",
+        "--policy",
+        "unified",
+        "--trace",
+        "real-smoke",
+        "--model",
+        "micro",
+        "--profile",
+        str(out),
+        "--out",
+        str(d),
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     t = read_features(d)
     assert np.allclose(predict(coef, t), t["predicted_s"], rtol=1e-9, atol=1e-12)
@@ -402,11 +442,17 @@ def test_mlx_cache_keeps_freed_buffers_for_reuse_and_is_restored():
         "    a = mx.ones((16 << 20,), dtype=mx.float32); mx.eval(a); del a\n"
         "    kept = mx.get_cache_memory()\n"
         "after = mx.set_cache_limit(before)\n"
-        "print(kept, before, after)\n")
+        "print(kept, before, after)\n"
+    )
     got = {}
     for spec in ("", "mlx-cache=1g"):
-        r = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[1], timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-c", code, spec],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         got[spec] = [int(x) for x in r.stdout.split()[-3:]]
     assert got[""][0] < 64 << 20 <= got["mlx-cache=1g"][0], got
@@ -423,11 +469,18 @@ def test_malloc_keep_keeps_freed_memory_in_the_process():
         "def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "with Noise.parse(sys.argv[1]).active():\n"
         "    b = bytearray(16 << 20); del b\n"
-        "    f0 = faults(); b = bytearray(16 << 20); print(faults() - f0)\n")
+        "    f0 = faults(); b = bytearray(16 << 20); print(faults() - f0)\n"
+    )
     pages = (16 << 20) // 4096
     got = {}
     for spec in ("", "malloc-keep"):
-        r = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-c", code, spec],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         got[spec] = int(r.stdout.split()[-1])
     assert got[""] > pages // 2, got  # the measurement sees the faults a fresh block takes
@@ -452,14 +505,24 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
     reals, speeds = [], []
     for f in planted:
         machine = LinearCostModel(dict(cost.coefficients), meta=cost.meta)  # not the policy's object: a measured run
-        res = run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap,
-                  backend=SimBackend(machine, time_scale=f), trace_name=tr.name)
+        res = run(
+            tr.requests,
+            make_policy("chunked-prefill"),
+            cost,
+            kv_capacity=cap,
+            backend=SimBackend(machine, time_scale=f),
+            trace_name=tr.name,
+        )
         assert res.error is None
         reals.append(summarize(res))
         speeds.append(run_speed(step_table(res)))
     assert speeds == pytest.approx(planted, rel=1e-3)
-    plain = compare(summarize(run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap,
-                                  trace_name=tr.name)), reals[:1], policy="chunked-prefill", trace=tr.name)
+    plain = compare(
+        summarize(run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap, trace_name=tr.name)),
+        reals[:1],
+        policy="chunked-prefill",
+        trace=tr.name,
+    )
     assert plain["metrics"]["itl_ms.p50"]["error_pct"] == pytest.approx(-20.0, abs=2.0)  # 1/1.25
     m = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, speeds)
     assert m["speeds"] == pytest.approx(planted, rel=1e-3)

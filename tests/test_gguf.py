@@ -45,8 +45,10 @@ from schedlab.traces.schema import Request, Trace
 
 BIN = Path(sys.executable).parent
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -157,13 +159,18 @@ def write_llama_gguf(info, path: Path, *, arch: str = "llama", tokenizer: bool =
                 a = _permute(a, cfg["num_key_value_heads"])
             gname = f"blk.{i}.{back[part]}.{leaf}"
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         tensors[gname] = mx.array(a)
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
     meta = {
-        "general.architecture": arch, "general.name": "micro (test)",
-        f"{arch}.block_count": u32(cfg["num_hidden_layers"]), f"{arch}.embedding_length": u32(cfg["hidden_size"]),
+        "general.architecture": arch,
+        "general.name": "micro (test)",
+        f"{arch}.block_count": u32(cfg["num_hidden_layers"]),
+        f"{arch}.embedding_length": u32(cfg["hidden_size"]),
         f"{arch}.feed_forward_length": u32(cfg["intermediate_size"]),
         f"{arch}.attention.head_count": u32(cfg["num_attention_heads"]),
         f"{arch}.attention.head_count_kv": u32(cfg["num_key_value_heads"]),
@@ -174,12 +181,19 @@ def write_llama_gguf(info, path: Path, *, arch: str = "llama", tokenizer: bool =
     }
     if tokenizer:
         tokens, types, merges = small_vocab(cfg["vocab_size"])
-        meta.update({
-            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32), "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.bos_token_id": u32(1), "tokenizer.ggml.eos_token_id": u32(2),
-            "tokenizer.ggml.add_bos_token": mx.array(False), "tokenizer.chat_template": CHATML,
-        })
+        meta.update(
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "default",
+                "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+                "tokenizer.ggml.merges": merges,
+                "tokenizer.ggml.bos_token_id": u32(1),
+                "tokenizer.ggml.eos_token_id": u32(2),
+                "tokenizer.ggml.add_bos_token": mx.array(False),
+                "tokenizer.chat_template": CHATML,
+            }
+        )
     mx.save_gguf(str(path), tensors, meta)
     return path
 
@@ -214,12 +228,18 @@ def test_llama_gguf_loads_as_the_model_it_was_written_from(micro, micro_gguf):
     finally:
         info.model.model.layers[0].self_attn.rope.traditional = True
     half = load_model(str(micro_gguf), dtype="bfloat16")
-    assert half.model.model.layers[1].mlp.down_proj.weight.dtype == mx.bfloat16 and half.metadata()["dtype"] == "bfloat16"
-    assert load_model(str(micro_gguf), dtype="auto").dtype == ("float32" if mx.default_device() == mx.cpu else "quantized")
+    assert (
+        half.model.model.layers[1].mlp.down_proj.weight.dtype == mx.bfloat16 and half.metadata()["dtype"] == "bfloat16"
+    )
+    assert load_model(str(micro_gguf), dtype="auto").dtype == (
+        "float32" if mx.default_device() == mx.cpu else "quantized"
+    )
     meta = info.metadata()
     src = meta["source"]
     assert src["format"] == "gguf" and src["file"] == str(micro_gguf) and src["size_bytes"] == micro_gguf.stat().st_size
-    assert re.fullmatch(r"[0-9a-f]{64}", src["sha256"]) and src["tensor_types"] == {"F32": len(gguf.read_header(micro_gguf).tensors)}
+    assert re.fullmatch(r"[0-9a-f]{64}", src["sha256"]) and src["tensor_types"] == {
+        "F32": len(gguf.read_header(micro_gguf).tensors)
+    }
     assert meta["dtype"] == "float32" and meta["eos_token_ids"] == [2] and meta["bos_token_id"] == 1
 
 
@@ -237,8 +257,11 @@ def test_untied_head_and_attention_biases(tmp_path):
     _init_random(model, 3)
     from mlx.utils import tree_flatten, tree_unflatten
 
-    biases = [(k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.5)
-              for i, (k, v) in enumerate(tree_flatten(model.parameters())) if k.endswith(".bias")]
+    biases = [
+        (k, mx.random.normal(v.shape, key=mx.random.key(i)) * 0.5)
+        for i, (k, v) in enumerate(tree_flatten(model.parameters()))
+        if k.endswith(".bias")
+    ]
     assert len(biases) == 4 * cfg["num_hidden_layers"]
     model.update(tree_unflatten(biases))
     original = SimpleNamespace(model=model, config=cfg, n_layers=cfg["num_hidden_layers"])
@@ -271,7 +294,12 @@ def test_micro_gguf_export_runs_in_mlx_lm_like_our_engine(micro_gguf, tmp_path):
     """Export, then mlx-lm's own load + generate reproduce the engine's greedy tokens and text."""
     info = load_model(str(micro_gguf))
     out = gguf.export_mlx(info, tmp_path / "ckpt")
-    assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     prompt = info.tokenizer.apply_chat_template(QUESTION, tokenize=True)
     ref_toks, ref_text = mlx_lm_greedy(out, prompt, 16)
     req = chat_request(info, "q", 16)
@@ -286,7 +314,10 @@ def test_micro_gguf_export_runs_in_mlx_lm_like_our_engine(micro_gguf, tmp_path):
     # a checkpoint's tokenizer is optional: none, or a broken one, still loads the model
     (out / "tokenizer.json").write_text("{not json")
     broken = load_model(str(out))
-    assert broken.tokenizer is None and "tokenizer.json could not be read" in broken.metadata()["source"]["tokenizer_error"]
+    assert (
+        broken.tokenizer is None
+        and "tokenizer.json could not be read" in broken.metadata()["source"]["tokenizer_error"]
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).unlink()
     assert load_model(str(out)).tokenizer is None
@@ -304,9 +335,14 @@ def test_malformed_gguf_files_are_one_line_errors(micro_gguf, tmp_path):
     trunc.write_bytes(micro_gguf.read_bytes()[:40_000])
     header_only = tmp_path / "header.gguf"
     header_only.write_bytes(micro_gguf.read_bytes()[:2_000])
-    cases = [(rnd, "is not a GGUF file"), (empty, "is not a GGUF file"), (trunc, "truncated"),
-             (header_only, "truncated"), (tmp_path / "missing.gguf", "model not found"),
-             (tmp_path, "no config.json")]
+    cases = [
+        (rnd, "is not a GGUF file"),
+        (empty, "is not a GGUF file"),
+        (trunc, "truncated"),
+        (header_only, "truncated"),
+        (tmp_path / "missing.gguf", "model not found"),
+        (tmp_path, "no config.json"),
+    ]
     for path, fragment in cases:
         with pytest.raises(EngineError, match=fragment) as err:
             load_model(str(path))
@@ -325,10 +361,10 @@ def test_unsupported_architecture_and_tensor_types(micro, tmp_path):
     raw = bytearray(path.read_bytes())
     name = b"blk.0.attn_q.weight"
     at = raw.index(struct_string(name)) + len(struct_string(name))
-    ndim = int.from_bytes(raw[at:at + 4], "little")
+    ndim = int.from_bytes(raw[at : at + 4], "little")
     type_at = at + 4 + 8 * ndim
-    assert int.from_bytes(raw[type_at:type_at + 4], "little") == 0  # F32
-    raw[type_at:type_at + 4] = (13).to_bytes(4, "little")  # Q5_K: smaller than the F32 data, fits the file
+    assert int.from_bytes(raw[type_at : type_at + 4], "little") == 0  # F32
+    raw[type_at : type_at + 4] = (13).to_bytes(4, "little")  # Q5_K: smaller than the F32 data, fits the file
     path.write_bytes(bytes(raw))
     with pytest.raises(EngineError, match="tensor blk.0.attn_q.weight has type Q5_K, which MLX cannot read") as err:
         load_model(str(path))
@@ -405,8 +441,19 @@ def test_export_cli_and_console_script(micro_gguf, tmp_path):
 @pytest.mark.slow
 def test_run_real_on_a_gguf_file_records_its_source(micro_gguf, tmp_path):
     out = tmp_path / "run"
-    proc = cli("run-real", "--policy", "unified", "--trace", "real-smoke", "--model", str(micro_gguf),
-               "--out", str(out), "-q", cwd=tmp_path)
+    proc = cli(
+        "run-real",
+        "--policy",
+        "unified",
+        "--trace",
+        "real-smoke",
+        "--model",
+        str(micro_gguf),
+        "--out",
+        str(out),
+        "-q",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["model_kind"] == "gguf" and meta["source"]["format"] == "gguf"
@@ -463,12 +510,19 @@ def test_smollm2_engine_equals_the_model_alone(smol):
     """(3) Every request's greedy tokens equal the model alone on its prompt, through padded
     multi-chunk prefills, joins and leaves (mlx-default) and mixed passes (unified)."""
     reqs = [Request("a", 0.0, 40, 6), Request("b", 0.0, 12, 5), Request("c", 0.01, 5, 4), Request("d", 0.02, 23, 3)]
-    refs = {r.id: reference_tokens(smol, prompt_ids(0, r.id, r.prompt_tokens, smol.vocab_size), r.output_tokens)
-            for r in reqs}
+    refs = {
+        r.id: reference_tokens(smol, prompt_ids(0, r.id, r.prompt_tokens, smol.vocab_size), r.output_tokens)
+        for r in reqs
+    }
     assert len({tuple(t) for t in refs.values()}) == len(reqs)
-    for name, opts in (("mlx-default", {"prefill_step_size": "16"}), ("prefer-prefill", {"prefill_step_size": "8"}),
-                       ("static", {"batch_size": "3"}), ("slots", {"n_slots": "2"}),
-                       ("chunked-prefill", {"budget": "16"}), ("unified", {"token_budget": "16", "max_batch": "3"})):
+    for name, opts in (
+        ("mlx-default", {"prefill_step_size": "16"}),
+        ("prefer-prefill", {"prefill_step_size": "8"}),
+        ("static", {"batch_size": "3"}),
+        ("slots", {"n_slots": "2"}),
+        ("chunked-prefill", {"budget": "16"}),
+        ("unified", {"token_budget": "16", "max_batch": "3"}),
+    ):
         got = engine_tokens(smol, reqs, make_policy(name, opts))
         for r in reqs:
             assert got[r.id] == refs[r.id], f"{name}: request {r.id} differs from the model alone"
@@ -483,8 +537,21 @@ def test_run_real_on_sonnet_prompts_writes_the_generated_text(tmp_path):
     rows = {}
     for flag in ([], ["--ignore-eos"]):
         out = tmp_path / ("eos" if not flag else "ignore")
-        proc = cli("run-real", "--policy", "unified", "--model", "smollm2-135m", "--trace", spec, "--out", str(out),
-                   "--no-calibrate", "-q", *flag, cwd=tmp_path)
+        proc = cli(
+            "run-real",
+            "--policy",
+            "unified",
+            "--model",
+            "smollm2-135m",
+            "--trace",
+            spec,
+            "--out",
+            str(out),
+            "--no-calibrate",
+            "-q",
+            *flag,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr
         rows[bool(flag)] = [json.loads(line) for line in (out / "texts.jsonl").read_text().splitlines()]
         reqs = {r["id"]: r for r in csv.DictReader(open(out / "requests.csv"))}
@@ -514,12 +581,17 @@ def test_smollm2_quantized_export_round_trip(tmp_path):
     assert q.n_params == 134_515_008  # unpacked: the same count as the float32 model
     out = gguf.export_mlx(q, tmp_path / "smollm2-q")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["model.embed_tokens"] == {
+        "group_size": 32,
+        "bits": 8,
+    }
     back = load_model(str(out), dtype="quantized")
     mine, theirs = dict(tree_flatten(q.model.parameters())), dict(tree_flatten(back.model.parameters()))
     assert mine.keys() == theirs.keys()
     assert all(mx.array_equal(mine[k], theirs[k]).item() for k in mine)
-    assert back.tokenizer.encode("What is the capital of France?") == q.tokenizer.encode("What is the capital of France?")
+    assert back.tokenizer.encode("What is the capital of France?") == q.tokenizer.encode(
+        "What is the capital of France?"
+    )
     assert back.chat_template == q.chat_template and back.eos_token_ids == q.eos_token_ids
     prompt = q.tokenizer.encode("The capital of France is")  # short: quantized matmuls are slow on CPU
     ref_toks, _ = mlx_lm_greedy(out, prompt, 3)
@@ -536,21 +608,43 @@ def test_sentencepiece_gguf_tokenizer_matches_sentencepiece():
 
     corpus = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
     proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=proto, vocab_size=400,
-                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2,
-                                   # Llama's settings: no normalization, whitespace kept
-                                   normalization_rule_name="identity", remove_extra_whitespaces=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_writer=proto,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
+        # Llama's settings: no normalization, whitespace kept
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+    )
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     n = sp.get_piece_size()
-    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1
-             for i in range(n)]
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
-            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)], "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    types = [
+        2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1
+        for i in range(n)
+    ]
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
     tok = TextTokenizer.from_gguf(meta, source="test")
     assert tok.add_bos_token and tok.eos_token_ids == [2]
-    texts = ["Hello world", "the scheduler runs the policy, unchanged", "prefill 2048 tokens: 3.14 s",
-             "Ünïcödé — ✓ 日本", "  two  spaces\nand a line", "mlx-default"]
+    texts = [
+        "Hello world",
+        "the scheduler runs the policy, unchanged",
+        "prefill 2048 tokens: 3.14 s",
+        "Ünïcödé — ✓ 日本",
+        "  two  spaces\nand a line",
+        "mlx-default",
+    ]
     for text in texts:
         want = sp.encode(text)
         assert tok.encode(text, add_special_tokens=False) == want, text

@@ -73,16 +73,31 @@ def test_fixed_seconds_give_every_timestamp():
     assert by["B"].token_times == [2.0, 2.25]
     assert by["C"].token_times == [11.0]
     assert [(r.admitted_s, r.first_token_s, r.finish_s) for r in res.requests] == [
-        (0.0, 1.0, 2.25), (1.0, 2.0, 2.25), (10.0, 11.0, 11.0)]
+        (0.0, 1.0, 2.25),
+        (1.0, 2.0, 2.25),
+        (10.0, 11.0, 11.0),
+    ]
     assert [(s.index, s.start_s, s.end_s, s.measured_s) for s in res.steps] == [
-        (0, 0.0, 1.0, 1.0), (1, 1.0, 2.0, 1.0), (2, 2.0, 2.25, 0.25), (3, 10.0, 11.0, 1.0)]
+        (0, 0.0, 1.0, 1.0),
+        (1, 1.0, 2.0, 1.0),
+        (2, 2.0, 2.25, 0.25),
+        (3, 10.0, 11.0, 1.0),
+    ]
     # the cost model's prediction is logged beside every measured step
     cm = cost()
     assert [round(s.predicted_s, 9) for s in res.steps] == [
-        round(0.0005 + 0.002, 9), round(0.0005 + 0.001 + 0.002, 9), round(0.0005 + 0.001, 9), round(0.0005 + 0.002, 9)]
+        round(0.0005 + 0.002, 9),
+        round(0.0005 + 0.001 + 0.002, 9),
+        round(0.0005 + 0.001, 9),
+        round(0.0005 + 0.002, 9),
+    ]
     assert cm.step_overhead_seconds(1, 1) == 0.0005
     assert [(st, k, t0, t1) for st, k, t0, t1, _ in res.passes] == [
-        (0, 0, 0.0, 1.0), (1, 0, 1.0, 2.0), (2, 0, 2.0, 2.25), (3, 0, 10.0, 11.0)]
+        (0, 0, 0.0, 1.0),
+        (1, 0, 1.0, 2.0),
+        (2, 0, 2.0, 2.25),
+        (3, 0, 10.0, 11.0),
+    ]
 
 
 def test_the_sim_backend_is_the_same_loop_with_predicted_seconds():
@@ -137,8 +152,14 @@ def test_an_arrival_source_feeds_the_same_loop():
 def test_a_backend_can_end_a_request_at_eos_and_the_kv_is_returned():
     reqs = [Request("A", 0.0, 10, 5), Request("B", 0.0, 6, 4)]
     seen = []
-    res = run(reqs, make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend({"A": 2}),
-              on_step=lambda st: seen.append((st.kv_used, st.kv_reserved)))
+    res = run(
+        reqs,
+        make_policy("unified"),
+        cost(),
+        kv_capacity=1000,
+        backend=FixedBackend({"A": 2}),
+        on_step=lambda st: seen.append((st.kv_used, st.kv_reserved)),
+    )
     by = {r.id: r for r in res.requests}
     assert by["A"].output_tokens == 2 and len(by["A"].token_times) == 2
     assert by["B"].output_tokens == 4 and len(by["B"].token_times) == 4
@@ -322,7 +343,7 @@ def test_the_loop_charges_the_terms_a_cost_model_declares_and_a_plain_object_has
         assert res.steps[w].start_s == 10.25  # the wake's own seconds come before its step
         assert took[w] == pytest.approx(plain_took[w] + 0.5)  # and its step pays the extra
         assert took[w + 1] == pytest.approx(plain_took[w + 1] + after)
-        assert took[w + 2:] == pytest.approx(plain_took[w + 2:]) and took[:w] == plain_took[:w]
+        assert took[w + 2 :] == pytest.approx(plain_took[w + 2 :]) and took[:w] == plain_took[:w]
     with pytest.raises(TypeError, match="pass_seconds"):
         as_cost_model(object())
 

@@ -27,9 +27,15 @@ KERNEL = "schedlab-test-python"
 def _kernel_manager(tmp: Path) -> KernelManager:
     spec_dir = tmp / "kernels" / KERNEL
     spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "schedlab test kernel", "language": "python"}))
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "schedlab test kernel",
+                "language": "python",
+            }
+        )
+    )
     ksm = KernelSpecManager(kernel_dirs=[str(tmp / "kernels")])
     return KernelManager(kernel_name=KERNEL, kernel_spec_manager=ksm)
 
@@ -45,8 +51,11 @@ def test_committed_without_outputs(name):
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code, "a notebook with no code"
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    dirty = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)
+    ]
     assert not dirty, f"cells {dirty} have outputs or an execution count: clear them before committing"
 
 
@@ -58,21 +67,37 @@ def test_runs_top_to_bottom(name, tmp_path):
     nb.cells.insert(0, nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
     work = tmp_path / "work"
     work.mkdir()
-    client = NotebookClient(nb, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
-                            resources={"metadata": {"path": str(work)}})
+    client = NotebookClient(
+        nb, km=_kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(work)}}
+    )
     client.execute()  # raises CellExecutionError on the first failing cell
 
     probe = "".join(o.get("text", "") for o in nb.cells[0].outputs if o.output_type == "stream")
     assert probe.strip() == sys.executable
 
-    errors = [(i, o.get("ename")) for i, c in enumerate(nb.cells) if c.cell_type == "code"
-              for o in c.outputs if o.output_type == "error"]
+    errors = [
+        (i, o.get("ename"))
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type == "error"
+    ]
     assert not errors
     unrun = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.execution_count is None]
     assert not unrun, f"cells {unrun} did not run"
-    images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                 if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {}))
+    images = sum(
+        1
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+    )
     assert images >= 2, f"{name}: expected its figures inline, got {images} image(s)"
-    tracebacks = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" for o in c.outputs
-                  if o.output_type == "stream" and o.name == "stderr" and "Traceback" in o.text]
+    tracebacks = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.output_type == "stream" and o.name == "stderr" and "Traceback" in o.text
+    ]
     assert not tracebacks, f"cells {tracebacks} printed a traceback on stderr"

@@ -29,7 +29,8 @@ def test_tables_hold_every_logged_row_in_order(policy):
 
     tok = tokens_table(res).to_pydict()
     assert list(zip(tok["request_id"], tok["token_index"], tok["time_s"])) == [
-        (r.id, i, t) for r in res.requests for i, t in enumerate(r.token_times)]
+        (r.id, i, t) for r in res.requests for i, t in enumerate(r.token_times)
+    ]
 
     st = steps_table(res.steps).to_pydict()
     assert [tuple(st[c][i] for c in st) for i in range(len(res.steps))] == [tuple(s) for s in res.steps]
@@ -44,7 +45,13 @@ def test_token_index_restarts_at_every_request_with_tokens_whatever_lies_between
     reqs = [SimpleNamespace(id=f"r{i}", token_times=t) for i, t in enumerate(times)]
     tok = tokens_table(SimpleNamespace(requests=reqs)).to_pydict()
     assert list(zip(tok["request_id"], tok["token_index"], tok["time_s"])) == [
-        ("r1", 0, 1.0), ("r1", 1, 2.0), ("r1", 2, 3.0), ("r4", 0, 4.0), ("r5", 0, 5.0), ("r5", 1, 6.0)]
+        ("r1", 0, 1.0),
+        ("r1", 1, 2.0),
+        ("r1", 2, 3.0),
+        ("r4", 0, 4.0),
+        ("r5", 0, 5.0),
+        ("r5", 1, 6.0),
+    ]
     empty = tokens_table(SimpleNamespace(requests=reqs[:1])).to_pydict()
     assert empty["token_index"] == [] and empty["time_s"] == []
 
@@ -66,10 +73,17 @@ def test_step_log_runs_read_the_same_as_arrays_and_as_records():
     log.add_run(8, 8.0, [9.0], [1.0], 1, 0)  # last
     assert len(log) == 9
     arrays = log.arrays()
-    expected = [(0, 0.0, 1.0, 1.0, None, 4, 0, 1, 14), (1, 1.0, 2.0, 1.0, None, 4, 0, 1, 18),
-                plain(2, 2.0), (3, 2.5, 3.0, 0.5, None, 5, 0, 1, 25),
-                (4, 3.0, 4.5, 1.5, None, 5, 0, 1, 30), (5, 4.5, 6.0, 1.5, None, 5, 0, 1, 35),
-                (6, 6.0, 7.5, 1.5, None, 5, 0, 1, 40), plain(7, 7.5), (8, 8.0, 9.0, 1.0, None, 1, 0, 1, 1)]
+    expected = [
+        (0, 0.0, 1.0, 1.0, None, 4, 0, 1, 14),
+        (1, 1.0, 2.0, 1.0, None, 4, 0, 1, 18),
+        plain(2, 2.0),
+        (3, 2.5, 3.0, 0.5, None, 5, 0, 1, 25),
+        (4, 3.0, 4.5, 1.5, None, 5, 0, 1, 30),
+        (5, 4.5, 6.0, 1.5, None, 5, 0, 1, 35),
+        (6, 6.0, 7.5, 1.5, None, 5, 0, 1, 40),
+        plain(7, 7.5),
+        (8, 8.0, 9.0, 1.0, None, 1, 0, 1, 1),
+    ]
     assert [tuple(c[i] if isinstance(c, list) else c[i].item() for c in arrays) for i in range(9)] == expected
     assert [tuple(s) for s in log] == expected and len(log) == 9  # the records, the blocks put in
     assert [tuple(c[i] if isinstance(c, list) else c[i].item() for c in log.arrays()) for i in range(9)] == expected

@@ -27,16 +27,34 @@ from schedlab.analysis import plots
 from simkit import read_table
 from schedlab.traces.schema import Request
 
-COEFFS = {"d_pass": 0.02, "d_rows": 0.001, "d_kv": 1e-6, "p_pass": 0.01, "p_tokens": 2e-4,
-          "p_attn": 1e-8, "s_step": 0.001}
+COEFFS = {
+    "d_pass": 0.02,
+    "d_rows": 0.001,
+    "d_kv": 1e-6,
+    "p_pass": 0.01,
+    "p_tokens": 2e-4,
+    "p_attn": 1e-8,
+    "s_step": 0.001,
+}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make_requests():
     # a burst, a lull, a second burst; one request with a single output token (no decode rate)
-    spec = [(0.0, 300, 40), (0.05, 120, 25), (0.1, 600, 30), (0.12, 50, 1), (0.4, 200, 20),
-            (1.5, 80, 35), (1.52, 400, 15), (1.55, 90, 28), (1.6, 700, 10), (2.4, 60, 22),
-            (2.45, 150, 18), (3.0, 30, 12)]
+    spec = [
+        (0.0, 300, 40),
+        (0.05, 120, 25),
+        (0.1, 600, 30),
+        (0.12, 50, 1),
+        (0.4, 200, 20),
+        (1.5, 80, 35),
+        (1.52, 400, 15),
+        (1.55, 90, 28),
+        (1.6, 700, 10),
+        (2.4, 60, 22),
+        (2.45, 150, 18),
+        (3.0, 30, 12),
+    ]
     return [Request(f"q{i}", a, p, o) for i, (a, p, o) in enumerate(spec)]
 
 
@@ -66,8 +84,9 @@ def _ttft_ms(result):
 
 
 def _itl_ms(result):
-    return sorted(float(g) * 1e3 for r in result.requests if r.finish_s is not None
-                  for g in np.diff(np.asarray(r.token_times)))
+    return sorted(
+        float(g) * 1e3 for r in result.requests if r.finish_s is not None for g in np.diff(np.asarray(r.token_times))
+    )
 
 
 # ---------------------------------------------------------------- CDFs
@@ -113,6 +132,7 @@ def test_a_summary_computed_while_the_tables_are_written_is_the_same(tmp_path):
     """write_run takes the summary as a function, asked once while the tables are written in
     the background: on a run that stopped with rows still in the batch (their token times
     not yet copied out), the files equal those written from a summary made beforehand."""
+
     def stopped():
         return run(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
 
@@ -130,7 +150,9 @@ def test_a_summary_computed_while_the_tables_are_written_is_the_same(tmp_path):
     for name in ("summary.json", "requests.csv"):
         assert (tmp_path / "lazy" / name).read_bytes() == (tmp_path / "eager" / name).read_bytes(), name
     for name in ("tokens.parquet", "steps.parquet", "passes.parquet"):
-        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "lazy" / name), pd.read_parquet(tmp_path / "eager" / name))
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(tmp_path / "lazy" / name), pd.read_parquet(tmp_path / "eager" / name)
+        )
 
 
 def test_cdfs_of_a_run_that_stopped_early_leave_out_unfinished_requests(tmp_path):
@@ -167,8 +189,9 @@ def test_decode_rate_bars_are_the_requests_rates_sorted_with_the_summary_median(
     d = plots.plot_decode_rates(loaded, tmp_path, formats=("png",))
     for (path, result), run_data in zip(runs.values(), loaded):
         bars = d["runs"][run_data.label]
-        rates = {r.id: (r.output_tokens - 1) / (r.finish_s - r.first_token_s)
-                 for r in result.requests if r.output_tokens > 1}
+        rates = {
+            r.id: (r.output_tokens - 1) / (r.finish_s - r.first_token_s) for r in result.requests if r.output_tokens > 1
+        }
         heights = np.asarray(bars["heights"])
         assert np.all(np.diff(heights) >= 0)  # ascending
         assert sorted(bars["ids"]) == sorted(rates)  # the one-token request has no bar
@@ -207,7 +230,7 @@ def test_timeline_from_tokens_ends_each_segment_at_its_token(runs, tmp_path):
         assert [k for _, k, _, _ in mine] == ["first"] + ["decode"] * (q.output_tokens - 1)
         assert [e for _, _, _, e in mine] == pytest.approx(q.token_times, rel=1e-12)
         for _, _, start, end in mine:  # inside the step that produced the token
-            (s0, s1), = [(a, b) for a, b in steps if a < end <= b]
+            ((s0, s1),) = [(a, b) for a, b in steps if a < end <= b]
             assert s0 <= start < end <= s1
 
 
@@ -226,8 +249,9 @@ def test_timeline_single_pass_steps_span_the_step(runs, tmp_path):
 def test_timeline_window_selects_requests_alive_in_it(runs, tmp_path):
     path, result = runs["cp"]
     d = plots.plot_timeline(plots.load_run(path), tmp_path, "tl", window=(1.5, 1.7), formats=("png",))
-    alive = [q.id for q in sorted(result.requests, key=lambda q: q.arrival_s)
-             if q.arrival_s <= 1.7 and q.finish_s >= 1.5]
+    alive = [
+        q.id for q in sorted(result.requests, key=lambda q: q.arrival_s) if q.arrival_s <= 1.7 and q.finish_s >= 1.5
+    ]
     assert d["lanes"] == alive and d["x_range"] == (1.5, 1.7)
     assert set(d["lanes"]) >= {"q5", "q6"} and "q0" not in d["lanes"]
 
@@ -240,13 +264,16 @@ def test_timeline_uses_passes_when_present(runs, tmp_path):
     ends = {(r["request_id"], float(r["end_s"])) for r in rows}
     for q in result.requests:
         assert all((q.id, t) in ends for t in q.token_times)
-        assert sum(int(r["tokens"]) for r in rows if r["request_id"] == q.id and r["kind"] == "prefill") == q.prompt_tokens
+        assert (
+            sum(int(r["tokens"]) for r in rows if r["request_id"] == q.id and r["kind"] == "prefill") == q.prompt_tokens
+        )
     d = plots.plot_timeline(plots.load_run(path), tmp_path, "tl", lanes=4, formats=("png",))
     assert d["source"] == "passes"
     lanes = set(d["lanes"])
     assert lanes == {q.id for q in sorted(result.requests, key=lambda q: q.arrival_s)[:4]}
-    want = sorted((r["request_id"], r["kind"], float(r["start_s"]), float(r["end_s"]))
-                  for r in rows if r["request_id"] in lanes)
+    want = sorted(
+        (r["request_id"], r["kind"], float(r["start_s"]), float(r["end_s"])) for r in rows if r["request_id"] in lanes
+    )
     assert sorted(d["segments"]) == want
 
 
@@ -298,13 +325,13 @@ class SleepBackend:
 def validation_dir(tmp_path_factory):
     base = tmp_path_factory.mktemp("val") / "v1"
     reqs = [Request(f"v{i}", 0.01 * i, p, o) for i, (p, o) in enumerate([(40, 4), (90, 3), (20, 5), (60, 2)])]
-    predict = LinearCostModel({"d_pass": 0.002, "d_rows": 0.0002, "p_pass": 0.002, "p_tokens": 2e-5,
-                               "s_step": 0.0002})
+    predict = LinearCostModel({"d_pass": 0.002, "d_rows": 0.0002, "p_pass": 0.002, "p_tokens": 2e-5, "s_step": 0.0002})
     truth = LinearCostModel({"d_pass": 0.003, "p_pass": 0.001, "p_tokens": 4e-5})
     sim_res = run(reqs, make_policy("chunked-prefill", {"budget": 64}), predict, kv_capacity=10_000)
     write_run(base / "sim", sim_res, summarize(sim_res))
-    real_res = run(reqs, make_policy("chunked-prefill", {"budget": 64}), predict, kv_capacity=10_000,
-                   backend=SleepBackend(truth))
+    real_res = run(
+        reqs, make_policy("chunked-prefill", {"budget": 64}), predict, kv_capacity=10_000, backend=SleepBackend(truth)
+    )
     write_run(base / "real", real_res, summarize(real_res))
     (base / "validation.json").write_text(json.dumps({"policy": "chunked-prefill"}))
     return base, sim_res, real_res
@@ -348,8 +375,9 @@ def test_validation_dir_needs_measured_steps(validation_dir, tmp_path):
 
 def cli(*args, cwd=None):
     code = "import sys; from schedlab.commands.plot import main; sys.argv[0] = 'plot'; main()"
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -360,8 +388,16 @@ def test_cli_writes_every_figure_in_both_formats(runs, validation_dir, tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""
     names = {f.name for f in out.iterdir()}
-    stems = {"ttft_cdf", "itl_cdf", "decode_rate", "timeline_prefer-prefill-sim", "timeline_chunked-prefill-sim",
-             "timeline_chunked-prefill-real", "validate_v1_cdfs", "validate_v1_step_time"}
+    stems = {
+        "ttft_cdf",
+        "itl_cdf",
+        "decode_rate",
+        "timeline_prefer-prefill-sim",
+        "timeline_chunked-prefill-sim",
+        "timeline_chunked-prefill-real",
+        "validate_v1_cdfs",
+        "validate_v1_step_time",
+    }
     assert names == {f"{s}.{ext}" for s in stems for ext in ("png", "svg")}
     assert sorted(p.stdout.split()) == sorted(str(out / n) for n in names)
     for n in names:
@@ -392,17 +428,20 @@ def _break(tmp_path, runs, name, fn):
     return d
 
 
-@pytest.mark.parametrize("case, expect", [
-    ("missing", "no such directory"),
-    ("file", "is not a run directory"),
-    ("no_tokens", "missing tokens.parquet"),
-    ("bad_json", "summary.json: invalid JSON"),
-    ("bad_number", "column time_s has a non-numeric value"),
-    ("binary", "requests.csv"),
-    ("no_column", "missing column(s) end_s"),
-    ("window", "--window must be START:END"),
-    ("format", "--format must be png, svg"),
-])
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("missing", "no such directory"),
+        ("file", "is not a run directory"),
+        ("no_tokens", "missing tokens.parquet"),
+        ("bad_json", "summary.json: invalid JSON"),
+        ("bad_number", "column time_s has a non-numeric value"),
+        ("binary", "requests.csv"),
+        ("no_column", "missing column(s) end_s"),
+        ("window", "--window must be START:END"),
+        ("format", "--format must be png, svg"),
+    ],
+)
 def test_cli_bad_input_is_one_line(runs, tmp_path, case, expect):
     args = []
     if case == "missing":
@@ -416,12 +455,29 @@ def test_cli_bad_input_is_one_line(runs, tmp_path, case, expect):
     elif case == "bad_json":
         args = [_break(tmp_path, runs, case, lambda d: (d / "summary.json").write_text('{"policy": '))]
     elif case == "bad_number":
-        args = [_break(tmp_path, runs, case, lambda d: pd.DataFrame(
-            {"request_id": ["q0"], "token_index": [0], "time_s": ["soon"]}).to_parquet(d / "tokens.parquet"))]
+        args = [
+            _break(
+                tmp_path,
+                runs,
+                case,
+                lambda d: pd.DataFrame({"request_id": ["q0"], "token_index": [0], "time_s": ["soon"]}).to_parquet(
+                    d / "tokens.parquet"
+                ),
+            )
+        ]
     elif case == "binary":
-        args = [_break(tmp_path, runs, case, lambda d: (d / "requests.csv").write_bytes(b"\xff\xfe\x00garbage\x00" * 50))]
+        args = [
+            _break(tmp_path, runs, case, lambda d: (d / "requests.csv").write_bytes(b"\xff\xfe\x00garbage\x00" * 50))
+        ]
     elif case == "no_column":
-        args = [_break(tmp_path, runs, case, lambda d: pd.DataFrame({"step": [0], "start_s": [0.0]}).to_parquet(d / "steps.parquet"))]
+        args = [
+            _break(
+                tmp_path,
+                runs,
+                case,
+                lambda d: pd.DataFrame({"step": [0], "start_s": [0.0]}).to_parquet(d / "steps.parquet"),
+            )
+        ]
     elif case == "window":
         args = [runs["pp"][0], "--window", "3-4"]
     elif case == "format":

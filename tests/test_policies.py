@@ -199,13 +199,16 @@ def test_every_policy_is_registered_and_has_options():
         assert set(pol.options()) == set(cls.option_names())
 
 
-@pytest.mark.parametrize("name,opts,msg", [
-    ("static", {"nope": "1"}, "has no option 'nope'"),
-    ("static", {"batch_size": "x"}, "not a valid int"),
-    ("static", {"batch_size": "0"}, "must be >= 1"),
-    ("static", {"padded": "maybe"}, "not a valid bool"),
-    ("chunked-prefill", {"long_prefill_threshold": "-1"}, "long_prefill_threshold"),
-])
+@pytest.mark.parametrize(
+    "name,opts,msg",
+    [
+        ("static", {"nope": "1"}, "has no option 'nope'"),
+        ("static", {"batch_size": "x"}, "not a valid int"),
+        ("static", {"batch_size": "0"}, "must be >= 1"),
+        ("static", {"padded": "maybe"}, "not a valid bool"),
+        ("chunked-prefill", {"long_prefill_threshold": "-1"}, "long_prefill_threshold"),
+    ],
+)
 def test_bad_options(name, opts, msg):
     with pytest.raises(OptionError, match=msg):
         make_policy(name, opts)
@@ -222,7 +225,8 @@ def test_unknown_policy_and_user_policy_files(tmp_path):
         "    def __init__(self, k=1):\n"
         "        self.k = int(k)\n"
         "    def plan(self, view):\n"
-        "        return Plan()\n")
+        "        return Plan()\n"
+    )
     pol = make_policy(f"{f}:Greedy", {"k": "3"})
     assert pol.name == "greedy" and pol.k == 3
     with pytest.raises(PolicyNotFound, match="not a class"):

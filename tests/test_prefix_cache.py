@@ -87,8 +87,13 @@ def test_hits_are_whole_cached_blocks_and_never_the_last_token():
 
 def test_lru_eviction_of_free_cached_blocks_tail_first():
     # 8 blocks of 4 tokens
-    reqs = [R("a", 12, 1, prefix=(1,)), R("b", 12, 1, prefix=(2,)), R("c", 16, 1, prefix=(3,)),
-            R("a2", 12, 1, prefix=(1,)), R("b2", 12, 1, prefix=(2,))]
+    reqs = [
+        R("a", 12, 1, prefix=(1,)),
+        R("b", 12, 1, prefix=(2,)),
+        R("c", 16, 1, prefix=(3,)),
+        R("a2", 12, 1, prefix=(1,)),
+        R("b2", 12, 1, prefix=(2,)),
+    ]
     b = Cached(reqs, kv_capacity=32, block_size=4)
     b.serve("a")  # 3 blocks cached, freed tail first: LRU order a2', a1', a0'
     b.serve("b")
@@ -147,7 +152,10 @@ def test_every_policy_runs_with_prefix_caching_and_shared_prefixes_lower_ttft(po
     assert pc["hit_rate"] > 0.7 and pc["saved_prefill_tokens"] >= pc["prompt_tokens_hit"] > 0
     assert sum(r.cached_tokens for r in on.requests) == pc["prompt_tokens_hit"]
     assert s_on["ttft_ms"]["p50"] < 0.7 * s_off["ttft_ms"]["p50"]
-    assert sum(st.prefill_tokens for st in on.steps) == sum(st.prefill_tokens for st in off.steps) - pc["saved_prefill_tokens"]
+    assert (
+        sum(st.prefill_tokens for st in on.steps)
+        == sum(st.prefill_tokens for st in off.steps) - pc["saved_prefill_tokens"]
+    )
 
 
 @pytest.mark.slow

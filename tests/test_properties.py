@@ -29,17 +29,29 @@ from schedlab.traces.schema import Request
 pytestmark = pytest.mark.slow  # hypothesis draws hundreds of runs: ~2 minutes
 
 POLICY_OPTIONS = {
-    "mlx-default": {"completion_batch_size": st.integers(1, 6), "prefill_batch_size": st.integers(1, 4),
-                    "prefill_step_size": st.integers(1, 400)},
-    "prefer-prefill": {"completion_batch_size": st.integers(1, 6), "prefill_batch_size": st.integers(1, 4),
-                       "prefill_step_size": st.integers(1, 400)},
+    "mlx-default": {
+        "completion_batch_size": st.integers(1, 6),
+        "prefill_batch_size": st.integers(1, 4),
+        "prefill_step_size": st.integers(1, 400),
+    },
+    "prefer-prefill": {
+        "completion_batch_size": st.integers(1, 6),
+        "prefill_batch_size": st.integers(1, 4),
+        "prefill_step_size": st.integers(1, 400),
+    },
     "static": {"batch_size": st.integers(1, 5), "padded": st.booleans()},
     "slots": {"n_slots": st.integers(1, 5)},
-    "chunked-prefill": {"budget": st.integers(1, 600), "max_batch": st.integers(1, 6),
-                        "long_prefill_threshold": st.integers(0, 300)},
+    "chunked-prefill": {
+        "budget": st.integers(1, 600),
+        "max_batch": st.integers(1, 6),
+        "long_prefill_threshold": st.integers(0, 300),
+    },
     "unified": {"token_budget": st.integers(1, 600), "max_batch": st.integers(1, 6)},
-    "vllm": {"max_num_seqs": st.integers(1, 6), "max_num_batched_tokens": st.integers(1, 600),
-             "long_prefill_token_threshold": st.integers(0, 300)},
+    "vllm": {
+        "max_num_seqs": st.integers(1, 6),
+        "max_num_batched_tokens": st.integers(1, 600),
+        "long_prefill_token_threshold": st.integers(0, 300),
+    },
 }
 
 
@@ -112,9 +124,16 @@ def setups(draw, pressure=False):
 
 def go(d: Draw, on_step=None):
     arrivals = ClientSource(d.reqs, d.clients) if d.clients else d.reqs
-    return run(arrivals, make_policy(d.policy, d.options), cost_model(), kv_capacity=d.kv, block_size=d.block_size,
-               prefix_caching=d.prefix, token_keys=(lambda r: d.ids[r.id]) if d.token_keys else None,
-               on_step=on_step)
+    return run(
+        arrivals,
+        make_policy(d.policy, d.options),
+        cost_model(),
+        kv_capacity=d.kv,
+        block_size=d.block_size,
+        prefix_caching=d.prefix,
+        token_keys=(lambda r: d.ids[r.id]) if d.token_keys else None,
+        on_step=on_step,
+    )
 
 
 def check_state(state) -> None:
@@ -143,8 +162,15 @@ def check_state(state) -> None:
 
 
 def fingerprint(res):
-    return ([(r.id, r.arrival_s, tuple(r.token_times), r.preemptions, r.recomputed_tokens, r.cached_tokens)
-             for r in res.requests], list(res.steps), res.prefix_cache, [r.id for r, _ in res.rejected])
+    return (
+        [
+            (r.id, r.arrival_s, tuple(r.token_times), r.preemptions, r.recomputed_tokens, r.cached_tokens)
+            for r in res.requests
+        ],
+        list(res.steps),
+        res.prefix_cache,
+        [r.id for r, _ in res.rejected],
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -196,8 +222,10 @@ def check_run(d: Draw) -> None:
     if d.prefix:
         assert res.prefix_cache["cached_blocks_at_end"] * d.block_size <= cap
     if d.clients:
-        events = sorted([(r.arrival_s, 1) for r in res.requests if r.finish_s is not None]
-                        + [(r.finish_s, -1) for r in res.requests if r.finish_s is not None])
+        events = sorted(
+            [(r.arrival_s, 1) for r in res.requests if r.finish_s is not None]
+            + [(r.finish_s, -1) for r in res.requests if r.finish_s is not None]
+        )
         cur = peak = 0
         for _, e in events:
             cur += e

@@ -55,8 +55,12 @@ class Served:
 
     def __init__(self, args: list[str], out: Path):
         self.out = out
-        self.proc = subprocess.Popen([*command("serve"), *args, "--port", "0", "--out", str(out)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [*command("serve"), *args, "--port", "0", "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.stderr: list[str] = []
         self.url = None
         deadline = time.monotonic() + 180
@@ -73,8 +77,9 @@ class Served:
             self.proc.kill()
             raise AssertionError("serve did not start: " + "".join(self.stderr) + self.proc.stderr.read())
         # keep reading stderr so the process never blocks on a full pipe
-        self._reader = threading.Thread(target=lambda: self.stderr.extend(iter(self.proc.stderr.readline, "")),
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=lambda: self.stderr.extend(iter(self.proc.stderr.readline, "")), daemon=True
+        )
         self._reader.start()
 
     def client(self) -> openai.OpenAI:
@@ -101,16 +106,24 @@ def smol():
 
 @pytest.fixture(scope="module")
 def server(smol, tmp_path_factory):
-    s = Served(["--policy", "vllm", "--no-calibrate", "--kv-tokens", str(KV), "--max-tokens", "24"],
-               tmp_path_factory.mktemp("served"))
+    s = Served(
+        ["--policy", "vllm", "--no-calibrate", "--kv-tokens", str(KV), "--max-tokens", "24"],
+        tmp_path_factory.mktemp("served"),
+    )
     yield s
     s.stop()
 
 
 def expected(info, *, messages=None, prompt=None, max_tokens: int) -> tuple[str, int, str]:
     """(text, completion tokens, finish reason) of the model alone, greedy, stopping at EOS."""
-    req = Request("ref", 0.0, None, max_tokens, prompt=prompt,
-                  messages=None if messages is None else tuple((m["role"], m["content"]) for m in messages))
+    req = Request(
+        "ref",
+        0.0,
+        None,
+        max_tokens,
+        prompt=prompt,
+        messages=None if messages is None else tuple((m["role"], m["content"]) for m in messages),
+    )
     ids = traces.prompt_ids(req, info.tokenizer)
     toks = reference_tokens(info, ids, max_tokens)
     eos = set(info.eos_token_ids or ())
@@ -124,8 +137,14 @@ def chat(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
-             "What is 2 + 2?", "Say hello in Spanish.", "Why is the sky blue?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours.",
+    "Write a haiku about rain.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+    "Why is the sky blue?",
+]
 
 
 def test_answers_are_the_model_alones_greedy_text(server, smol):
@@ -134,8 +153,9 @@ def test_answers_are_the_model_alones_greedy_text(server, smol):
     text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=20)
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == reason and r.usage.completion_tokens == n
-    assert r.usage.prompt_tokens == len(traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)),
-                                                         smol.tokenizer))
+    assert r.usage.prompt_tokens == len(
+        traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)), smol.tokenizer)
+    )
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
     # plain completions, cut by max_tokens
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12)
@@ -149,20 +169,28 @@ def test_answers_are_the_model_alones_greedy_text(server, smol):
     # vLLM's ignore_eos (vllm bench serve --ignore-eos): past the EOS at token 8, to max_tokens
     text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=20)
     assert reason == "stop" and n < 20
-    r = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=20,
-                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1})
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=chat(QUESTIONS[0]),
+        max_tokens=20,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1},
+    )
     ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)), smol.tokenizer)
     eos = set(smol.eos_token_ids or ())
-    assert r.choices[0].message.content == smol.tokenizer.decode([t for t in reference_tokens(smol, ids, 20)
-                                                                  if t not in eos])
+    assert r.choices[0].message.content == smol.tokenizer.decode(
+        [t for t in reference_tokens(smol, ids, 20) if t not in eos]
+    )
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (20, "length")
 
 
 def test_streamed_deltas_add_up_to_the_whole_answer(server, smol):
     c = server.client()
     text, n, reason = expected(smol, messages=chat(QUESTIONS[2]), max_tokens=24)
-    chunks = list(c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[2]), max_tokens=24, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL, messages=chat(QUESTIONS[2]), max_tokens=24, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
     assert "".join(deltas) == text and sum(1 for d in deltas if d) > 3  # streamed, not in one piece
@@ -196,7 +224,7 @@ def test_stop_strings_end_the_answer_before_them(server, smol):
     ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", q),)), smol.tokenizer)
     toks = reference_tokens(smol, ids, n)
     eos = set(smol.eos_token_ids or ())
-    toks = toks[:next((k for k, t in enumerate(toks) if t in eos), n)]  # (what the server can say)
+    toks = toks[: next((k for k, t in enumerate(toks) if t in eos), n)]  # (what the server can say)
     full = smol.tokenizer.decode(toks)
     words = full.split()
     stop = " " + words[len(words) // 2]  # a word in the middle of the answer, with its space
@@ -206,9 +234,11 @@ def test_stop_strings_end_the_answer_before_them(server, smol):
     r = c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=n, stop=[stop, "never-said"])
     assert r.choices[0].message.content == full[:cut] and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == upto < n
-    deltas = [ch.choices[0].delta.content or "" for ch in
-              c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=n, stop=stop, stream=True)
-              if ch.choices]
+    deltas = [
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=n, stop=stop, stream=True)
+        if ch.choices
+    ]
     assert "".join(deltas) == full[:cut]
 
 
@@ -233,16 +263,26 @@ def test_bad_requests_get_openai_errors_and_a_request_in_flight_is_not_lost(serv
     c = server.client()
     want = expected(smol, messages=chat(QUESTIONS[5]), max_tokens=24)
     with ThreadPoolExecutor(1) as ex:
-        in_flight = ex.submit(lambda: c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[5]), max_tokens=24))
+        in_flight = ex.submit(
+            lambda: c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[5]), max_tokens=24)
+        )
         with pytest.raises(openai.NotFoundError) as e:
             c.chat.completions.create(model="gpt-4o", messages=chat("hi"))
         assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
-        bad = [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=9000), "max_tokens"),  # past the 8192 context
-               (dict(max_tokens=KV), "max_tokens"),  # fits the context, never the KV cache: the replica refuses it
-               (dict(temperature=0.8), "temperature"), (dict(stop=[""]), "stop"), (dict(stop=list("abcde")), "stop"),
-               (dict(n=2), "n"), (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
-               (dict(extra_body={"top_k": 5}), "top_k"), (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
-               (dict(messages=[]), "messages"), (dict(messages=[{"role": "wizard", "content": "x"}]), "messages")]
+        bad = [
+            (dict(max_tokens=0), "max_tokens"),
+            (dict(max_tokens=9000), "max_tokens"),  # past the 8192 context
+            (dict(max_tokens=KV), "max_tokens"),  # fits the context, never the KV cache: the replica refuses it
+            (dict(temperature=0.8), "temperature"),
+            (dict(stop=[""]), "stop"),
+            (dict(stop=list("abcde")), "stop"),
+            (dict(n=2), "n"),
+            (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty"),
+            (dict(extra_body={"top_k": 5}), "top_k"),
+            (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
+            (dict(messages=[]), "messages"),
+            (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+        ]
         for kwargs, param in bad:
             args = {"model": MODEL, "messages": chat("hi"), **kwargs}
             with pytest.raises(openai.BadRequestError) as e:
@@ -270,8 +310,9 @@ def _error(c, **kwargs) -> str:
 
 
 def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, tmp_path):
-    s = Served(["--policy", "chunked-prefill", "-o", "budget=64", "--no-calibrate", "--max-tokens", "24"],
-               tmp_path / "run")
+    s = Served(
+        ["--policy", "chunked-prefill", "-o", "budget=64", "--no-calibrate", "--max-tokens", "24"], tmp_path / "run"
+    )
     c = s.client()
     want = {q: expected(smol, messages=chat(q), max_tokens=24) for q in QUESTIONS[:4]}
     got: dict[str, str] = {}
@@ -325,8 +366,12 @@ def test_shutdown_finishes_requests_in_flight_and_writes_what_was_served(smol, t
     texts = [json.loads(line) for line in (s.out / "texts.jsonl").read_text().splitlines()][1:]
     assert sorted(t["text"] for t in texts) == sorted(w[0] for w in want.values())
     # the traffic as served replays in the simulator under another policy
-    sim = subprocess.run([*command("simulate"), "--policy", "unified", "--trace", str(s.out / "trace.json")],
-                         capture_output=True, text=True, timeout=120)
+    sim = subprocess.run(
+        [*command("simulate"), "--policy", "unified", "--trace", str(s.out / "trace.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sim.returncode == 0, sim.stderr
     assert re.search(r"Successful requests:\s+5\b", sim.stdout)
     cut_short = json.loads((s.out / "trace.json").read_text())["requests"][0]["output_tokens"]
@@ -364,8 +409,11 @@ def test_the_engine_hands_each_token_over_as_its_pass_ends():
 
 
 def test_serve_refuses_bad_options_in_one_line(tmp_path):
-    for args, words in ((["--policy", "nope"], "unknown policy"), (["--policy", "vllm", "--port", "70000"], "--port"),
-                        (["--policy", "vllm", "--model", "micro", "--no-calibrate"], "no tokenizer")):
+    for args, words in (
+        (["--policy", "nope"], "unknown policy"),
+        (["--policy", "vllm", "--port", "70000"], "--port"),
+        (["--policy", "vllm", "--model", "micro", "--no-calibrate"], "no tokenizer"),
+    ):
         r = subprocess.run([*command("serve"), *args], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, args
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -376,6 +424,10 @@ def test_serve_says_so_when_its_port_is_taken(smol):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([*command("serve"), "--policy", "vllm", "--no-calibrate", "-q", "--port", str(port)],
-                           capture_output=True, text=True, timeout=180)
+        r = subprocess.run(
+            [*command("serve"), "--policy", "vllm", "--no-calibrate", "-q", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
     assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr

@@ -40,7 +40,8 @@ class KvWatch:
         self.max_used = max(self.max_used, state.kv_used)
         if self.steps % 97 == 0:  # the running total equals the sum over requests
             held = sum(r.kv_tokens for r in state.prefilling.values()) + sum(
-                r.kv_tokens for r in state.decoding.values())
+                r.kv_tokens for r in state.decoding.values()
+            )
             assert held == state.kv_used
 
 
@@ -49,8 +50,7 @@ class KvWatch:
 def test_every_request_finishes_once_with_its_tokens(policy, case):
     name, tr = case
     watch = KvWatch(CAPACITY)
-    res = run(tr.requests, make_policy(policy), cost_model(), kv_capacity=CAPACITY,
-              trace_name=name, on_step=watch)
+    res = run(tr.requests, make_policy(policy), cost_model(), kv_capacity=CAPACITY, trace_name=name, on_step=watch)
     assert res.error is None
     assert not res.rejected
     assert len(res.requests) == len(tr.requests)
@@ -79,10 +79,13 @@ def test_schedules_differ_on_mixed():
     (nothing preempted) schedules what ``unified`` does: decode rows, then prefill chunks in
     admission order, filling the same 2048-token budget."""
     tr = traces.load("mixed")
-    results = {p: summarize(run(tr.requests, make_policy(p), cost_model(), kv_capacity=CAPACITY, block_size=16))
-               for p in POLICIES}
-    fingerprints = {p: (round(s["ttft_ms"]["p50"], 3), round(s["itl_ms"]["p99"], 3), s["steps"])
-                    for p, s in results.items()}
+    results = {
+        p: summarize(run(tr.requests, make_policy(p), cost_model(), kv_capacity=CAPACITY, block_size=16))
+        for p in POLICIES
+    }
+    fingerprints = {
+        p: (round(s["ttft_ms"]["p50"], 3), round(s["itl_ms"]["p99"], 3), s["steps"]) for p, s in results.items()
+    }
     six = {p: f for p, f in fingerprints.items() if p != "vllm"}
     assert len(set(six.values())) == len(six) == 6, fingerprints
     assert "preemptions" not in results["vllm"] and fingerprints["vllm"] == fingerprints["unified"]
@@ -102,9 +105,11 @@ def test_sim_backend_is_the_default_and_sim_never_imports_mlx():
     import subprocess
     import sys
 
-    code = ("import sys, sim, sim.loop, sim.cost, sim.metrics, sim.output, policies, traces;"
-            "import schedlab.sim.profiles;"
-            "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, sorted(sys.modules)")
+    code = (
+        "import sys, sim, sim.loop, sim.cost, sim.metrics, sim.output, policies, traces;"
+        "import schedlab.sim.profiles;"
+        "assert 'mlx' not in sys.modules and 'engine' not in sys.modules, sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert SimBackend.mode == "sim"
 
@@ -117,14 +122,28 @@ def test_itl_pools_finished_requests_only_and_survives_more_tokens():
     from schedlab.sim.metrics import summarize as summ
 
     def req(rid, times, done):
-        return SimpleNamespace(id=rid, arrival_s=0.0, prompt_tokens=4, output_tokens=len(times),
-                               first_token_s=times[0] if times else None, finish_s=times[-1] if done else None,
-                               token_times=list(times), preemptions=0, recomputed_tokens=0, cached_tokens=0)
+        return SimpleNamespace(
+            id=rid,
+            arrival_s=0.0,
+            prompt_tokens=4,
+            output_tokens=len(times),
+            first_token_s=times[0] if times else None,
+            finish_s=times[-1] if done else None,
+            token_times=list(times),
+            preemptions=0,
+            recomputed_tokens=0,
+            cached_tokens=0,
+        )
 
-    reqs = [req("a", [1.0, 1.5, 3.5], True), req("b", [2.0, 2.25], False), req("c", [], False),
-            req("d", [4.0, 4.125, 5.0], True)]
-    res = SimpleNamespace(requests=reqs, rejected=[], steps=[], policy="p", mode="sim", trace="t", wall_s=0.0,
-                          error=None, meta={})
+    reqs = [
+        req("a", [1.0, 1.5, 3.5], True),
+        req("b", [2.0, 2.25], False),
+        req("c", [], False),
+        req("d", [4.0, 4.125, 5.0], True),
+    ]
+    res = SimpleNamespace(
+        requests=reqs, rejected=[], steps=[], policy="p", mode="sim", trace="t", wall_s=0.0, error=None, meta={}
+    )
     expected = np.array([0.5, 2.0, 0.125, 0.875]) * 1e3
     assert summ(res)["itl_ms"]["p50"] == pytest.approx(np.percentile(expected, 50))
     assert summ(res)["itl_ms"]["mean"] == pytest.approx(expected.mean())

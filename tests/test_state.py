@@ -22,7 +22,9 @@ def test_decoding_a_request_that_is_not_decoding():
     b = Bench([req("a", 10, 5), req("b", 10, 5)])
     raises_plan(b, Plan(passes=(Pass(decode=("a",)),)), "decodes request a which is waiting")
     b.prefilling("b", 3)
-    raises_plan(b, Plan(passes=(Pass(decode=("b",)),)), "decodes request b which is prefilling with 7 prompt tokens left")
+    raises_plan(
+        b, Plan(passes=(Pass(decode=("b",)),)), "decodes request b which is prefilling with 7 prompt tokens left"
+    )
 
 
 def test_prefilling_past_the_prompt_and_bad_chunks():
@@ -201,9 +203,21 @@ def test_cost_model_features_and_prediction_agree():
 
     from schedlab.sim.cost import IDLE_CAP_S, idle_features, step_features
 
-    known = {**KNOWN, "c_join_row": 3e-5, "c_leave_row": 2e-5, "c_join_ctx": 3e-7, "c_extend": 5e-8, "s_pass": 1e-4,
-             "i_wake": 2e-4, "i_step": 1e-3, "i_gap": 4e-3, "i_after": 7e-4, "d_few": 4e-4, "d_kv_long": 6e-7,
-             "p_small": 3e-5}
+    known = {
+        **KNOWN,
+        "c_join_row": 3e-5,
+        "c_leave_row": 2e-5,
+        "c_join_ctx": 3e-7,
+        "c_extend": 5e-8,
+        "s_pass": 1e-4,
+        "i_wake": 2e-4,
+        "i_step": 1e-3,
+        "i_gap": 4e-3,
+        "i_after": 7e-4,
+        "d_few": 4e-4,
+        "d_kv_long": 6e-7,
+        "p_small": 3e-5,
+    }
     assert set(known) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(known))
     for n_passes, rows in ((1, 1), (2, 9)):

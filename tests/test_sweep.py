@@ -25,15 +25,32 @@ from schedlab.sim import run, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.analysis.sweep import ROW_FIELDS, format_table, max_sustained_rate, sweep
 
-COEFFS = {"d_pass": 0.02, "d_rows": 0.001, "d_kv": 1e-6, "p_pass": 0.01, "p_tokens": 2e-4,
-          "p_attn": 1e-8, "s_step": 0.001}
+COEFFS = {
+    "d_pass": 0.02,
+    "d_rows": 0.001,
+    "d_kv": 1e-6,
+    "p_pass": 0.01,
+    "p_tokens": 2e-4,
+    "p_attn": 1e-8,
+    "s_step": 0.001,
+}
 SLO = {"ttft_ms": 400.0, "tpot_ms": 60.0}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def small_trace() -> traces.Trace:
-    spec = [(0.0, 300, 20), (0.3, 120, 12), (0.5, 600, 15), (0.9, 50, 1), (1.6, 200, 10),
-            (2.0, 80, 18), (2.1, 400, 8), (3.2, 90, 14), (3.9, 700, 6), (4.4, 60, 11)]
+    spec = [
+        (0.0, 300, 20),
+        (0.3, 120, 12),
+        (0.5, 600, 15),
+        (0.9, 50, 1),
+        (1.6, 200, 10),
+        (2.0, 80, 18),
+        (2.1, 400, 8),
+        (3.2, 90, 14),
+        (3.9, 700, 6),
+        (4.4, 60, 11),
+    ]
     return traces.Trace("small", "", [traces.Request(f"s{i}", a, p, o) for i, (a, p, o) in enumerate(spec)])
 
 
@@ -67,10 +84,15 @@ def test_rows_equal_direct_runs_of_the_rescaled_trace(cost):
         res = run(reqs, make_policy(row["policy"]), cost, kv_capacity=100_000)
         s = summarize(res, slo=SLO)
         assert row["error"] is None and row["finished"] == len(reqs)
-        for key, want in (("ttft_p50_ms", s["ttft_ms"]["p50"]), ("ttft_p99_ms", s["ttft_ms"]["p99"]),
-                          ("itl_p50_ms", s["itl_ms"]["p50"]), ("itl_p99_ms", s["itl_ms"]["p99"]),
-                          ("output_throughput_tok_s", s["output_throughput_tok_s"]),
-                          ("goodput_rps", s["goodput_rps"]), ("slo_attainment", s["slo_attainment"])):
+        for key, want in (
+            ("ttft_p50_ms", s["ttft_ms"]["p50"]),
+            ("ttft_p99_ms", s["ttft_ms"]["p99"]),
+            ("itl_p50_ms", s["itl_ms"]["p50"]),
+            ("itl_p99_ms", s["itl_ms"]["p99"]),
+            ("output_throughput_tok_s", s["output_throughput_tok_s"]),
+            ("goodput_rps", s["goodput_rps"]),
+            ("slo_attainment", s["slo_attainment"]),
+        ):
             assert row[key] == pytest.approx(want, rel=1e-9), key
     # more load, longer waits: TTFT p99 grows with rate for each policy on this trace
     for p in policies:
@@ -101,13 +123,19 @@ def _row(policy, rate, attainment, error=None):
 def test_highest_sustained_rate_on_constructed_rows():
     rows = [
         # a: passes up to 2, fails at 4, passes again at 8: the later lucky point does not count
-        _row("a", 8.0, 0.95), _row("a", 1.0, 0.99), _row("a", 4.0, 0.85), _row("a", 2.0, 0.90),
+        _row("a", 8.0, 0.95),
+        _row("a", 1.0, 0.99),
+        _row("a", 4.0, 0.85),
+        _row("a", 2.0, 0.90),
         # b: fails at the lowest rate
-        _row("b", 1.0, 0.5), _row("b", 2.0, 0.95),
+        _row("b", 1.0, 0.5),
+        _row("b", 2.0, 0.95),
         # c: passes everywhere: the sweep, not the policy, set the limit
-        _row("c", 1.0, 1.0), _row("c", 2.0, 0.97),
+        _row("c", 1.0, 1.0),
+        _row("c", 2.0, 0.97),
         # d: an error row is a failure
-        _row("d", 1.0, 0.99), _row("d", 2.0, None, error="PolicyError: boom"),
+        _row("d", 1.0, 0.99),
+        _row("d", 2.0, None, error="PolicyError: boom"),
     ]
     got = max_sustained_rate(rows, 0.9)
     assert got["a"] == {"rate_rps": 2.0, "first_failing_rate_rps": 4.0, "limited_by_sweep": False}
@@ -130,8 +158,12 @@ def test_table_has_a_line_per_row():
 
 
 def sweep_cmd(*args):
-    return [sys.executable, "-c",
-            "import sys; from schedlab.commands.sweep import main; sys.argv[0] = 'sweep'; main()", *map(str, args)]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from schedlab.commands.sweep import main; sys.argv[0] = 'sweep'; main()",
+        *map(str, args),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +177,27 @@ def profile(tmp_path_factory):
 def test_cli_prints_table_writes_csv_json_and_figures(tmp_path, profile, cost):
     trace = write_trace(tmp_path / "t.json", small_trace())
     out = tmp_path / "out"
-    p = subprocess.run(sweep_cmd("--policy", "chunked-prefill,unified", "--trace", trace, "--rates", "8,1,3",
-                                 "--profile", profile, "--workers", "2", "--slo", "ttft_ms=400,tpot_ms=60",
-                                 "--out", out), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        sweep_cmd(
+            "--policy",
+            "chunked-prefill,unified",
+            "--trace",
+            trace,
+            "--rates",
+            "8,1,3",
+            "--profile",
+            profile,
+            "--workers",
+            "2",
+            "--slo",
+            "ttft_ms=400,tpot_ms=60",
+            "--out",
+            out,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
     assert {f.name for f in out.iterdir()} == {"sweep.csv", "sweep.json", "latency_vs_load.png", "latency_vs_load.svg"}
@@ -158,9 +208,10 @@ def test_cli_prints_table_writes_csv_json_and_figures(tmp_path, profile, cost):
     with open(out / "sweep.csv") as f:
         csv_rows = list(csv.DictReader(f))
     assert len(csv_rows) == len(data["rows"]) == 6
-    direct = {(r["policy"], r["rate_rps"]): r
-              for r in sweep(small_trace(), ["chunked-prefill", "unified"], [1.0, 3.0, 8.0], cost, 262144,
-                             slo=SLO, workers=1)}
+    direct = {
+        (r["policy"], r["rate_rps"]): r
+        for r in sweep(small_trace(), ["chunked-prefill", "unified"], [1.0, 3.0, 8.0], cost, 262144, slo=SLO, workers=1)
+    }
     for c, j in zip(csv_rows, data["rows"]):
         want = direct[(j["policy"], j["rate_rps"])]
         assert float(c["ttft_p99_ms"]) == pytest.approx(want["ttft_p99_ms"], rel=1e-12)
@@ -172,17 +223,20 @@ def test_cli_prints_table_writes_csv_json_and_figures(tmp_path, profile, cost):
     assert "Highest sustained rate" in p.stdout
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--policy", "nope"], "unknown policy 'nope'"),
-    (["--rates", "0,1"], "every rate must be a finite number > 0"),
-    (["--rates", "fast"], "'fast' is not a number"),
-    (["--slo", "ttft=3"], "unknown SLO key 'ttft'"),
-    (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
-    (["--trace", "/no/such/trace.json"], "trace not found"),
-    (["--trace", "ONE"], "cannot set a rate"),
-    (["-o", "budget=abc"], "budget='abc' is not a valid int"),
-    (["--profile", "/no/profile.json"], "profile not found"),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--rates", "0,1"], "every rate must be a finite number > 0"),
+        (["--rates", "fast"], "'fast' is not a number"),
+        (["--slo", "ttft=3"], "unknown SLO key 'ttft'"),
+        (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
+        (["--trace", "/no/such/trace.json"], "trace not found"),
+        (["--trace", "ONE"], "cannot set a rate"),
+        (["-o", "budget=abc"], "budget='abc' is not a valid int"),
+        (["--profile", "/no/profile.json"], "profile not found"),
+    ],
+)
 def test_cli_bad_input_is_one_line(tmp_path, profile, args, expect):
     trace = write_trace(tmp_path / "t.json", small_trace())
     one = write_trace(tmp_path / "one.json", traces.Trace("one", "", [traces.Request("x", 0.0, 5, 5)]))
@@ -206,9 +260,26 @@ def test_ctrl_c_cancels_cleanly(tmp_path, profile):
     trace = write_trace(tmp_path / "big.json", traces.Trace("big", "", reqs))
     err_path = tmp_path / "err.txt"
     with open(err_path, "w") as err:
-        p = subprocess.Popen(sweep_cmd("--policy", "chunked-prefill,unified", "--trace", trace, "--rates", "1,2,4",
-                                       "--profile", profile, "--workers", "2", "--out", tmp_path / "o"),
-                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        p = subprocess.Popen(
+            sweep_cmd(
+                "--policy",
+                "chunked-prefill,unified",
+                "--trace",
+                trace,
+                "--rates",
+                "1,2,4",
+                "--profile",
+                profile,
+                "--workers",
+                "2",
+                "--out",
+                tmp_path / "o",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 60
         while err_path.stat().st_size == 0 and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.05)  # the start line comes once the worker processes exist

@@ -42,8 +42,11 @@ def mc_lines() -> list[dict]:
 def source() -> Path:
     """The source traces: a test that needs them fails without them (it does not skip)."""
     if not SOURCE.is_dir():
-        pytest.fail(f"source traces not found: {SOURCE} (the shared/traces folder beside the clone, where "
-                    "traces/build.py looks by default); the tests that rebuild traces/data need them", pytrace=False)
+        pytest.fail(
+            f"source traces not found: {SOURCE} (the shared/traces folder beside the clone, where "
+            "traces/build.py looks by default); the tests that rebuild traces/data need them",
+            pytrace=False,
+        )
     return SOURCE
 
 
@@ -98,11 +101,13 @@ def test_azure_description_names_source(conv):
 
 def test_azure_zero_rows_strict_and_dropped(tmp_path):
     p = tmp_path / "z.csv"
-    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                 "2023-11-16 18:15:46.6805900,374,44\n"
-                 "2023-11-16 18:15:47.0000000,0,10\n"
-                 "2023-11-16 18:15:48.0000000,12,0\n"
-                 "2023-11-16 18:15:49.5000000,20,5\n")
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:47.0000000,0,10\n"
+        "2023-11-16 18:15:48.0000000,12,0\n"
+        "2023-11-16 18:15:49.5000000,20,5\n"
+    )
     with pytest.raises(TraceError) as ei:
         traces.load(str(p))
     msg = str(ei.value)
@@ -117,21 +122,30 @@ def test_azure_csv_quoted_cells_and_bad_lines(tmp_path):
     """A line with quotes is parsed as CSV (a quoted cell, an escaped quote), one without is
     split on commas: both give the same requests; a bad line is one error naming its line."""
     plain = tmp_path / "plain.csv"
-    plain.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                     "2023-11-16 18:15:46.6805900,374,44\n"
-                     "2023-11-16 18:15:47.0000000,12,10\n")
+    plain.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:47.0000000,12,10\n"
+    )
     quoted = tmp_path / "quoted.csv"
-    quoted.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                      '"2023-11-16 18:15:46.6805900","374",44\n'
-                      '2023-11-16 18:15:47.0000000,"12",10\n')
+    quoted.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        '"2023-11-16 18:15:46.6805900","374",44\n'
+        '2023-11-16 18:15:47.0000000,"12",10\n'
+    )
     a, b = traces.load(str(plain)), traces.load(str(quoted))
-    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in a.requests] == \
-           [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in b.requests] == [(0.0, 374, 44), (0.31941, 12, 10)]
-    for line, what in [('2023-11-16 18:15:47.0000000,"1,2",10', "ContextTokens must be a non-negative integer, got '1,2'"),
-                       ("2023-11-16 18:15:47.0000000,12", "expected 3 cells, got 2"),
-                       ('2023-11-16 18:15:47.0000000,"12""",10', "ContextTokens must be a non-negative integer"),
-                       ("2023-11-16 18:15:47.0000000,x,10", "ContextTokens must be a non-negative integer"),
-                       ("16/11/2023,12,10", "timestamp")]:
+    assert (
+        [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in a.requests]
+        == [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in b.requests]
+        == [(0.0, 374, 44), (0.31941, 12, 10)]
+    )
+    for line, what in [
+        ('2023-11-16 18:15:47.0000000,"1,2",10', "ContextTokens must be a non-negative integer, got '1,2'"),
+        ("2023-11-16 18:15:47.0000000,12", "expected 3 cells, got 2"),
+        ('2023-11-16 18:15:47.0000000,"12""",10', "ContextTokens must be a non-negative integer"),
+        ("2023-11-16 18:15:47.0000000,x,10", "ContextTokens must be a non-negative integer"),
+        ("16/11/2023,12,10", "timestamp"),
+    ]:
         bad = tmp_path / "bad.csv"
         bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" + line + "\n")
         with pytest.raises(TraceError) as ei:
@@ -208,10 +222,12 @@ def test_jitter_seeded(mc_lines):
 
 def test_mooncake_jitter_off_keeps_stamps(tmp_path):
     p = tmp_path / "m.jsonl"
-    p.write_text('{"timestamp": 3000, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
-                 '{"timestamp": 3000, "input_length": 11, "output_length": 3}\n'
-                 '\n'
-                 '{"timestamp": 9000, "input_length": 12, "output_length": 4, "hash_ids": []}\n')
+    p.write_text(
+        '{"timestamp": 3000, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n'
+        '{"timestamp": 3000, "input_length": 11, "output_length": 3}\n'
+        "\n"
+        '{"timestamp": 9000, "input_length": 12, "output_length": 4, "hash_ids": []}\n'
+    )
     tr = traces.load(str(p), jitter=False)
     assert [(r.id, r.arrival_s) for r in tr.requests] == [("0", 0.0), ("1", 0.0), ("2", 6.0)]
     assert tr.requests[1].prefix_ids is None and tr.requests[2].prefix_ids == ()
@@ -233,8 +249,9 @@ def test_mooncake_synthetic_poisson_stamps_kept(source):
 # dispatch, bundled names
 
 
-@pytest.mark.parametrize("spec", ["mixed.json", "mixed", "azure2023_conv", "azure2023_code.csv",
-                                  "mooncake_conv_10min", "real-smoke"])
+@pytest.mark.parametrize(
+    "spec", ["mixed.json", "mixed", "azure2023_conv", "azure2023_code.csv", "mooncake_conv_10min", "real-smoke"]
+)
 def test_bare_names_from_another_directory(spec, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tr = traces.load(spec)
@@ -244,15 +261,24 @@ def test_bare_names_from_another_directory(spec, tmp_path, monkeypatch):
 
 def test_local_file_wins_over_bundled_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "mixed.json").write_text(json.dumps({"requests": [
-        {"id": "x", "arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}]}))
+    (tmp_path / "mixed.json").write_text(
+        json.dumps({"requests": [{"id": "x", "arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}]})
+    )
     assert [r.id for r in traces.load("mixed.json").requests] == ["x"]
 
 
 def test_every_bundled_trace_loads():
     names = traces.bundled_names()
-    assert {"mixed", "long-context", "sonnet", "real-smoke", "real-mixed", "azure2023_conv",
-            "azure2023_code", "mooncake_conv_10min"} <= set(names)
+    assert {
+        "mixed",
+        "long-context",
+        "sonnet",
+        "real-smoke",
+        "real-mixed",
+        "azure2023_conv",
+        "azure2023_code",
+        "mooncake_conv_10min",
+    } <= set(names)
     for n in names:
         _sorted_from_zero(traces.load(n))
 
@@ -275,10 +301,16 @@ BAD = [
     ("notjson.json", "{not json", ["line 1", "invalid JSON"]),
     ("list.json", "[1, 2]", ["'requests' list"]),
     ("type.json", _doc(_req(), _req(id="b", prompt_tokens="12")), ["request b", "prompt_tokens"]),
-    ("nan.json", '{"requests": [{"id": "q", "arrival_s": 0, "prompt_tokens": NaN, "output_tokens": 1}]}',
-     ["request q", "prompt_tokens"]),
-    ("inf.json", '{"requests": [{"id": "q", "arrival_s": 0, "prompt_tokens": 1, "output_tokens": Infinity}]}',
-     ["request q", "output_tokens"]),
+    (
+        "nan.json",
+        '{"requests": [{"id": "q", "arrival_s": 0, "prompt_tokens": NaN, "output_tokens": 1}]}',
+        ["request q", "prompt_tokens"],
+    ),
+    (
+        "inf.json",
+        '{"requests": [{"id": "q", "arrival_s": 0, "prompt_tokens": 1, "output_tokens": Infinity}]}',
+        ["request q", "output_tokens"],
+    ),
     ("missing.json", _doc({"id": "a", "arrival_s": 0, "prompt_tokens": 3}), ["request #0", "output_tokens"]),
     ("negtime.json", _doc(_req(), _req(id="late", arrival_s=-1.5)), ["request late", "arrival_s"]),
     ("emptyprompt.json", _doc(_req(id="e", prompt_tokens=0)), ["request e", "empty prompt"]),
@@ -289,27 +321,45 @@ BAD = [
     ("empty.json", "", ["empty file"]),
     ("blank.csv", "\n  \n", ["empty file"]),
     ("header.csv", "time,prompt,output\n2023-11-16 18:15:46.6805900,1,1\n", ["line 1", "header"]),
-    ("cell.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12,4\n"
-     "2023-11-16 18:15:47.1,abc,4\n", ["line 3", "ContextTokens", "'abc'"]),
-    ("neg.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12,-4\n",
-     ["line 2", "GeneratedTokens"]),
-    ("stamp.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 18:15:46.1,12,4\n",
-     ["line 2", "month"]),
+    (
+        "cell.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12,4\n2023-11-16 18:15:47.1,abc,4\n",
+        ["line 3", "ContextTokens", "'abc'"],
+    ),
+    (
+        "neg.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12,-4\n",
+        ["line 2", "GeneratedTokens"],
+    ),
+    ("stamp.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-16 18:15:46.1,12,4\n", ["line 2", "month"]),
     ("stamp2.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,12,4\n", ["line 2", "timestamp"]),
     ("cells.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12\n", ["line 2", "cells"]),
-    ("zero.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12,0\n",
-     ["line 2", "GeneratedTokens 0"]),
+    (
+        "zero.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,12,0\n",
+        ["line 2", "GeneratedTokens 0"],
+    ),
     ("onlyheader.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", ["no requests"]),
-    ("line.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 1}\n\n{"timestamp": 1,\n',
-     ["line 3", "invalid JSON"]),
-    ("obj.jsonl", '[1]\n', ["line 1", "expected an object"]),
+    (
+        "line.jsonl",
+        '{"timestamp": 0, "input_length": 5, "output_length": 1}\n\n{"timestamp": 1,\n',
+        ["line 3", "invalid JSON"],
+    ),
+    ("obj.jsonl", "[1]\n", ["line 1", "expected an object"]),
     ("miss.jsonl", '{"timestamp": 0, "input_length": 5}\n', ["line 1", "output_length"]),
     ("negts.jsonl", '{"timestamp": -3000, "input_length": 5, "output_length": 1}\n', ["line 1", "timestamp"]),
-    ("in0.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
-     '{"timestamp": 0, "input_length": 0, "output_length": 1}\n', ["line 2", "empty prompt"]),
+    (
+        "in0.jsonl",
+        '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+        '{"timestamp": 0, "input_length": 0, "output_length": 1}\n',
+        ["line 2", "empty prompt"],
+    ),
     ("out.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 1.5}\n', ["line 1", "output_length"]),
-    ("hash.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "ab"}\n',
-     ["line 1", "hash_ids"]),
+    (
+        "hash.jsonl",
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "ab"}\n',
+        ["line 1", "hash_ids"],
+    ),
     ("trace.txt", "hello\n", ["unknown trace format", ".txt"]),
 ]
 
@@ -353,8 +403,11 @@ def test_binary_directory_missing_and_odd_ids(tmp_path):
 
 
 def _small() -> Trace:
-    return Trace("s", "", [Request("a", 0.0, 3, 5, (1, 2)), Request("b", 1.0, 10, 1),
-                           Request("c", 2.5, 1, 2), Request("d", 4.0, 7, 7)])
+    return Trace(
+        "s",
+        "",
+        [Request("a", 0.0, 3, 5, (1, 2)), Request("b", 1.0, 10, 1), Request("c", 2.5, 1, 2), Request("d", 4.0, 7, 7)],
+    )
 
 
 def test_scale_rate_halves_durations(conv):
@@ -419,14 +472,39 @@ def test_head_and_input_unchanged():
     assert t.requests == before
 
 
-@pytest.mark.parametrize("call", [
-    lambda t: scale_rate(t, 0), lambda t: scale_rate(t, -2), lambda t: scale_rate(t, float("nan")),
-    lambda t: scale_rate(t, True), lambda t: to_rate(t, 0), lambda t: thin(t, 0),
-    lambda t: thin(t, 1.5), lambda t: thin(t, 1e-12), lambda t: window(t, 5, 2),
-    lambda t: window(t, 100, 200), lambda t: head(t, 0), lambda t: scale_lengths(t, prompt=0),
-    lambda t: scale_lengths(t, output=-1),
-], ids=["k0", "kneg", "knan", "kbool", "rate0", "p0", "p>1", "thin-empty", "win-order",
-        "win-empty", "head0", "len0", "lenneg"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: scale_rate(t, 0),
+        lambda t: scale_rate(t, -2),
+        lambda t: scale_rate(t, float("nan")),
+        lambda t: scale_rate(t, True),
+        lambda t: to_rate(t, 0),
+        lambda t: thin(t, 0),
+        lambda t: thin(t, 1.5),
+        lambda t: thin(t, 1e-12),
+        lambda t: window(t, 5, 2),
+        lambda t: window(t, 100, 200),
+        lambda t: head(t, 0),
+        lambda t: scale_lengths(t, prompt=0),
+        lambda t: scale_lengths(t, output=-1),
+    ],
+    ids=[
+        "k0",
+        "kneg",
+        "knan",
+        "kbool",
+        "rate0",
+        "p0",
+        "p>1",
+        "thin-empty",
+        "win-order",
+        "win-empty",
+        "head0",
+        "len0",
+        "lenneg",
+    ],
+)
 def test_bad_transform_arguments(call):
     with pytest.raises(TraceError) as ei:
         call(_small())
@@ -458,8 +536,9 @@ def test_mixed_trace_shape(conv):
 def test_small_bundled_traces_meet_their_specs():
     lc = traces.load("long-context")
     longs = [r for r in lc.requests if r.prompt_tokens >= 8000]
-    assert 3 <= len(longs) <= 4 and all(r.prompt_tokens <= 16000 and 128 <= r.output_tokens <= 512
-                                        and r.arrival_s < 1.0 for r in longs)
+    assert 3 <= len(longs) <= 4 and all(
+        r.prompt_tokens <= 16000 and 128 <= r.output_tokens <= 512 and r.arrival_s < 1.0 for r in longs
+    )
     assert len(lc) - len(longs) >= 4
 
     son = traces.load("sonnet")
@@ -495,8 +574,9 @@ def test_generators_are_deterministic_and_seeded(conv):
 
 
 def _run_build(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "schedlab.traces.build", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "schedlab.traces.build", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.slow
@@ -523,14 +603,18 @@ def test_build_synthetic_only_matches_and_mixed_rate_override(tmp_path):
     tr = traces.load(str(fast / "mixed.json"))
     assert mean_rate(tr) == pytest.approx(2.5, rel=1e-4)
     base = traces.load("mixed")
-    assert [(r.id, r.prompt_tokens, r.output_tokens) for r in tr.requests] == \
-        [(r.id, r.prompt_tokens, r.output_tokens) for r in base.requests]
+    assert [(r.id, r.prompt_tokens, r.output_tokens) for r in tr.requests] == [
+        (r.id, r.prompt_tokens, r.output_tokens) for r in base.requests
+    ]
     assert (fast / "sonnet.json").read_bytes() == (DATA_DIR / "sonnet.json").read_bytes()
 
 
 def test_build_bad_arguments_are_one_line(tmp_path):
-    for args in (["--mixed-rate", "-1"], ["--mixed-rate", "fast"],
-                 ["--source", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]):
+    for args in (
+        ["--mixed-rate", "-1"],
+        ["--mixed-rate", "fast"],
+        ["--source", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")],
+    ):
         res = _run_build(*args)
         assert res.returncode != 0
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
@@ -546,7 +630,7 @@ def test_azure_slices_are_the_hours_consecutive_requests_scaled():
         ids = [r.id for r in tr.requests]
         assert len(ids) == n
         first = order.index(ids[0])
-        assert ids == order[first:first + n]  # consecutive, in the hour's order
+        assert ids == order[first : first + n]  # consecutive, in the hour's order
         assert conv.requests[first].arrival_s >= start_s > conv.requests[first - 1].arrival_s
         src = [by_id[i] for i in ids]
         assert [r.prompt_tokens for r in tr.requests] == [max(1, int(s.prompt_tokens * fp + 0.5)) for s in src]

@@ -57,8 +57,12 @@ def _write(tmp_path: Path, rows: list[dict], name: str = "t.json") -> Path:
 
 TEXT_ROWS = [
     {"id": "p", "arrival_s": 0.0, "prompt": "once upon a time there was a king", "output_tokens": 16},
-    {"id": "m", "arrival_s": 0.5, "output_tokens": 8,
-     "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue"}]},
+    {
+        "id": "m",
+        "arrival_s": 0.5,
+        "output_tokens": 8,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue"}],
+    },
     {"id": "c", "arrival_s": 1.0, "prompt_tokens": 12, "output_tokens": 4},
 ]
 
@@ -213,8 +217,10 @@ def test_transforms_keep_text_and_scaling_drops_it(tmp_path, tok):
 
 
 def test_importing_traces_stays_light():
-    code = ("import sys, traces, traces.datasets, traces.text; "
-            "bad = [m for m in ('mlx', 'tokenizers', 'transformers', 'numpy', 'sim', 'engine') "
-            "if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, traces, traces.datasets, traces.text; "
+        "bad = [m for m in ('mlx', 'tokenizers', 'transformers', 'numpy', 'sim', 'engine') "
+        "if m in sys.modules]; assert not bad, bad"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

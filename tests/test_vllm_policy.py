@@ -117,8 +117,9 @@ def test_a_prefilling_request_that_cannot_grow_preempts_itself():
         assert st.blocks_used == blocks_held(st) <= st.kv_blocks
     assert st.finished == 2
     # b (the latest running) preempted itself when its next chunk did not fit, a ran on
-    assert any(p.preempt == ("b",) and p.passes and p.passes[0].decode == ("a",) and not p.passes[0].prefill
-               for p in plans)
+    assert any(
+        p.preempt == ("b",) and p.passes and p.passes[0].decode == ("a",) and not p.passes[0].prefill for p in plans
+    )
     assert st.by_id["b"].preemptions >= 1 and st.by_id["a"].preemptions == 0
 
 
@@ -170,7 +171,11 @@ def test_no_bulk_repeats_while_a_head_refused_for_blocks_may_gain_from_an_evicti
     one = run(reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), on_step=lambda st: None, **kw)
     assert [r.token_times for r in bulk.requests] == [r.token_times for r in one.requests]
     assert list(bulk.passes) == list(one.passes)
-    assert bulk.prefix_cache == one.prefix_cache and bulk.prefix_cache["prompt_tokens_hit"] > 0 and bulk.prefix_cache["evicted_blocks"] > 0
+    assert (
+        bulk.prefix_cache == one.prefix_cache
+        and bulk.prefix_cache["prompt_tokens_hit"] > 0
+        and bulk.prefix_cache["evicted_blocks"] > 0
+    )
 
 
 def test_kv_pressure_on_the_azure_hour_head_finishes_everything(tmp_path):
@@ -198,8 +203,22 @@ def test_acceptance_simulate_vllm_on_the_azure_hour_with_a_small_kv(tmp_path):
     """simulate --policy vllm --trace azure2023_conv --kv-tokens N finishes every request and
     reports preemptions."""
     out = tmp_path / "az"
-    proc = subprocess.run([*command("simulate"), "--policy", "vllm", "--trace", "azure2023_conv",
-                           "--kv-tokens", "65536", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            *command("simulate"),
+            "--policy",
+            "vllm",
+            "--trace",
+            "azure2023_conv",
+            "--kv-tokens",
+            "65536",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Successful requests:                     19366" in proc.stdout
     assert "Preemptions:" in proc.stdout and "Recomputed tokens:" in proc.stdout

@@ -16,18 +16,61 @@ Importing this package is light: no sim, engine, mlx, numpy, pandas or tokenizer
 
 from __future__ import annotations
 
-from .loaders import (DATA_DIR, MOONCAKE_TICK_S, bundled_names, dumps_json, is_quantised, jitter_ticks,
-                      load, load_azure_csv, load_json, load_mooncake_jsonl, parse_azure_timestamp, resolve,
-                      save_json)
+from .loaders import (
+    DATA_DIR,
+    MOONCAKE_TICK_S,
+    bundled_names,
+    dumps_json,
+    is_quantised,
+    jitter_ticks,
+    load,
+    load_azure_csv,
+    load_json,
+    load_mooncake_jsonl,
+    parse_azure_timestamp,
+    resolve,
+    save_json,
+)
 from .datasets import from_spec, random_dataset, request_times, sonnet_dataset, sonnet_lines
 from .schema import Request, Trace, TraceError, request_from_json, validate_requests
 from .text import Tokenizer, prompt_ids, require_counts, tokenize
 from .stats import trace_stats
 from .transforms import head, mean_rate, scale_lengths, scale_rate, thin, to_rate, window
 
-__all__ = ["Request", "Trace", "TraceError", "load", "load_json", "load_azure_csv", "load_mooncake_jsonl",
-           "resolve", "bundled_names", "request_from_json", "validate_requests", "DATA_DIR",
-           "MOONCAKE_TICK_S", "jitter_ticks", "is_quantised", "parse_azure_timestamp", "dumps_json",
-           "save_json", "trace_stats", "mean_rate", "scale_rate", "to_rate", "scale_lengths", "window",
-           "head", "thin", "Tokenizer", "tokenize", "prompt_ids", "require_counts", "from_spec",
-           "random_dataset", "sonnet_dataset", "sonnet_lines", "request_times"]
+__all__ = [
+    "Request",
+    "Trace",
+    "TraceError",
+    "load",
+    "load_json",
+    "load_azure_csv",
+    "load_mooncake_jsonl",
+    "resolve",
+    "bundled_names",
+    "request_from_json",
+    "validate_requests",
+    "DATA_DIR",
+    "MOONCAKE_TICK_S",
+    "jitter_ticks",
+    "is_quantised",
+    "parse_azure_timestamp",
+    "dumps_json",
+    "save_json",
+    "trace_stats",
+    "mean_rate",
+    "scale_rate",
+    "to_rate",
+    "scale_lengths",
+    "window",
+    "head",
+    "thin",
+    "Tokenizer",
+    "tokenize",
+    "prompt_ids",
+    "require_counts",
+    "from_spec",
+    "random_dataset",
+    "sonnet_dataset",
+    "sonnet_lines",
+    "request_times",
+]

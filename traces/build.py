@@ -62,8 +62,15 @@ COPIES = {  # bundled name -> path under the source directory
 }
 MOONCAKE_SOURCE = "mooncake_fast25/mooncake_fast25_conversation.jsonl"
 MOONCAKE_WINDOW = "mooncake_conv_10min.jsonl"
-SYNTHETIC = ("mixed.json", "long-context.json", "sonnet.json", "real-smoke.json", "real-mixed.json",
-             "azure-conv-150.json", "azure-conv-24.json")
+SYNTHETIC = (
+    "mixed.json",
+    "long-context.json",
+    "sonnet.json",
+    "real-smoke.json",
+    "real-mixed.json",
+    "azure-conv-150.json",
+    "azure-conv-24.json",
+)
 #: Slices of the Azure conversation hour for real runs (name -> n, start s, prompt and output
 #: length factors, rate req/s): its middle (1800 s, fixed before any run), real order and
 #: length mix, sized for the tiny model (150 requests) and for SmolLM2-135M (24) on 2 cores.
@@ -94,21 +101,27 @@ def load_tokenizer(spec: str):
         raise TraceError(f"cannot make the tokenizer {spec}: {type(exc).__name__}: {exc}") from None
 
 
-def synthetic_traces(conv: Trace, mixed_rate: float = MIXED_RATE_RPS,
-                     sonnet_rate: float = SONNET_RATE_RPS, sonnet_tokenizer=None) -> dict[str, Trace]:
+def synthetic_traces(
+    conv: Trace, mixed_rate: float = MIXED_RATE_RPS, sonnet_rate: float = SONNET_RATE_RPS, sonnet_tokenizer=None
+) -> dict[str, Trace]:
     sonnet = generate.sonnet(rate=sonnet_rate, seed=SEED)
     if sonnet_tokenizer is not None:  # the same ids, lengths and arrivals, with text
         text = datasets.sonnet_dataset(sonnet_tokenizer, rate=sonnet_rate, seed=SEED, **SONNET_PARAMS)
-        sonnet = Trace(sonnet.name, f"{text.description}; arrival times those of the token-count sonnet.json",
-                       [replace(t, arrival_s=r.arrival_s) for r, t in zip(sonnet.requests, text.requests)])
+        sonnet = Trace(
+            sonnet.name,
+            f"{text.description}; arrival times those of the token-count sonnet.json",
+            [replace(t, arrival_s=r.arrival_s) for r, t in zip(sonnet.requests, text.requests)],
+        )
     return {
         "mixed.json": generate.mixed(conv, rate=mixed_rate, seed=SEED),
         "long-context.json": generate.long_context(seed=SEED),
         "sonnet.json": sonnet,
         "real-smoke.json": generate.real_smoke(seed=SEED),
         "real-mixed.json": generate.real_mixed(seed=SEED),
-        **{name: generate.azure_slice(conv, *args, name=name.removesuffix(".json"))
-           for name, args in AZURE_SLICES.items()},
+        **{
+            name: generate.azure_slice(conv, *args, name=name.removesuffix(".json"))
+            for name, args in AZURE_SLICES.items()
+        },
     }
 
 
@@ -121,8 +134,13 @@ def mooncake_window(source_jsonl: Path, start_ms: float, end_ms: float) -> bytes
     return b"".join(out)
 
 
-def build(out: Path, source: Path | None, mixed_rate: float = MIXED_RATE_RPS,
-          sonnet_rate: float = SONNET_RATE_RPS, sonnet_tokenizer: str | None = SONNET_TOKENIZER) -> list[Path]:
+def build(
+    out: Path,
+    source: Path | None,
+    mixed_rate: float = MIXED_RATE_RPS,
+    sonnet_rate: float = SONNET_RATE_RPS,
+    sonnet_tokenizer: str | None = SONNET_TOKENIZER,
+) -> list[Path]:
     """Write the bundled files into ``out``; with ``source`` None only the synthetic traces
     (mixed.json then samples the bundled Azure conversation hour) and the vendored files.
     Returns the files written."""
@@ -166,8 +184,10 @@ def build(out: Path, source: Path | None, mixed_rate: float = MIXED_RATE_RPS,
 
 def _stats_row(name: str, tr: Trace) -> str:
     s = trace_stats(tr)
-    return (f"| {name} | {s['requests']:,} | {s['duration_s']:.1f} | {s['mean_rate_rps']:.3g} | "
-            f"{s['prompt_p50']:.0f} / {s['prompt_p99']:.0f} | {s['output_p50']:.0f} / {s['output_p99']:.0f} |")
+    return (
+        f"| {name} | {s['requests']:,} | {s['duration_s']:.1f} | {s['mean_rate_rps']:.3g} | "
+        f"{s['prompt_p50']:.0f} / {s['prompt_p99']:.0f} | {s['output_p50']:.0f} / {s['output_p99']:.0f} |"
+    )
 
 
 def render_readme(data: Path, mixed_rate: float, sonnet_rate: float) -> str:
@@ -176,15 +196,19 @@ def render_readme(data: Path, mixed_rate: float, sonnet_rate: float) -> str:
     w0, w1 = (x // 1000 for x in MOONCAKE_WINDOW_MS)
     sonnet = load(data / "sonnet.json", seed=SEED)
     if any(r.has_text for r in sonnet.requests):
-        sonnet_note = ("Built from the `sonnet` dataset (below) with prefix_len\n"
-                       f"  {SONNET_PARAMS['prefix_len']}: chat prompts of Shakespeare's lines, counted "
-                       "with the tokenizer\n  named in the file's description.")
+        sonnet_note = (
+            "Built from the `sonnet` dataset (below) with prefix_len\n"
+            f"  {SONNET_PARAMS['prefix_len']}: chat prompts of Shakespeare's lines, counted "
+            "with the tokenizer\n  named in the file's description."
+        )
     else:
-        sonnet_note = ("Token counts only, no text: the\n"
-                       "  project has no real tokenizer yet, and a sonnet prompt's length in tokens "
-                       "depends on\n  one. `python -m schedlab.traces.build --sonnet-tokenizer MODULE:CALLABLE` "
-                       "(or `SONNET_TOKENIZER`\n  in `traces/build.py`) rebuilds it from the `sonnet` "
-                       "dataset, with text and that\n  tokenizer's exact counts.")
+        sonnet_note = (
+            "Token counts only, no text: the\n"
+            "  project has no real tokenizer yet, and a sonnet prompt's length in tokens "
+            "depends on\n  one. `python -m schedlab.traces.build --sonnet-tokenizer MODULE:CALLABLE` "
+            "(or `SONNET_TOKENIZER`\n  in `traces/build.py`) rebuilds it from the `sonnet` "
+            "dataset, with text and that\n  tokenizer's exact counts."
+        )
     return f"""# Bundled traces
 
 Generated by `python -m schedlab.traces.build` (do not edit by hand: change `traces/build.py` or
@@ -304,19 +328,34 @@ def _positive_float(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="python -m schedlab.traces.build", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DATA_DIR, help="write here (default: traces/data)")
-    ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE,
-                    help=f"the source traces' directory (default: {DEFAULT_SOURCE})")
-    ap.add_argument("--mixed-rate", type=_positive_float, default=MIXED_RATE_RPS,
-                    help=f"mixed.json request rate (default {MIXED_RATE_RPS:g} req/s)")
-    ap.add_argument("--sonnet-rate", type=_positive_float, default=SONNET_RATE_RPS,
-                    help=f"sonnet.json request rate (default {SONNET_RATE_RPS:g} req/s)")
-    ap.add_argument("--sonnet-tokenizer", default=SONNET_TOKENIZER, metavar="MODULE:CALLABLE",
-                    help="build sonnet.json from the sonnet dataset with this tokenizer "
-                         f"(default: {SONNET_TOKENIZER or 'none: token counts only'})")
-    ap.add_argument("--synthetic-only", action="store_true",
-                    help="write only the generated traces (needs no source)")
-    ap.add_argument("--check", action="store_true",
-                    help="build into a temporary directory and compare with --out; exit 1 on a difference")
+    ap.add_argument(
+        "--source", type=Path, default=DEFAULT_SOURCE, help=f"the source traces' directory (default: {DEFAULT_SOURCE})"
+    )
+    ap.add_argument(
+        "--mixed-rate",
+        type=_positive_float,
+        default=MIXED_RATE_RPS,
+        help=f"mixed.json request rate (default {MIXED_RATE_RPS:g} req/s)",
+    )
+    ap.add_argument(
+        "--sonnet-rate",
+        type=_positive_float,
+        default=SONNET_RATE_RPS,
+        help=f"sonnet.json request rate (default {SONNET_RATE_RPS:g} req/s)",
+    )
+    ap.add_argument(
+        "--sonnet-tokenizer",
+        default=SONNET_TOKENIZER,
+        metavar="MODULE:CALLABLE",
+        help="build sonnet.json from the sonnet dataset with this tokenizer "
+        f"(default: {SONNET_TOKENIZER or 'none: token counts only'})",
+    )
+    ap.add_argument("--synthetic-only", action="store_true", help="write only the generated traces (needs no source)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="build into a temporary directory and compare with --out; exit 1 on a difference",
+    )
     args = ap.parse_args(argv)
     source = None if args.synthetic_only else args.source
     try:
@@ -325,10 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             with tempfile.TemporaryDirectory() as tmp:
                 files = build(Path(tmp), source, args.mixed_rate, args.sonnet_rate, args.sonnet_tokenizer)
-                stale = [f.name for f in files
-                         if not (args.out / f.name).is_file() or not filecmp.cmp(f, args.out / f.name, shallow=False)]
+                stale = [
+                    f.name
+                    for f in files
+                    if not (args.out / f.name).is_file() or not filecmp.cmp(f, args.out / f.name, shallow=False)
+                ]
             if stale:
-                print(f"out of date in {args.out}: {', '.join(stale)} (run python -m schedlab.traces.build)", file=sys.stderr)
+                print(
+                    f"out of date in {args.out}: {', '.join(stale)} (run python -m schedlab.traces.build)",
+                    file=sys.stderr,
+                )
                 return 1
             print(f"{len(files)} files in {args.out} are current")
             return 0

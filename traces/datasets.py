@@ -103,9 +103,16 @@ def length_range(mean: int, range_ratio: float, minimum: int = 0) -> tuple[int, 
     return max(lo, minimum), max(hi, minimum)
 
 
-def random_dataset(n: int = 1000, input_len: int = 1024, output_len: int = 128,
-                   range_ratio: float = 0.0, prefix_len: int = 0, rate: float = INF,
-                   burstiness: float = 1.0, seed: int = 0) -> Trace:
+def random_dataset(
+    n: int = 1000,
+    input_len: int = 1024,
+    output_len: int = 128,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    rate: float = INF,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> Trace:
     """vLLM's RandomDataset as token counts: input uniform in the range around input_len
     (plus the shared prefix_len), output uniform around output_len (at least 1)."""
     _check_common(n, output_len, prefix_len, rate, burstiness)
@@ -115,20 +122,25 @@ def random_dataset(n: int = 1000, input_len: int = 1024, output_len: int = 128,
     in_lo, in_hi = length_range(input_len, range_ratio)
     out_lo, out_hi = length_range(output_len, range_ratio, minimum=1)
     if prefix_len + in_lo < 1:
-        raise TraceError(f"random: the shortest prompt would be empty (prefix_len {prefix_len} + "
-                         f"floor(input_len {input_len} x (1 - range_ratio {range_ratio:g})) = 0): "
-                         f"raise input_len or prefix_len, or lower range_ratio")
+        raise TraceError(
+            f"random: the shortest prompt would be empty (prefix_len {prefix_len} + "
+            f"floor(input_len {input_len} x (1 - range_ratio {range_ratio:g})) = 0): "
+            f"raise input_len or prefix_len, or lower range_ratio"
+        )
     rng = _Rng(f"{seed}:lengths")
     inputs = [rng.integer(in_lo, in_hi) for _ in range(n)]
     outputs = [rng.integer(out_lo, out_hi) for _ in range(n)]
     shared = _prefix_blocks(prefix_len, seed)
     times = request_times(n, rate, burstiness, seed)
-    reqs = [Request(f"r{i:03d}", t, prefix_len + p, o, shared)
-            for i, (t, p, o) in enumerate(zip(times, inputs, outputs))]
-    desc = (f"vLLM random dataset: {n} requests, input {in_lo}-{in_hi} tokens"
-            + (f" after a shared {prefix_len}-token prefix" if prefix_len else "")
-            + f", output {out_lo}-{out_hi} tokens (input_len {input_len}, output_len {output_len}, "
-            f"range_ratio {range_ratio:g}), {_rate_text(rate, burstiness)} (seed {seed})")
+    reqs = [
+        Request(f"r{i:03d}", t, prefix_len + p, o, shared) for i, (t, p, o) in enumerate(zip(times, inputs, outputs))
+    ]
+    desc = (
+        f"vLLM random dataset: {n} requests, input {in_lo}-{in_hi} tokens"
+        + (f" after a shared {prefix_len}-token prefix" if prefix_len else "")
+        + f", output {out_lo}-{out_hi} tokens (input_len {input_len}, output_len {output_len}, "
+        f"range_ratio {range_ratio:g}), {_rate_text(rate, burstiness)} (seed {seed})"
+    )
     return Trace(name="random", description=desc, requests=reqs)
 
 
@@ -138,8 +150,10 @@ def _prefix_blocks(prefix_len: int, seed: int) -> tuple[int, ...] | None:
     k = prefix_len // BLOCK_TOKENS
     if k == 0:
         return None
-    return tuple(int.from_bytes(hashlib.blake2b(f"random-prefix:{seed}:{i}".encode(),
-                                                digest_size=7).digest(), "little") for i in range(k))
+    return tuple(
+        int.from_bytes(hashlib.blake2b(f"random-prefix:{seed}:{i}".encode(), digest_size=7).digest(), "little")
+        for i in range(k)
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,15 +183,25 @@ class _Counter:
         return len(encode(self.tokenizer, text))
 
 
-def sonnet_dataset(tokenizer: Any, n: int = 1000, input_len: int = 550, output_len: int = 150,
-                   prefix_len: int = 200, rate: float = INF, burstiness: float = 1.0,
-                   seed: int = 0, lines: list[str] | None = None) -> Trace:
+def sonnet_dataset(
+    tokenizer: Any,
+    n: int = 1000,
+    input_len: int = 550,
+    output_len: int = 150,
+    prefix_len: int = 200,
+    rate: float = INF,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    lines: list[str] | None = None,
+) -> Trace:
     """vLLM's SonnetDataset with prompts of exactly ``input_len`` tokens (see the module)."""
     if tokenizer is None:
-        raise TraceError("sonnet: its prompts are cut to input_len tokens with the model's "
-                         "tokenizer, and vLLM's sonnet dataset has no token estimate either: give "
-                         "--model to count tokens with its tokenizer (in Python: "
-                         "traces.load(spec, tokenizer=...))")
+        raise TraceError(
+            "sonnet: its prompts are cut to input_len tokens with the model's "
+            "tokenizer, and vLLM's sonnet dataset has no token estimate either: give "
+            "--model to count tokens with its tokenizer (in Python: "
+            "traces.load(spec, tokenizer=...))"
+        )
     _check_common(n, output_len, prefix_len, rate, burstiness)
     _check_int(input_len, "input_len", 1)
     if prefix_len > input_len:
@@ -187,8 +211,7 @@ def sonnet_dataset(tokenizer: Any, n: int = 1000, input_len: int = 550, output_l
     avg = sum(len(encode(tokenizer, line)) for line in lines) / len(lines)
     base = count(SONNET_BASE_PROMPT)
     if input_len <= base:
-        raise TraceError(f"sonnet: input_len ({input_len}) must be more than the base prompt's "
-                         f"{base} tokens")
+        raise TraceError(f"sonnet: input_len ({input_len}) must be more than the base prompt's {base} tokens")
     n_input = round((input_len - base) / avg)
     n_prefix = max(round((prefix_len - base) / avg), 0)
     pool = (lines * (n_prefix // len(lines) + 1))[:n_prefix]  # past the file's end it repeats
@@ -197,8 +220,7 @@ def sonnet_dataset(tokenizer: Any, n: int = 1000, input_len: int = 550, output_l
         n_prefix -= 1
         prefix = SONNET_BASE_PROMPT + "".join(pool[:n_prefix])
     rng = _Rng(f"{seed}:lines")
-    texts = [_fill(prefix, lines, rng, count, input_len, max(n_input - n_prefix, 0), i)
-             for i in range(n)]
+    texts = [_fill(prefix, lines, rng, count, input_len, max(n_input - n_prefix, 0), i) for i in range(n)]
     times = request_times(n, rate, burstiness, seed)
     reqs = []
     for i, (t, text) in enumerate(zip(times, texts)):
@@ -207,15 +229,18 @@ def sonnet_dataset(tokenizer: Any, n: int = 1000, input_len: int = 550, output_l
         else:
             reqs.append(Request(f"s{i:03d}", t, input_len, output_len, prompt=text))
     form = "chat prompts (one user message, chat template counted)" if count.chat else "plain prompts"
-    desc = (f"vLLM sonnet dataset: {n} {form} of exactly {input_len} tokens, {output_len} output "
-            f"tokens; shared prefix: the base prompt and the first {n_prefix} sonnet lines "
-            f"(prefix_len {prefix_len}, {count(prefix)} tokens on their own); {_rate_text(rate, burstiness)} "
-            f"(seed {seed}; tokenizer {type(tokenizer).__name__})")
+    desc = (
+        f"vLLM sonnet dataset: {n} {form} of exactly {input_len} tokens, {output_len} output "
+        f"tokens; shared prefix: the base prompt and the first {n_prefix} sonnet lines "
+        f"(prefix_len {prefix_len}, {count(prefix)} tokens on their own); {_rate_text(rate, burstiness)} "
+        f"(seed {seed}; tokenizer {type(tokenizer).__name__})"
+    )
     return Trace(name="sonnet", description=desc, requests=reqs)
 
 
-def _fill(prefix: str, lines: list[str], rng: _Rng, count: Callable[[str], int], target: int,
-          k: int, index: int) -> str:
+def _fill(
+    prefix: str, lines: list[str], rng: _Rng, count: Callable[[str], int], target: int, k: int, index: int
+) -> str:
     """``prefix`` + random lines + the start of one more line, ``target`` tokens exactly."""
     extra = [rng.pick(lines) for _ in range(k)]
     text = prefix + "".join(extra)
@@ -236,8 +261,10 @@ def _fill(prefix: str, lines: list[str], rng: _Rng, count: Callable[[str], int],
             return text + line[:cut]
         misses += 1  # no cut of this line lands on the target: try another line
         if misses > 20:
-            raise TraceError(f"sonnet: request s{index:03d}: no cut of 20 lines gives exactly "
-                             f"{target} tokens with this tokenizer (at {c} tokens before the cut)")
+            raise TraceError(
+                f"sonnet: request s{index:03d}: no cut of 20 lines gives exactly "
+                f"{target} tokens with this tokenizer (at {c} tokens before the cut)"
+            )
     if c != target:  # only the prefix alone can overshoot, and the caller made room for it
         raise TraceError(f"sonnet: request s{index:03d}: the prompt is {c} tokens, over input_len {target}")
     return text
@@ -377,6 +404,17 @@ def from_spec(spec: str, seed: int = 0, tokenizer: Any = None) -> Trace:
         raise TraceError(msg if msg.startswith(f"{name}:") else f"{name}: {msg}") from None
 
 
-__all__ = ["request_times", "length_range", "random_dataset", "sonnet_lines", "sonnet_dataset",
-           "dataset_name", "parse_spec", "from_spec", "PARAMS", "NAMES", "SONNET_FILE",
-           "SONNET_BASE_PROMPT"]
+__all__ = [
+    "request_times",
+    "length_range",
+    "random_dataset",
+    "sonnet_lines",
+    "sonnet_dataset",
+    "dataset_name",
+    "parse_spec",
+    "from_spec",
+    "PARAMS",
+    "NAMES",
+    "SONNET_FILE",
+    "SONNET_BASE_PROMPT",
+]

@@ -89,16 +89,28 @@ def poisson_arrivals(n: int, rate: float, rng: _Rng, exact_rate: bool = True) ->
 
 def length_pairs(source: Trace, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
     """(prompt, output) pairs of ``source``'s requests that fit both limits, in trace order."""
-    pairs = [(r.prompt_tokens, r.output_tokens) for r in source.requests
-             if r.prompt_tokens <= max_prompt and r.output_tokens <= max_output]
+    pairs = [
+        (r.prompt_tokens, r.output_tokens)
+        for r in source.requests
+        if r.prompt_tokens <= max_prompt and r.output_tokens <= max_output
+    ]
     if not pairs:
         raise TraceError(f"{source.name}: no request fits prompt <= {max_prompt}, output <= {max_output}")
     return pairs
 
 
-def mixed(source: Trace, rate: float, seed: int = 0, n: int = 300, long_fraction: float = 0.1,
-          max_prompt: int = 1024, max_output: int = 256, long_prompt: tuple[int, int] = (3000, 8000),
-          long_output: tuple[int, int] = (32, 256), long_after: int = 10) -> Trace:
+def mixed(
+    source: Trace,
+    rate: float,
+    seed: int = 0,
+    n: int = 300,
+    long_fraction: float = 0.1,
+    max_prompt: int = 1024,
+    max_output: int = 256,
+    long_prompt: tuple[int, int] = (3000, 8000),
+    long_output: tuple[int, int] = (32, 256),
+    long_after: int = 10,
+) -> Trace:
     """Chat traffic with some long-context prompts, Poisson arrivals at ``rate`` req/s.
 
     Chat requests take (prompt, output) pairs drawn uniformly, with replacement, from the
@@ -121,11 +133,13 @@ def mixed(source: Trace, rate: float, seed: int = 0, n: int = 300, long_fraction
         else:
             p, o = rng.pick(pairs)
             reqs.append(Request(f"c{i:03d}", t, p, o))
-    desc = (f"{n} requests, Poisson arrivals at {rate:g} req/s (seed {seed}): {n - n_long} chat "
-            f"requests with (prompt, output) pairs drawn from the Azure 2023 conversation hour "
-            f"among those with prompt <= {max_prompt} and output <= {max_output}, and {n_long} "
-            f"long-context requests (prompt {long_prompt[0]}-{long_prompt[1]}, output "
-            f"{long_output[0]}-{long_output[1]}, ids L###) arriving among the others")
+    desc = (
+        f"{n} requests, Poisson arrivals at {rate:g} req/s (seed {seed}): {n - n_long} chat "
+        f"requests with (prompt, output) pairs drawn from the Azure 2023 conversation hour "
+        f"among those with prompt <= {max_prompt} and output <= {max_output}, and {n_long} "
+        f"long-context requests (prompt {long_prompt[0]}-{long_prompt[1]}, output "
+        f"{long_output[0]}-{long_output[1]}, ids L###) arriving among the others"
+    )
     return Trace(name="mixed", description=desc, requests=reqs)
 
 
@@ -143,9 +157,11 @@ def long_context(seed: int = 0, n_long: int = 4, n_short: int = 8) -> Trace:
             reqs.append(Request(f"L{i:03d}", t, rng.integer(8000, 16000), rng.integer(128, 512)))
         else:
             reqs.append(Request(f"c{i:03d}", t, rng.integer(64, 512), rng.integer(32, 128)))
-    desc = (f"{n_long} long prompts (8k-16k tokens, outputs 128-512) arriving within 1 s, and "
-            f"{n_short} short chat requests (prompts 64-512, outputs 32-128) arriving over "
-            f"0.1-10 s while the long ones run (seed {seed})")
+    desc = (
+        f"{n_long} long prompts (8k-16k tokens, outputs 128-512) arriving within 1 s, and "
+        f"{n_short} short chat requests (prompts 64-512, outputs 32-128) arriving over "
+        f"0.1-10 s while the long ones run (seed {seed})"
+    )
     return Trace(name="long-context", description=desc, requests=reqs)
 
 
@@ -155,8 +171,10 @@ def sonnet(rate: float, seed: int = 0, n: int = 100, prompt: int = 1024, output:
     rate = _check_rate(rate, "sonnet rate")
     rng = _Rng(seed)
     reqs = [Request(f"s{i:03d}", t, prompt, output) for i, t in enumerate(poisson_arrivals(n, rate, rng))]
-    desc = (f"{n} requests of {prompt} prompt / {output} output tokens (vLLM's sonnet benchmark "
-            f"shape), Poisson arrivals at {rate:g} req/s (seed {seed})")
+    desc = (
+        f"{n} requests of {prompt} prompt / {output} output tokens (vLLM's sonnet benchmark "
+        f"shape), Poisson arrivals at {rate:g} req/s (seed {seed})"
+    )
     return Trace(name="sonnet", description=desc, requests=reqs)
 
 
@@ -166,8 +184,10 @@ def real_smoke(seed: int = 0, n: int = 10, span_s: float = 3.0) -> Trace:
     rng = _Rng(seed)
     times = sorted([0.0, 0.0] + [_t(rng.uniform(0.2, span_s)) for _ in range(n - 2)])
     reqs = [Request(f"c{i:03d}", t, rng.integer(16, 256), rng.integer(8, 48)) for i, t in enumerate(times)]
-    desc = (f"{n} small requests for real runs (prompts 16-256, outputs 8-48): two at 0 s, the "
-            f"rest arriving over 0.2-{span_s:g} s while others decode (seed {seed})")
+    desc = (
+        f"{n} small requests for real runs (prompts 16-256, outputs 8-48): two at 0 s, the "
+        f"rest arriving over 0.2-{span_s:g} s while others decode (seed {seed})"
+    )
     return Trace(name="real-smoke", description=desc, requests=reqs)
 
 
@@ -185,14 +205,15 @@ def real_mixed(seed: int = 0, n: int = 28, n_long: int = 5, rate: float = 1.5) -
             reqs.append(Request(f"L{i:03d}", t, rng.integer(1000, 2000), rng.integer(16, 48)))
         else:
             reqs.append(Request(f"c{i:03d}", t, rng.integer(32, 256), rng.integer(16, 64)))
-    desc = (f"{n} requests for real runs, Poisson arrivals at {rate:g} req/s (seed {seed}): "
-            f"{n - n_long} short (prompts 32-256, outputs 16-64) and {n_long} long (prompts "
-            f"1000-2000, outputs 16-48, ids L###) overlapping them")
+    desc = (
+        f"{n} requests for real runs, Poisson arrivals at {rate:g} req/s (seed {seed}): "
+        f"{n - n_long} short (prompts 32-256, outputs 16-64) and {n_long} long (prompts "
+        f"1000-2000, outputs 16-48, ids L###) overlapping them"
+    )
     return Trace(name="real-mixed", description=desc, requests=reqs)
 
 
-def azure_slice(conv: Trace, n: int, start_s: float, prompt: float, output: float, rate: float,
-                name: str) -> Trace:
+def azure_slice(conv: Trace, n: int, start_s: float, prompt: float, output: float, rate: float, name: str) -> Trace:
     """``n`` consecutive requests of a real trace (the Azure 2023 conversation hour) from
     ``start_s``: their order, burstiness and prompt/output mix as served, lengths scaled by
     ``prompt`` and ``output`` (rounded half up, never below 1) and arrival times rescaled to
@@ -201,10 +222,22 @@ def azure_slice(conv: Trace, n: int, start_s: float, prompt: float, output: floa
     from .transforms import head, scale_lengths, to_rate, window
 
     tr = to_rate(scale_lengths(head(window(conv, start_s, math.inf), n), prompt, output), rate)
-    desc = (f"{n} consecutive requests of the Azure 2023 conversation hour from {start_s:g} s, "
-            f"prompts x{prompt:g}, outputs x{output:g}, arrivals rescaled to {rate:g} req/s")
-    return Trace(name=name, description=desc,
-                 requests=[replace(r, arrival_s=round(r.arrival_s, 6)) for r in tr.requests])
+    desc = (
+        f"{n} consecutive requests of the Azure 2023 conversation hour from {start_s:g} s, "
+        f"prompts x{prompt:g}, outputs x{output:g}, arrivals rescaled to {rate:g} req/s"
+    )
+    return Trace(
+        name=name, description=desc, requests=[replace(r, arrival_s=round(r.arrival_s, 6)) for r in tr.requests]
+    )
 
 
-__all__ = ["poisson_arrivals", "length_pairs", "mixed", "long_context", "sonnet", "real_smoke", "real_mixed", "azure_slice"]
+__all__ = [
+    "poisson_arrivals",
+    "length_pairs",
+    "mixed",
+    "long_context",
+    "sonnet",
+    "real_smoke",
+    "real_mixed",
+    "azure_slice",
+]

@@ -183,8 +183,10 @@ def load_azure_csv(path: str | Path, drop_invalid: bool = False) -> Trace:
     missing = [c for c in AZURE_COLUMNS if c not in header]
     if missing:
         shown = ",".join(header)[:80]
-        raise TraceError(f"{p}: line 1: bad CSV header {shown!r}: expected columns "
-                         f"{','.join(AZURE_COLUMNS)} (missing {', '.join(missing)})")
+        raise TraceError(
+            f"{p}: line 1: bad CSV header {shown!r}: expected columns "
+            f"{','.join(AZURE_COLUMNS)} (missing {', '.join(missing)})"
+        )
     i_ts, i_ctx, i_gen = (header.index(c) for c in AZURE_COLUMNS)
     stamps: list[int] = []
     rows: list[tuple[str, int, int, int]] = []  # (id, line, ctx, gen)
@@ -221,12 +223,13 @@ def load_azure_csv(path: str | Path, drop_invalid: bool = False) -> Trace:
     if not rows:
         raise TraceError(f"{p}: no requests" + (f" ({dropped} unservable rows dropped)" if dropped else ""))
     t0 = min(stamps)
-    reqs = [Request(rid, (ts - t0) / 1e9, ctx, gen)
-            for (rid, _, ctx, gen), ts in zip(rows, stamps)]
+    reqs = [Request(rid, (ts - t0) / 1e9, ctx, gen) for (rid, _, ctx, gen), ts in zip(rows, stamps)]
     first = _dt.datetime.fromtimestamp(t0 // 1_000_000_000, tz=_dt.timezone.utc).replace(tzinfo=None)
-    desc = (f"Azure LLM inference trace 2023 ({p.stem}): {len(reqs)} requests from "
-            f"{first.isoformat(sep=' ')}.{t0 % 1_000_000_000:09d} (CC-BY-4.0; Patel et al., "
-            f"Splitwise, ISCA 2024)")
+    desc = (
+        f"Azure LLM inference trace 2023 ({p.stem}): {len(reqs)} requests from "
+        f"{first.isoformat(sep=' ')}.{t0 % 1_000_000_000:09d} (CC-BY-4.0; Patel et al., "
+        f"Splitwise, ISCA 2024)"
+    )
     if drop_invalid:
         desc += f"; {dropped} unservable row(s) dropped"
     return _trace(p.stem, desc, reqs, p.name)
@@ -289,8 +292,11 @@ def _mooncake_rows(p: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def _mc_int(obj: dict, key: str, at: str, minimum: int) -> int:
     v = obj[key]
-    if (isinstance(v, bool) or not isinstance(v, (int, float))
-            or (isinstance(v, float) and not (math.isfinite(v) and v.is_integer()))):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (isinstance(v, float) and not (math.isfinite(v) and v.is_integer()))
+    ):
         raise TraceError(f"{at}: '{key}' must be an integer, got {v!r}")
     if v < minimum:
         what = {"input_length": "empty prompt", "output_length": "no output"}.get(key, "too small")
@@ -298,8 +304,9 @@ def _mc_int(obj: dict, key: str, at: str, minimum: int) -> int:
     return int(v)
 
 
-def load_mooncake_jsonl(path: str | Path, seed: int = 0, tick_s: float = MOONCAKE_TICK_S,
-                        jitter: bool | str = "auto") -> Trace:
+def load_mooncake_jsonl(
+    path: str | Path, seed: int = 0, tick_s: float = MOONCAKE_TICK_S, jitter: bool | str = "auto"
+) -> Trace:
     """A Mooncake FAST'25 JSONL trace.
 
     ``jitter``: True spreads each request over its tick (:func:`jitter_ticks`, seeded by
@@ -325,8 +332,7 @@ def load_mooncake_jsonl(path: str | Path, seed: int = 0, tick_s: float = MOONCAK
         output = _mc_int(obj, "output_length", at, 1)
         hashes = obj.get("hash_ids")
         if hashes is not None:
-            if not isinstance(hashes, list) or not all(
-                    isinstance(h, int) and not isinstance(h, bool) for h in hashes):
+            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hashes):
                 raise TraceError(f"{at}: 'hash_ids' must be a list of integers")
             hashes = tuple(hashes)
         stamps.append(float(ts))
@@ -338,10 +344,10 @@ def load_mooncake_jsonl(path: str | Path, seed: int = 0, tick_s: float = MOONCAK
     do_jitter = is_quantised(stamps, tick_s) if jitter == "auto" else bool(jitter)
     times = jitter_ticks(stamps, tick_s, seed) if do_jitter else [t / 1000.0 for t in stamps]
     reqs = _rebase([Request(rid, t, pr, out, h) for (rid, pr, out, h), t in zip(fields, times)])
-    how = (f"arrivals jittered within {tick_s:g} s ticks (seed {seed})" if do_jitter
-           else "arrivals as stamped")
-    desc = (f"Mooncake FAST'25 trace ({p.stem}): {len(reqs)} requests, {how} (Apache-2.0; "
-            f"Qin et al., Mooncake, FAST '25)")
+    how = f"arrivals jittered within {tick_s:g} s ticks (seed {seed})" if do_jitter else "arrivals as stamped"
+    desc = (
+        f"Mooncake FAST'25 trace ({p.stem}): {len(reqs)} requests, {how} (Apache-2.0; Qin et al., Mooncake, FAST '25)"
+    )
     return _trace(p.stem, desc, reqs, p.name)
 
 
@@ -373,8 +379,10 @@ def resolve(spec: str | Path) -> Path:
     if p.exists():
         raise TraceError(f"{spec}: not a regular file")
     names = ", ".join(bundled_names()) or "none"
-    raise TraceError(f"trace not found: {spec} (not a file, nor a bundled trace: {names}; "
-                     f"nor a dataset: {', '.join(n + ':key=value,...' for n in datasets.NAMES)})")
+    raise TraceError(
+        f"trace not found: {spec} (not a file, nor a bundled trace: {names}; "
+        f"nor a dataset: {', '.join(n + ':key=value,...' for n in datasets.NAMES)})"
+    )
 
 
 def _is_dataset(spec: str | Path) -> bool:
@@ -386,8 +394,7 @@ def _is_dataset(spec: str | Path) -> bool:
     return ":" in text or not any((DATA_DIR / f"{text}{ext}").is_file() for ext in EXTENSIONS)
 
 
-def load(spec: str | Path, seed: int = 0, tokenizer: Any = None, recount: bool = False,
-         **options: Any) -> Trace:
+def load(spec: str | Path, seed: int = 0, tokenizer: Any = None, recount: bool = False, **options: Any) -> Trace:
     """Load a trace file, a bundled trace by bare name (dispatching on the extension), or
     build a dataset (``random:...``, ``sonnet:...``; see :mod:`traces.datasets`).
 
@@ -424,8 +431,10 @@ def _load_file(spec: str | Path, seed: int, options: dict[str, Any]) -> Trace:
     elif ext == ".jsonl":
         loader, allowed = (lambda: load_mooncake_jsonl(path, seed=seed, **options)), {"tick_s", "jitter"}
     else:
-        raise TraceError(f"{path}: unknown trace format {ext or '(no extension)'!r}: "
-                         f"expected .json, .csv (Azure 2023) or .jsonl (Mooncake)")
+        raise TraceError(
+            f"{path}: unknown trace format {ext or '(no extension)'!r}: "
+            f"expected .json, .csv (Azure 2023) or .jsonl (Mooncake)"
+        )
     bad = sorted(set(options) - allowed)
     if bad:
         raise TraceError(f"{path}: option(s) {', '.join(bad)} do not apply to {ext} traces")

@@ -103,8 +103,11 @@ class Trace:
 
 def _int_field(row: dict, key: str, where: str) -> int:
     value = row.get(key)
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
+    ):
         raise TraceError(f"{where}: '{key}' must be an integer, got {value!r}")
     return int(value)
 
@@ -114,20 +117,22 @@ def messages_from_json(value: Any, at: str) -> tuple[tuple[str, str], ...]:
     TraceError for anything else (not a non-empty list, an item not an object, a missing,
     extra or non-string field, an unknown role)."""
     if not isinstance(value, list) or not value:
-        raise TraceError(f"{at}: 'messages' must be a non-empty list of "
-                         f"{{\"role\", \"content\"}} objects, got {_short(value)}")
+        raise TraceError(
+            f'{at}: \'messages\' must be a non-empty list of {{"role", "content"}} objects, got {_short(value)}'
+        )
     out = []
     for i, m in enumerate(value):
         where = f"{at}: messages[{i}]"
         if not isinstance(m, dict):
-            raise TraceError(f"{where}: expected a {{\"role\", \"content\"}} object, got {_short(m)}")
+            raise TraceError(f'{where}: expected a {{"role", "content"}} object, got {_short(m)}')
         missing = [k for k in ("role", "content") if k not in m]
         if missing:
             raise TraceError(f"{where}: missing {', '.join(repr(k) for k in missing)}")
         extra = sorted(set(m) - {"role", "content"})
         if extra:
-            raise TraceError(f"{where}: unsupported field(s) {', '.join(map(repr, extra))} "
-                             f"(a message is {{\"role\", \"content\"}})")
+            raise TraceError(
+                f'{where}: unsupported field(s) {", ".join(map(repr, extra))} (a message is {{"role", "content"}})'
+            )
         role, content = m["role"], m["content"]
         if role not in ROLES:
             raise TraceError(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {_short(role)}")
@@ -162,17 +167,14 @@ def request_from_json(row: Any, index: int, where: str) -> Request:
         raise TraceError(f"{at}: 'arrival_s' must be a finite number, got {arrival!r}")
     prefix = row.get("prefix_ids")
     if prefix is not None:
-        if not isinstance(prefix, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in prefix
-        ):
+        if not isinstance(prefix, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in prefix):
             raise TraceError(f"{at}: 'prefix_ids' must be a list of integers")
         prefix = tuple(prefix)
     prompt, messages = row.get("prompt"), row.get("messages")
     if prompt is not None and messages is not None:
         raise TraceError(f"{at}: give either 'prompt' or 'messages', not both")
     if "prompt_tokens" not in row and prompt is None and messages is None:
-        raise TraceError(f"{at}: no prompt: give 'prompt_tokens' (a count), 'prompt' (text) "
-                         f"or 'messages' (a chat)")
+        raise TraceError(f"{at}: no prompt: give 'prompt_tokens' (a count), 'prompt' (text) or 'messages' (a chat)")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise TraceError(f"{at}: 'prompt' must be a string, got {_short(prompt)}")
@@ -206,7 +208,9 @@ def validate_requests(requests: Iterable[Request], where: str = "trace") -> None
             if not r.has_text:
                 raise TraceError(f"{where}: request {r.id}: no prompt: neither prompt_tokens nor text")
         elif r.prompt_tokens < 1:
-            raise TraceError(f"{where}: request {r.id}: empty prompt: prompt_tokens must be >= 1, got {r.prompt_tokens}")
+            raise TraceError(
+                f"{where}: request {r.id}: empty prompt: prompt_tokens must be >= 1, got {r.prompt_tokens}"
+            )
         if r.output_tokens < 1:
             raise TraceError(f"{where}: request {r.id}: output_tokens must be >= 1, got {r.output_tokens}")
         if not (r.arrival_s >= 0 and math.isfinite(r.arrival_s)):

@@ -29,9 +29,11 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from .schema import Request, Trace, TraceError
 
 #: What to tell a user whose trace has text without token counts.
-HOW_TO_COUNT = ("count them with the model's tokenizer (give --model; in Python, "
-                "traces.load(spec, tokenizer=...) or traces.tokenize(trace, tokenizer)) "
-                "or write prompt_tokens into the trace")
+HOW_TO_COUNT = (
+    "count them with the model's tokenizer (give --model; in Python, "
+    "traces.load(spec, tokenizer=...) or traces.tokenize(trace, tokenizer)) "
+    "or write prompt_tokens into the trace"
+)
 
 
 @runtime_checkable
@@ -64,8 +66,7 @@ def _takes_generation_prompt(fn: Any) -> bool:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return "add_generation_prompt" in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return "add_generation_prompt" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -86,8 +87,10 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """The token ids of a chat as the model sees it (template, generation prompt included)."""
     fn = getattr(tokenizer, "apply_chat_template", None)
     if not callable(fn):
-        raise TraceError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template "
-                         f"(apply_chat_template): cannot count a request given as 'messages'")
+        raise TraceError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template "
+            f"(apply_chat_template): cannot count a request given as 'messages'"
+        )
     try:
         out = fn(messages, add_generation_prompt=True) if _takes_generation_prompt(fn) else fn(messages)
     except TraceError:
@@ -124,8 +127,7 @@ def tokenize(trace: Trace, tokenizer: Any, recount: bool = False) -> Trace:
             except TraceError as exc:
                 raise TraceError(f"{trace.name}: request {r.id}: {exc}") from None
             if n < 1:
-                raise TraceError(f"{trace.name}: request {r.id}: empty prompt: the tokenizer "
-                                 f"gives its text 0 tokens")
+                raise TraceError(f"{trace.name}: request {r.id}: empty prompt: the tokenizer gives its text 0 tokens")
             r = replace(r, prompt_tokens=n)
         reqs.append(r)
     return Trace(name=trace.name, description=trace.description, requests=reqs)
@@ -136,9 +138,11 @@ def require_counts(trace: Trace) -> Trace:
     saying how many requests need counting and how to count them."""
     missing = trace.uncounted
     if missing:
-        raise TraceError(f"{trace.name}: {len(missing)} of {len(trace)} request(s) have text but "
-                         f"no prompt_tokens (first: {missing[0].id}); the simulation needs token "
-                         f"counts: {HOW_TO_COUNT}")
+        raise TraceError(
+            f"{trace.name}: {len(missing)} of {len(trace)} request(s) have text but "
+            f"no prompt_tokens (first: {missing[0].id}); the simulation needs token "
+            f"counts: {HOW_TO_COUNT}"
+        )
     return trace
 
 

@@ -54,8 +54,7 @@ def scale_rate(trace: Trace, k: float) -> Trace:
     The arrival pattern's shape (burstiness, order, lengths) is unchanged.
     """
     k = _positive(k, "rate scale k")
-    return _derive(trace, [replace(r, arrival_s=r.arrival_s / k) for r in trace.requests],
-                   f"rate x{k:g}")
+    return _derive(trace, [replace(r, arrival_s=r.arrival_s / k) for r in trace.requests], f"rate x{k:g}")
 
 
 def to_rate(trace: Trace, rps: float) -> Trace:
@@ -63,11 +62,11 @@ def to_rate(trace: Trace, rps: float) -> Trace:
     rps = _positive(rps, "target rate (requests/s)")
     current = mean_rate(trace)
     if current <= 0:
-        raise TraceError(f"{trace.name}: cannot set a rate: it needs at least two requests "
-                         f"arriving at different times")
+        raise TraceError(f"{trace.name}: cannot set a rate: it needs at least two requests arriving at different times")
     out = scale_rate(trace, rps / current)
-    out.description = (f"{trace.description}; rate set to {rps:g} req/s" if trace.description
-                       else f"rate set to {rps:g} req/s")
+    out.description = (
+        f"{trace.description}; rate set to {rps:g} req/s" if trace.description else f"rate set to {rps:g} req/s"
+    )
     return out
 
 
@@ -85,13 +84,25 @@ def scale_lengths(trace: Trace, prompt: float = 1.0, output: float = 1.0) -> Tra
     fp = _positive(prompt, "prompt length factor")
     fo = _positive(output, "output length factor")
     if fp != 1.0 and trace.uncounted:
-        raise TraceError(f"{trace.name}: request {trace.uncounted[0].id} has text but no prompt_tokens: "
-                         f"count the trace's tokens before scaling its prompts")
-    reqs = [r if fp == 1.0 and fo == 1.0 else
-            replace(r, output_tokens=_scaled(r.output_tokens, fo)) if fp == 1.0 else
-            replace(r, prompt_tokens=_scaled(r.prompt_tokens, fp), output_tokens=_scaled(r.output_tokens, fo),
-                    prefix_ids=None, prompt=None, messages=None)
-            for r in trace.requests]
+        raise TraceError(
+            f"{trace.name}: request {trace.uncounted[0].id} has text but no prompt_tokens: "
+            f"count the trace's tokens before scaling its prompts"
+        )
+    reqs = [
+        r
+        if fp == 1.0 and fo == 1.0
+        else replace(r, output_tokens=_scaled(r.output_tokens, fo))
+        if fp == 1.0
+        else replace(
+            r,
+            prompt_tokens=_scaled(r.prompt_tokens, fp),
+            output_tokens=_scaled(r.output_tokens, fo),
+            prefix_ids=None,
+            prompt=None,
+            messages=None,
+        )
+        for r in trace.requests
+    ]
     return _derive(trace, reqs, f"lengths x{fp:g} prompt, x{fo:g} output")
 
 

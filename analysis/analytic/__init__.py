@@ -28,11 +28,34 @@ from .roofline import AnalyticCostModel, Forward, kv_capacity_tokens
 from .serving import ServingCostModel
 
 __all__ = [
-    "AnalyticCostModel", "AnalyticError", "Efficiency", "FitResult", "Forward", "Hardware", "ModelSpec",
-    "analytic_from_config", "bundled_model_configs", "fit_efficiency", "kv_capacity_tokens", "list_hardware",
-    "load_hardware", "load_model_config", "make_analytic_cost_model", "measure_cpu", "model_spec", "refit",
-    "BLOCK_KEY", "block_mismatch", "efficiency_from_block", "fit_local", "shape_from_sample",
-    "ENGINES", "ServingCostModel", "ServingEfficiency", "engine_kind", "predict_pass",
+    "AnalyticCostModel",
+    "AnalyticError",
+    "Efficiency",
+    "FitResult",
+    "Forward",
+    "Hardware",
+    "ModelSpec",
+    "analytic_from_config",
+    "bundled_model_configs",
+    "fit_efficiency",
+    "kv_capacity_tokens",
+    "list_hardware",
+    "load_hardware",
+    "load_model_config",
+    "make_analytic_cost_model",
+    "measure_cpu",
+    "model_spec",
+    "refit",
+    "BLOCK_KEY",
+    "block_mismatch",
+    "efficiency_from_block",
+    "fit_local",
+    "shape_from_sample",
+    "ENGINES",
+    "ServingCostModel",
+    "ServingEfficiency",
+    "engine_kind",
+    "predict_pass",
 ]
 
 
@@ -65,11 +88,27 @@ def analytic_from_config(
         hardware = load_hardware(hw, engine=engine)
     spec = model_spec(config, name or str(config.get("_name_or_path") or config.get("model_type") or "model"))
     if hardware.serving is not None and efficiency is None:
-        return ServingCostModel(hardware, spec, quant, serving=hardware.serving, kv_bits=kv_bits,
-                                compute_dtype=compute_dtype, group_size=group_size)
-    return AnalyticCostModel(hardware, spec, quant, kv_bits=kv_bits, style=style, compute_dtype=compute_dtype,
-                             efficiency=efficiency, group_size=group_size, lazy_prefill=lazy_prefill,
-                             causal_skip=causal_skip)
+        return ServingCostModel(
+            hardware,
+            spec,
+            quant,
+            serving=hardware.serving,
+            kv_bits=kv_bits,
+            compute_dtype=compute_dtype,
+            group_size=group_size,
+        )
+    return AnalyticCostModel(
+        hardware,
+        spec,
+        quant,
+        kv_bits=kv_bits,
+        style=style,
+        compute_dtype=compute_dtype,
+        efficiency=efficiency,
+        group_size=group_size,
+        lazy_prefill=lazy_prefill,
+        causal_skip=causal_skip,
+    )
 
 
 def make_analytic_cost_model(
@@ -100,8 +139,9 @@ def make_analytic_cost_model(
     return cost, capacity, meta
 
 
-def predict_pass(hardware: Hardware | str, model_config: Any, shape: Any, engine: str | None = "vllm",
-                 quant: int | None = None) -> float:
+def predict_pass(
+    hardware: Hardware | str, model_config: Any, shape: Any, engine: str | None = "vllm", quant: int | None = None
+) -> float:
     """Seconds of one pass: the easy entry point for checking against measured passes.
 
     ``hardware``: a preset name (``h100-sxm``, ``a100-80gb-sxm``, ...) or a Hardware;
@@ -121,7 +161,9 @@ def predict_pass(hardware: Hardware | str, model_config: Any, shape: Any, engine
     if not isinstance(shape, PassShape):
         if not isinstance(shape, Mapping):
             raise AnalyticError("shape must be a PassShape or a dict with 'decode' and/or 'prefill'")
-        shape = PassShape(decode_contexts=tuple(int(c) for c in shape.get("decode", ())),
-                          prefill=tuple((int(n), int(b)) for n, b in shape.get("prefill", ())))
+        shape = PassShape(
+            decode_contexts=tuple(int(c) for c in shape.get("decode", ())),
+            prefill=tuple((int(n), int(b)) for n, b in shape.get("prefill", ())),
+        )
     cm = analytic_from_config(hardware, cfg, quant, name=name, engine=engine)
     return cm.pass_seconds(shape)

@@ -21,9 +21,11 @@ def main(argv: list[str] | None = None) -> int:
 
             for name, res in refit(write="--dry-run" not in args).items():
                 e = res.efficiency
-                print(f"{name:14s} compute {e.compute:.3f} bandwidth {e.bandwidth:.3f} "
-                      f"overhead {e.overhead_per_layer_s * 1e6:6.1f} us/layer  points {len(res.residuals):2d} "
-                      f"max|res| {res.max_abs_residual:6.1%} rms {res.rms_residual:6.1%}")
+                print(
+                    f"{name:14s} compute {e.compute:.3f} bandwidth {e.bandwidth:.3f} "
+                    f"overhead {e.overhead_per_layer_s * 1e6:6.1f} us/layer  points {len(res.residuals):2d} "
+                    f"max|res| {res.max_abs_residual:6.1%} rms {res.rms_residual:6.1%}"
+                )
             return 0
         if cmd == "refit-serving":
             from .kernels import refit_serving
@@ -39,28 +41,37 @@ def main(argv: list[str] | None = None) -> int:
             for name, res in refit_serving(write="--dry-run" not in args, data=data).items():
                 e = res.errors
                 ho = e.get("passes (all), held out") or e.get("linear, held-out models")
-                print(f"{name:14s} tile {res.serving.gemm_tile_tokens} e_c {res.serving.compute[-1]:.3f} "
-                      f"e_b {res.serving.bandwidth:.3f} o {res.serving.overhead_per_layer_s * 1e6:5.1f} us/layer  "
-                      f"held out: median {ho['median_abs']:.1%} worst {ho['worst_abs']:.1%} ({ho['n']} points)")
+                print(
+                    f"{name:14s} tile {res.serving.gemm_tile_tokens} e_c {res.serving.compute[-1]:.3f} "
+                    f"e_b {res.serving.bandwidth:.3f} o {res.serving.overhead_per_layer_s * 1e6:5.1f} us/layer  "
+                    f"held out: median {ho['median_abs']:.1%} worst {ho['worst_abs']:.1%} ({ho['n']} points)"
+                )
             return 0
         if cmd == "table":
-            print(f"{'preset':14s} {'mem GB':>7s} {'GB/s':>7s} {'TFLOPS':>8s} {'dtype':>5s} {'e_c':>6s} {'e_b':>6s} {'o us':>6s}  engine, basis")
+            print(
+                f"{'preset':14s} {'mem GB':>7s} {'GB/s':>7s} {'TFLOPS':>8s} {'dtype':>5s} {'e_c':>6s} {'e_b':>6s} {'o us':>6s}  engine, basis"
+            )
             for name in list_hardware():
                 if name == "cpu-local" and "--measure" not in args:
                     print(f"{name:14s} (measured on first use)")
                     continue
                 hw = load_hardware(name)
                 e = hw.efficiency
-                print(f"{name:14s} {hw.memory_bytes / 1e9:7.0f} {hw.bandwidth / 1e9:7.0f} {hw.peak() / 1e12:8.1f} "
-                      f"{hw.default_compute:>5s} {e.compute:6.3f} {e.bandwidth:6.3f} {e.overhead_per_layer_s * 1e6:6.1f}  "
-                      f"{hw.engine or '-'}, {e.basis}{' from ' + e.extra['from'] if 'from' in e.extra else ''}")
+                print(
+                    f"{name:14s} {hw.memory_bytes / 1e9:7.0f} {hw.bandwidth / 1e9:7.0f} {hw.peak() / 1e12:8.1f} "
+                    f"{hw.default_compute:>5s} {e.compute:6.3f} {e.bandwidth:6.3f} {e.overhead_per_layer_s * 1e6:6.1f}  "
+                    f"{hw.engine or '-'}, {e.basis}{' from ' + e.extra['from'] if 'from' in e.extra else ''}"
+                )
             return 0
     except AnalyticError as exc:
         print(f"analysis.analytic: error: {exc}", file=sys.stderr)
         return 1
-    print(f"usage: python -m schedlab.analysis.analytic [refit [--dry-run] | refit-serving [--data DIR] [--dry-run] | "
-          f"table [--measure]] "
-          f"(got {cmd!r})", file=sys.stderr)
+    print(
+        f"usage: python -m schedlab.analysis.analytic [refit [--dry-run] | refit-serving [--data DIR] [--dry-run] | "
+        f"table [--measure]] "
+        f"(got {cmd!r})",
+        file=sys.stderr,
+    )
     return 2
 
 

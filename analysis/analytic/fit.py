@@ -41,8 +41,16 @@ from schedlab.policies.base import PassShape
 
 from .efficiency import Efficiency
 from .errors import AnalyticError
-from .hardware import (BENCHMARKS_FILE, HARDWARE_DIR, HARDWARE_FILE, DEFAULT_EFFICIENCY, Hardware,
-                       hardware_from_preset, load_hardware, read_hardware_file)
+from .hardware import (
+    BENCHMARKS_FILE,
+    HARDWARE_DIR,
+    HARDWARE_FILE,
+    DEFAULT_EFFICIENCY,
+    Hardware,
+    hardware_from_preset,
+    load_hardware,
+    read_hardware_file,
+)
 from .modelspec import ModelSpec, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward
 
@@ -69,8 +77,12 @@ class FitResult:
         return math.sqrt(sum(r["rel"] ** 2 for r in self.residuals) / len(self.residuals))
 
     def report(self) -> dict[str, Any]:
-        return {"points": len(self.residuals), "fitted": list(self.fitted),
-                "max_abs_residual": round(self.max_abs_residual, 4), "rms_residual": round(self.rms_residual, 4)}
+        return {
+            "points": len(self.residuals),
+            "fitted": list(self.fitted),
+            "max_abs_residual": round(self.max_abs_residual, 4),
+            "rms_residual": round(self.rms_residual, 4),
+        }
 
 
 # ---------------------------------------------------------------------- generic fit
@@ -87,8 +99,9 @@ def _as_model(model: Any) -> ModelSpec:
     raise AnalyticError("fit_efficiency needs a model: a ModelSpec, a config dict, a bundled name or a path")
 
 
-def _sample_forwards(sample: Any, default_cm: AnalyticCostModel | None
-                     ) -> tuple[AnalyticCostModel, list[Forward], float, str]:
+def _sample_forwards(
+    sample: Any, default_cm: AnalyticCostModel | None
+) -> tuple[AnalyticCostModel, list[Forward], float, str]:
     if isinstance(sample, tuple) and len(sample) == 2:
         sample = {"shape": sample[0], "seconds": sample[1]}
     if not isinstance(sample, Mapping):
@@ -112,7 +125,9 @@ def _sample_forwards(sample: Any, default_cm: AnalyticCostModel | None
     return cm, forwards, float(seconds), str(sample.get("label", ""))
 
 
-def _sample_terms(sample: Any, default_cm: AnalyticCostModel | None) -> tuple[list[tuple[float, float, int]], float, str]:
+def _sample_terms(
+    sample: Any, default_cm: AnalyticCostModel | None
+) -> tuple[list[tuple[float, float, int]], float, str]:
     """(per forward: seconds at peak compute, at peak bandwidth, layers), seconds, label."""
     cm, forwards, seconds, label = _sample_forwards(sample, default_cm)
     return [cm.forward_terms(f) for f in forwards], seconds, label
@@ -124,14 +139,28 @@ def _predict(terms, a: float, b: float, o: float) -> float:
 
 
 #: every factor fit_efficiency knows, and where an unfitted optional one falls back
-ALL_PARAMS = ("compute", "attention", "decode_attention", "bandwidth", "copy",
-              "overhead_per_layer_s", "copy_overhead_per_layer_s")
+ALL_PARAMS = (
+    "compute",
+    "attention",
+    "decode_attention",
+    "bandwidth",
+    "copy",
+    "overhead_per_layer_s",
+    "copy_overhead_per_layer_s",
+)
 OPTIONAL_PARAMS = ("attention", "decode_attention", "copy", "copy_overhead_per_layer_s")
 _TIE = {"attention": "compute", "decode_attention": "attention", "copy": "bandwidth"}
 _OVERHEADS = ("overhead_per_layer_s", "copy_overhead_per_layer_s")
 # forward_parts order: mm, attn, dattn, mem, copy, copy events x layers, layers
-_PART_PARAM = ("compute", "attention", "decode_attention", "bandwidth", "copy", "copy_overhead_per_layer_s",
-               "overhead_per_layer_s")
+_PART_PARAM = (
+    "compute",
+    "attention",
+    "decode_attention",
+    "bandwidth",
+    "copy",
+    "copy_overhead_per_layer_s",
+    "overhead_per_layer_s",
+)
 _COMPUTE_PARTS = (0, 1, 2)
 
 
@@ -196,8 +225,11 @@ def fit_efficiency(
     if default_cm is None and model is not None:
         hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware or "cpu-local")
         default_cm = AnalyticCostModel(hw, _as_model(model), quant, kv_bits=kv_bits, style=style)
-    elif default_cm is None and isinstance(hardware, Hardware) and any(
-            not (isinstance(s, Mapping) and "cost_model" in s) for s in samples):
+    elif (
+        default_cm is None
+        and isinstance(hardware, Hardware)
+        and any(not (isinstance(s, Mapping) and "cost_model" in s) for s in samples)
+    ):
         raise AnalyticError("fit_efficiency needs model= for samples without their own cost model")
     rows = []
     for smp in samples:
@@ -208,7 +240,9 @@ def fit_efficiency(
         if k not in ALL_PARAMS:
             raise AnalyticError(f"unknown efficiency factor '{k}' (factors: {', '.join(ALL_PARAMS)})")
     if prior is None:
-        cm0 = default_cm or next((s.get("cost_model") for s in samples if isinstance(s, Mapping) and s.get("cost_model")), None)
+        cm0 = default_cm or next(
+            (s.get("cost_model") for s in samples if isinstance(s, Mapping) and s.get("cost_model")), None
+        )
         prior = cm0.applied if cm0 is not None else DEFAULT_EFFICIENCY["cpu"]
 
     # Each factor is free, held (fixed, or the prior's value) or tied to another (an optional
@@ -269,8 +303,10 @@ def fit_efficiency(
         prev = None
         it = 0
         for it in range(1, max_iter + 1):
-            side = [[sum(v[col[k]] * p[k] for k in _COMPUTE_PARTS) >= v[col[3]] * p[3] for p in parts]
-                    for parts, _, _ in rows]
+            side = [
+                [sum(v[col[k]] * p[k] for k in _COMPUTE_PARTS) >= v[col[3]] * p[3] for p in parts]
+                for parts, _, _ in rows
+            ]
             key = tuple(tuple(s) for s in side)
             if key == prev:
                 break
@@ -278,7 +314,7 @@ def fit_efficiency(
             X = np.zeros((len(rows), len(roots)))
             for i, (parts, _, _) in enumerate(rows):
                 for p, comp in zip(parts, side[i]):
-                    for k in (_COMPUTE_PARTS if comp else (3,)):
+                    for k in _COMPUTE_PARTS if comp else (3,):
                         X[i, col[k]] += p[k]
                     for k in (4, 5, 6):
                         X[i, col[k]] += p[k]
@@ -326,7 +362,7 @@ def fit_efficiency(
     best = alternate(v0.copy())
     for st in starts:  # other starting points (the alternation finds a local optimum)
         vs = v0.copy()
-        for n, x in (st.items() if isinstance(st, Mapping) else ()):
+        for n, x in st.items() if isinstance(st, Mapping) else ():
             if n not in ridx or status[n] != "free":
                 continue
             vs[ridx[n]] = float(x) if n in _OVERHEADS else 1.0 / float(x)
@@ -349,19 +385,27 @@ def fit_efficiency(
                 notes.append(msg)
 
     def final(name: str) -> float | None:
-        if status[name] == "tied" or (name in OPTIONAL_PARAMS and name not in fitted and name not in fixed
-                                      and prior_value(name) is None):
+        if status[name] == "tied" or (
+            name in OPTIONAL_PARAMS and name not in fitted and name not in fixed and prior_value(name) is None
+        ):
             return None
         x = float(v[ridx[name]])
         return x if name in _OVERHEADS else 1.0 / x
 
     copy_ovh = final("copy_overhead_per_layer_s")
-    eff = Efficiency(compute=final("compute"), bandwidth=final("bandwidth"),
-                     overhead_per_layer_s=final("overhead_per_layer_s"),
-                     step_overhead_s=prior.step_overhead_s, basis="fitted", engine=engine or prior.engine,
-                     source=source or f"fit_efficiency on {len(rows)} samples",
-                     attention=final("attention"), decode_attention=final("decode_attention"),
-                     copy=final("copy"), copy_overhead_per_layer_s=copy_ovh or 0.0)
+    eff = Efficiency(
+        compute=final("compute"),
+        bandwidth=final("bandwidth"),
+        overhead_per_layer_s=final("overhead_per_layer_s"),
+        step_overhead_s=prior.step_overhead_s,
+        basis="fitted",
+        engine=engine or prior.engine,
+        source=source or f"fit_efficiency on {len(rows)} samples",
+        attention=final("attention"),
+        decode_attention=final("decode_attention"),
+        copy=final("copy"),
+        copy_overhead_per_layer_s=copy_ovh or 0.0,
+    )
     residuals = []
     for parts, t, label in rows:
         pred = _predict_parts(parts, col, v)
@@ -416,9 +460,14 @@ def point_cost_model(point: Mapping[str, Any], hw: Hardware) -> AnalyticCostMode
     if "weight_gib" in point:  # a GGUF file: its size over the parameters
         bpw = point["weight_gib"] * GIB * 8.0 / m.total_params
     bits = point.get("bits")
-    return AnalyticCostModel(hw, m, None if bpw is not None else bits, bpw=bpw,
-                             group_size=int(point.get("group_size", 64)),
-                             peak_scale=float(point.get("peak_scale", 1.0)))
+    return AnalyticCostModel(
+        hw,
+        m,
+        None if bpw is not None else bits,
+        bpw=bpw,
+        group_size=int(point.get("group_size", 64)),
+        peak_scale=float(point.get("peak_scale", 1.0)),
+    )
 
 
 def point_label(p: Mapping[str, Any]) -> str:
@@ -462,8 +511,11 @@ class PresetFit:
         return math.sqrt(sum(x["rel"] ** 2 for x in r) / len(r)) if r else 0.0
 
     def report(self) -> dict[str, Any]:
-        out = {"points": len(self.residuals), "max_abs_residual": round(self.max_abs_residual, 4),
-               "rms_residual": round(self.rms_residual, 4)}
+        out = {
+            "points": len(self.residuals),
+            "max_abs_residual": round(self.max_abs_residual, 4),
+            "rms_residual": round(self.rms_residual, 4),
+        }
         if self.dense:
             out["dense"] = self.dense.report()
         if self.moe:
@@ -481,8 +533,14 @@ def _samples(points: Sequence[Mapping[str, Any]], hw: Hardware) -> list[dict[str
     out = []
     for p in points:
         forwards, count = point_forwards(p)
-        out.append({"forwards": forwards, "seconds": count / float(p["tok_s"]),
-                    "cost_model": point_cost_model(p, hw), "label": point_label(p)})
+        out.append(
+            {
+                "forwards": forwards,
+                "seconds": count / float(p["tok_s"]),
+                "cost_model": point_cost_model(p, hw),
+                "label": point_label(p),
+            }
+        )
     return out
 
 
@@ -490,8 +548,9 @@ def _bare_hardware(name: str) -> Hardware:
     data = read_hardware_file()
     if name not in data["presets"]:
         raise AnalyticError(f"benchmarks name an unknown preset '{name}'")
-    return hardware_from_preset(name, {k: v for k, v in data["presets"][name].items()
-                                       if k not in ("efficiency", "engines", "default_engine")})
+    return hardware_from_preset(
+        name, {k: v for k, v in data["presets"][name].items() if k not in ("efficiency", "engines", "default_engine")}
+    )
 
 
 def fit_preset(name: str, bench: Mapping[str, Any], done: Mapping[str, PresetFit] | None = None) -> PresetFit:
@@ -515,8 +574,11 @@ def fit_preset(name: str, bench: Mapping[str, Any], done: Mapping[str, PresetFit
             done[src] = fit_preset(src, bench, done)
         fixed[factor] = getattr(done[src].efficiency, factor)
         notes.append(f"{factor} held at {src}'s fitted value ({fixed[factor]:.4g}): {spec.get('why', '')}".rstrip(": "))
-    dense = fit_efficiency(_samples(dense_pts, hw), fixed=fixed, prior=hw.efficiency, engine=engine,
-                           source=source) if dense_pts else None
+    dense = (
+        fit_efficiency(_samples(dense_pts, hw), fixed=fixed, prior=hw.efficiency, engine=engine, source=source)
+        if dense_pts
+        else None
+    )
     if dense is None:
         raise AnalyticError(f"preset '{name}' has MoE points only; fit needs dense points")
     notes += dense.notes
@@ -526,8 +588,13 @@ def fit_preset(name: str, bench: Mapping[str, Any], done: Mapping[str, PresetFit
         moe = fit_efficiency(_samples(moe_pts, hw), prior=eff, engine=engine, source=source)
         notes += [f"moe: {n}" for n in moe.notes]
         me = moe.efficiency
-        moe_block = {"compute": me.compute, "bandwidth": me.bandwidth, "overhead_per_layer_s": me.overhead_per_layer_s,
-                     "basis": "fitted", "source": source + ", MoE points"}
+        moe_block = {
+            "compute": me.compute,
+            "bandwidth": me.bandwidth,
+            "overhead_per_layer_s": me.overhead_per_layer_s,
+            "basis": "fitted",
+            "source": source + ", MoE points",
+        }
         moe_basis = "fitted"
     else:
         ref = bench.get("moe_reference")
@@ -537,30 +604,55 @@ def fit_preset(name: str, bench: Mapping[str, Any], done: Mapping[str, PresetFit
             r = done[ref].efficiency
             rm = r.moe or {}
             if rm:
-                moe_block = {"compute": min(1.0, eff.compute * rm["compute"] / r.compute),
-                             "bandwidth": min(1.0, eff.bandwidth * rm["bandwidth"] / r.bandwidth),
-                             "overhead_per_layer_s": eff.overhead_per_layer_s * (rm["overhead_per_layer_s"] / r.overhead_per_layer_s
-                                                                                if r.overhead_per_layer_s else 1.0),
-                             "basis": "scaled",
-                             "source": f"no MoE figures for this chip: its dense factors times {ref}'s MoE/dense ratios"}
+                moe_block = {
+                    "compute": min(1.0, eff.compute * rm["compute"] / r.compute),
+                    "bandwidth": min(1.0, eff.bandwidth * rm["bandwidth"] / r.bandwidth),
+                    "overhead_per_layer_s": eff.overhead_per_layer_s
+                    * (rm["overhead_per_layer_s"] / r.overhead_per_layer_s if r.overhead_per_layer_s else 1.0),
+                    "basis": "scaled",
+                    "source": f"no MoE figures for this chip: its dense factors times {ref}'s MoE/dense ratios",
+                }
                 moe_basis = f"scaled from {ref}"
             else:
                 moe_block, moe_basis = None, "none"
         else:
             moe_block, moe_basis = None, "none"
     if moe_block:
-        eff = Efficiency(eff.compute, eff.bandwidth, eff.overhead_per_layer_s, eff.step_overhead_s, "fitted",
-                         eff.engine, eff.source, moe=moe_block)
+        eff = Efficiency(
+            eff.compute,
+            eff.bandwidth,
+            eff.overhead_per_layer_s,
+            eff.step_overhead_s,
+            "fitted",
+            eff.engine,
+            eff.source,
+            moe=moe_block,
+        )
     checks = []
     for p in mine:
         if p.get("role", "fit") == "fit":
             continue
         pred = predict_point(p, hw, eff)
         pub = float(p["tok_s"])
-        checks.append({"label": point_label(p), "published": pub, "predicted": pred, "rel": pub / pred - 1.0,
-                       "reason": p.get("reason", "")})
-    return PresetFit(preset=name, efficiency=eff, dense=dense, moe=moe, moe_basis=moe_basis,
-                     fit_points=dense_pts + moe_pts, checks=checks, notes=notes)
+        checks.append(
+            {
+                "label": point_label(p),
+                "published": pub,
+                "predicted": pred,
+                "rel": pub / pred - 1.0,
+                "reason": p.get("reason", ""),
+            }
+        )
+    return PresetFit(
+        preset=name,
+        efficiency=eff,
+        dense=dense,
+        moe=moe,
+        moe_basis=moe_basis,
+        fit_points=dense_pts + moe_pts,
+        checks=checks,
+        notes=notes,
+    )
 
 
 def _rounded_block(eff: Efficiency) -> dict[str, Any]:
@@ -571,8 +663,10 @@ def _rounded_block(eff: Efficiency) -> dict[str, Any]:
     for k in ("compute", "bandwidth", "overhead_per_layer_s"):
         block[k] = r(block[k], k)
     if block.get("moe"):
-        block["moe"] = {k: (r(v, k) if k in ("compute", "bandwidth", "overhead_per_layer_s") else v)
-                        for k, v in block["moe"].items()}
+        block["moe"] = {
+            k: (r(v, k) if k in ("compute", "bandwidth", "overhead_per_layer_s") else v)
+            for k, v in block["moe"].items()
+        }
     return block
 
 
@@ -598,8 +692,10 @@ def refit(write: bool = True, bench_path: Path | None = None) -> dict[str, Prese
             block["from"] = src
             if block.get("moe"):
                 block["moe"] = dict(block["moe"], basis="borrowed")
-            block["source"] = (f"no published single-request figures found for this chip; borrowed from {src} "
-                               f"(same family), whose factors were {block['source']}")
+            block["source"] = (
+                f"no published single-request figures found for this chip; borrowed from {src} "
+                f"(same family), whose factors were {block['source']}"
+            )
             data["presets"][name]["efficiency"] = block
         HARDWARE_FILE.write_text(json.dumps(data, indent=2) + "\n")
         (HARDWARE_DIR / "EFFICIENCY.md").write_text(efficiency_report(results, bench))
@@ -609,17 +705,22 @@ def refit(write: bool = True, bench_path: Path | None = None) -> dict[str, Prese
 
 def presets_report(data: Mapping[str, Any]) -> str:
     """A compact table of the presets with every figure's sources (written by ``refit``)."""
-    L = ["# Hardware presets", "",
-         "Generated by `python -m schedlab.analysis.analytic refit` from `hardware.json`; do not edit by hand. Peak TFLOP/s",
-         "are dense (no 2:4 sparsity); the compute column is the dtype the roofline uses (fp16 tensor rate on",
-         "NVIDIA; on Apple GPUs fp16 runs at the fp32 rate). Figures marked * are derived or uncertain: see",
-         "the note beside them in `hardware.json`. `cpu-local` is measured on first use and cached.", "",
-         "Efficiencies belong to an engine: *default engine* is the one `--hardware` uses (`vllm`: a GPU serving",
-         "engine, factors fitted to serving kernels, `SERVING.md`); *published fit* is the `mlx-lm` / `llama.cpp`",
-         "fit to single-request figures (`EFFICIENCY.md`), available as `engine=\"llama.cpp\"` / `\"mlx-lm\"`.",
-         "One GPU per replica: tensor parallelism is not modelled.", "",
-         "| preset | name | memory GB | bandwidth GB/s | peak TFLOP/s (compute dtype) | default engine | published fit (engine, basis) |",
-         "|---|---|---:|---:|---:|---|---|"]
+    L = [
+        "# Hardware presets",
+        "",
+        "Generated by `python -m schedlab.analysis.analytic refit` from `hardware.json`; do not edit by hand. Peak TFLOP/s",
+        "are dense (no 2:4 sparsity); the compute column is the dtype the roofline uses (fp16 tensor rate on",
+        "NVIDIA; on Apple GPUs fp16 runs at the fp32 rate). Figures marked * are derived or uncertain: see",
+        "the note beside them in `hardware.json`. `cpu-local` is measured on first use and cached.",
+        "",
+        "Efficiencies belong to an engine: *default engine* is the one `--hardware` uses (`vllm`: a GPU serving",
+        "engine, factors fitted to serving kernels, `SERVING.md`); *published fit* is the `mlx-lm` / `llama.cpp`",
+        'fit to single-request figures (`EFFICIENCY.md`), available as `engine="llama.cpp"` / `"mlx-lm"`.',
+        "One GPU per replica: tensor parallelism is not modelled.",
+        "",
+        "| preset | name | memory GB | bandwidth GB/s | peak TFLOP/s (compute dtype) | default engine | published fit (engine, basis) |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
     presets = data["presets"]
     for name in sorted(presets):
         p = presets[name]
@@ -642,15 +743,20 @@ def presets_report(data: Mapping[str, Any]) -> str:
             default = f"{default} ({blk.get('basis', '')}{' from ' + blk['from'] if blk.get('from') else ''})"
         else:
             default = f"{pub} (published fit)"
-        L.append(f"| {name} | {p['name']} | {p['memory_gb']['value']:g}{mark(p['memory_gb'])} | "
-                 f"{p['bandwidth_gbs']['value']:g}{mark(p['bandwidth_gbs'])} | {peak['value']:g}{mark(peak)} ({dt}) | "
-                 f"{default} | {pub}, {basis} |")
+        L.append(
+            f"| {name} | {p['name']} | {p['memory_gb']['value']:g}{mark(p['memory_gb'])} | "
+            f"{p['bandwidth_gbs']['value']:g}{mark(p['bandwidth_gbs'])} | {peak['value']:g}{mark(peak)} ({dt}) | "
+            f"{default} | {pub}, {basis} |"
+        )
     L += ["", "## Sources of each figure", ""]
     for name in sorted(presets):
         p = presets[name]
         if name == "cpu-local":
             continue
-        parts = [f"memory {', '.join(p['memory_gb']['sources'])}", f"bandwidth {', '.join(p['bandwidth_gbs']['sources'])}"]
+        parts = [
+            f"memory {', '.join(p['memory_gb']['sources'])}",
+            f"bandwidth {', '.join(p['bandwidth_gbs']['sources'])}",
+        ]
         for dt, fig in p["peak_tflops"].items():
             parts.append(f"{dt} {', '.join(fig['sources'])}")
         L.append(f"- **{name}**: " + "; ".join(parts))
@@ -663,39 +769,57 @@ def presets_report(data: Mapping[str, Any]) -> str:
 
 def efficiency_report(results: Mapping[str, PresetFit], bench: Mapping[str, Any]) -> str:
     """The markdown written next to the data: fits, points, residuals, checks."""
-    L = ["# Efficiency fits", "",
-         "Generated by `python -m schedlab.analysis.analytic refit` from `benchmarks.json`; do not edit by hand.", "",
-         "Each preset's roofline (`analysis/analytic/roofline.py`) needs three numbers: the fraction of peak FLOP/s",
-         "reached on compute-bound forwards (**compute**), the fraction of peak bandwidth reached on memory-bound",
-         "forwards (**bandwidth**), and a per-layer, per-forward floor (**overhead**). They are fitted by",
-         "`analysis.analytic.fit_efficiency` to published single-request (batch 1) figures, minimising relative error.",
-         "MoE models get their own three numbers (gathered expert matmuls run slower than dense ones): fitted",
-         f"where MoE figures exist ({bench.get('moe_reference', '-')}), elsewhere the chip's dense factors times the",
-         "reference chip's MoE/dense ratios.", "",
-         "**Residual** = predicted seconds / published seconds - 1 (positive: the model is slower than the figure).",
-         "**Checks** are published figures not used in the fit (held-out model sizes, or figures the roofline is",
-         "known not to describe); their residual is published tok/s / predicted tok/s - 1, the same sign convention.", "",
-         "The factors belong to the engine that produced the figures: MLX for the M4 family, llama.cpp (May 2024",
-         "builds) for the other chips. On H100/A100/L40S llama.cpp reaches only ~20-30% of peak FLOP/s in a",
-         "512-token prefill, far from vLLM / TensorRT-LLM: the NVIDIA presets therefore default to the `vllm`",
-         "engine, fitted to serving kernels (`SERVING.md`); these factors stay available as `engine=\"llama.cpp\"`.",
-         "Refit with your own measurements (`fit_efficiency`) when you can.", "",
-         "| preset | engine | compute | bandwidth | overhead/layer | MoE compute / bw / overhead | fit points | max abs residual | rms | held-out (70B) max abs |",
-         "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    L = [
+        "# Efficiency fits",
+        "",
+        "Generated by `python -m schedlab.analysis.analytic refit` from `benchmarks.json`; do not edit by hand.",
+        "",
+        "Each preset's roofline (`analysis/analytic/roofline.py`) needs three numbers: the fraction of peak FLOP/s",
+        "reached on compute-bound forwards (**compute**), the fraction of peak bandwidth reached on memory-bound",
+        "forwards (**bandwidth**), and a per-layer, per-forward floor (**overhead**). They are fitted by",
+        "`analysis.analytic.fit_efficiency` to published single-request (batch 1) figures, minimising relative error.",
+        "MoE models get their own three numbers (gathered expert matmuls run slower than dense ones): fitted",
+        f"where MoE figures exist ({bench.get('moe_reference', '-')}), elsewhere the chip's dense factors times the",
+        "reference chip's MoE/dense ratios.",
+        "",
+        "**Residual** = predicted seconds / published seconds - 1 (positive: the model is slower than the figure).",
+        "**Checks** are published figures not used in the fit (held-out model sizes, or figures the roofline is",
+        "known not to describe); their residual is published tok/s / predicted tok/s - 1, the same sign convention.",
+        "",
+        "The factors belong to the engine that produced the figures: MLX for the M4 family, llama.cpp (May 2024",
+        "builds) for the other chips. On H100/A100/L40S llama.cpp reaches only ~20-30% of peak FLOP/s in a",
+        "512-token prefill, far from vLLM / TensorRT-LLM: the NVIDIA presets therefore default to the `vllm`",
+        'engine, fitted to serving kernels (`SERVING.md`); these factors stay available as `engine="llama.cpp"`.',
+        "Refit with your own measurements (`fit_efficiency`) when you can.",
+        "",
+        "| preset | engine | compute | bandwidth | overhead/layer | MoE compute / bw / overhead | fit points | max abs residual | rms | held-out (70B) max abs |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         e = r.efficiency
         m = e.moe
-        moe = (f"{m['compute']:.3f} / {m['bandwidth']:.3f} / {m['overhead_per_layer_s'] * 1e6:.0f} us ({r.moe_basis})"
-               if m else "-")
+        moe = (
+            f"{m['compute']:.3f} / {m['bandwidth']:.3f} / {m['overhead_per_layer_s'] * 1e6:.0f} us ({r.moe_basis})"
+            if m
+            else "-"
+        )
         held = [abs(c["rel"]) for c in r.checks if c["reason"].startswith("held out")]
         chk = f"{max(held):.1%}" if held else "-"
-        L.append(f"| {name} | {e.engine} | {e.compute:.3f} | {e.bandwidth:.3f} | {e.overhead_per_layer_s * 1e6:.0f} us"
-                 f" | {moe} | {len(r.residuals)} | {r.max_abs_residual:.1%} | {r.rms_residual:.1%} | {chk} |")
+        L.append(
+            f"| {name} | {e.engine} | {e.compute:.3f} | {e.bandwidth:.3f} | {e.overhead_per_layer_s * 1e6:.0f} us"
+            f" | {moe} | {len(r.residuals)} | {r.max_abs_residual:.1%} | {r.rms_residual:.1%} | {chk} |"
+        )
     L += ["", "Borrowed (no published figures found for the chip; factors copied from a chip of the same family):", ""]
     for name, src in bench.get("borrow", {}).items():
         L.append(f"- {name} <- {src}")
-    L += ["", "Where a fit has as many points as free factors (a100-80gb-sxm, l40s, m1) it is exact: a zero",
-          "residual there says nothing about accuracy; the checks do.", "", "## Points, residuals and checks", ""]
+    L += [
+        "",
+        "Where a fit has as many points as free factors (a100-80gb-sxm, l40s, m1) it is exact: a zero",
+        "residual there says nothing about accuracy; the checks do.",
+        "",
+        "## Points, residuals and checks",
+        "",
+    ]
     for name, r in results.items():
         L += [f"### {name}", ""]
         for n in r.notes:
@@ -707,10 +831,15 @@ def efficiency_report(results: Mapping[str, PresetFit], bench: Mapping[str, Any]
             pub = float(p["tok_s"])
             L.append(f"| {res['label']} | {pub:g} | {pub / (1 + res['rel']):.1f} | {res['rel']:+.1%} |")
         if r.checks:
-            L += ["", "| check (not fitted) | published tok/s | predicted tok/s | residual | why not fitted |",
-                  "|---|---:|---:|---:|---|"]
+            L += [
+                "",
+                "| check (not fitted) | published tok/s | predicted tok/s | residual | why not fitted |",
+                "|---|---:|---:|---:|---|",
+            ]
             for c in r.checks:
-                L.append(f"| {c['label']} | {c['published']:g} | {c['predicted']:.1f} | {c['rel']:+.1%} | {c['reason']} |")
+                L.append(
+                    f"| {c['label']} | {c['published']:g} | {c['predicted']:.1f} | {c['rel']:+.1%} | {c['reason']} |"
+                )
         L.append("")
     L += ["## Sources", ""]
     for sid, s in bench.get("sources", {}).items():

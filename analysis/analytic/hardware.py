@@ -30,8 +30,14 @@ CPU_LOCAL = "cpu-local"
 CPU_CACHE_SCHEMA = "schedlab-cpu-local/1"
 
 #: dtype aliases users may type
-_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
-                  "float": "fp32", "float8": "fp8"}
+_DTYPE_ALIASES = {
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float8": "fp8",
+}
 
 
 #: Used only where a preset has no efficiency block (before `refit`), and for cpu-local.
@@ -48,10 +54,20 @@ DEFAULT_EFFICIENCY = {
     # ~1.5 %; batch-cache copies at ~23 % of the copy rate plus ~0.5 ms per layer per copy.
     # bandwidth = 1.0 is a bound, not a measurement: tiny's 21 MB of weights sit in the L3, so
     # no pass streamed weights from DRAM. Fit yours: calibrate --analytic.
-    "cpu": Efficiency(0.111, 1.0, 1.59e-3, step_overhead_s=2.1e-4, basis="default", engine="mlx (CPU, OpenBLAS)",
-                      source="fit_local on a tiny-cpu profile's calibration passes (2-core Xeon VM): a prior; "
-                             "fit yours with calibrate --analytic",
-                      attention=0.0332, decode_attention=0.0151, copy=0.23, copy_overhead_per_layer_s=4.85e-4),
+    "cpu": Efficiency(
+        0.111,
+        1.0,
+        1.59e-3,
+        step_overhead_s=2.1e-4,
+        basis="default",
+        engine="mlx (CPU, OpenBLAS)",
+        source="fit_local on a tiny-cpu profile's calibration passes (2-core Xeon VM): a prior; "
+        "fit yours with calibrate --analytic",
+        attention=0.0332,
+        decode_attention=0.0151,
+        copy=0.23,
+        copy_overhead_per_layer_s=4.85e-4,
+    ),
 }
 
 
@@ -86,11 +102,16 @@ class Hardware:
         return preset_engines(self.info)
 
     def summary(self) -> dict[str, Any]:
-        return {"hardware": self.name, "hardware_title": self.title, "engine": self.engine,
-                "memory_gb": self.memory_bytes / 1e9,
-                "bandwidth_gbs": self.bandwidth / 1e9,
-                "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
-                "compute_dtype": self.default_compute, "efficiency": self.efficiency.to_dict()}
+        return {
+            "hardware": self.name,
+            "hardware_title": self.title,
+            "engine": self.engine,
+            "memory_gb": self.memory_bytes / 1e9,
+            "bandwidth_gbs": self.bandwidth / 1e9,
+            "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
+            "compute_dtype": self.default_compute,
+            "efficiency": self.efficiency.to_dict(),
+        }
 
 
 # ---------------------------------------------------------------------- presets file
@@ -136,7 +157,7 @@ def preset_engines(preset: Mapping[str, Any]) -> list[str]:
     pub = _published_engine(preset)
     if pub:
         out.append(pub)
-    for k in (preset.get("engines") or {}):
+    for k in preset.get("engines") or {}:
         if k not in out:
             out.append(k)
     return out
@@ -153,7 +174,9 @@ def hardware_from_preset(name: str, preset: Mapping[str, Any], engine: str | Non
         raise AnalyticError(f"hardware preset {name} has no peak_tflops")
     kind = str(preset.get("kind", "nvidia-gpu"))
     eff_block = preset.get("efficiency")
-    eff = Efficiency.from_dict(eff_block) if eff_block else DEFAULT_EFFICIENCY.get(kind, DEFAULT_EFFICIENCY["nvidia-gpu"])
+    eff = (
+        Efficiency.from_dict(eff_block) if eff_block else DEFAULT_EFFICIENCY.get(kind, DEFAULT_EFFICIENCY["nvidia-gpu"])
+    )
     serving = None
     chosen = _published_engine(preset) if eff_block else ""
     want = engine if engine is not None else preset.get("default_engine")
@@ -169,15 +192,25 @@ def hardware_from_preset(name: str, preset: Mapping[str, Any], engine: str | Non
         elif want != chosen:
             have = ", ".join(preset_engines(preset)) or "none"
             raise AnalyticError(f"hardware preset {name} has no factors for engine '{want}' (has: {have})")
-    return Hardware(name=name, title=str(preset.get("name", name)), kind=kind,
-                    memory_bytes=_value(preset, "memory_gb", name) * 1e9,
-                    bandwidth=_value(preset, "bandwidth_gbs", name) * 1e9, peak_flops=peaks,
-                    default_compute=str(preset.get("default_compute", "fp16")), efficiency=eff,
-                    family=str(preset.get("family", "")), info=dict(preset), engine=chosen, serving=serving)
+    return Hardware(
+        name=name,
+        title=str(preset.get("name", name)),
+        kind=kind,
+        memory_bytes=_value(preset, "memory_gb", name) * 1e9,
+        bandwidth=_value(preset, "bandwidth_gbs", name) * 1e9,
+        peak_flops=peaks,
+        default_compute=str(preset.get("default_compute", "fp16")),
+        efficiency=eff,
+        family=str(preset.get("family", "")),
+        info=dict(preset),
+        engine=chosen,
+        serving=serving,
+    )
 
 
-def load_hardware(name: str, *, cache_dir: str | Path | None = None, remeasure: bool = False,
-                  engine: str | None = None) -> Hardware:
+def load_hardware(
+    name: str, *, cache_dir: str | Path | None = None, remeasure: bool = False, engine: str | None = None
+) -> Hardware:
     """A preset by name (case-insensitive); ``cpu-local`` is measured (and cached).
 
     ``engine``: whose factors to use (``vllm``, ``mlx-lm``, ``llama.cpp``); default the
@@ -194,10 +227,18 @@ def load_hardware(name: str, *, cache_dir: str | Path | None = None, remeasure: 
         preset = dict(preset)
         src = [f"measured {m['measured_at']} on {m['machine']}"]
         preset["memory_gb"] = {"value": m["memory_gb"], "sources": src}
-        preset["bandwidth_gbs"] = {"value": m["copy_gbs"], "sources": src,
-                                   "note": f"numpy copy of {m['copy_mb']} MB arrays, read + write bytes per second, best of {m['repeats']}"}
-        preset["peak_tflops"] = {"fp32": {"value": m["gemm_gflops"] / 1e3, "sources": src,
-                                          "note": f"numpy float32 matmul, n={m['gemm_n']}, best of {m['repeats']}"}}
+        preset["bandwidth_gbs"] = {
+            "value": m["copy_gbs"],
+            "sources": src,
+            "note": f"numpy copy of {m['copy_mb']} MB arrays, read + write bytes per second, best of {m['repeats']}",
+        }
+        preset["peak_tflops"] = {
+            "fp32": {
+                "value": m["gemm_gflops"] / 1e3,
+                "sources": src,
+                "note": f"numpy float32 matmul, n={m['gemm_n']}, best of {m['repeats']}",
+            }
+        }
         preset["measurement"] = m
     return hardware_from_preset(key, preset, engine)
 
@@ -265,7 +306,7 @@ def _measure(gemm_sizes: tuple[int, ...] = (1024, 1536), copy_mb: int = 128, rep
             t0 = time.perf_counter()
             a @ b
             dt = time.perf_counter() - t0
-            best_gemm = max(best_gemm, 2.0 * n ** 3 / dt)
+            best_gemm = max(best_gemm, 2.0 * n**3 / dt)
     n_items = copy_mb * (1 << 20) // 4
     src = np.ones(n_items, dtype=np.float32)
     dst = np.empty_like(src)
@@ -276,9 +317,15 @@ def _measure(gemm_sizes: tuple[int, ...] = (1024, 1536), copy_mb: int = 128, rep
         np.copyto(dst, src)
         dt = time.perf_counter() - t0
         best_copy = max(best_copy, 2.0 * src.nbytes / dt)
-    return {"gemm_gflops": best_gemm / 1e9, "gemm_n": list(gemm_sizes), "copy_gbs": best_copy / 1e9,
-            "copy_mb": copy_mb, "repeats": repeats, "memory_gb": _memory_bytes() / 1e9,
-            "numpy": np.__version__}
+    return {
+        "gemm_gflops": best_gemm / 1e9,
+        "gemm_n": list(gemm_sizes),
+        "copy_gbs": best_copy / 1e9,
+        "copy_mb": copy_mb,
+        "repeats": repeats,
+        "memory_gb": _memory_bytes() / 1e9,
+        "numpy": np.__version__,
+    }
 
 
 def measure_cpu(cache_dir: str | Path | None = None, remeasure: bool = False) -> dict[str, Any]:

@@ -64,8 +64,17 @@ DEFAULT_DATA_DIR = REPO / ".data" / "vidur-kernels"
 TABLES = ("vidur_linear.csv", "vidur_attention_a100_llama2_7b.csv", "vidur_models.csv")
 #: the recorded fit (per preset: factors, points, errors), written by refit-serving
 FIT_RESULTS = HARDWARE_DIR / "serving_fit.json"
-OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-       "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
 SOURCE_COMMIT = "7d47513363ec447a741ac5e47241580b47724fbf"
 SOURCE = f"microsoft/vidur (MIT) commit {SOURCE_COMMIT[:10]}"
 #: Vidur's files (at SOURCE_COMMIT) the tables' medians come from
@@ -108,7 +117,8 @@ def kernel_data_dir(data: str | Path | None = None) -> Path:
             f"serving-kernel tables not found in {d} (missing {', '.join(missing)}); they are not shipped: make them "
             f"with `python analysis/hardware/kernels/extract_vidur.py VIDUR_CLONE --attention ATTENTION_CSV --out {d}` "
             f"from a clone of microsoft/vidur at commit {SOURCE_COMMIT[:10]} (analysis/hardware/kernels/README.md), "
-            f"or give their directory with --data DIR / {DATA_ENV}")
+            f"or give their directory with --data DIR / {DATA_ENV}"
+        )
     return d
 
 
@@ -126,11 +136,17 @@ def vidur_models(data: str | Path | None = None) -> dict[str, dict[str, Any]]:
     with (kernel_data_dir(data) / "vidur_models.csv").open() as fh:
         for r in csv.DictReader(fh):
             gated = r["use_gated_mlp"].strip().lower() == "true"
-            out[r["model"]] = {"_name_or_path": r["hf_name"], "model_type": "llama" if gated else "phi",
-                               "hidden_size": int(r["n_embd"]), "num_hidden_layers": int(r["layers"]),
-                               "num_attention_heads": int(r["n_head"]), "num_key_value_heads": int(r["n_kv_head"]),
-                               "intermediate_size": int(r["n_expanded_embd"]), "vocab_size": int(r["vocab_size"]),
-                               "torch_dtype": "float16"}
+            out[r["model"]] = {
+                "_name_or_path": r["hf_name"],
+                "model_type": "llama" if gated else "phi",
+                "hidden_size": int(r["n_embd"]),
+                "num_hidden_layers": int(r["layers"]),
+                "num_attention_heads": int(r["n_head"]),
+                "num_key_value_heads": int(r["n_kv_head"]),
+                "intermediate_size": int(r["n_expanded_embd"]),
+                "vocab_size": int(r["vocab_size"]),
+                "torch_dtype": "float16",
+            }
     return out
 
 
@@ -138,7 +154,9 @@ def vidur_spec(model: str, data: str | Path | None = None) -> ModelSpec:
     return model_spec(vidur_models(data)[model], model)
 
 
-def linear_table(gpu: str | None = None, data: str | Path | None = None) -> dict[tuple[str, str], list[tuple[int, float]]]:
+def linear_table(
+    gpu: str | None = None, data: str | Path | None = None
+) -> dict[tuple[str, str], list[tuple[int, float]]]:
     """(gpu, model) -> [(tokens, seconds of one layer's non-attention ops)], tokens <= MAX_TOKENS."""
     out: dict[tuple[str, str], list[tuple[int, float]]] = {}
     with (kernel_data_dir(data) / "vidur_linear.csv").open() as fh:
@@ -170,8 +188,10 @@ def attention_table(data: str | Path | None = None) -> dict[str, dict[tuple[int,
 
 def bare_hardware(preset: str) -> Hardware:
     data = read_hardware_file()
-    return hardware_from_preset(preset, {k: v for k, v in data["presets"][preset].items()
-                                         if k not in ("efficiency", "engines", "default_engine")})
+    return hardware_from_preset(
+        preset,
+        {k: v for k, v in data["presets"][preset].items() if k not in ("efficiency", "engines", "default_engine")},
+    )
 
 
 # ---------------------------------------------------------------------- fits
@@ -198,8 +218,9 @@ def _lin_terms(spec: ModelSpec, hw: Hardware, tokens: int, tile: int) -> tuple[f
     return tq, 2.0 * per_layer * tq / hw.peak(), 2.0 * per_layer / hw.bandwidth
 
 
-def fit_linear(samples: Sequence[tuple[ModelSpec, int, float]], hw: Hardware, tile: int,
-               max_iter: int = 40) -> LinearFit:
+def fit_linear(
+    samples: Sequence[tuple[ModelSpec, int, float]], hw: Hardware, tile: int, max_iter: int = 40
+) -> LinearFit:
     """e_c (at COMPUTE_KNOTS), e_b, overhead per layer: relative least squares, NNLS with the
     compute/memory side of every sample alternated until stable (as fit_efficiency does)."""
     import numpy as np
@@ -251,8 +272,9 @@ def predict_linear(fit: LinearFit, spec: ModelSpec, hw: Hardware, tokens: int) -
     return fit.overhead_per_layer_s + max(c, m)
 
 
-def fit_decode_attention(points: Mapping[tuple[int, int], float], spec: ModelSpec, hw: Hardware
-                         ) -> tuple[tuple[float, ...], float, float]:
+def fit_decode_attention(
+    points: Mapping[tuple[int, int], float], spec: ModelSpec, hw: Hardware
+) -> tuple[tuple[float, ...], float, float]:
     """(e_d at DECODE_KNOTS, overhead per layer, per-row seconds) from (rows, context) -> seconds."""
     import numpy as np
 
@@ -273,8 +295,9 @@ def fit_decode_attention(points: Mapping[tuple[int, int], float], spec: ModelSpe
     return tuple(float(1 / x) for x in sol[:K]), float(sol[K]), float(sol[K + 1])
 
 
-def fit_prefill_attention(points: Mapping[tuple[int, int], float], spec: ModelSpec, hw: Hardware
-                          ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+def fit_prefill_attention(
+    points: Mapping[tuple[int, int], float], spec: ModelSpec, hw: Hardware
+) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """(e_x, e_y at PREFILL_KNOTS, overhead per layer) from (chunk, context) -> seconds."""
     import numpy as np
 
@@ -294,7 +317,7 @@ def fit_prefill_attention(points: Mapping[tuple[int, int], float], spec: ModelSp
     sol = np.zeros(2 * K + 1)
     sol[cols] = _nnls(Xw[:, cols], (np.ones(len(y)) - Xw @ shift))
     sol += shift
-    return (tuple(float(1 / x) for x in sol[:K]), tuple(float(1 / x) for x in sol[K:2 * K]), float(sol[2 * K]))
+    return (tuple(float(1 / x) for x in sol[:K]), tuple(float(1 / x) for x in sol[K : 2 * K]), float(sol[2 * K]))
 
 
 # ---------------------------------------------------------------------- errors
@@ -306,8 +329,12 @@ def _stats(errs: Sequence[float]) -> dict[str, Any]:
         return {"n": 0}
     mid = len(a) // 2
     med = a[mid] if len(a) % 2 else (a[mid - 1] + a[mid]) / 2
-    return {"n": len(a), "median_abs": round(med, 4), "worst_abs": round(a[-1], 4),
-            "mean_signed": round(sum(errs) / len(errs), 4)}
+    return {
+        "n": len(a),
+        "median_abs": round(med, 4),
+        "worst_abs": round(a[-1], 4),
+        "mean_signed": round(sum(errs) / len(errs), 4),
+    }
 
 
 @dataclass
@@ -346,12 +373,24 @@ def measured_passes(data: str | Path | None = None) -> list[dict[str, Any]]:
     out = []
     for (n, b), s in sorted(att["prefill"].items()):
         if n in lin:
-            out.append({"kind": "prefill", "shape": PassShape(prefill=((n, b),)), "measured_s": L * (lin[n] + s),
-                        "held_out": (n, b) in pre_out})
+            out.append(
+                {
+                    "kind": "prefill",
+                    "shape": PassShape(prefill=((n, b),)),
+                    "measured_s": L * (lin[n] + s),
+                    "held_out": (n, b) in pre_out,
+                }
+            )
     for (r, c), s in sorted(att["decode"].items()):
         if r in lin:
-            out.append({"kind": "decode", "shape": PassShape(decode_contexts=(c,) * r), "measured_s": L * (lin[r] + s),
-                        "held_out": (r, c) in dec_out})
+            out.append(
+                {
+                    "kind": "decode",
+                    "shape": PassShape(decode_contexts=(c,) * r),
+                    "measured_s": L * (lin[r] + s),
+                    "held_out": (r, c) in dec_out,
+                }
+            )
     # Sarathi-style mixed passes: decode rows + one chunk, at most 512 tokens, on a deterministic grid
     chunks = sorted(k for k in att["prefill"] if k[0] <= 512)
     decs = sorted(k for k in att["decode"] if k[0] in (8, 16, 32, 48, 64, 96, 128))
@@ -359,9 +398,14 @@ def measured_passes(data: str | Path | None = None) -> list[dict[str, Any]]:
         for j, (n, b) in enumerate(chunks):
             if (i * 7 + j) % 23 or r + n > 512 or (r + n) not in lin:
                 continue
-            out.append({"kind": "mixed", "shape": PassShape(decode_contexts=(c,) * r, prefill=((n, b),)),
-                        "measured_s": L * (lin[r + n] + att["decode"][(r, c)] + att["prefill"][(n, b)]),
-                        "held_out": (r, c) in dec_out or (n, b) in pre_out})
+            out.append(
+                {
+                    "kind": "mixed",
+                    "shape": PassShape(decode_contexts=(c,) * r, prefill=((n, b),)),
+                    "measured_s": L * (lin[r + n] + att["decode"][(r, c)] + att["prefill"][(n, b)]),
+                    "held_out": (r, c) in dec_out or (n, b) in pre_out,
+                }
+            )
     return out
 
 
@@ -379,7 +423,7 @@ def _example_measured(shape: PassShape, data: str | Path | None = None) -> float
     att = attention_table(data)
     L = 32
     if shape.prefill:
-        (n, b), = shape.prefill
+        ((n, b),) = shape.prefill
         return L * (lin[n] + att["prefill"][(n, b)])
     rows, ctx = len(shape.decode_contexts), shape.decode_contexts[0]
     lo = max(c for (r, c) in att["decode"] if r == rows and c <= ctx)
@@ -389,8 +433,9 @@ def _example_measured(shape: PassShape, data: str | Path | None = None) -> float
     return L * (lin[rows] + d)
 
 
-def fit_preset_kernels(preset: str, attention: ServingEfficiency | None = None,
-                       data: str | Path | None = None) -> PresetKernelFit:
+def fit_preset_kernels(
+    preset: str, attention: ServingEfficiency | None = None, data: str | Path | None = None
+) -> PresetKernelFit:
     """Fit one preset's ``vllm`` factors (FIT_PLAN) and compute its errors, fitted and held out."""
     plan = FIT_PLAN[preset]
     gpu = plan["gpu"]
@@ -421,8 +466,12 @@ def fit_preset_kernels(preset: str, attention: ServingEfficiency | None = None,
     if g2:
         if True:
             hw2 = bare_hardware(GPU_PRESET[g2])
-            e2 = [predict_linear(lf, vidur_spec(m, data), hw2, t) / s - 1
-                  for (g, m), rows in table.items() if g == g2 for t, s in rows]
+            e2 = [
+                predict_linear(lf, vidur_spec(m, data), hw2, t) / s - 1
+                for (g, m), rows in table.items()
+                if g == g2
+                for t, s in rows
+            ]
             errors[f"linear, {g2} files with these factors (another chip)"] = _stats(e2)
     points = {"linear": len(train)}
     notes = [f"GEMM tile {lf.tile} tokens chosen from {', '.join(map(str, TILES))} (least fitted error)"]
@@ -433,8 +482,10 @@ def fit_preset_kernels(preset: str, attention: ServingEfficiency | None = None,
         e_d, o_d, r_d = fit_decode_attention(dec_fit, spec7, hw)
         e_x, e_y, o_p = fit_prefill_attention(pre_fit, spec7, hw)
         points.update({"decode_attention": len(dec_fit), "prefill_attention": len(pre_fit)})
-        att_src = (f"fitted to {len(dec_fit)} decode and {len(pre_fit)} prefill attention kernel medians (A100, "
-                   f"Llama-2-7B) of {ATTENTION_FILE}")
+        att_src = (
+            f"fitted to {len(dec_fit)} decode and {len(pre_fit)} prefill attention kernel medians (A100, "
+            f"Llama-2-7B) of {ATTENTION_FILE}"
+        )
     else:
         if attention is None:
             raise AnalyticError(f"{preset}: attention factors are borrowed; give the fitted preset's")
@@ -444,16 +495,30 @@ def fit_preset_kernels(preset: str, attention: ServingEfficiency | None = None,
         att_src = "borrowed from a100-80gb-sxm (no attention kernel data for this chip: fractions of peak carried over)"
         notes.append("attention factors borrowed from a100-80gb-sxm: unchecked on this chip")
     serving = ServingEfficiency(
-        gemm_tile_tokens=lf.tile, compute_tokens=COMPUTE_KNOTS, compute=lf.compute, bandwidth=lf.bandwidth,
-        overhead_per_layer_s=lf.overhead_per_layer_s, decode_rows=DECODE_KNOTS, decode_attention=e_d,
-        decode_overhead_per_layer_s=o_d, decode_per_row_s=r_d, prefill_chunks=PREFILL_KNOTS, prefill_context=e_x,
-        prefill_causal=e_y, prefill_overhead_per_layer_s=o_p, basis="fitted",
+        gemm_tile_tokens=lf.tile,
+        compute_tokens=COMPUTE_KNOTS,
+        compute=lf.compute,
+        bandwidth=lf.bandwidth,
+        overhead_per_layer_s=lf.overhead_per_layer_s,
+        decode_rows=DECODE_KNOTS,
+        decode_attention=e_d,
+        decode_overhead_per_layer_s=o_d,
+        decode_per_row_s=r_d,
+        prefill_chunks=PREFILL_KNOTS,
+        prefill_context=e_x,
+        prefill_causal=e_y,
+        prefill_overhead_per_layer_s=o_p,
+        basis="fitted",
         engine="vllm (cuBLAS GEMMs, FlashAttention, paged decode attention) as profiled by Vidur",
-        source=(f"{SOURCE}; our fit ({FIT_CODE}): GEMMs etc. fitted to {len(train)} per-layer kernel sums "
-                f"(medians) of {' and '.join(fit_models)} on {gpu}, "
-                + LINEAR_FILES.format(gpu=gpu, models=",".join(shapes[m]["_name_or_path"].split("/")[-1]
-                                                                for m in fit_models))
-                + f" (num_tensor_parallel_workers 1); attention: {att_src}"))
+        source=(
+            f"{SOURCE}; our fit ({FIT_CODE}): GEMMs etc. fitted to {len(train)} per-layer kernel sums "
+            f"(medians) of {' and '.join(fit_models)} on {gpu}, "
+            + LINEAR_FILES.format(
+                gpu=gpu, models=",".join(shapes[m]["_name_or_path"].split("/")[-1] for m in fit_models)
+            )
+            + f" (num_tensor_parallel_workers 1); attention: {att_src}"
+        ),
+    )
     res = PresetKernelFit(preset, serving, points, errors, per_model, notes=notes)
     if plan["attention"] == gpu:
         _attention_and_pass_errors(res, hw, data)
@@ -465,26 +530,39 @@ def _attention_and_pass_errors(res: PresetKernelFit, hw: Hardware, data=None) ->
     dec_fit, dec_out, pre_fit, pre_out = _attention_split(att)
     cm = ServingCostModel(hw, vidur_spec("Llama-2-7b-hf", data), serving=res.serving)
     L = cm.model.layers
-    for name, pts, fn in (("decode attention", (dec_fit, dec_out), lambda k: cm.decode_attention_seconds(k[0], k[0] * k[1])),
-                          ("prefill attention", (pre_fit, pre_out), lambda k: cm.prefill_attention_seconds(*k))):
+    for name, pts, fn in (
+        ("decode attention", (dec_fit, dec_out), lambda k: cm.decode_attention_seconds(k[0], k[0] * k[1])),
+        ("prefill attention", (pre_fit, pre_out), lambda k: cm.prefill_attention_seconds(*k)),
+    ):
         for label, p in zip(("fitted", "held out"), pts):
             res.errors[f"{name}, {label}"] = _stats([fn(k) / L / s - 1 for k, s in p.items()])
     passes = measured_passes(data)
     for kind in ("prefill", "decode", "mixed"):
         for label, ho in (("in-sample", False), ("held out", True)):
-            e = [cm.pass_seconds(p["shape"]) / p["measured_s"] - 1 for p in passes if p["kind"] == kind and p["held_out"] == ho]
+            e = [
+                cm.pass_seconds(p["shape"]) / p["measured_s"] - 1
+                for p in passes
+                if p["kind"] == kind and p["held_out"] == ho
+            ]
             res.errors[f"passes ({kind}), {label}"] = _stats(e)
     res.errors["passes (all), held out"] = _stats(
-        [cm.pass_seconds(p["shape"]) / p["measured_s"] - 1 for p in passes if p["held_out"]])
+        [cm.pass_seconds(p["shape"]) / p["measured_s"] - 1 for p in passes if p["held_out"]]
+    )
     res.points["passes"] = len(passes)
     real = ServingCostModel(hw, _llama2_7b(), serving=res.serving)  # the bundled config (vocab 32000)
     old = _published(hw.name)
     for label, shape in EXAMPLES:
         meas = _example_measured(shape, data)
         pred = real.pass_seconds(shape)
-        res.examples.append({"pass": label, "measured_s": round(meas, 5), "predicted_s": round(pred, 5),
-                             "rel": round(pred / meas - 1, 4),
-                             "llama.cpp_factors_s": round(old.pass_seconds(shape), 5) if old else None})
+        res.examples.append(
+            {
+                "pass": label,
+                "measured_s": round(meas, 5),
+                "predicted_s": round(pred, 5),
+                "rel": round(pred / meas - 1, 4),
+                "llama.cpp_factors_s": round(old.pass_seconds(shape), 5) if old else None,
+            }
+        )
 
 
 def _llama2_7b() -> ModelSpec:
@@ -514,19 +592,36 @@ def fit_record(results: Mapping[str, PresetKernelFit]) -> dict[str, Any]:
         held = {k: v for k, v in r.errors.items() if "held out" in k or "another chip" in k}
         top = r.errors.get("passes (all), held out") or r.errors.get("linear, held-out models")
         presets[name] = {
-            "factors": r.serving.to_dict(), "points": r.points, "notes": r.notes,
-            "held_out": {"headline": "passes (all), held out" if "passes (all), held out" in r.errors
-                         else "linear, held-out models",
-                         "median_abs": top["median_abs"], "worst_abs": top["worst_abs"], "n": top["n"]},
-            "errors": r.errors, "held_out_groups": sorted(held), "per_model": r.per_model, "examples": r.examples}
-    return {"schema": "schedlab-serving-fit/1",
-            "about": "the vllm engine's factors fitted to serving-kernel medians; errors = predicted / measured - 1",
-            "generated_by": "python -m schedlab.analysis.analytic refit-serving --data DIR",
-            "source": {"repository": "microsoft/vidur (MIT)", "commit": SOURCE_COMMIT,
-                       "files": [ALL_LINEAR_FILES, ATTENTION_FILE],
-                       "extracted_by": "analysis/hardware/kernels/extract_vidur.py (medians; tables not shipped)",
-                       "fit": FIT_CODE},
-            "presets": presets, "borrowed": dict(BORROW)}
+            "factors": r.serving.to_dict(),
+            "points": r.points,
+            "notes": r.notes,
+            "held_out": {
+                "headline": "passes (all), held out"
+                if "passes (all), held out" in r.errors
+                else "linear, held-out models",
+                "median_abs": top["median_abs"],
+                "worst_abs": top["worst_abs"],
+                "n": top["n"],
+            },
+            "errors": r.errors,
+            "held_out_groups": sorted(held),
+            "per_model": r.per_model,
+            "examples": r.examples,
+        }
+    return {
+        "schema": "schedlab-serving-fit/1",
+        "about": "the vllm engine's factors fitted to serving-kernel medians; errors = predicted / measured - 1",
+        "generated_by": "python -m schedlab.analysis.analytic refit-serving --data DIR",
+        "source": {
+            "repository": "microsoft/vidur (MIT)",
+            "commit": SOURCE_COMMIT,
+            "files": [ALL_LINEAR_FILES, ATTENTION_FILE],
+            "extracted_by": "analysis/hardware/kernels/extract_vidur.py (medians; tables not shipped)",
+            "fit": FIT_CODE,
+        },
+        "presets": presets,
+        "borrowed": dict(BORROW),
+    }
 
 
 def refit_serving(write: bool = True, data: str | Path | None = None) -> dict[str, PresetKernelFit]:
@@ -547,8 +642,10 @@ def refit_serving(write: bool = True, data: str | Path | None = None) -> dict[st
             p["default_engine"] = "vllm"
         for name, src in BORROW.items():
             block = {k: v for k, v in data["presets"][src]["engines"]["vllm"].items() if k != "fit"}
-            block.update(basis="borrowed", source=f"no serving-kernel data for this chip; borrowed from {src}, whose "
-                                                  f"source: {block['source']}")
+            block.update(
+                basis="borrowed",
+                source=f"no serving-kernel data for this chip; borrowed from {src}, whose source: {block['source']}",
+            )
             block["from"] = src
             p = data["presets"][name]
             p.setdefault("engines", {})["vllm"] = block
@@ -567,31 +664,40 @@ def _pct(x: Any) -> str:
 
 
 def serving_report(results: Mapping[str, PresetKernelFit]) -> str:
-    L = ["# Serving-engine (`vllm`) factors", "",
-         "Generated by `python -m schedlab.analysis.analytic refit-serving --data DIR` from the serving-kernel tables (not",
-         "shipped: `kernels/README.md` says how to make them from a clone of Vidur); do not edit by hand. The same",
-         "figures, machine-readable: `analysis/hardware/serving_fit.json`.", "",
-         "The `vllm` engine's cost model (`analysis/analytic/serving.py`) sums, per layer, the GEMMs (a roofline with",
-         "e_c by token count, the token count rounded up to the GEMM tile, e_b and a fixed cost), decode attention",
-         "(memory-bound, e_d by rows, plus fixed and per-row costs) and FlashAttention prefill (e_x on the chunk's keys",
-         "into the cache, e_y on its causal triangle, by chunk, plus a fixed cost). The factors are fitted to",
-         "serving kernels' measured medians: Vidur's public profiling of vLLM-style kernels (cuBLAS, FlashAttention),",
-         f"{SOURCE}, `{ALL_LINEAR_FILES}` and `{ATTENTION_FILE}`",
-         "(see `kernels/README.md`). Errors are predicted / measured - 1, computed by `analysis.analytic.kernels`",
-         "(the tests recompute them where the tables are present). *Held out*: models, batches, contexts and chunk",
-         "sizes never fitted (see the module docstring of `analysis/analytic/kernels.py` for the split).", ""]
-    L += ["| preset | fitted to | GEMM tile | e_c at 128 / 512 / 2048 tokens | e_b | overhead/layer | decode e_d at 1 / 8 / 32 / 128 rows | prefill e_x / e_y at chunk 64 / 256 / 1024 / 2048 |",
-          "|---|---|---:|---|---:|---:|---|---|"]
+    L = [
+        "# Serving-engine (`vllm`) factors",
+        "",
+        "Generated by `python -m schedlab.analysis.analytic refit-serving --data DIR` from the serving-kernel tables (not",
+        "shipped: `kernels/README.md` says how to make them from a clone of Vidur); do not edit by hand. The same",
+        "figures, machine-readable: `analysis/hardware/serving_fit.json`.",
+        "",
+        "The `vllm` engine's cost model (`analysis/analytic/serving.py`) sums, per layer, the GEMMs (a roofline with",
+        "e_c by token count, the token count rounded up to the GEMM tile, e_b and a fixed cost), decode attention",
+        "(memory-bound, e_d by rows, plus fixed and per-row costs) and FlashAttention prefill (e_x on the chunk's keys",
+        "into the cache, e_y on its causal triangle, by chunk, plus a fixed cost). The factors are fitted to",
+        "serving kernels' measured medians: Vidur's public profiling of vLLM-style kernels (cuBLAS, FlashAttention),",
+        f"{SOURCE}, `{ALL_LINEAR_FILES}` and `{ATTENTION_FILE}`",
+        "(see `kernels/README.md`). Errors are predicted / measured - 1, computed by `analysis.analytic.kernels`",
+        "(the tests recompute them where the tables are present). *Held out*: models, batches, contexts and chunk",
+        "sizes never fitted (see the module docstring of `analysis/analytic/kernels.py` for the split).",
+        "",
+    ]
+    L += [
+        "| preset | fitted to | GEMM tile | e_c at 128 / 512 / 2048 tokens | e_b | overhead/layer | decode e_d at 1 / 8 / 32 / 128 rows | prefill e_x / e_y at chunk 64 / 256 / 1024 / 2048 |",
+        "|---|---|---:|---|---:|---:|---|---|",
+    ]
     for name, r in results.items():
         s = ServingEfficiency.from_dict(r.serving.to_dict())  # as recorded (hardware.json, serving_fit.json)
         fitted_to = ", ".join(f"{k} {v}" for k, v in r.points.items() if k != "passes")
         if "decode_attention" not in r.points:
             fitted_to += " (attention borrowed from a100-80gb-sxm)"
-        L.append(f"| {name} | {fitted_to} | {s.gemm_tile_tokens} | "
-                 f"{' / '.join(f'{x:.3f}' for x in s.compute)} | {s.bandwidth:.3f} | {s.overhead_per_layer_s * 1e6:.1f} us | "
-                 f"{' / '.join(f'{x:.3f}' for x in s.decode_attention)} (+{s.decode_overhead_per_layer_s * 1e6:.1f} us, "
-                 f"+{s.decode_per_row_s * 1e9:.0f} ns/row) | {' / '.join(f'{x:.2f}' for x in s.prefill_context)}; "
-                 f"{' / '.join(f'{x:.2f}' for x in s.prefill_causal)} (+{s.prefill_overhead_per_layer_s * 1e6:.1f} us) |")
+        L.append(
+            f"| {name} | {fitted_to} | {s.gemm_tile_tokens} | "
+            f"{' / '.join(f'{x:.3f}' for x in s.compute)} | {s.bandwidth:.3f} | {s.overhead_per_layer_s * 1e6:.1f} us | "
+            f"{' / '.join(f'{x:.3f}' for x in s.decode_attention)} (+{s.decode_overhead_per_layer_s * 1e6:.1f} us, "
+            f"+{s.decode_per_row_s * 1e9:.0f} ns/row) | {' / '.join(f'{x:.2f}' for x in s.prefill_context)}; "
+            f"{' / '.join(f'{x:.2f}' for x in s.prefill_causal)} (+{s.prefill_overhead_per_layer_s * 1e6:.1f} us) |"
+        )
     L += ["", "Borrowed (no serving-kernel data for the chip):", ""]
     for name, src in BORROW.items():
         L.append(f"- {name} <- {src}")
@@ -601,23 +707,36 @@ def serving_report(results: Mapping[str, PresetKernelFit]) -> str:
         for n in r.notes:
             L.append(f"- {n}")
         if r.examples:
-            L += ["", "Passes: layers x (linear + attention) as Vidur sums its kernels, prefill, decode and Sarathi-style",
-                  "mixed passes built from measured points (`measured_passes`); *in-sample*: every attention point in",
-                  "it was fitted (the linear part is in-sample for Llama-2-7B throughout)."]
+            L += [
+                "",
+                "Passes: layers x (linear + attention) as Vidur sums its kernels, prefill, decode and Sarathi-style",
+                "mixed passes built from measured points (`measured_passes`); *in-sample*: every attention point in",
+                "it was fitted (the linear part is in-sample for Llama-2-7B throughout).",
+            ]
         L += ["", "| what | points | median \\|err\\| | worst \\|err\\| | mean (signed) |", "|---|---:|---:|---:|---:|"]
         for k, st in r.errors.items():
             if st.get("n"):
-                L.append(f"| {k} | {st['n']} | {_pct(st['median_abs'])} | {_pct(st['worst_abs'])} | {_pct(st['mean_signed'])} |")
-        L += ["", "| model (linear layers, all token counts <= 4096) | role | points | median \\|err\\| | worst \\|err\\| |",
-              "|---|---|---:|---:|---:|"]
+                L.append(
+                    f"| {k} | {st['n']} | {_pct(st['median_abs'])} | {_pct(st['worst_abs'])} | {_pct(st['mean_signed'])} |"
+                )
+        L += [
+            "",
+            "| model (linear layers, all token counts <= 4096) | role | points | median \\|err\\| | worst \\|err\\| |",
+            "|---|---|---:|---:|---:|",
+        ]
         for m, st in r.per_model.items():
             L.append(f"| {m} | {st['role']} | {st['n']} | {_pct(st['median_abs'])} | {_pct(st['worst_abs'])} |")
         if r.examples:
-            L += ["", "| pass (Llama-2-7B) | measured kernel sum (ms) | predicted (ms) | error | llama.cpp factors, one forward (ms) |",
-                  "|---|---:|---:|---:|---:|"]
+            L += [
+                "",
+                "| pass (Llama-2-7B) | measured kernel sum (ms) | predicted (ms) | error | llama.cpp factors, one forward (ms) |",
+                "|---|---:|---:|---:|---:|",
+            ]
             for ex in r.examples:
                 old = ex["llama.cpp_factors_s"]
-                L.append(f"| {ex['pass']} | {ex['measured_s'] * 1e3:.1f} | {ex['predicted_s'] * 1e3:.1f} | {_pct(ex['rel'])} | "
-                         f"{'-' if old is None else f'{old * 1e3:.1f}'} |")
+                L.append(
+                    f"| {ex['pass']} | {ex['measured_s'] * 1e3:.1f} | {ex['predicted_s'] * 1e3:.1f} | {_pct(ex['rel'])} | "
+                    f"{'-' if old is None else f'{old * 1e3:.1f}'} |"
+                )
         L.append("")
     return "\n".join(L)

@@ -45,8 +45,11 @@ BLOCK_SCHEMA = "schedlab-analytic-local/1"
 PASS_GROUPS = ("decode", "join", "leave", "prefill", "padded", "mixed")
 #: starting points besides the prior: the alternating fit finds a local optimum, and on a
 #: CPU whose caches hold the weights the memory term may never bind (start it at full speed)
-_STARTS = ({"bandwidth": 1.0}, {"bandwidth": 1.0, "overhead_per_layer_s": 2e-3, "compute": 0.1},
-           {"bandwidth": 0.05, "overhead_per_layer_s": 1e-4})
+_STARTS = (
+    {"bandwidth": 1.0},
+    {"bandwidth": 1.0, "overhead_per_layer_s": 2e-3, "compute": 0.1},
+    {"bandwidth": 0.05, "overhead_per_layer_s": 1e-4},
+)
 
 
 def _get(sample: Any, key: str) -> Any:
@@ -110,7 +113,12 @@ def shape_from_sample(sample: Any) -> PassShape | None:
         return None
     shape = PassShape(decode, prefill, padded, before, joins, leaves, done, join_ctx)
     back = pass_features(shape)
-    for k in ("c_join_row", "c_leave_row", "c_join_ctx", "c_extend"):  # terms newer than the sample: not in its features
+    for k in (
+        "c_join_row",
+        "c_leave_row",
+        "c_join_ctx",
+        "c_extend",
+    ):  # terms newer than the sample: not in its features
         if k not in f:
             back.pop(k, None)
     if any(not _close(back.get(k, 0.0), float(f.get(k, 0.0))) for k in set(back) | set(f)):
@@ -124,8 +132,12 @@ def _errors(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
         return {"n": 0}
     errs = [100.0 * (p - m) / m for p, m in pairs]
     a = sorted(abs(e) for e in errs)
-    return {"n": len(errs), "median_abs_pct": statistics.median(a), "max_abs_pct": a[-1],
-            "mean_pct": statistics.fmean(errs)}
+    return {
+        "n": len(errs),
+        "median_abs_pct": statistics.median(a),
+        "max_abs_pct": a[-1],
+        "mean_pct": statistics.fmean(errs),
+    }
 
 
 def split_passes(by: Mapping[str, Sequence[Any]]) -> tuple[list[Any], list[Any]]:
@@ -184,21 +196,29 @@ def fit_local(
         by[group].append((s, shape))
     fit_part, held = split_passes(by)
     if len(fit_part) < 4:
-        raise AnalyticError(f"the analytic fit needs at least 4 pass samples it can read, got {len(fit_part)}"
-                            f" ({skipped} skipped)")
+        raise AnalyticError(
+            f"the analytic fit needs at least 4 pass samples it can read, got {len(fit_part)} ({skipped} skipped)"
+        )
     step_fit = split(steps)[0] if steps else []
     step_s = statistics.median([float(_get(s, "seconds")) for s in step_fit]) if step_fit else prior.step_overhead_s
     step_s = max(0.0, step_s)
-    fit_samples = [{"shape": sh, "seconds": float(_get(s, "seconds")), "label": str(_get(s, "label"))}
-                   for s, sh in fit_part]
+    fit_samples = [
+        {"shape": sh, "seconds": float(_get(s, "seconds")), "label": str(_get(s, "label"))} for s, sh in fit_part
+    ]
     engine = "mlx (CPU)"
     models: dict[str, Any] = {}
     for kind, optional in (("plain", ()), ("full", OPTIONAL_PARAMS)):
         # plain: the three factors alone, the optional ones unset
         pr = prior if kind == "full" else Efficiency(prior.compute, prior.bandwidth, prior.overhead_per_layer_s)
-        res = fit_efficiency(fit_samples, cost_model=base.with_efficiency(pr), prior=pr, optional=optional,
-                             engine=engine, source=f"fit_local on {len(fit_samples)} calibration passes of {name}",
-                             starts=_STARTS)
+        res = fit_efficiency(
+            fit_samples,
+            cost_model=base.with_efficiency(pr),
+            prior=pr,
+            optional=optional,
+            engine=engine,
+            source=f"fit_local on {len(fit_samples)} calibration passes of {name}",
+            starts=_STARTS,
+        )
         eff = replace(res.efficiency, step_overhead_s=step_s)
         cm = base.with_efficiency(eff)
 
@@ -227,15 +247,21 @@ def fit_local(
         "lazy_prefill": base.lazy_prefill,
         "causal_skip": base.causal_skip,
         "step_overhead_s": step_s,
-        "samples": {"passes": sum(len(v) for v in by.values()), "fitted": len(fit_part), "held_out": len(held),
-                    "steps": len(steps), "skipped": skipped},
+        "samples": {
+            "passes": sum(len(v) for v in by.values()),
+            "fitted": len(fit_part),
+            "held_out": len(held),
+            "steps": len(steps),
+            "skipped": skipped,
+        },
         "efficiency": models["full"]["efficiency"],
         "models": models,
     }
 
 
-def efficiency_from_block(block: Mapping[str, Any], hw: Hardware | None = None,
-                          kind: str = "full") -> tuple[Hardware, Efficiency]:
+def efficiency_from_block(
+    block: Mapping[str, Any], hw: Hardware | None = None, kind: str = "full"
+) -> tuple[Hardware, Efficiency]:
     """(hardware, efficiency) as the block was fitted: the peak and bandwidth it measured
     (the factors are fractions of those), and the factors of ``kind`` (full or plain)."""
     if not isinstance(block, Mapping) or block.get("schema") != BLOCK_SCHEMA:
@@ -254,8 +280,11 @@ def block_mismatch(block: Mapping[str, Any], name: str, quant: int, kv_bits: int
     """Why an ``analytic_cpu_local`` block does not fit this model (None when it does)."""
     if not isinstance(block, Mapping) or block.get("schema") != BLOCK_SCHEMA:
         return f"no {BLOCK_KEY} block of schema {BLOCK_SCHEMA}"
-    for what, theirs, ours in (("model", block.get("model"), name), ("weight bits", block.get("quant_bits"), quant),
-                               ("KV bits", block.get("kv_bits"), kv_bits)):
+    for what, theirs, ours in (
+        ("model", block.get("model"), name),
+        ("weight bits", block.get("quant_bits"), quant),
+        ("KV bits", block.get("kv_bits"), kv_bits),
+    ):
         if theirs != ours:
             return f"its {what} is {theirs!r}, here {ours!r}"
     return None

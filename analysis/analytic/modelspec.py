@@ -196,8 +196,9 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     if not isinstance(config, Mapping):
         raise AnalyticError(f"model config {name} is not a JSON object")
     cfg = _text_config(config)
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-               if cfg.get(k) is None]
+    missing = [
+        k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if cfg.get(k) is None
+    ]
     if missing:
         raise AnalyticError(f"model config {name} lacks {', '.join(missing)}")
     mtype = str(cfg.get("model_type") or "unknown")
@@ -206,8 +207,9 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     heads = _int(cfg, "num_attention_heads")
     vocab = _int(cfg, "vocab_size")
     if not (h and n_layers and heads and vocab):
-        raise AnalyticError(f"model config {name}: hidden_size, num_hidden_layers, "
-                            "num_attention_heads and vocab_size must be > 0")
+        raise AnalyticError(
+            f"model config {name}: hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be > 0"
+        )
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     head_dim = _int(cfg, "head_dim") or h // heads
     tied = bool(cfg.get("tie_word_embeddings", False))
@@ -240,7 +242,7 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
 
     # ---- MLP / experts
     inter = _int(cfg, "intermediate_size") or 4 * h
-    n_exp = (_int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts") or 0)
+    n_exp = _int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts") or 0
     top_k = _int(cfg, "num_experts_per_tok") or (_int(cfg, "top_k") or 0)
     # gated (gate, up, down) everywhere but Phi's plain fc1/fc2 MLP (with biases)
     if mtype == "phi":
@@ -272,10 +274,25 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
             moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
     norms = n_layers * norms_per_layer + h
     return ModelSpec(
-        name=name, model_type=mtype, hidden=h, layers=n_layers, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, vocab=vocab, tied=tied, native_bits=native_bits, attn_params=attn,
-        dense_mlp_params=dense_mlp, expert_params=expert, shared_params=shared, n_experts=n_exp,
-        top_k=top_k if n_exp else 0, moe_layers=moe_layers, norm_params=norms, kv_dim=kv_dim,
+        name=name,
+        model_type=mtype,
+        hidden=h,
+        layers=n_layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        tied=tied,
+        native_bits=native_bits,
+        attn_params=attn,
+        dense_mlp_params=dense_mlp,
+        expert_params=expert,
+        shared_params=shared,
+        n_experts=n_exp,
+        top_k=top_k if n_exp else 0,
+        moe_layers=moe_layers,
+        norm_params=norms,
+        kv_dim=kv_dim,
         config=dict(config),
     )
 
@@ -316,8 +333,9 @@ def load_model_config(spec: str | Path) -> tuple[str, dict[str, Any]]:
     if p.exists():
         name = p.parent.name if p.is_file() else p.name
         return name or text, read_config_file(p)
-    raise AnalyticError(f"unknown model config '{text}' (bundled: {', '.join(bundled)}; "
-                        "or give a path to a config.json)")
+    raise AnalyticError(
+        f"unknown model config '{text}' (bundled: {', '.join(bundled)}; or give a path to a config.json)"
+    )
 
 
 def check_quant(bits: int | float | None) -> None:

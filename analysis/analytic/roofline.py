@@ -141,8 +141,9 @@ class AnalyticCostModel(CostModel):
         if bits is not None:
             check_quant(bits)
         # bpw: bits per weight as stored (e.g. a GGUF file's size / parameters); overrides bits
-        self.bytes_per_weight = (bpw if bpw is not None else
-                                 bits_per_weight(m.native_bits if bits is None else bits, group_size)) / 8.0
+        self.bytes_per_weight = (
+            bpw if bpw is not None else bits_per_weight(m.native_bits if bits is None else bits, group_size)
+        ) / 8.0
         self.peak = hardware.peak(self.compute_dtype) * peak_scale
         self.kv_bytes_per_token = m.kv_bytes_per_token(kv_bits)
         # FLOPs and bytes per unit of work (divided by the effective rates at use)
@@ -184,8 +185,11 @@ class AnalyticCostModel(CostModel):
 
     def matmul_flops(self, f: Forward) -> float:
         """Weight matmuls and the head (no attention)."""
-        return (f.tokens * self._flops_per_token - f.partial_tokens * self._partial_saving
-                + f.head_rows * self._flops_per_head_row)
+        return (
+            f.tokens * self._flops_per_token
+            - f.partial_tokens * self._partial_saving
+            + f.head_rows * self._flops_per_head_row
+        )
 
     def attention_flops(self, f: Forward) -> float:
         return f.attn_qk * self._flops_per_qk
@@ -206,20 +210,26 @@ class AnalyticCostModel(CostModel):
         """
         attn = self.attention_flops(f) / self.peak
         layers = self.model.layers
-        return (self.matmul_flops(f) / self.peak, 0.0 if f.decode else attn, attn if f.decode else 0.0,
-                self.bytes(f) / self.hardware.bandwidth, f.extra_bytes / self.hardware.bandwidth,
-                f.copies * layers, layers)
+        return (
+            self.matmul_flops(f) / self.peak,
+            0.0 if f.decode else attn,
+            attn if f.decode else 0.0,
+            self.bytes(f) / self.hardware.bandwidth,
+            f.extra_bytes / self.hardware.bandwidth,
+            f.copies * layers,
+            layers,
+        )
 
     def forward_terms(self, f: Forward) -> tuple[float, float, int]:
         """(seconds at peak compute, seconds at peak bandwidth incl. copies, layers) at unit efficiency."""
-        return (self.flops(f) / self.peak, (self.bytes(f) + f.extra_bytes) / self.hardware.bandwidth,
-                self.model.layers)
+        return (self.flops(f) / self.peak, (self.bytes(f) + f.extra_bytes) / self.hardware.bandwidth, self.model.layers)
 
     def forward_seconds(self, f: Forward) -> float:
-        c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (self._rate_dattn if f.decode else self._rate_attn)
+        c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (
+            self._rate_dattn if f.decode else self._rate_attn
+        )
         m = self.bytes(f) / self._bw
-        return (self._ovh + (c if c > m else m) + f.extra_bytes / self._bw_copy
-                + f.copies * self._copy_ovh)
+        return self._ovh + (c if c > m else m) + f.extra_bytes / self._bw_copy + f.copies * self._copy_ovh
 
     def _qk(self, n: float, b: float) -> float:
         """Query x key pairs of a chunk of n after b cached."""
@@ -281,19 +291,25 @@ class AnalyticCostModel(CostModel):
                 n_done = sum(1 for d in done if d)
                 partial = lazy and not n_done
                 qk = r * self._qk(n, b) * (self._partial_qk if partial else 1.0)
-                yield Forward(r * n, n_done if lazy else r, qk, r * b, r * n,
-                              partial_tokens=r * n if partial else 0.0)
+                yield Forward(r * n, n_done if lazy else r, qk, r * b, r * n, partial_tokens=r * n if partial else 0.0)
             else:
                 for (n, b), d in zip(chunks, done):
                     partial = lazy and not d
-                    yield Forward(n, 0 if partial else 1, self._qk(n, b) * (self._partial_qk if partial else 1.0),
-                                  b, n, partial_tokens=n if partial else 0.0)
+                    yield Forward(
+                        n,
+                        0 if partial else 1,
+                        self._qk(n, b) * (self._partial_qk if partial else 1.0),
+                        b,
+                        n,
+                        partial_tokens=n if partial else 0.0,
+                    )
 
     # ------------------------------------------------------------------ CostModel
     def _seconds(self, tokens: float, head: float, qk: float, kv: float, partial: float = 0.0) -> float:
         """One prefill forward's seconds (kv: KV tokens read + written). The hot path of pass_seconds."""
-        c = ((tokens * self._flops_per_token - partial * self._partial_saving + head * self._flops_per_head_row)
-             / self._rate + qk * self._flops_per_qk / self._rate_attn)
+        c = (
+            tokens * self._flops_per_token - partial * self._partial_saving + head * self._flops_per_head_row
+        ) / self._rate + qk * self._flops_per_qk / self._rate_attn
         b = self._dense_bytes + self._head_bytes + kv * self.kv_bytes_per_token
         if self._expert_bytes:
             b += self._moe_fixed_bytes + self.model.distinct_experts(tokens) * self._expert_bytes
@@ -309,8 +325,10 @@ class AnalyticCostModel(CostModel):
         if ctx:
             rows = len(ctx)
             longest = max(ctx)
-            c = (rows * (self._flops_per_token + self._flops_per_head_row) / self._rate
-                 + rows * longest * self._flops_per_qk / self._rate_dattn)
+            c = (
+                rows * (self._flops_per_token + self._flops_per_head_row) / self._rate
+                + rows * longest * self._flops_per_qk / self._rate_dattn
+            )
             b = self._dense_bytes + self._head_bytes + rows * longest * self.kv_bytes_per_token
             if self._expert_bytes:
                 b += self._moe_fixed_bytes + self.model.distinct_experts(rows) * self._expert_bytes
@@ -352,14 +370,29 @@ class AnalyticCostModel(CostModel):
     # ------------------------------------------------------------------ introspection
     def bound(self, f: Forward) -> str:
         """'compute' or 'memory': which term wins this forward."""
-        c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (self._rate_dattn if f.decode else self._rate_attn)
+        c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (
+            self._rate_dattn if f.decode else self._rate_attn
+        )
         return "compute" if c >= self.bytes(f) / self._bw else "memory"
 
     def meta(self) -> dict[str, Any]:
         m = self.model
-        applied = {k: v for k, v in self.applied.to_dict().items()
-                   if k in ("compute", "bandwidth", "overhead_per_layer_s", "basis", "source", "attention",
-                            "decode_attention", "copy", "copy_overhead_per_layer_s")}
+        applied = {
+            k: v
+            for k, v in self.applied.to_dict().items()
+            if k
+            in (
+                "compute",
+                "bandwidth",
+                "overhead_per_layer_s",
+                "basis",
+                "source",
+                "attention",
+                "decode_attention",
+                "copy",
+                "copy_overhead_per_layer_s",
+            )
+        }
         return {
             "cost_model": "analytic-roofline",
             "style": self.style,
@@ -378,8 +411,15 @@ class AnalyticCostModel(CostModel):
         }
 
 
-def kv_capacity_tokens(hw: Hardware, model: ModelSpec, quant: float | None = None, mem_fraction: float = 0.9,
-                       *, kv_bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+def kv_capacity_tokens(
+    hw: Hardware,
+    model: ModelSpec,
+    quant: float | None = None,
+    mem_fraction: float = 0.9,
+    *,
+    kv_bits: int = 16,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> int:
     """KV tokens that fit in ``mem_fraction`` of the memory once the weights are loaded.
 
     Raises ``AnalyticError`` (one line) when the weights alone do not fit.
@@ -393,7 +433,8 @@ def kv_capacity_tokens(hw: Hardware, model: ModelSpec, quant: float | None = Non
     if weights >= budget:
         raise AnalyticError(
             f"{model.name} at {bits:g} bits needs {weights / 1e9:.0f} GB of weights; {hw.name} has "
-            f"{hw.memory_bytes / 1e9:.0f} GB ({mem_fraction:.0%} usable: {budget / 1e9:.0f} GB)")
+            f"{hw.memory_bytes / 1e9:.0f} GB ({mem_fraction:.0%} usable: {budget / 1e9:.0f} GB)"
+        )
     tokens = int((budget - weights) // model.kv_bytes_per_token(kv_bits))
     if tokens < 1:
         raise AnalyticError(f"{model.name} at {bits:g} bits leaves no room for a KV cache on {hw.name}")

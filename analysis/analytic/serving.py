@@ -54,6 +54,7 @@ from .hardware import Hardware
 from .modelspec import DEFAULT_GROUP_SIZE, ModelSpec
 from .roofline import AnalyticCostModel, Forward
 
+
 def log_weights(x: float, knots: Sequence[float]) -> list[tuple[int, float]]:
     """(knot index, weight) pairs of piecewise-linear interpolation in log2 x, clamped."""
     if x <= knots[0]:
@@ -78,11 +79,29 @@ class ServingCostModel(AnalyticCostModel):
 
     engine = "vllm"
 
-    def __init__(self, hardware: Hardware, model: ModelSpec, bits: float | None = None, *,
-                 serving: ServingEfficiency, kv_bits: int = 16, compute_dtype: str | None = None,
-                 group_size: int = DEFAULT_GROUP_SIZE) -> None:
-        super().__init__(hardware, model, bits, kv_bits=kv_bits, style="fused", compute_dtype=compute_dtype,
-                         efficiency=serving.plain(), group_size=group_size, lazy_prefill=False, causal_skip=True)
+    def __init__(
+        self,
+        hardware: Hardware,
+        model: ModelSpec,
+        bits: float | None = None,
+        *,
+        serving: ServingEfficiency,
+        kv_bits: int = 16,
+        compute_dtype: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+    ) -> None:
+        super().__init__(
+            hardware,
+            model,
+            bits,
+            kv_bits=kv_bits,
+            style="fused",
+            compute_dtype=compute_dtype,
+            efficiency=serving.plain(),
+            group_size=group_size,
+            lazy_prefill=False,
+            causal_skip=True,
+        )
         self.serving = serving
         s = serving
         L = model.layers
@@ -144,8 +163,10 @@ class ServingCostModel(AnalyticCostModel):
         if v is None:
             s = self.serving
             k = self._L * self._qk_layer / self.peak
-            v = (k * inv_interp(n, s.prefill_chunks, s.prefill_context),
-                 k * inv_interp(n, s.prefill_chunks, s.prefill_causal))
+            v = (
+                k * inv_interp(n, s.prefill_chunks, s.prefill_context),
+                k * inv_interp(n, s.prefill_chunks, s.prefill_causal),
+            )
             if len(self._pre_cache) < 65536:
                 self._pre_cache[n] = v
         return v
@@ -196,10 +217,12 @@ class ServingCostModel(AnalyticCostModel):
         tokens = len(ctx) + sum(n for n, _ in chunks)
         if not tokens:
             return {"linear": 0.0, "decode_attention": 0.0, "prefill_attention": 0.0, "head": 0.0}
-        return {"linear": self.linear_seconds(tokens),
-                "decode_attention": self.decode_attention_seconds(len(ctx), float(sum(ctx))),
-                "prefill_attention": sum(self.prefill_attention_seconds(n, b) for n, b in chunks),
-                "head": self.head_seconds(len(ctx) + len(chunks))}
+        return {
+            "linear": self.linear_seconds(tokens),
+            "decode_attention": self.decode_attention_seconds(len(ctx), float(sum(ctx))),
+            "prefill_attention": sum(self.prefill_attention_seconds(n, b) for n, b in chunks),
+            "head": self.head_seconds(len(ctx) + len(chunks)),
+        }
 
     def forwards(self, s: PassShape) -> Iterator[Forward]:
         """One forward per pass (all its tokens), as the engine runs it."""
@@ -211,9 +234,17 @@ class ServingCostModel(AnalyticCostModel):
             return
         total = float(sum(ctx))
         qk = total + sum(n * b + n * (n + 1) / 2.0 for n, b in chunks)
-        yield Forward(tokens, rows + len(chunks), qk, total - rows + sum(b for _, b in chunks),
-                      rows + sum(n for n, _ in chunks), decode=False, rows=rows, decode_kv=total,
-                      chunks=tuple(chunks))
+        yield Forward(
+            tokens,
+            rows + len(chunks),
+            qk,
+            total - rows + sum(b for _, b in chunks),
+            rows + sum(n for n, _ in chunks),
+            decode=False,
+            rows=rows,
+            decode_kv=total,
+            chunks=tuple(chunks),
+        )
 
     def forward_seconds(self, f: Forward) -> float:
         """Seconds of a forward from :meth:`forwards` (equal to ``pass_seconds`` of its pass)."""

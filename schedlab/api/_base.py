@@ -107,7 +107,9 @@ def parse_slo(slo: str | Mapping[str, float] | None) -> dict[str, float]:
             out[k] = float(v)
         return out
     if not isinstance(slo, str):
-        fail(f"slo is a mapping such as {{'ttft_ms': 2000}} or a string 'ttft_ms=2000,...', got {type(slo).__name__}", 2)
+        fail(
+            f"slo is a mapping such as {{'ttft_ms': 2000}} or a string 'ttft_ms=2000,...', got {type(slo).__name__}", 2
+        )
     out: dict[str, float] = {}
     for item in slo.split(","):
         item = item.strip()
@@ -133,7 +135,9 @@ def parse_formats(formats: str | Sequence[str]) -> list[str]:
     bad = [f for f in fmts if f not in ("png", "svg")]
     if bad or not fmts:
         text = formats if isinstance(formats, str) else ",".join(map(str, items))
-        fail(f"{opt('format') if opt('format') != 'format' else 'formats'} must be png, svg or png,svg; got {text!r}", 2)
+        fail(
+            f"{opt('format') if opt('format') != 'format' else 'formats'} must be png, svg or png,svg; got {text!r}", 2
+        )
     return list(dict.fromkeys(fmts))
 
 

@@ -14,9 +14,20 @@ from .profiles import ProfileLike, profile_path
 from .runs import Run, real_dir_name
 
 
-def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mapping[str, Path | None], repeat: int,
-                  seed: int, cost_meta: dict, say, speed_check_runs: bool = True,
-                  speed_probe: str = "passes") -> dict[str, tuple[dict, Run, list[Run]]]:
+def validate_many(
+    pols: Mapping[str, Any],
+    tr,
+    info,
+    cost,
+    capacity,
+    dirs: Mapping[str, Path | None],
+    repeat: int,
+    seed: int,
+    cost_meta: dict,
+    say,
+    speed_check_runs: bool = True,
+    speed_probe: str = "passes",
+) -> dict[str, tuple[dict, Run, list[Run]]]:
     """Policies side by side: each one's simulation, then the real runs round by round — run k
     of every policy before run k + 1 of any — and the machine's speed timed once before the
     first round and once after the last. This machine's speed drifts by tens of percent within
@@ -49,8 +60,12 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
     sims: dict[str, Run] = {}
     metas = {}
     for name, pol in pols.items():
-        metas[name] = {"cost_model": cost_meta, "kv_tokens": capacity, "seed": seed,
-                       "policy_options": policy_options(pol)}
+        metas[name] = {
+            "cost_model": cost_meta,
+            "kv_tokens": capacity,
+            "seed": seed,
+            "policy_options": policy_options(pol),
+        }
         say(f"{pol.name}: simulating")
         sim_res = run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
         sims[name] = Run(sim_res, summarize(sim_res), metas[name])
@@ -65,15 +80,24 @@ def validate_many(pols: Mapping[str, Any], tr, info, cost, capacity, dirs: Mappi
 
     speed = {}
     if speed_ref is not None:
-        say("running the profile's replay again (the machine's speed now)" if replay
-            else "timing the profile's reference passes (the machine's speed now)")
+        say(
+            "running the profile's replay again (the machine's speed now)"
+            if replay
+            else "timing the profile's reference passes (the machine's speed now)"
+        )
         speed["before"] = time_speed()
     reals: dict[str, list[Run]] = {name: [] for name in pols}
     for k in range(repeat):
         for name, pol in pols.items():
             say(f"{pol.name}: real run {k + 1}/{repeat}")
-            res = run_loop(tr.requests, pol, cost, kv_capacity=capacity,
-                           backend=MLXBackend(info, seed=seed, ignore_eos=True), trace_name=tr.name)
+            res = run_loop(
+                tr.requests,
+                pol,
+                cost,
+                kv_capacity=capacity,
+                backend=MLXBackend(info, seed=seed, ignore_eos=True),
+                trace_name=tr.name,
+            )
             real = Run(res, summarize(res), metas[name])
             if dirs.get(name) is not None:
                 real.save(dirs[name] / real_dir_name(k))
@@ -126,9 +150,13 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
     res = run_loop(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
     scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
     c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
-    return {"speed_factor": factor, "median_abs_error_pct": c["median_abs_error_pct"],
-            "max_abs_error_pct": c["max_abs_error_pct"], "step_error_pct": c["step_error_pct"],
-            "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
+    return {
+        "speed_factor": factor,
+        "median_abs_error_pct": c["median_abs_error_pct"],
+        "max_abs_error_pct": c["max_abs_error_pct"],
+        "step_error_pct": c["step_error_pct"],
+        "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()},
+    }
 
 
 def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
@@ -155,13 +183,21 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | 
 
     if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
         return None
-    sims = [summarize(run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name,
-                               backend=SimBackend(cost, time_scale=f)))
-            for f in speeds]
+    sims = [
+        summarize(
+            run_loop(
+                tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name, backend=SimBackend(cost, time_scale=f)
+            )
+        )
+        for f in speeds
+    ]
     c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name)
-    return {"speeds": [round(f, 4) for f in speeds],
-            "median_abs_error_pct": c["median_abs_error_pct"], "max_abs_error_pct": c["max_abs_error_pct"],
-            "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()}}
+    return {
+        "speeds": [round(f, 4) for f in speeds],
+        "median_abs_error_pct": c["median_abs_error_pct"],
+        "max_abs_error_pct": c["max_abs_error_pct"],
+        "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()},
+    }
 
 
 def _speed_reference(cost_meta: dict) -> dict | None:
@@ -233,8 +269,13 @@ def analytic_cost(hardware: str, info):
     factors, source = "preset", f"{hw.name}'s preset factors ({hw.efficiency.basis}); not measured on this machine"
     fitted_from = None
     if hw.name == "cpu-local":
-        factors, source = "prior", (f"no profile of {name} measured on this machine: cpu-local's prior factors "
-                                    f"(fit them with calibrate --analytic)")
+        factors, source = (
+            "prior",
+            (
+                f"no profile of {name} measured on this machine: cpu-local's prior factors "
+                f"(fit them with calibrate --analytic)"
+            ),
+        )
         for path, prof in _matching_profiles(info):
             block = prof.get(BLOCK_KEY)
             why = block_mismatch(block, name, bits, kv_bits) if block is not None else "none"
@@ -249,13 +290,20 @@ def analytic_cost(hardware: str, info):
                 except ValueError:
                     continue
                 hw, _ = efficiency_from_block(block, hw)
-                factors, source = "fitted-now", (f"cpu-local factors fitted now to the samples of {path} "
-                                                 f"(store them with calibrate --analytic)")
+                factors, source = (
+                    "fitted-now",
+                    (f"cpu-local factors fitted now to the samples of {path} (store them with calibrate --analytic)"),
+                )
                 fitted_from = path
                 break
     cost = analytic_from_config(hw, info.config, bits, name=name, kv_bits=kv_bits)
-    meta = {"kind": "analytic", "hardware": hw.name, "factors": factors, "factors_note": source,
-            "analytic": cost.meta()}
+    meta = {
+        "kind": "analytic",
+        "hardware": hw.name,
+        "factors": factors,
+        "factors_note": source,
+        "analytic": cost.meta(),
+    }
     if fitted_from is not None:  # the profile whose passes the factors were fitted to
         meta["profile"] = str(fitted_from)
     return cost, meta

@@ -66,8 +66,9 @@ def _from_runs(runs: Sequence[Any], grid: Any, out: str | Path | None) -> Profil
         if not isinstance(grid_prof, dict) or not isinstance(grid_prof.get("coefficients"), dict):
             fail(f"{opt('grid')} {grid}: not a profile (no coefficients)")
     try:
-        data = profile_from_runs(load_runs([Path(d) for d in dirs]), grid_prof,
-                                 kind="grid+runs" if grid_prof else "runs")
+        data = profile_from_runs(
+            load_runs([Path(d) for d in dirs]), grid_prof, kind="grid+runs" if grid_prof else "runs"
+        )
     except RunsError as exc:
         fail(str(exc))
     prof = Profile(data)
@@ -99,11 +100,22 @@ def _stored_profile(path: Path, info) -> dict:
 
 
 @public
-def calibrate(*, model: str = "tiny", dtype: str = "float32", quick: bool = False,
-              grid: str | Mapping[str, Any] | Path | Profile | None = None, seed: int = 0, model_seed: int = 0,
-              analytic: bool = False, from_profile: str | Path | None = None, replay: bool = False,
-              keep_runs: str | Path | None = None, from_runs: Sequence[str | Path] | None = None,
-              out: str | Path | None = None, log: Log | None = None) -> Profile:
+def calibrate(
+    *,
+    model: str = "tiny",
+    dtype: str = "float32",
+    quick: bool = False,
+    grid: str | Mapping[str, Any] | Path | Profile | None = None,
+    seed: int = 0,
+    model_seed: int = 0,
+    analytic: bool = False,
+    from_profile: str | Path | None = None,
+    replay: bool = False,
+    keep_runs: str | Path | None = None,
+    from_runs: Sequence[str | Path] | None = None,
+    out: str | Path | None = None,
+    log: Log | None = None,
+) -> Profile:
     """Time real passes over a grid and fit the cost model (the ``calibrate`` command).
 
     ``quick``: the smaller grid (models above 50M parameters use the compact one); ``grid``: a

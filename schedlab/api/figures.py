@@ -17,8 +17,7 @@ class Figures(dict):
     ``files``: the files written (empty unless ``out`` was given) and ``warnings``: files
     that disagree with their summary."""
 
-    def __init__(self, figures: Mapping[str, "Figure"] = (), files: Sequence[Path] = (),
-                 warnings: Sequence[str] = ()):
+    def __init__(self, figures: Mapping[str, "Figure"] = (), files: Sequence[Path] = (), warnings: Sequence[str] = ()):
         super().__init__(figures)
         self.files = list(files)
         self.warnings = list(warnings)
@@ -49,9 +48,14 @@ def _plot_inputs(items: Sequence[Any]):
 
 
 @public
-def plot(*items: Any, out: str | Path | None = None,
-         formats: str | Sequence[str] = ("png", "svg"), lanes: int = 60,
-         window: tuple[float, float] | str | None = None, kinds: str | Sequence[str] | None = None) -> Figures:
+def plot(
+    *items: Any,
+    out: str | Path | None = None,
+    formats: str | Sequence[str] = ("png", "svg"),
+    lanes: int = 60,
+    window: tuple[float, float] | str | None = None,
+    kinds: str | Sequence[str] | None = None,
+) -> Figures:
     """The ``plot`` command's figures for runs, validations and run/validation directories:
     TTFT and ITL CDFs (one curve per run), per-request decode rates, a step timeline per run,
     and simulated-vs-measured overlays for validations. Returns the matplotlib figures by name

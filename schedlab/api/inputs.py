@@ -53,12 +53,18 @@ def as_policy(spec: PolicyLike, options: Mapping[str, Any] | None = None):
                     pass
     elif callable(getattr(spec, "plan", None)):
         if options:
-            fail(f"options go with a policy's name or class, not with a policy object "
-                  f"({getattr(spec, 'name', type(spec).__name__)!r} is built already)", 2)
+            fail(
+                f"options go with a policy's name or class, not with a policy object "
+                f"({getattr(spec, 'name', type(spec).__name__)!r} is built already)",
+                2,
+            )
         pol = spec
     else:
-        fail(f"a policy is a bundled name ({', '.join(POLICIES)}), 'file.py:Class', a class or an "
-              f"object with a plan(view) method; got {type(spec).__name__}", 2)
+        fail(
+            f"a policy is a bundled name ({', '.join(POLICIES)}), 'file.py:Class', a class or an "
+            f"object with a plan(view) method; got {type(spec).__name__}",
+            2,
+        )
     return pol
 
 
@@ -77,13 +83,19 @@ def _check_option_types(cls: type, options: Mapping[str, Any]) -> None:
         if f is None or isinstance(value, str) or f.default is dataclasses.MISSING:
             continue
         kind = type(f.default)
-        ok = (isinstance(value, bool) if kind is bool else
-              isinstance(value, int) and not isinstance(value, bool) if kind is int else
-              isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              if kind is float else True)
+        ok = (
+            isinstance(value, bool)
+            if kind is bool
+            else isinstance(value, int) and not isinstance(value, bool)
+            if kind is int
+            else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if kind is float
+            else True
+        )
         if not ok:
-            raise OptionError(f"policy '{getattr(cls, 'name', cls.__name__)}': option {key}={value!r} "
-                              f"is not a valid {kind.__name__}")
+            raise OptionError(
+                f"policy '{getattr(cls, 'name', cls.__name__)}': option {key}={value!r} is not a valid {kind.__name__}"
+            )
 
 
 @public
@@ -113,8 +125,9 @@ def _missing(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def as_trace(trace: TraceLike, seed: int = 0, tokenizer: Any = None, name: str | None = None,
-             recount: bool = False) -> "Trace":
+def as_trace(
+    trace: TraceLike, seed: int = 0, tokenizer: Any = None, name: str | None = None, recount: bool = False
+) -> "Trace":
     """A ``traces.Trace`` with token counts from anything ``load_trace`` takes; ``tokenizer``
     counts prompts given as text (``recount``: also those given with counts)."""
     from schedlab import traces
@@ -128,10 +141,11 @@ def as_trace(trace: TraceLike, seed: int = 0, tokenizer: Any = None, name: str |
         where = name or "DataFrame"
         missing = [c for c in ("id", "arrival_s", "output_tokens") if c not in trace.columns]
         if missing:
-            raise TraceError(f"{where}: missing column(s) {', '.join(missing)} (a trace has id, arrival_s, "
-                             f"prompt_tokens, output_tokens)")
-        rows = [{k: _plain(v) for k, v in row.items() if not _missing(_plain(v))}
-                for row in trace.to_dict("records")]
+            raise TraceError(
+                f"{where}: missing column(s) {', '.join(missing)} (a trace has id, arrival_s, "
+                f"prompt_tokens, output_tokens)"
+            )
+        rows = [{k: _plain(v) for k, v in row.items() if not _missing(_plain(v))} for row in trace.to_dict("records")]
         tr = Trace(name or "dataframe", "", [request_from_json(row, i, where) for i, row in enumerate(rows)])
     elif isinstance(trace, Iterable) and not isinstance(trace, (bytes, Mapping)):
         reqs = list(trace)
@@ -142,16 +156,25 @@ def as_trace(trace: TraceLike, seed: int = 0, tokenizer: Any = None, name: str |
             raise TraceError("the trace has no requests")
         tr = Trace(name or "requests", "", reqs)
     else:
-        raise TraceError(f"a trace is a name or path, a dataset spec (random:n=50), a traces.Trace, a list of "
-                         f"traces.Request or a DataFrame; got {type(trace).__name__}")
+        raise TraceError(
+            f"a trace is a name or path, a dataset spec (random:n=50), a traces.Trace, a list of "
+            f"traces.Request or a DataFrame; got {type(trace).__name__}"
+        )
     if tokenizer is not None:
         tr = traces.tokenize(tr, tokenizer, recount=recount)
     return traces.require_counts(tr)
 
 
 @public
-def load_trace(trace: TraceLike, *, seed: int = 0, tokenizer: Any = None, rate: float | None = None,
-               head: int | None = None, name: str | None = None) -> "Trace":
+def load_trace(
+    trace: TraceLike,
+    *,
+    seed: int = 0,
+    tokenizer: Any = None,
+    rate: float | None = None,
+    head: int | None = None,
+    name: str | None = None,
+) -> "Trace":
     """A trace (``traces.Trace``: ``name``, ``requests``) from a bundled name or path (JSON,
     Azure CSV, Mooncake JSONL), a dataset spec (``"random:n=200,input_len=512,rate=2"``), a
     list of ``traces.Request`` or a DataFrame with the columns id, arrival_s, prompt_tokens,
@@ -197,5 +220,3 @@ def policy_list(policy, options: Mapping[str, Any] | None = None) -> dict[str, A
             fail(f"policy {name!r} given twice", 2)
         out[name] = pol
     return out
-
-

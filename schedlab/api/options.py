@@ -89,7 +89,9 @@ class ClientOptions:
         if self.burstiness is not None:
             b = _number(self.burstiness, "burstiness")
             if self.request_rate is None:
-                fail(f"{opt('burstiness')} shapes the {opt('request_rate')} schedule: give {opt('request_rate')} too", 2)
+                fail(
+                    f"{opt('burstiness')} shapes the {opt('request_rate')} schedule: give {opt('request_rate')} too", 2
+                )
             if math.isnan(b) or b <= 0:
                 fail(f"{opt('burstiness')} must be > 0 (1: Poisson; inf: constant gaps), got {b:g}", 2)
             object.__setattr__(self, "burstiness", b)
@@ -106,8 +108,7 @@ class ClientOptions:
         replay), else the clients over them (``sim.sources.clients``)."""
         from schedlab.sim.sources import clients
 
-        return clients(requests, self.max_concurrency, self.request_rate, self.burstiness, self.think_time or 0.0,
-                       seed)
+        return clients(requests, self.max_concurrency, self.request_rate, self.burstiness, self.think_time or 0.0, seed)
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,11 @@ class EngineOptions:
         if not isinstance(self.dtype, str):
             fail(f"{opt('dtype')} is a string such as 'float32', got {self.dtype!r}", 2)
         if not isinstance(self.sampling, str):
-            fail(f"{opt('sampling')} is 'greedy' or a string such as 'temperature=0.7,seed=1', "
-                 f"got {type(self.sampling).__name__}", 2)
+            fail(
+                f"{opt('sampling')} is 'greedy' or a string such as 'temperature=0.7,seed=1', "
+                f"got {type(self.sampling).__name__}",
+                2,
+            )
         if self.noise is not None and not isinstance(self.noise, str):
             fail(f"noise is a string such as 'gc-off,pin=0-1,warmup=3', got {type(self.noise).__name__}", 2)
         check_seed(self.model_seed, "model_seed")

@@ -66,10 +66,16 @@ class Profile:
                 continue
             fit = r.get("fit", {}) if "fit" in r else {}
             held = r.get("held_out", r if "median_abs_pct" in r else {})
-            rows.append({"group": group, "r2": r.get("r2"),
-                         "fit_median_abs_pct": fit.get("median_abs_pct"),
-                         "held_out_n": held.get("n"), "held_out_median_abs_pct": held.get("median_abs_pct"),
-                         "held_out_max_abs_pct": held.get("max_abs_pct")})
+            rows.append(
+                {
+                    "group": group,
+                    "r2": r.get("r2"),
+                    "fit_median_abs_pct": fit.get("median_abs_pct"),
+                    "held_out_n": held.get("n"),
+                    "held_out_median_abs_pct": held.get("median_abs_pct"),
+                    "held_out_max_abs_pct": held.get("max_abs_pct"),
+                }
+            )
         return pd.DataFrame(rows).set_index("group") if rows else pd.DataFrame()
 
     @property
@@ -77,8 +83,10 @@ class Profile:
         """The timed passes the fit used: group, label, seconds, and one column per feature."""
         import pandas as pd
 
-        rows = [{"group": s.get("group"), "label": s.get("label"), "seconds": s.get("seconds"),
-                 **(s.get("features") or {})} for s in self._data.get("samples") or []]
+        rows = [
+            {"group": s.get("group"), "label": s.get("label"), "seconds": s.get("seconds"), **(s.get("features") or {})}
+            for s in self._data.get("samples") or []
+        ]
         return pd.DataFrame(rows)
 
     @property
@@ -144,8 +152,10 @@ class Profile:
 
     def __repr__(self) -> str:
         cal = self._data.get("calibration") or {}
-        return (f"Profile(model={self.model!r}, dtype={self._data.get('dtype')!r}, "
-                f"grid={cal.get('grid')!r}, samples={cal.get('samples')}, path={str(self.path) if self.path else None!r})")
+        return (
+            f"Profile(model={self.model!r}, dtype={self._data.get('dtype')!r}, "
+            f"grid={cal.get('grid')!r}, samples={cal.get('samples')}, path={str(self.path) if self.path else None!r})"
+        )
 
 
 class CostModel:
@@ -185,7 +195,11 @@ class CostModel:
         return getattr(self.model, name)
 
     def __repr__(self) -> str:
-        what = self.source.get("profile") or (self.source.get("analytic") or {}).get("hardware") or type(self.model).__name__
+        what = (
+            self.source.get("profile")
+            or (self.source.get("analytic") or {}).get("hardware")
+            or type(self.model).__name__
+        )
         return f"CostModel({type(self.model).__name__}, {what}, kv_tokens={self.kv_tokens})"
 
 
@@ -223,9 +237,14 @@ def pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, co
             return pick_cost(cost, kv_tokens, None, None, None)
         if isinstance(cost, CostModel):
             return cost.model, (kv_tokens if kv_tokens is not None else cost.kv_tokens), dict(cost.source)
-        if not (callable(getattr(cost, "pass_seconds", None)) and callable(getattr(cost, "step_overhead_seconds", None))):
-            fail(f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); "
-                 f"got {type(cost).__name__}", 2)
+        if not (
+            callable(getattr(cost, "pass_seconds", None)) and callable(getattr(cost, "step_overhead_seconds", None))
+        ):
+            fail(
+                f"a cost model has pass_seconds(shape) and step_overhead_seconds(passes, rows); "
+                f"got {type(cost).__name__}",
+                2,
+            )
         from schedlab.sim.cost import DEFAULT_KV_TOKENS
 
         meta = getattr(cost, "meta", None)
@@ -249,8 +268,14 @@ def pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, co
 
 
 @public
-def cost_model(profile: ProfileLike = None, *, kv_tokens: int | None = None, hardware: str | None = None,
-               model_config: str | Path | None = None, quant: int | None = None) -> CostModel:
+def cost_model(
+    profile: ProfileLike = None,
+    *,
+    kv_tokens: int | None = None,
+    hardware: str | None = None,
+    model_config: str | Path | None = None,
+    quant: int | None = None,
+) -> CostModel:
     """The cost model ``simulate`` would use, with its KV capacity: a measured profile's
     linear model (``profile``: a path, a bundled name or a ``Profile``; default: the bundled
     one), or the analytic roofline of ``hardware`` (a preset: ``m4-max``, ``h100-sxm``, ...)
@@ -269,8 +294,9 @@ def load_profile(profile: str | Path | None = None) -> Profile:
 
 
 @public
-def profile_mismatch(profile: ProfileLike, *, model: str = "tiny", dtype: str = "float32",
-                     model_seed: int = 0) -> str | None:
+def profile_mismatch(
+    profile: ProfileLike, *, model: str = "tiny", dtype: str = "float32", model_seed: int = 0
+) -> str | None:
     """Why ``profile`` was not measured on ``model`` on this machine, or None when it was."""
     from schedlab.engine.calibrate import profile_mismatch as mismatch
     from schedlab.engine.models import load_model
@@ -283,11 +309,16 @@ def profile_mismatch(profile: ProfileLike, *, model: str = "tiny", dtype: str = 
 
 # ---------------------------------------------------------------- calibrate --analytic's text
 
-_FACTORS = (("compute", "compute", 1.0, "{:.3f}"), ("attention", "attention", 1.0, "{:.4f}"),
-            ("decode attention", "decode_attention", 1.0, "{:.4f}"), ("bandwidth", "bandwidth", 1.0, "{:.3f}"),
-            ("copy", "copy", 1.0, "{:.3f}"), ("overhead/layer (ms)", "overhead_per_layer_s", 1e3, "{:.3f}"),
-            ("copy overhead/layer (ms)", "copy_overhead_per_layer_s", 1e3, "{:.3f}"),
-            ("step overhead (ms)", "step_overhead_s", 1e3, "{:.3f}"))
+_FACTORS = (
+    ("compute", "compute", 1.0, "{:.3f}"),
+    ("attention", "attention", 1.0, "{:.4f}"),
+    ("decode attention", "decode_attention", 1.0, "{:.4f}"),
+    ("bandwidth", "bandwidth", 1.0, "{:.3f}"),
+    ("copy", "copy", 1.0, "{:.3f}"),
+    ("overhead/layer (ms)", "overhead_per_layer_s", 1e3, "{:.3f}"),
+    ("copy overhead/layer (ms)", "copy_overhead_per_layer_s", 1e3, "{:.3f}"),
+    ("step overhead (ms)", "step_overhead_s", 1e3, "{:.3f}"),
+)
 
 
 def _fmt(eff: dict, key: str, scale: float, fmt: str) -> str:
@@ -297,8 +328,10 @@ def _fmt(eff: dict, key: str, scale: float, fmt: str) -> str:
 
 def format_analytic(block: dict) -> str:
     """The analytic fit as printed by calibrate --analytic."""
-    lines = [f"analytic roofline on cpu-local ({block['peak_gflops']:.0f} GFLOP/s fp32, {block['bandwidth_gbs']:.1f} GB/s "
-             f"measured), {block['samples']['fitted']} passes fitted, {block['samples']['held_out']} held out:"]
+    lines = [
+        f"analytic roofline on cpu-local ({block['peak_gflops']:.0f} GFLOP/s fp32, {block['bandwidth_gbs']:.1f} GB/s "
+        f"measured), {block['samples']['fitted']} passes fitted, {block['samples']['held_out']} held out:"
+    ]
     for kind, label in (("plain", "plain roofline (3 factors)"), ("full", "with attention and copy factors")):
         m = block["models"][kind]
         e = m["efficiency"]
@@ -307,22 +340,32 @@ def format_analytic(block: dict) -> str:
         for what in ("all_passes", "held_out_passes"):
             r = m[what]
             if r.get("n"):
-                lines.append(f"    {what.replace('_', ' ')}: median |error| {r['median_abs_pct']:.1f} %, "
-                             f"max {r['max_abs_pct']:.1f} % over {r['n']}")
+                lines.append(
+                    f"    {what.replace('_', ' ')}: median |error| {r['median_abs_pct']:.1f} %, "
+                    f"max {r['max_abs_pct']:.1f} % over {r['n']}"
+                )
     return "\n".join(lines)
 
 
 def analytic_markdown(block: dict) -> str:
     """The analytic fit's section of the profile's markdown report."""
-    L = ["## Analytic roofline on cpu-local", "",
-         f"Factors of `analysis/analytic`'s roofline fitted to this profile's samples (`calibrate --analytic`): peak "
-         f"{block['peak_gflops']:.0f} GFLOP/s fp32 and {block['bandwidth_gbs']:.1f} GB/s as measured on "
-         f"`{block['machine']}`; {block['samples']['fitted']} passes fitted, {block['samples']['held_out']} held out "
-         f"(mixed passes only predicted), {block['samples']['skipped']} skipped.", "",
-         "| factor | plain | full |", "|---|---:|---:|"]
+    L = [
+        "## Analytic roofline on cpu-local",
+        "",
+        f"Factors of `analysis/analytic`'s roofline fitted to this profile's samples (`calibrate --analytic`): peak "
+        f"{block['peak_gflops']:.0f} GFLOP/s fp32 and {block['bandwidth_gbs']:.1f} GB/s as measured on "
+        f"`{block['machine']}`; {block['samples']['fitted']} passes fitted, {block['samples']['held_out']} held out "
+        f"(mixed passes only predicted), {block['samples']['skipped']} skipped.",
+        "",
+        "| factor | plain | full |",
+        "|---|---:|---:|",
+    ]
     for name, key, sc, f in _FACTORS:
-        L.append(f"| {name} | " + " | ".join(_fmt(block["models"][k]["efficiency"], key, sc, f)
-                                            for k in ("plain", "full")) + " |")
+        L.append(
+            f"| {name} | "
+            + " | ".join(_fmt(block["models"][k]["efficiency"], key, sc, f) for k in ("plain", "full"))
+            + " |"
+        )
     L += ["", "| pass error (median / max abs %) | plain | full |", "|---|---:|---:|"]
 
     def cell(r: dict) -> str:

@@ -56,13 +56,14 @@ def _blas_mismatch(profile_blas, engine_blas) -> str | None:
     if want[0] is None:
         return None
     if want[0] != have[0] or (want[1] is not None and want[1] != have[1]):
-        return (f"the profile was measured with BLAS {want[0]} ({want[1]} threads) but the engine "
-                f"uses {have[0]} ({have[1]} threads): predicted_s will be off")
+        return (
+            f"the profile was measured with BLAS {want[0]} ({want[1]} threads) but the engine "
+            f"uses {have[0]} ({have[1]} threads): predicted_s will be off"
+        )
     return None
 
 
-def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, info, log: Log,
-               notes: list[str]):
+def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, info, log: Log, notes: list[str]):
     """(cost model, KV capacity, profile path) the policy sees and steps are predicted with.
 
     ``profile``: that file (a warning when it was measured elsewhere). Otherwise one measured on
@@ -90,8 +91,11 @@ def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, 
                 continue
         path = matching[0] if matching else resolve_profile(None)
         if not matching:
-            note("warning", f"no cost profile for model {info.name} on this machine: the policy plans and "
-                            f"steps.parquet's predicted_s come from the bundled {path.name} (measured elsewhere)")
+            note(
+                "warning",
+                f"no cost profile for model {info.name} on this machine: the policy plans and "
+                f"steps.parquet's predicted_s come from the bundled {path.name} (measured elsewhere)",
+            )
     else:
         given = None if profile is None else str(profile_path(profile))
         path, why = find_or_calibrate(given, info, None, lambda msg: log("progress", msg))
@@ -117,8 +121,17 @@ class Engine:
     - ``run(policy, arrivals)``: a ``Run``; ``make_backend()``: a fresh engine backend for it.
     """
 
-    def __init__(self, info: "ModelInfo", options: EngineOptions, replica: ReplicaOptions, seed: int,
-                 cost_model: CostModel, noise: "Noise", sampler: Any, notes: list[str]):
+    def __init__(
+        self,
+        info: "ModelInfo",
+        options: EngineOptions,
+        replica: ReplicaOptions,
+        seed: int,
+        cost_model: CostModel,
+        noise: "Noise",
+        sampler: Any,
+        notes: list[str],
+    ):
         self.info = info
         self.options = options
         self.replica = replica
@@ -138,14 +151,23 @@ class Engine:
         hooks its ``on_token`` first)."""
         from schedlab.engine.backend import MLXBackend
 
-        return MLXBackend(self.info, sampling=self._sampler, seed=self.seed, ignore_eos=self.options.ignore_eos,
-                          noise=self.noise)
+        return MLXBackend(
+            self.info, sampling=self._sampler, seed=self.seed, ignore_eos=self.options.ignore_eos, noise=self.noise
+        )
 
     @public
-    def run(self, policy: PolicyLike, arrivals: Any, *, trace_name: str | None = None,
-            clients: ClientOptions | None = None, slo: str | Mapping[str, float] | None = None,
-            on_step: Callable[[int, int], None] | None = None, clock: Any = None,
-            backend: "MLXBackend | None" = None) -> Run:
+    def run(
+        self,
+        policy: PolicyLike,
+        arrivals: Any,
+        *,
+        trace_name: str | None = None,
+        clients: ClientOptions | None = None,
+        slo: str | Mapping[str, float] | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+        clock: Any = None,
+        backend: "MLXBackend | None" = None,
+    ) -> Run:
         """Run ``policy`` on this engine over ``arrivals``: a trace (anything ``load_trace``
         takes; prompts given as text are counted with the model's tokenizer; ``clients``: the
         clients in front of the replica) or an arrival source (``sim.sources``: e.g. a
@@ -161,8 +183,15 @@ class Engine:
                 fail("clients go with a trace, not with an arrival source", 2)
             return self._run(pol, arrivals, trace_name or "live", slos, on_step, clock, backend)
         tr = _model_trace(self.info, arrivals, self.seed)
-        return self._run(pol, (clients or ClientOptions()).arrivals(tr.requests, self.seed), trace_name or tr.name,
-                         slos, on_step, clock, backend)
+        return self._run(
+            pol,
+            (clients or ClientOptions()).arrivals(tr.requests, self.seed),
+            trace_name or tr.name,
+            slos,
+            on_step,
+            clock,
+            backend,
+        )
 
     def _run(self, pol, arrivals, trace_name: str, slos: dict, on_step, clock, backend) -> Run:
         from schedlab.analysis.residuals import bias
@@ -173,20 +202,42 @@ class Engine:
         backend = backend if backend is not None else self.make_backend()
         hook = None if on_step is None else (lambda state: on_step(state.finished, state.n_accepted))
         rep = self.replica
-        result = run_loop(arrivals, pol, self.cost_model.model, kv_capacity=self.kv_tokens, backend=backend,
-                          trace_name=trace_name, on_step=hook, block_size=rep.block_size,
-                          prefix_caching=rep.prefix_caching, clock=clock)
+        result = run_loop(
+            arrivals,
+            pol,
+            self.cost_model.model,
+            kv_capacity=self.kv_tokens,
+            backend=backend,
+            trace_name=trace_name,
+            on_step=hook,
+            block_size=rep.block_size,
+            prefix_caching=rep.prefix_caching,
+            clock=clock,
+        )
         summary = summarize(result, slo=slos or None)
-        return Run(result, summary, {"profile": self.cost_model.source["profile"], "kv_tokens": result.kv_capacity,
-                                     "seed": self.seed, "block_size": rep.block_size,
-                                     "prefix_caching": rep.prefix_caching, "model_seed": self.options.model_seed,
-                                     "policy_options": policy_options(pol), "warnings": list(self.notes),
-                                     "step_bias": bias(step_table(result)), "noise": self.noise.describe()},
-                   _write_texts=lambda path: backend.write_texts(path, result.requests))
+        return Run(
+            result,
+            summary,
+            {
+                "profile": self.cost_model.source["profile"],
+                "kv_tokens": result.kv_capacity,
+                "seed": self.seed,
+                "block_size": rep.block_size,
+                "prefix_caching": rep.prefix_caching,
+                "model_seed": self.options.model_seed,
+                "policy_options": policy_options(pol),
+                "warnings": list(self.notes),
+                "step_bias": bias(step_table(result)),
+                "noise": self.noise.describe(),
+            },
+            _write_texts=lambda path: backend.write_texts(path, result.requests),
+        )
 
     def __repr__(self) -> str:
-        return (f"Engine(model={self.info.name!r}, dtype={self.info.dtype!r}, kv_tokens={self.kv_tokens}, "
-                f"profile={self.cost_model.source.get('profile')!r})")
+        return (
+            f"Engine(model={self.info.name!r}, dtype={self.info.dtype!r}, kv_tokens={self.kv_tokens}, "
+            f"profile={self.cost_model.source.get('profile')!r})"
+        )
 
 
 def _engine_checks(options: EngineOptions):
@@ -198,8 +249,17 @@ def _engine_checks(options: EngineOptions):
     return parse_sampling(options.sampling)
 
 
-def _load(options: EngineOptions, replica: ReplicaOptions, profile: ProfileLike, no_calibrate: bool, seed: int,
-          log: Log, sampler, noise, before_cost: Callable[["ModelInfo"], Any] | None = None) -> Engine:
+def _load(
+    options: EngineOptions,
+    replica: ReplicaOptions,
+    profile: ProfileLike,
+    no_calibrate: bool,
+    seed: int,
+    log: Log,
+    sampler,
+    noise,
+    before_cost: Callable[["ModelInfo"], Any] | None = None,
+) -> Engine:
     """The model loaded, then (after ``before_cost(info)``, which checks what needs the model)
     its cost model: calibrated first where no profile matches. Called with the noise settings in
     the environment (``noise_env``)."""
@@ -212,16 +272,31 @@ def _load(options: EngineOptions, replica: ReplicaOptions, profile: ProfileLike,
         before_cost(info)
     notes: list[str] = []
     cost, capacity, path = _real_cost(profile, replica.kv_tokens, no_calibrate, info, log, notes)
-    return Engine(info, options, replica, seed, CostModel(cost, capacity, {"profile": str(path)}), noise, sampler,
-                  notes)
+    return Engine(
+        info, options, replica, seed, CostModel(cost, capacity, {"profile": str(path)}), noise, sampler, notes
+    )
 
 
 @public
-def load_engine(engine: EngineOptions | None = None, *, replica: ReplicaOptions | None = None,
-                profile: ProfileLike = None, no_calibrate: bool = False, seed: int = 0, log: Log | None = None,
-                model: str = "tiny", dtype: str = "float32", sampling: str = "greedy", noise: str | None = None,
-                model_seed: int = 0, ignore_eos: bool = False, kv_tokens: int | None = None, block_size: int = 16,
-                prefix_caching: bool = False, require_tokenizer: bool = False) -> Engine:
+def load_engine(
+    engine: EngineOptions | None = None,
+    *,
+    replica: ReplicaOptions | None = None,
+    profile: ProfileLike = None,
+    no_calibrate: bool = False,
+    seed: int = 0,
+    log: Log | None = None,
+    model: str = "tiny",
+    dtype: str = "float32",
+    sampling: str = "greedy",
+    noise: str | None = None,
+    model_seed: int = 0,
+    ignore_eos: bool = False,
+    kv_tokens: int | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = False,
+    require_tokenizer: bool = False,
+) -> Engine:
     """Load a model on the real MLX engine with the cost model its policies plan with: an
     ``Engine``, whose ``run`` runs a policy over a trace or a live arrival source.
 
@@ -234,32 +309,63 @@ def load_engine(engine: EngineOptions | None = None, *, replica: ReplicaOptions 
     sampling's; ``require_tokenizer``: fail (before any calibration) when the model has no
     tokenizer, i.e. takes no text; ``log(kind, message)`` hears progress, notes and warnings
     (default: warnings as ``SchedlabWarning``)."""
-    opts = merged(EngineOptions, engine, "engine", model=model, dtype=dtype, sampling=sampling, noise=noise,
-                  model_seed=model_seed, ignore_eos=ignore_eos)
-    rep = merged(ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size,
-                 prefix_caching=prefix_caching)
+    opts = merged(
+        EngineOptions,
+        engine,
+        "engine",
+        model=model,
+        dtype=dtype,
+        sampling=sampling,
+        noise=noise,
+        model_seed=model_seed,
+        ignore_eos=ignore_eos,
+    )
+    rep = merged(
+        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
+    )
     seed = check_seed(seed)
     sampler = _engine_checks(opts)
 
     def has_tokenizer(info) -> None:
         if require_tokenizer and info.tokenizer is None:
-            fail(f"model {info.name} has no tokenizer, so it takes no text (models with one: smollm2-135m, a .gguf "
-                 f"file or an mlx-lm checkpoint directory with tokenizer.json)")
+            fail(
+                f"model {info.name} has no tokenizer, so it takes no text (models with one: smollm2-135m, a .gguf "
+                f"file or an mlx-lm checkpoint directory with tokenizer.json)"
+            )
 
     with noise_env(opts.noise) as settings:
         return _load(opts, rep, profile, no_calibrate, seed, logger(log), sampler, settings, before_cost=has_tokenizer)
 
 
 @public
-def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype: str = "float32",
-             options: Mapping[str, Any] | None = None, profile: ProfileLike = None, no_calibrate: bool = False,
-             kv_tokens: int | None = None, seed: int = 0, ignore_eos: bool = False, model_seed: int = 0,
-             sampling: str = "greedy", slo: str | Mapping[str, float] | None = None, noise: str | None = None,
-             log: Log | None = None, on_step: Callable[[int, int], None] | None = None, block_size: int = 16,
-             prefix_caching: bool = False, max_concurrency: int | None = None,
-             request_rate: float | str | None = None, burstiness: float | None = None,
-             think_time: float | None = None, engine: EngineOptions | None = None,
-             replica: ReplicaOptions | None = None, clients: ClientOptions | None = None) -> Run:
+def run_real(
+    policy: PolicyLike,
+    trace: TraceLike,
+    *,
+    model: str = "tiny",
+    dtype: str = "float32",
+    options: Mapping[str, Any] | None = None,
+    profile: ProfileLike = None,
+    no_calibrate: bool = False,
+    kv_tokens: int | None = None,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    model_seed: int = 0,
+    sampling: str = "greedy",
+    slo: str | Mapping[str, float] | None = None,
+    noise: str | None = None,
+    log: Log | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = False,
+    max_concurrency: int | None = None,
+    request_rate: float | str | None = None,
+    burstiness: float | None = None,
+    think_time: float | None = None,
+    engine: EngineOptions | None = None,
+    replica: ReplicaOptions | None = None,
+    clients: ClientOptions | None = None,
+) -> Run:
     """Run ``policy`` on ``trace`` with a real MLX model (the ``run-real`` command): the same
     loop as ``simulate``, every pass a real forward, the clock wall time.
 
@@ -274,12 +380,29 @@ def run_real(policy: PolicyLike, trace: TraceLike, *, model: str = "tiny", dtype
     ``on_step(finished, requests)`` is called after every step."""
     log = logger(log)
     seed = check_seed(seed)
-    opts = merged(EngineOptions, engine, "engine", model=model, dtype=dtype, sampling=sampling, noise=noise,
-                  model_seed=model_seed, ignore_eos=ignore_eos)
-    rep = merged(ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size,
-                 prefix_caching=prefix_caching)
-    cl = merged(ClientOptions, clients, "clients", max_concurrency=max_concurrency, request_rate=request_rate,
-                burstiness=burstiness, think_time=think_time)
+    opts = merged(
+        EngineOptions,
+        engine,
+        "engine",
+        model=model,
+        dtype=dtype,
+        sampling=sampling,
+        noise=noise,
+        model_seed=model_seed,
+        ignore_eos=ignore_eos,
+    )
+    rep = merged(
+        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
+    )
+    cl = merged(
+        ClientOptions,
+        clients,
+        "clients",
+        max_concurrency=max_concurrency,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        think_time=think_time,
+    )
     pol = as_policy(policy, options)
     sampler = _engine_checks(opts)
     slos = parse_slo(slo)

@@ -23,9 +23,16 @@ def real_dir_name(k: int) -> str:
     return "real" if k == 0 else f"real-{k + 1}"
 
 
-RUN_FILES = ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet", "features.parquet",
-             "meta.json", "texts.jsonl")
-
+RUN_FILES = (
+    "summary.json",
+    "requests.csv",
+    "tokens.parquet",
+    "steps.parquet",
+    "passes.parquet",
+    "features.parquet",
+    "meta.json",
+    "texts.jsonl",
+)
 
 
 class Run:
@@ -43,9 +50,17 @@ class Run:
     what ran: ``error`` says why; ``rejected`` lists requests larger than the KV capacity.
     """
 
-    def __init__(self, result: Any = None, summary: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
-                 meta: Mapping[str, Any] | None = None, *, _dir: Path | None = None, _frames=None,
-                 _meta_file: Mapping[str, Any] | None = None, _write_texts=None):
+    def __init__(
+        self,
+        result: Any = None,
+        summary: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        _dir: Path | None = None,
+        _frames=None,
+        _meta_file: Mapping[str, Any] | None = None,
+        _write_texts=None,
+    ):
         self._result = result
         self._write_texts = _write_texts  # a real run's texts.jsonl (run-real --out writes it)
         # the summary, or what computes it when first needed: ``save`` starts writing the large
@@ -127,8 +142,10 @@ class Run:
             rej = self._result.rejected
             shown = ", ".join(f"{r.id} ({r.kv_footprint})" for r, _ in rej[:5])
             more = f" and {len(rej) - 5} more" if len(rej) > 5 else ""
-            lines.append(f"{len(rej)} request(s) rejected: their prompt + output exceeds "
-                         f"the KV capacity of {self._result.kv_capacity} tokens: {shown}{more}; the other requests ran")
+            lines.append(
+                f"{len(rej)} request(s) rejected: their prompt + output exceeds "
+                f"the KV capacity of {self._result.kv_capacity} tokens: {shown}{more}; the other requests ran"
+            )
         elif self._result is None and self.rejected:
             lines.append(f"{len(self.rejected)} request(s) rejected: their prompt + output exceeds the KV capacity")
         if self.error:
@@ -149,8 +166,10 @@ class Run:
 
             r = self._result
             if r is None:  # read back from a directory that lacks the file
-                raise SchedlabError(f"{self._dir} has no {name}.parquet"
-                                    + (" (simulate writes it with --passes)" if name == "passes" else ""))
+                raise SchedlabError(
+                    f"{self._dir} has no {name}.parquet"
+                    + (" (simulate writes it with --passes)" if name == "passes" else "")
+                )
             if name == "passes" and not self._has_passes():
                 raise SchedlabError("this run kept no pass log: simulate it with passes=True (the command: --passes)")
             if name == "requests":
@@ -255,8 +274,10 @@ class Run:
         if passes is None:
             passes = has
         elif passes and not has:
-            raise SchedlabError("this run has no pass log to write as passes.parquet "
-                                "(simulated with passes=False, or read back without the file)")
+            raise SchedlabError(
+                "this run has no pass log to write as passes.parquet "
+                "(simulated with passes=False, or read back without the file)"
+            )
         out = Path(out)
         if out.exists() and not out.is_dir():
             raise SchedlabError(f"{out} exists and is not a directory")
@@ -285,12 +306,17 @@ class Run:
         from schedlab.analysis.plots import run_data, slug
 
         where = path or self._dir or Path(slug(f"{self.policy}-{self.mode}"))
-        return run_data(self._summary, self.requests, self.tokens, self.steps, self.passes, path=where,
-                        label=label)
+        return run_data(self._summary, self.requests, self.tokens, self.steps, self.passes, path=where, label=label)
 
-    def plot(self, *others: Any, out: str | Path | None = None,
-             formats: Sequence[str] = ("png", "svg"), lanes: int = 60,
-             window: tuple[float, float] | str | None = None, kinds: str | Sequence[str] | None = None) -> Figures:
+    def plot(
+        self,
+        *others: Any,
+        out: str | Path | None = None,
+        formats: Sequence[str] = ("png", "svg"),
+        lanes: int = 60,
+        window: tuple[float, float] | str | None = None,
+        kinds: str | Sequence[str] | None = None,
+    ) -> Figures:
         """The ``plot`` command's figures for this run (and ``others`` beside it): TTFT and ITL
         CDFs, per-request decode rates, a step timeline per run (``kinds``: only some of
         ``ttft``, ``itl``, ``decode_rate``, ``timeline``). ``out``: also write them there, in
@@ -304,8 +330,10 @@ class Run:
         mk = s.get("makespan_s")
         mk = f"{mk:.3f}" if isinstance(mk, (int, float)) else mk
         err = f", error={self.error!r}" if self.error else ""
-        return (f"Run(policy={self.policy!r}, mode={self.mode!r}, trace={self.trace!r}, "
-                f"requests={s.get('requests')}, finished={s.get('finished')}, makespan_s={mk}{err})")
+        return (
+            f"Run(policy={self.policy!r}, mode={self.mode!r}, trace={self.trace!r}, "
+            f"requests={s.get('requests')}, finished={s.get('finished')}, makespan_s={mk}{err})"
+        )
 
 
 @public
@@ -318,8 +346,11 @@ def load_run(path: str | Path) -> Run:
 
     p = Path(path)
     data = read_dir(p)  # checks the directory: one RunDirError line for anything wrong
-    frames = {"requests": read_requests_csv(p / "requests.csv"), "tokens": pd.read_parquet(p / "tokens.parquet"),
-              "steps": pd.read_parquet(p / "steps.parquet")}
+    frames = {
+        "requests": read_requests_csv(p / "requests.csv"),
+        "tokens": pd.read_parquet(p / "tokens.parquet"),
+        "steps": pd.read_parquet(p / "steps.parquet"),
+    }
     if data.passes is not None:  # (simulate writes it with --passes; run.passes raises without)
         frames["passes"] = pd.read_parquet(p / "passes.parquet")
     meta = {}

@@ -13,14 +13,29 @@ from .runs import Run
 
 
 @public
-def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any] | None = None,
-             profile: ProfileLike = None, kv_tokens: int | None = None, hardware: str | None = None,
-             model_config: str | Path | None = None, quant: int | None = None, cost: Any = None,
-             seed: int = 0, slo: str | Mapping[str, float] | None = None, block_size: int = 16,
-             prefix_caching: bool = False, max_concurrency: int | None = None,
-             request_rate: float | str | None = None, burstiness: float | None = None,
-             think_time: float | None = None, passes: bool = True, replica: ReplicaOptions | None = None,
-             clients: ClientOptions | None = None) -> Run:
+def simulate(
+    policy: PolicyLike,
+    trace: TraceLike,
+    *,
+    options: Mapping[str, Any] | None = None,
+    profile: ProfileLike = None,
+    kv_tokens: int | None = None,
+    hardware: str | None = None,
+    model_config: str | Path | None = None,
+    quant: int | None = None,
+    cost: Any = None,
+    seed: int = 0,
+    slo: str | Mapping[str, float] | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = False,
+    max_concurrency: int | None = None,
+    request_rate: float | str | None = None,
+    burstiness: float | None = None,
+    think_time: float | None = None,
+    passes: bool = True,
+    replica: ReplicaOptions | None = None,
+    clients: ClientOptions | None = None,
+) -> Run:
     """Simulate ``policy`` on ``trace`` (the ``simulate`` command).
 
     ``options``: the policy's options (``-o``); ``profile``: a cost profile (default: the
@@ -42,19 +57,44 @@ def simulate(policy: PolicyLike, trace: TraceLike, *, options: Mapping[str, Any]
     pol = as_policy(policy, options)
     slos = parse_slo(slo)
     tr = as_trace(trace, seed=seed)
-    rep = merged(ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size,
-                 prefix_caching=prefix_caching)
-    cl = merged(ClientOptions, clients, "clients", max_concurrency=max_concurrency, request_rate=request_rate,
-                burstiness=burstiness, think_time=think_time)
+    rep = merged(
+        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
+    )
+    cl = merged(
+        ClientOptions,
+        clients,
+        "clients",
+        max_concurrency=max_concurrency,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        think_time=think_time,
+    )
     arrivals = cl.arrivals(tr.requests, seed)
     model, capacity, cost_meta = pick_cost(profile, rep.kv_tokens, hardware, model_config, quant, cost)
-    result = run_loop(arrivals, pol, model, kv_capacity=capacity, trace_name=tr.name, block_size=rep.block_size,
-                      prefix_caching=rep.prefix_caching, record_passes=bool(passes))
+    result = run_loop(
+        arrivals,
+        pol,
+        model,
+        kv_capacity=capacity,
+        trace_name=tr.name,
+        block_size=rep.block_size,
+        prefix_caching=rep.prefix_caching,
+        record_passes=bool(passes),
+    )
 
     @gc_paused()
     def summary():  # when first needed (saving writes the large tables meanwhile)
         return summarize(result, slo=slos or None)
 
-    return Run(result, summary, {**cost_meta, "kv_tokens": result.kv_capacity, "block_size": rep.block_size,
-                                 "prefix_caching": rep.prefix_caching, "seed": seed,
-                                 "policy_options": policy_options(pol)})
+    return Run(
+        result,
+        summary,
+        {
+            **cost_meta,
+            "kv_tokens": result.kv_capacity,
+            "block_size": rep.block_size,
+            "prefix_caching": rep.prefix_caching,
+            "seed": seed,
+            "policy_options": policy_options(pol),
+        },
+    )

@@ -18,8 +18,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
 #: the sweep table's columns that count something (integers; NaN where absent)
-_COUNTS = ("requests", "finished", "rejected", "max_concurrency", "peak_concurrency", "preemptions",
-           "recomputed_tokens")
+_COUNTS = (
+    "requests",
+    "finished",
+    "rejected",
+    "max_concurrency",
+    "peak_concurrency",
+    "preemptions",
+    "recomputed_tokens",
+)
 
 
 def parse_rates(rates: str | float | Sequence[float]) -> list[float]:
@@ -45,8 +52,11 @@ def parse_rates(rates: str | float | Sequence[float]) -> list[float]:
             fail(f"{opt('rates')}: every rate must be a finite number > 0 (requests/s), got {item}", 2)
         out.append(v)
     if not out:
-        fail(f"{opt('rates')} needs at least one rate, e.g. "
-             f"{'--rates 0.5,1,2' if opt('rates') != 'rates' else 'rates=[0.5, 1, 2]'}", 2)
+        fail(
+            f"{opt('rates')} needs at least one rate, e.g. "
+            f"{'--rates 0.5,1,2' if opt('rates') != 'rates' else 'rates=[0.5, 1, 2]'}",
+            2,
+        )
     return sorted(set(out))
 
 
@@ -68,8 +78,11 @@ def parse_concurrency(concurrency: str | int | Sequence[int]) -> list[int]:
             fail(f"{opt('concurrency')}: every value must be an integer >= 1 (clients), got {item!r}", 2)
         out.append(item)
     if not out:
-        fail(f"{opt('concurrency')} needs at least one value, e.g. "
-             f"{'--concurrency 1,2,4,8' if opt('concurrency') != 'concurrency' else 'concurrency=[1, 2, 4, 8]'}", 2)
+        fail(
+            f"{opt('concurrency')} needs at least one value, e.g. "
+            f"{'--concurrency 1,2,4,8' if opt('concurrency') != 'concurrency' else 'concurrency=[1, 2, 4, 8]'}",
+            2,
+        )
     return sorted(set(out))
 
 
@@ -98,15 +111,30 @@ class _Built:
 
 
 @public
-def sweep(policies: str | Sequence[PolicyLike], trace: TraceLike, rates: str | Sequence[float] | None = None, *,
-          concurrency: str | int | Sequence[int] | None = None, options: Mapping[str, Any] | None = None,
-          profile: ProfileLike = None, kv_tokens: int | None = None, block_size: int = 16,
-          prefix_caching: bool = False, replica: ReplicaOptions | None = None,
-          request_rate: float | str | None = None, burstiness: float | None = None,
-          think_time: float | None = None, slo: str | Mapping[str, float] | None = None, attainment: float = 0.9,
-          seed: int = 0, workers: int | None = None, out: str | Path | None = None,
-          formats: str | Sequence[str] = ("png", "svg"), on_start: Callable[[int, int], None] | None = None,
-          on_done: Callable[[dict[str, Any]], None] | None = None) -> "pd.DataFrame":
+def sweep(
+    policies: str | Sequence[PolicyLike],
+    trace: TraceLike,
+    rates: str | Sequence[float] | None = None,
+    *,
+    concurrency: str | int | Sequence[int] | None = None,
+    options: Mapping[str, Any] | None = None,
+    profile: ProfileLike = None,
+    kv_tokens: int | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = False,
+    replica: ReplicaOptions | None = None,
+    request_rate: float | str | None = None,
+    burstiness: float | None = None,
+    think_time: float | None = None,
+    slo: str | Mapping[str, float] | None = None,
+    attainment: float = 0.9,
+    seed: int = 0,
+    workers: int | None = None,
+    out: str | Path | None = None,
+    formats: str | Sequence[str] = ("png", "svg"),
+    on_start: Callable[[int, int], None] | None = None,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
+) -> "pd.DataFrame":
     """Simulate every policy at every request rate (the trace's arrivals rescaled to it) and/or
     behind every number of closed-loop clients, in worker processes (the ``sweep`` command).
     Returns one row per (policy, rate, concurrency) with the latency percentiles, throughput,
@@ -140,26 +168,40 @@ def sweep(policies: str | Sequence[PolicyLike], trace: TraceLike, rates: str | S
     if not pols:
         fail(f"{opt('policy')} needs at least one policy", 2)
     if rates is None and concurrency is None:
-        fail(f"give {opt('rates')} (request rates to rescale the trace to) and/or {opt('concurrency')} "
-             f"(numbers of clients)", 2)
+        fail(
+            f"give {opt('rates')} (request rates to rescale the trace to) and/or {opt('concurrency')} "
+            f"(numbers of clients)",
+            2,
+        )
     rate_list = parse_rates(rates) if rates is not None else None
     conc_list = parse_concurrency(concurrency) if concurrency is not None else None
     client_rate = parse_rate(request_rate)
     if (client_rate is not None or think_time is not None) and conc_list is None:
-        fail(f"{opt('request_rate')} and {opt('think_time')} shape the clients of {opt('concurrency')}: "
-             f"give {opt('concurrency')} too", 2)
+        fail(
+            f"{opt('request_rate')} and {opt('think_time')} shape the clients of {opt('concurrency')}: "
+            f"give {opt('concurrency')} too",
+            2,
+        )
     if client_rate is not None and rate_list is not None:
-        fail(f"give either {opt('rates')} (rescale the trace) or {opt('request_rate')} (the clients' schedule), "
-             f"not both", 2)
+        fail(
+            f"give either {opt('rates')} (rescale the trace) or {opt('request_rate')} (the clients' schedule), "
+            f"not both",
+            2,
+        )
     clients = ClientOptions(conc_list[0] if conc_list else None, client_rate, burstiness, think_time)
-    rep = merged(ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size,
-                 prefix_caching=prefix_caching)
+    rep = merged(
+        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
+    )
     fmts = parse_formats(formats)
     opts = dict(options or {})
     slos = parse_slo(slo)
     if isinstance(attainment, bool) or not isinstance(attainment, (int, float)) or not 0 < attainment <= 1:
-        fail(f"{opt('attainment')} must be in (0, 1], got {attainment:g}" if isinstance(attainment, (int, float))
-             else f"{opt('attainment')} must be in (0, 1], got {attainment!r}", 2)
+        fail(
+            f"{opt('attainment')} must be in (0, 1], got {attainment:g}"
+            if isinstance(attainment, (int, float))
+            else f"{opt('attainment')} must be in (0, 1], got {attainment!r}",
+            2,
+        )
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         fail(f"{opt('workers')} must be >= 1, got {workers}", 2)
     seed = check_seed(seed)
@@ -186,35 +228,64 @@ def sweep(policies: str | Sequence[PolicyLike], trace: TraceLike, rates: str | S
     else:
         jobs_pols = pols
         n_workers = workers or default_workers(n_jobs)
-    settings = {"block_size": rep.block_size, "prefix_caching": rep.prefix_caching,
-                "request_rate": clients.request_rate, "burstiness": clients.burstiness,
-                "think_s": clients.think_time or 0.0, "seed": seed}
+    settings = {
+        "block_size": rep.block_size,
+        "prefix_caching": rep.prefix_caching,
+        "request_rate": clients.request_rate,
+        "burstiness": clients.burstiness,
+        "think_s": clients.think_time or 0.0,
+        "seed": seed,
+    }
     from concurrent.futures.process import BrokenProcessPool
 
     try:
-        rows = run_sweep(tr, jobs_pols, rate_list, cost, capacity, options=opts, slo=slos or None,
-                         workers=n_workers, on_done=on_done, on_start=on_start, concurrency=conc_list,
-                         settings=settings)
+        rows = run_sweep(
+            tr,
+            jobs_pols,
+            rate_list,
+            cost,
+            capacity,
+            options=opts,
+            slo=slos or None,
+            workers=n_workers,
+            on_done=on_done,
+            on_start=on_start,
+            concurrency=conc_list,
+            settings=settings,
+        )
     except BrokenProcessPool:
         fail(f"a worker process died (killed, or out of memory); try fewer {opt('workers')}")
     sustained = max_sustained_rate(rows, attainment) if slos and rate_list and not conc_list else None
     info: dict[str, Any] = {
-        "trace": tr.name, "trace_requests": len(tr), "trace_rate_rps": traces.mean_rate(tr),
+        "trace": tr.name,
+        "trace_requests": len(tr),
+        "trace_rate_rps": traces.mean_rate(tr),
         "rate_definition": "(requests - 1) / (last arrival - first arrival); arrivals rescaled with traces.to_rate",
-        "profile": str(profile_path), "kv_tokens": capacity, "seed": seed, "policies": labels,
-        "rates_rps": rate_list, "options": {k: v if isinstance(v, (str, int, float, bool)) else str(v)
-                                            for k, v in opts.items()},
-        "slo": slos or None, "concurrency": conc_list, "block_size": rep.block_size,
+        "profile": str(profile_path),
+        "kv_tokens": capacity,
+        "seed": seed,
+        "policies": labels,
+        "rates_rps": rate_list,
+        "options": {k: v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in opts.items()},
+        "slo": slos or None,
+        "concurrency": conc_list,
+        "block_size": rep.block_size,
         "prefix_caching": rep.prefix_caching,
-        "clients": {"request_rate": clients.request_rate, "burstiness": clients.burstiness,
-                    "think_s": clients.think_time or 0.0} if conc_list else None,
+        "clients": {
+            "request_rate": clients.request_rate,
+            "burstiness": clients.burstiness,
+            "think_s": clients.think_time or 0.0,
+        }
+        if conc_list
+        else None,
     }
     if sustained is not None:
         info["attainment"] = attainment
         info["max_sustained_rate"] = sustained
         info["max_sustained_rate_definition"] = (
             f"largest swept rate r such that at r and at every lower swept rate at least {attainment:g} "
-            f"of all requests finished and met every SLO (vllm bench serve --goodput rule)")
+            f"of all requests finished and met every SLO (vllm bench serve --goodput rule)"
+        )
     table = pd.DataFrame(rows, columns=list(ROW_FIELDS))
     for c in ("max_concurrency", "peak_concurrency", "preemptions", "recomputed_tokens", "prefix_hit_rate"):
         if c in table.columns:  # (absent values are NaN, as the CSV reads back)
@@ -238,17 +309,31 @@ def _sweep_figure(table, out: Path | None, formats: Sequence[str]):
     info = table.attrs.get("info") or {}
     profile = info.get("profile")
     blocks = f" in blocks of {info['block_size']}" if info.get("block_size") is not None else ""
-    title = (f"{info.get('trace')}: {info.get('trace_requests')} requests, KV {info.get('kv_tokens')} tokens{blocks}, "
-             f"profile {Path(profile).name if profile else '-'}") if info else ""
-    fig = draw(sweep_rows(table), out, slo=info.get("slo"), attainment=info.get("attainment", 0.9),
-               sustained=info.get("max_sustained_rate"), offered_tok_per_req=table.attrs.get("offered_tok_per_req"),
-               title=title, formats=formats)
+    title = (
+        (
+            f"{info.get('trace')}: {info.get('trace_requests')} requests, KV {info.get('kv_tokens')} tokens{blocks}, "
+            f"profile {Path(profile).name if profile else '-'}"
+        )
+        if info
+        else ""
+    )
+    fig = draw(
+        sweep_rows(table),
+        out,
+        slo=info.get("slo"),
+        attainment=info.get("attainment", 0.9),
+        sustained=info.get("max_sustained_rate"),
+        offered_tok_per_req=table.attrs.get("offered_tok_per_req"),
+        title=title,
+        formats=formats,
+    )
     return fig["figure"], fig["files"]
 
 
 @public
-def plot_sweep(table: "pd.DataFrame", *, out: str | Path | None = None,
-               formats: str | Sequence[str] = ("png", "svg")) -> "Figure":
+def plot_sweep(
+    table: "pd.DataFrame", *, out: str | Path | None = None, formats: str | Sequence[str] = ("png", "svg")
+) -> "Figure":
     """The latency-vs-load figure of a ``sweep`` table (``out``: also write it there)."""
     if not is_frame(table) or "rate_rps" not in table.columns:
         fail("plot_sweep takes the DataFrame sweep() returns", 2)

@@ -33,9 +33,17 @@ class Validation:
     - ``save(dir)``: the directory ``validate --out`` writes; ``plot()``: its figures.
     """
 
-    def __init__(self, results: Mapping[str, Mapping[str, Any]], sim: Mapping[str, Run],
-                 real: Mapping[str, Sequence[Run]], *, trace: str, model: str | None = None,
-                 cost_model: Mapping[str, Any] | None = None, path: Path | None = None):
+    def __init__(
+        self,
+        results: Mapping[str, Mapping[str, Any]],
+        sim: Mapping[str, Run],
+        real: Mapping[str, Sequence[Run]],
+        *,
+        trace: str,
+        model: str | None = None,
+        cost_model: Mapping[str, Any] | None = None,
+        path: Path | None = None,
+    ):
         self.results = {k: dict(v) for k, v in results.items()}
         self.sim = dict(sim)
         self.real = {k: list(v) for k, v in real.items()}
@@ -60,8 +68,14 @@ class Validation:
         rows = []
         for pol, v in self.results.items():
             for key, m in v["metrics"].items():
-                row = {"policy": pol, "metric": key, "label": m["label"], "sim": m["sim"], "real": m["real"],
-                       "error_pct": m["error_pct"]}
+                row = {
+                    "policy": pol,
+                    "metric": key,
+                    "label": m["label"],
+                    "sim": m["sim"],
+                    "real": m["real"],
+                    "error_pct": m["error_pct"],
+                }
                 if "spread_pct" in m:
                     row["spread_pct"] = m["spread_pct"]
                     row["within_spread"] = m["within_spread"]
@@ -85,21 +99,26 @@ class Validation:
             adj = v.get("drift_adjusted") or {}
             matched = v.get("speed_matched") or {}
             held = v.get("hold_one_out") or {}
-            rows.append({
-                "policy": pol, "median_abs_error_pct": v.get("median_abs_error_pct"),
-                "max_abs_error_pct": v.get("max_abs_error_pct"),
-                "step_p50_abs_pct": se.get("p50"), "step_p90_abs_pct": se.get("p90"),
-                "step_mean_signed_pct": se.get("mean_signed"), "step_total_pct": se.get("total_pct"),
-                "steps": se.get("n"),
-                "speed_before": (speed.get("before") or {}).get("ratio"),
-                "speed_after": (speed.get("after") or {}).get("ratio"),
-                "drift_adjusted_median_abs_error_pct": adj.get("median_abs_error_pct"),
-                "drift_adjusted_max_abs_error_pct": adj.get("max_abs_error_pct"),
-                "speed_matched_median_abs_error_pct": matched.get("median_abs_error_pct"),
-                "speed_matched_max_abs_error_pct": matched.get("max_abs_error_pct"),
-                "held_out_sim_median_abs_pct": held.get("sim_median_pct"),
-                "held_out_real_median_abs_pct": held.get("real_median_pct"),
-            })
+            rows.append(
+                {
+                    "policy": pol,
+                    "median_abs_error_pct": v.get("median_abs_error_pct"),
+                    "max_abs_error_pct": v.get("max_abs_error_pct"),
+                    "step_p50_abs_pct": se.get("p50"),
+                    "step_p90_abs_pct": se.get("p90"),
+                    "step_mean_signed_pct": se.get("mean_signed"),
+                    "step_total_pct": se.get("total_pct"),
+                    "steps": se.get("n"),
+                    "speed_before": (speed.get("before") or {}).get("ratio"),
+                    "speed_after": (speed.get("after") or {}).get("ratio"),
+                    "drift_adjusted_median_abs_error_pct": adj.get("median_abs_error_pct"),
+                    "drift_adjusted_max_abs_error_pct": adj.get("max_abs_error_pct"),
+                    "speed_matched_median_abs_error_pct": matched.get("median_abs_error_pct"),
+                    "speed_matched_max_abs_error_pct": matched.get("max_abs_error_pct"),
+                    "held_out_sim_median_abs_pct": held.get("sim_median_pct"),
+                    "held_out_real_median_abs_pct": held.get("real_median_pct"),
+                }
+            )
         return pd.DataFrame(rows).set_index("policy")
 
     def report(self) -> str:
@@ -108,7 +127,7 @@ class Validation:
 
         parts = [format_table(v) + "\n" for v in self.results.values()]
         if len(self.results) > 1:
-                parts.append(format_overview(self.results))
+            parts.append(format_overview(self.results))
         return "\n".join(parts)
 
     def save(self, out: str | Path) -> Path:
@@ -133,10 +152,19 @@ class Validation:
 
     def overview(self) -> dict[str, Any]:
         """validation.json of several policies: their errors side by side."""
-        return {"trace": self.trace, "model": self.model, "cost_model": self.cost_model, "policies": {
-            n: {k: v[k] for k in ("median_abs_error_pct", "max_abs_error_pct", "step_error_pct", "machine_speed")
-                if k in v}
-            for n, v in self.results.items()}}
+        return {
+            "trace": self.trace,
+            "model": self.model,
+            "cost_model": self.cost_model,
+            "policies": {
+                n: {
+                    k: v[k]
+                    for k in ("median_abs_error_pct", "max_abs_error_pct", "step_error_pct", "machine_speed")
+                    if k in v
+                }
+                for n, v in self.results.items()
+            },
+        }
 
     def _validation_data(self) -> list:
         from schedlab.analysis.plots import ValidationData
@@ -149,8 +177,14 @@ class Validation:
             out.append(ValidationData(path=base, info=v, sim=sim, real=real))
         return out
 
-    def plot(self, out: str | Path | None = None, formats: Sequence[str] = ("png", "svg"), lanes: int = 60,
-             window: tuple[float, float] | str | None = None, kinds: str | Sequence[str] | None = None) -> Figures:
+    def plot(
+        self,
+        out: str | Path | None = None,
+        formats: Sequence[str] = ("png", "svg"),
+        lanes: int = 60,
+        window: tuple[float, float] | str | None = None,
+        kinds: str | Sequence[str] | None = None,
+    ) -> Figures:
         """The ``plot`` command's figures of a validation directory: per policy, simulated vs
         measured TTFT/ITL CDFs and predicted vs measured step times (``validate_<policy>_cdfs``,
         ``validate_<policy>_step_time``), plus the runs' CDFs, decode rates and timelines
@@ -161,9 +195,12 @@ class Validation:
         return plot(self, out=out, formats=formats, lanes=lanes, window=window, kinds=kinds)
 
     def __repr__(self) -> str:
-        errs = ", ".join(f"{p}: median |error| {v.get('median_abs_error_pct'):.1f} %"
-                         if v.get("median_abs_error_pct") is not None else f"{p}: -"
-                         for p, v in self.results.items())
+        errs = ", ".join(
+            f"{p}: median |error| {v.get('median_abs_error_pct'):.1f} %"
+            if v.get("median_abs_error_pct") is not None
+            else f"{p}: -"
+            for p, v in self.results.items()
+        )
         return f"Validation(trace={self.trace!r}, model={self.model!r}, {errs})"
 
 
@@ -175,27 +212,43 @@ def format_overview(results: Mapping[str, Mapping[str, Any]]) -> str:
     median (``analysis.validation.hold_one_out``): the simulation's median error there beside a
     real run's own, the machine's repeat error."""
     held = any(v.get("hold_one_out") for v in results.values())
-    lines = [f"{'policy':<18}{'median |err| %':>16}{'max |err| %':>13}{'step p50 %':>12}{'step p90 %':>12}"
-             + (f"{'held out: sim / a real run %':>31}" if held else "")]
+    lines = [
+        f"{'policy':<18}{'median |err| %':>16}{'max |err| %':>13}{'step p50 %':>12}{'step p90 %':>12}"
+        + (f"{'held out: sim / a real run %':>31}" if held else "")
+    ]
 
     def f(x):
         return "-" if x is None else f"{x:.1f}"
+
     for n, v in results.items():
         se = v["step_error_pct"]
         h = v.get("hold_one_out")
-        lines.append(f"{n:<18}{f(v['median_abs_error_pct']):>16}{f(v['max_abs_error_pct']):>13}"
-                     f"{f(se.get('p50')):>12}{f(se.get('p90')):>12}"
-                     + (f"{(f(h['sim_median_pct']) + ' / ' + f(h['real_median_pct'])) if h else '-':>31}" if held else ""))
+        lines.append(
+            f"{n:<18}{f(v['median_abs_error_pct']):>16}{f(v['max_abs_error_pct']):>13}"
+            f"{f(se.get('p50')):>12}{f(se.get('p90')):>12}"
+            + (f"{(f(h['sim_median_pct']) + ' / ' + f(h['real_median_pct'])) if h else '-':>31}" if held else "")
+        )
     return "\n".join(lines)
 
 
-
 @public
-def validate(policy: PolicyLike | Sequence[PolicyLike], trace: TraceLike, *, model: str = "tiny",
-             dtype: str = "float32", options: Mapping[str, Any] | None = None, profile: ProfileLike = None,
-             hardware: str | None = None, kv_tokens: int | None = None, seed: int = 0, repeat: int = 1,
-             out: str | Path | None = None, noise: str | None = None, log: Log | None = None,
-             on_result: Callable[[str, dict], None] | None = None) -> Validation:
+def validate(
+    policy: PolicyLike | Sequence[PolicyLike],
+    trace: TraceLike,
+    *,
+    model: str = "tiny",
+    dtype: str = "float32",
+    options: Mapping[str, Any] | None = None,
+    profile: ProfileLike = None,
+    hardware: str | None = None,
+    kv_tokens: int | None = None,
+    seed: int = 0,
+    repeat: int = 1,
+    out: str | Path | None = None,
+    noise: str | None = None,
+    log: Log | None = None,
+    on_result: Callable[[str, dict], None] | None = None,
+) -> Validation:
     """Run ``policy`` for real (MLX) and in simulation on the same trace and cost model, and
     compare (the ``validate`` command).
 
@@ -222,8 +275,7 @@ def validate(policy: PolicyLike | Sequence[PolicyLike], trace: TraceLike, *, mod
         from schedlab.analysis.analytic import list_hardware
 
         if hardware.strip().lower() not in list_hardware():
-            fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; "
-                  "cpu-local is this machine)", 2)
+            fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; cpu-local is this machine)", 2)
     check_kv_tokens(kv_tokens)
     with noise_env(noise):
         return _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result)
@@ -255,8 +307,7 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
         results[name], sims[name], reals[name] = v, sim_run, real_runs
         if on_result is not None:
             on_result(name, v)
-    val = Validation(results, sims, reals, trace=tr.name, model=str(info.name), cost_model=cost_meta,
-                     path=out)
+    val = Validation(results, sims, reals, trace=tr.name, model=str(info.name), cost_model=cost_meta, path=out)
     if out is not None and len(results) > 1:
         (out / "validation.json").write_text(json.dumps(val.overview(), indent=2) + "\n")
     return val
@@ -277,7 +328,12 @@ def compare(sim: Run, real: Run | Sequence[Run]) -> Validation:
     steps: list = []
     for r in reals:
         steps.extend(r._result.steps if r._result is not None else r.steps.itertuples(index=False))
-    v = compare_runs(sim._summary, [r._summary for r in reals], policy=sim.policy, trace=sim.trace,
-                     real_steps=steps)
-    return Validation({sim.policy: v}, {sim.policy: sim}, {sim.policy: reals}, trace=sim.trace,
-                      model=(reals[0].meta.get("model")), cost_model=sim.meta)
+    v = compare_runs(sim._summary, [r._summary for r in reals], policy=sim.policy, trace=sim.trace, real_steps=steps)
+    return Validation(
+        {sim.policy: v},
+        {sim.policy: sim},
+        {sim.policy: reals},
+        trace=sim.trace,
+        model=(reals[0].meta.get("model")),
+        cost_model=sim.meta,
+    )

@@ -15,14 +15,20 @@ from ..errors import _CLI, SchedlabError, one_line, user_error_types
 # the help of options several commands share
 BLOCK_SIZE_HELP = "KV block size in tokens: KV is allocated in blocks (a request holds ceil(tokens / block))"
 PREFIX_HELP = "block-level prefix caching (vLLM's automatic prefix caching): cached prefixes are not computed again"
-CONCURRENCY_HELP = ("closed-loop clients: at most C requests in flight, the next one sent when one finishes "
-                    "(vllm bench serve --max-concurrency)")
-RATE_HELP = ("issue requests at this rate (req/s; inf: all at once) in trace order, replacing the trace's "
-             "arrival times (vllm bench serve --request-rate)")
+CONCURRENCY_HELP = (
+    "closed-loop clients: at most C requests in flight, the next one sent when one finishes "
+    "(vllm bench serve --max-concurrency)"
+)
+RATE_HELP = (
+    "issue requests at this rate (req/s; inf: all at once) in trace order, replacing the trace's "
+    "arrival times (vllm bench serve --request-rate)"
+)
 BURST_HELP = "with --request-rate: gamma shape of the gaps (1: Poisson, the default; vllm bench serve --burstiness)"
 THINK_HELP = "with --max-concurrency: seconds a client waits after a response before its slot is free again"
-NOISE_HELP = ("settings that may lower the real runs' spread, to compare: gc-off, pin=CPUS (0-1), warmup=N, "
-              "malloc-keep, mlx-cache=SIZE (comma-separated; see engine/noise.py; also $SCHEDLAB_NOISE)")
+NOISE_HELP = (
+    "settings that may lower the real runs' spread, to compare: gc-off, pin=CPUS (0-1), warmup=N, "
+    "malloc-keep, mlx-cache=SIZE (comma-separated; see engine/noise.py; also $SCHEDLAB_NOISE)"
+)
 
 try:  # typer >= 0.16 vendors click as typer._click
     from typer._click import exceptions as _cx

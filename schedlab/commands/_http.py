@@ -22,8 +22,14 @@ DEFAULT_MAX_TOKENS = 256  # a request that gives no max_tokens: at most this man
 class APIError(Exception):
     """An OpenAI-style error response: ``status``, one-line ``message``, ``param``, ``code``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -71,8 +77,9 @@ class Bridge:
         self.cancelled = 0  # requests ended early because their client went away
         backend.on_token = self.on_token
 
-    def open(self, rid: str, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...] = (),
-             ignore_eos: bool = False) -> _Stream:
+    def open(
+        self, rid: str, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...] = (), ignore_eos: bool = False
+    ) -> _Stream:
         st = _Stream(loop, TextDelta(self.tokenizer, self.eos, stop) if stop else None)
         with self._lock:
             self._streams[rid] = st
@@ -116,10 +123,17 @@ class Bridge:
         if st is None:
             return
         if r.finish_s is None:  # refused on arrival: it can never fit this replica's KV cache
-            st.put(("error", APIError(
-                400, f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
-                     f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
-                "max_tokens")))
+            st.put(
+                (
+                    "error",
+                    APIError(
+                        400,
+                        f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
+                        f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
+                        "max_tokens",
+                    ),
+                )
+            )
             return
         st.put(("done", "stop" if r.id in self.backend.stopped or st.hit_stop else "length"))
 
@@ -151,15 +165,15 @@ class TextDelta:
         full = self.tok.decode(self.ids)
         cuts = [i for i in (full.find(x) for x in self.stop) if i >= 0]
         if cuts:
-            full, final, self.stopped = full[:min(cuts)], True, True
+            full, final, self.stopped = full[: min(cuts)], True, True
         if not final:
             if full.endswith("\ufffd"):
                 return ""
             hold = max((k for x in self.stop for k in range(1, len(x)) if full.endswith(x[:k])), default=0)
-            full = full[:len(full) - hold]
+            full = full[: len(full) - hold]
         if not full.startswith(self.text):
             return ""  # (a decoding that rewrote earlier text: what was sent stands)
-        delta, self.text = full[len(self.text):], full
+        delta, self.text = full[len(self.text) :], full
         return delta
 
 
@@ -194,8 +208,12 @@ class Params:
         if model is None:
             raise APIError(400, "model is required", "model")
         if model != server.model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{server.model_name}`)",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{server.model_name}`)",
+                "model",
+                "model_not_found",
+            )
         stream = body.get("stream", False)
         if stream is None:
             stream = False
@@ -232,8 +250,12 @@ class Params:
         want = server.temperature
         t = _number(body, "temperature")
         if t is not None and not math.isclose(t, want, abs_tol=1e-9):
-            raise APIError(400, f"this server samples every request at temperature {want:g} (serve --sampling); "
-                                f"temperature {t:g} is not available", "temperature")
+            raise APIError(
+                400,
+                f"this server samples every request at temperature {want:g} (serve --sampling); "
+                f"temperature {t:g} is not available",
+                "temperature",
+            )
         if _number(body, "top_p", 1.0) != 1.0:
             raise APIError(400, "top_p other than 1 is not supported by this server", "top_p")
         n = body.get("n")
@@ -243,12 +265,25 @@ class Params:
             if _number(body, key, 0.0) != 0.0:
                 raise APIError(400, f"{key} other than 0 is not supported by this server", key)
         # vLLM's extensions, as vllm bench serve sends them: only their neutral values
-        for key, neutral in (("repetition_penalty", (1.0,)), ("top_k", (-1, 0)), ("min_p", (0.0,)),
-                             ("min_tokens", (0,))):
+        for key, neutral in (
+            ("repetition_penalty", (1.0,)),
+            ("top_k", (-1, 0)),
+            ("min_p", (0.0,)),
+            ("min_tokens", (0,)),
+        ):
             if _number(body, key, neutral[0]) not in neutral:
                 raise APIError(400, f"{key} other than {neutral[0]} is not supported by this server", key)
-        for key in ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools",
-                    "functions", "response_format"):
+        for key in (
+            "logprobs",
+            "top_logprobs",
+            "echo",
+            "best_of",
+            "logit_bias",
+            "suffix",
+            "tools",
+            "functions",
+            "response_format",
+        ):
             v = body.get(key)
             if v not in (None, False, [], {}, "") and not (key == "best_of" and v == 1):
                 raise APIError(400, f"{key} is not supported by this server", key)
@@ -285,8 +320,9 @@ def _messages(ms: Any) -> tuple[tuple[str, str], ...]:
             raise APIError(400, f"messages[{i}] must be an object", "messages")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                           "messages")
+            raise APIError(
+                400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", "messages"
+            )
         if isinstance(content, list):  # content parts: text only
             texts = []
             for part in content:
@@ -306,8 +342,15 @@ def _messages(ms: Any) -> tuple[tuple[str, str], ...]:
 class Server:
     """The HTTP side: a FastAPI app whose handlers submit to ``source`` and read ``bridge``."""
 
-    def __init__(self, info, source, bridge: Bridge, model_name: str, temperature: float,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(
+        self,
+        info,
+        source,
+        bridge: Bridge,
+        model_name: str,
+        temperature: float,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ):
         self.info = info
         self.tokenizer = info.tokenizer
         self.eos = frozenset(info.eos_token_ids or ())
@@ -337,8 +380,11 @@ class Server:
         if params.max_tokens is None:
             room = self.default_max_tokens if ctx is None else min(self.default_max_tokens, ctx - n)
             if room < 1:
-                raise APIError(400, f"the prompt is {n} tokens and the model's context is {ctx}: no room for output",
-                               "messages" if chat else "prompt")
+                raise APIError(
+                    400,
+                    f"the prompt is {n} tokens and the model's context is {ctx}: no room for output",
+                    "messages" if chat else "prompt",
+                )
             max_tokens, key = room, "max_tokens"
         else:
             max_tokens, key = params.max_tokens, params.max_tokens_key
@@ -346,8 +392,9 @@ class Server:
         try:
             self.info.check_trace([req])
         except EngineError as exc:
-            raise APIError(400, str(exc).replace(f"request {rid} needs", "this request needs")
-                           .replace("+ output", f"+ {key}"), key) from None
+            raise APIError(
+                400, str(exc).replace(f"request {rid} needs", "this request needs").replace("+ output", f"+ {key}"), key
+            ) from None
         return req
 
     def _make_app(self):
@@ -373,8 +420,10 @@ class Server:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                                "owned_by": "schedlab"}]}
+            return {
+                "object": "list",
+                "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "schedlab"}],
+            }
 
         async def handle(http: HTTPRequest, chat: bool):
             try:
@@ -394,8 +443,7 @@ class Server:
                 return error(APIError(503, str(exc), kind="server_error"))
             created = int(time.time())
             if params.stream:
-                return StreamingResponse(server._events(req, st, params, chat, created),
-                                         media_type="text/event-stream")
+                return StreamingResponse(server._events(req, st, params, chat, created), media_type="text/event-stream")
             return await server._whole(req, st, params, chat, created)
 
         @app.post("/v1/completions")
@@ -409,8 +457,11 @@ class Server:
         return app
 
     def _usage(self, req, completion: int) -> dict[str, int]:
-        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": req.prompt_tokens + completion}
+        return {
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": req.prompt_tokens + completion,
+        }
 
     async def _whole(self, req, st: _Stream, params: Params, chat: bool, created: int):
         from fastapi.responses import JSONResponse
@@ -436,9 +487,16 @@ class Server:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return JSONResponse({"id": req.id, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": self.model_name, "choices": [choice],
-                             "usage": self._usage(req, len(ids))})
+        return JSONResponse(
+            {
+                "id": req.id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": self._usage(req, len(ids)),
+            }
+        )
 
     async def _events(self, req, st: _Stream, params: Params, chat: bool, created: int):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -453,8 +511,13 @@ class Server:
                 choices = [{"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}]
             else:
                 choices = [{"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}]
-            out: dict[str, Any] = {"id": req.id, "object": obj, "created": created, "model": self.model_name,
-                                   "choices": choices}
+            out: dict[str, Any] = {
+                "id": req.id,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
             if usage is not None:
                 out["usage"] = usage
             return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"

@@ -12,31 +12,56 @@ from ._app import fail, log_to_stderr, make_app, run_app
 calibrate_app = make_app(
     "Time real passes of the MLX engine over a grid (decode batch x context, prefill chunk x "
     "context, padded multi-prompt prefill, mixed passes, the real loop's per-step overhead), "
-    "fit the simulator's cost model and write it, with its fit report, as a profile JSON.")
+    "fit the simulator's cost model and write it, with its fit report, as a profile JSON."
+)
 
 
 @calibrate_app.command()
 def calibrate(
     out: Path = typer.Option(..., "--out", help="profile JSON to write"),
-    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"),
+    model: str = typer.Option(
+        "tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
     quick: bool = typer.Option(False, "--quick", help="a smaller grid (under a minute for tiny on 2 cores)"),
     seed: int = typer.Option(0, "--seed", help="seed of the grid's order and the prompt ids"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress lines"),
-    analytic: bool = typer.Option(False, "--analytic", help="also fit the analytic roofline's cpu-local factors to the samples "
-                                  "and store them in the profile (key analytic_cpu_local; validate --hardware cpu-local uses them)"),
-    from_profile: Optional[Path] = typer.Option(None, "--from-profile", help="with --analytic: time nothing, fit the factors to "
-                                                "this profile's stored samples (same model and machine) and write it to OUT"),
-    from_runs: bool = typer.Option(False, "--from-runs", help="time nothing: fit the cost model to the real runs' steps "
-                                   "(RUNS: run-real --out or validate directories, their features.parquet), holding out "
-                                   "whole runs; with --grid, on top of that grid profile's fit"),
-    grid: Optional[Path] = typer.Option(None, "--grid", help="with --from-runs: a grid profile (calibrate) of the same "
-                                        "model and machine whose fit gives the passes' shape dependence"),
-    replay: bool = typer.Option(False, "--replay", help="the default calibration (what validate and run-real make when no "
-                                "profile matches): the quick grid, then a short real replay of a few policies on a small "
-                                "synthetic trace, fitted together (~1-3 min)"),
-    keep_runs: Optional[Path] = typer.Option(None, "--keep-runs", help="with --replay: keep the replay's run directories here"),
+    analytic: bool = typer.Option(
+        False,
+        "--analytic",
+        help="also fit the analytic roofline's cpu-local factors to the samples "
+        "and store them in the profile (key analytic_cpu_local; validate --hardware cpu-local uses them)",
+    ),
+    from_profile: Optional[Path] = typer.Option(
+        None,
+        "--from-profile",
+        help="with --analytic: time nothing, fit the factors to "
+        "this profile's stored samples (same model and machine) and write it to OUT",
+    ),
+    from_runs: bool = typer.Option(
+        False,
+        "--from-runs",
+        help="time nothing: fit the cost model to the real runs' steps "
+        "(RUNS: run-real --out or validate directories, their features.parquet), holding out "
+        "whole runs; with --grid, on top of that grid profile's fit",
+    ),
+    grid: Optional[Path] = typer.Option(
+        None,
+        "--grid",
+        help="with --from-runs: a grid profile (calibrate) of the same "
+        "model and machine whose fit gives the passes' shape dependence",
+    ),
+    replay: bool = typer.Option(
+        False,
+        "--replay",
+        help="the default calibration (what validate and run-real make when no "
+        "profile matches): the quick grid, then a short real replay of a few policies on a small "
+        "synthetic trace, fitted together (~1-3 min)",
+    ),
+    keep_runs: Optional[Path] = typer.Option(
+        None, "--keep-runs", help="with --replay: keep the replay's run directories here"
+    ),
     runs: Optional[List[Path]] = typer.Argument(None, help="with --from-runs: run directories", show_default=False),
 ) -> None:
     """Calibrate the cost model on this machine and write the profile to OUT."""
@@ -46,10 +71,21 @@ def calibrate(
         fail("run directories go with --from-runs", 2)
     if grid is not None and not from_runs:  # (in Python, grid= also names a calibration grid)
         fail("--grid goes with --from-runs", 2)
-    prof = schedlab.calibrate(model=model, dtype=dtype, quick=quick, seed=seed, model_seed=model_seed,
-                              analytic=analytic, from_profile=from_profile, replay=replay, keep_runs=keep_runs,
-                              from_runs=(runs or []) if from_runs else None, grid=grid, out=out,
-                              log=log_to_stderr("calibrate", quiet))
+    prof = schedlab.calibrate(
+        model=model,
+        dtype=dtype,
+        quick=quick,
+        seed=seed,
+        model_seed=model_seed,
+        analytic=analytic,
+        from_profile=from_profile,
+        replay=replay,
+        keep_runs=keep_runs,
+        from_runs=(runs or []) if from_runs else None,
+        grid=grid,
+        out=out,
+        log=log_to_stderr("calibrate", quiet),
+    )
     print(prof.report())
     print(f"wrote {out}")
 

@@ -16,15 +16,20 @@ from ._app import make_app, run_app
 
 export_app = make_app(
     "Write a model (a GGUF preset such as smollm2-135m, a .gguf file, or a checkpoint) as an "
-    "mlx-lm checkpoint directory that mlx-lm's own load/generate/server read.")
+    "mlx-lm checkpoint directory that mlx-lm's own load/generate/server read."
+)
 
 
 @export_app.command()
 def export_mlx(
     model: str = typer.Argument(..., help="smollm2-135m, a llama .gguf file, or an mlx-lm checkpoint directory"),
     outdir: Path = typer.Argument(..., help="directory to write (must be new or empty)"),
-    dtype: str = typer.Option("quantized", "--dtype", help="quantized (the file's packed weights: smallest; fast on "
-                              "Apple GPUs), float32, float16 or bfloat16 (dequantized)"),
+    dtype: str = typer.Option(
+        "quantized",
+        "--dtype",
+        help="quantized (the file's packed weights: smallest; fast on "
+        "Apple GPUs), float32, float16 or bfloat16 (dequantized)",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="write into a non-empty OUTDIR"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:

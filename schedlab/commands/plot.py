@@ -13,18 +13,26 @@ from ._app import Interrupted, make_app, run_app
 plot_app = make_app(
     "Draw figures from run directories (simulate --out DIR) and validation directories "
     "(DIR/validation.json + DIR/sim/ + DIR/real/): TTFT and ITL CDFs, per-request decode "
-    "rates, a step timeline per run, and simulated-vs-measured overlays.")
+    "rates, a step timeline per run, and simulated-vs-measured overlays."
+)
 
 
 @plot_app.command()
 def plot(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories and/or validation directories", show_default=False),
-    out: Optional[Path] = typer.Option(None, "--out", "-O", help="where to write the figures "
-                                       "(default: RUN_DIR/plots for one directory, ./plots for several)"),
+    run_dirs: List[Path] = typer.Argument(
+        ..., help="run directories and/or validation directories", show_default=False
+    ),
+    out: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        "-O",
+        help="where to write the figures (default: RUN_DIR/plots for one directory, ./plots for several)",
+    ),
     fmt: str = typer.Option("png,svg", "--format", "-f", help="png, svg or png,svg"),
     lanes: int = typer.Option(60, "--lanes", help="timeline: most requests (lanes) drawn per run"),
-    window: Optional[str] = typer.Option(None, "--window", help="timeline: time window START:END in seconds "
-                                         "(lanes = requests alive in it)"),
+    window: Optional[str] = typer.Option(
+        None, "--window", help="timeline: time window START:END in seconds (lanes = requests alive in it)"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Draw figures for RUN_DIR ... and print the files written."""

@@ -16,51 +16,111 @@ from typing import List, Optional
 
 import typer
 
-from ._app import (BLOCK_SIZE_HELP, BURST_HELP, CONCURRENCY_HELP, NOISE_HELP, PREFIX_HELP, RATE_HELP, THINK_HELP,
-                   log_to_stderr, make_app, parse_options, report_problems, run_app)
+from ._app import (
+    BLOCK_SIZE_HELP,
+    BURST_HELP,
+    CONCURRENCY_HELP,
+    NOISE_HELP,
+    PREFIX_HELP,
+    RATE_HELP,
+    THINK_HELP,
+    log_to_stderr,
+    make_app,
+    parse_options,
+    report_problems,
+    run_app,
+)
 
 real_app = make_app(
     "Run a scheduling policy over a trace on a real MLX model (CPU or Metal) and print the "
-    "`vllm bench serve` summary, with measured and predicted step times.")
+    "`vllm bench serve` summary, with measured and predicted step times."
+)
+
 
 @real_app.command()
 def run_real(
     policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
-    trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"),
-    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small, smollm2-135m), a llama .gguf file or a local mlx-lm checkpoint directory"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized (keep a quantized model's packed weights) or auto"),
+    trace: str = typer.Option(
+        ..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"
+    ),
+    model: str = typer.Option(
+        "tiny",
+        "--model",
+        "-m",
+        help="preset (micro, tiny, small, smollm2-135m), a llama .gguf file or a local mlx-lm checkpoint directory",
+    ),
+    dtype: str = typer.Option(
+        "float32",
+        "--dtype",
+        help="float32, float16, bfloat16, quantized (keep a quantized model's packed weights) or auto",
+    ),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: one measured on this model and machine, else calibrate --quick first)"),
-    no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
-    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
+    profile: Optional[str] = typer.Option(
+        None,
+        "--profile",
+        help="cost-model profile JSON (default: one measured on this model and machine, else calibrate --quick first)",
+    ),
+    no_calibrate: bool = typer.Option(
+        False,
+        "--no-calibrate",
+        help="without a matching profile, use the bundled default profile instead of calibrating first",
+    ),
+    kv_tokens: Optional[int] = typer.Option(
+        None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"
+    ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
-    prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP + "; the engine copies a cached prefix's keys/values"),
+    prefix_caching: bool = typer.Option(
+        False, "--prefix-caching", help=PREFIX_HELP + "; the engine copies a cached prefix's keys/values"
+    ),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help=CONCURRENCY_HELP),
     request_rate: Optional[str] = typer.Option(None, "--request-rate", help=RATE_HELP),
     burstiness: Optional[float] = typer.Option(None, "--burstiness", help=BURST_HELP),
     think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt token ids"),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="generate exactly each request's output_tokens, past the model's EOS (as vllm bench serve --ignore-eos)"),
+    ignore_eos: bool = typer.Option(
+        False,
+        "--ignore-eos",
+        help="generate exactly each request's output_tokens, past the model's EOS (as vllm bench serve --ignore-eos)",
+    ),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"
+    ),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),
-    residuals: bool = typer.Option(False, "--residuals", help="print the per-step residual table (measured/predicted "
-                                   "by rows, tokens, context, joins/leaves, idle gap, batch change)"),
+    residuals: bool = typer.Option(
+        False,
+        "--residuals",
+        help="print the per-step residual table (measured/predicted "
+        "by rows, tokens, context, joins/leaves, idle gap, batch change)",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors and warnings"),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
     import schedlab
 
-    engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise,
-                                    model_seed=model_seed, ignore_eos=ignore_eos)
+    engine = schedlab.EngineOptions(
+        model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed, ignore_eos=ignore_eos
+    )
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
-    clients = schedlab.ClientOptions(max_concurrency=max_concurrency, request_rate=request_rate,
-                                      burstiness=burstiness, think_time=think_time)
-    run = schedlab.run_real(policy, trace, options=parse_options(option), profile=profile, no_calibrate=no_calibrate,
-                            seed=seed, slo=slo, log=log_to_stderr("run-real", quiet), on_step=_progress(quiet),
-                            engine=engine, replica=replica, clients=clients)
+    clients = schedlab.ClientOptions(
+        max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
+    )
+    run = schedlab.run_real(
+        policy,
+        trace,
+        options=parse_options(option),
+        profile=profile,
+        no_calibrate=no_calibrate,
+        seed=seed,
+        slo=slo,
+        log=log_to_stderr("run-real", quiet),
+        on_step=_progress(quiet),
+        engine=engine,
+        replica=replica,
+        clients=clients,
+    )
     if out is not None:
         run.save(out)
     if not quiet:
@@ -72,8 +132,11 @@ def run_real(
             print(line)
         if residuals:
             table = run.residuals()
-            print(format_residuals(table.to_dict("records") if table is not None else [],
-                                   "per-step residuals (measured / predicted):"))
+            print(
+                format_residuals(
+                    table.to_dict("records") if table is not None else [], "per-step residuals (measured / predicted):"
+                )
+            )
     report_problems(run)
 
 
@@ -86,8 +149,7 @@ def _progress(quiet: bool):
     def on_step(finished: int, total: int) -> None:
         if finished != last[0]:
             last[0] = finished
-            print(f"\r run-real: {finished}/{total} requests finished", end="",
-                  file=sys.stderr, flush=True)
+            print(f"\r run-real: {finished}/{total} requests finished", end="", file=sys.stderr, flush=True)
             if finished >= total:
                 print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
 

@@ -50,7 +50,8 @@ from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server
 serve_app = make_app(
     "Serve a scheduling policy on a real MLX model behind an OpenAI-compatible HTTP API "
     "(/v1/completions, /v1/chat/completions, /v1/models); on SIGINT/SIGTERM finish the requests in "
-    "flight, print the `vllm bench serve` summary of what was served and write it with --out.")
+    "flight, print the `vllm bench serve` summary of what was served and write it with --out."
+)
 
 
 def _listening(http_server) -> tuple[str, int] | None:
@@ -64,24 +65,49 @@ def _listening(http_server) -> tuple[str, int] | None:
 @serve_app.command()
 def serve(
     policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="a model with a tokenizer: smollm2-135m, a llama .gguf file or a local mlx-lm checkpoint directory"),
+    model: str = typer.Option(
+        "smollm2-135m",
+        "--model",
+        "-m",
+        help="a model with a tokenizer: smollm2-135m, a llama .gguf file or a local mlx-lm checkpoint directory",
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized or auto"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
     port: int = typer.Option(8000, "--port", help="port to listen on (0: any free port; the chosen one is printed)"),
-    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the model name clients give (default: the model's)"),
-    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="max_tokens of a request that gives none (capped by the context)"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, else calibrate first)"),
-    no_calibrate: bool = typer.Option(False, "--no-calibrate", help="without a matching profile, use the bundled default profile instead of calibrating first"),
-    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
+    served_model_name: Optional[str] = typer.Option(
+        None, "--served-model-name", help="the model name clients give (default: the model's)"
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS, "--max-tokens", help="max_tokens of a request that gives none (capped by the context)"
+    ),
+    profile: Optional[str] = typer.Option(
+        None,
+        "--profile",
+        help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, else calibrate first)",
+    ),
+    no_calibrate: bool = typer.Option(
+        False,
+        "--no-calibrate",
+        help="without a matching profile, use the bundled default profile instead of calibrating first",
+    ),
+    kv_tokens: Optional[int] = typer.Option(
+        None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"
+    ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1 (for every request)"),
     seed: int = typer.Option(0, "--seed", help="seed of the engine's prompt ids and sampling"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
-    out: Optional[Path] = typer.Option(None, "--out", help="at shutdown write the run directory (as run-real --out) and trace.json, the requests as served"),
+    out: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        help="at shutdown write the run directory (as run-real --out) and trace.json, the requests as served",
+    ),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but the listening line, errors and warnings"),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="print nothing but the listening line, errors and warnings"
+    ),
 ) -> None:
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
@@ -95,10 +121,18 @@ def serve(
     engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
-    eng = schedlab.load_engine(engine, replica=replica, profile=profile, no_calibrate=no_calibrate, seed=seed,
-                               require_tokenizer=True, log=log_to_stderr("serve", quiet))
-    run, error = _serve(eng, pol, host, port, served_model_name or eng.info.name, max_tokens, out,
-                        log_to_stderr("serve", quiet))
+    eng = schedlab.load_engine(
+        engine,
+        replica=replica,
+        profile=profile,
+        no_calibrate=no_calibrate,
+        seed=seed,
+        require_tokenizer=True,
+        log=log_to_stderr("serve", quiet),
+    )
+    run, error = _serve(
+        eng, pol, host, port, served_model_name or eng.info.name, max_tokens, out, log_to_stderr("serve", quiet)
+    )
     if run is not None and not quiet:
         print(run.report())
     if error:
@@ -120,8 +154,9 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
 
     def start_http() -> None:  # the clock runs: from now on arrivals are the run's
         srv = Server(info, source, bridge, name, temperature, max_tokens)
-        config = uvicorn.Config(srv.app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            srv.app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
         hs = uvicorn.Server(config)
         t = threading.Thread(target=hs.run, name="schedlab-http", daemon=True)
         t.start()
@@ -133,8 +168,12 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
             http["error"] = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
             source.close()
             return
-        print(f"serve: listening on http://{where[0]}:{where[1]} (policy {getattr(pol, 'name', type(pol).__name__)}, "
-              f"model {name}, KV {eng.kv_tokens} tokens)", file=sys.stderr, flush=True)
+        print(
+            f"serve: listening on http://{where[0]}:{where[1]} (policy {getattr(pol, 'name', type(pol).__name__)}, "
+            f"model {name}, KV {eng.kv_tokens} tokens)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     source = LiveSource(clock, on_ready=start_http, on_finish=bridge.on_finish)
     stopping = {"n": 0}
@@ -180,12 +219,17 @@ def _write_served_trace(path: Path, run, received, pol, name: str) -> None:
     done = req[req["finish_s"].notna()]
     made = {str(i): int(n) for i, n in zip(done["id"], done["output_tokens"])}
     t0 = received[0].arrival_s if received else 0.0
-    trace = Trace(name="served", description=f"requests served by schedlab serve (policy "
-                                             f"{getattr(pol, 'name', type(pol).__name__)}, model {name}); "
-                                             f"arrival_s from the first arrival ({t0:.3f} s into the run); "
-                                             f"output_tokens: the tokens each generated",
-                  requests=[replace(r, arrival_s=round(r.arrival_s - t0, 6), output_tokens=made.get(r.id, r.output_tokens))
-                            for r in received])
+    trace = Trace(
+        name="served",
+        description=f"requests served by schedlab serve (policy "
+        f"{getattr(pol, 'name', type(pol).__name__)}, model {name}); "
+        f"arrival_s from the first arrival ({t0:.3f} s into the run); "
+        f"output_tokens: the tokens each generated",
+        requests=[
+            replace(r, arrival_s=round(r.arrival_s - t0, 6), output_tokens=made.get(r.id, r.output_tokens))
+            for r in received
+        ],
+    )
     path.write_text(json.dumps(trace.to_json(), ensure_ascii=False, indent=1) + "\n")
 
 

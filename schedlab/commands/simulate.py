@@ -10,24 +10,58 @@ from typing import List, Optional
 
 import typer
 
-from ._app import (BLOCK_SIZE_HELP, BURST_HELP, CONCURRENCY_HELP, PREFIX_HELP, RATE_HELP, THINK_HELP, fail, make_app,
-                   parse_options, report_problems, run_app)
+from ._app import (
+    BLOCK_SIZE_HELP,
+    BURST_HELP,
+    CONCURRENCY_HELP,
+    PREFIX_HELP,
+    RATE_HELP,
+    THINK_HELP,
+    fail,
+    make_app,
+    parse_options,
+    report_problems,
+    run_app,
+)
 
 simulate_app = make_app(
-    "Simulate a scheduling policy over a trace with a calibrated cost model and print the "
-    "`vllm bench serve` summary.")
+    "Simulate a scheduling policy over a trace with a calibrated cost model and print the `vllm bench serve` summary."
+)
 
 
 @simulate_app.command()
 def simulate(
-    policy: str = typer.Option(..., "--policy", "-p", help="mlx-default, prefer-prefill, static, slots, chunked-prefill, unified, or file.py:Class / module:Class"),
-    trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. mixed.json)"),
+    policy: str = typer.Option(
+        ...,
+        "--policy",
+        "-p",
+        help="mlx-default, prefer-prefill, static, slots, chunked-prefill, unified, or file.py:Class / module:Class",
+    ),
+    trace: str = typer.Option(
+        ..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. mixed.json)"
+    ),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"),
-    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's, or what --hardware's memory holds)"),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="analytic roofline model on a hardware preset (m4-max, h100-sxm, cpu-local, ...) instead of a measured profile"),
-    model_config: Optional[str] = typer.Option(None, "--model-config", help="with --hardware: a bundled model config (llama-3.1-8b, qwen3-30b-a3b, ...) or a config.json path"),
-    quant: Optional[int] = typer.Option(None, "--quant", help="with --hardware: weight bits (4, 8, 16; default: the config's dtype)"),
+    profile: Optional[str] = typer.Option(
+        None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"
+    ),
+    kv_tokens: Optional[int] = typer.Option(
+        None,
+        "--kv-tokens",
+        help="KV cache capacity in tokens (default: the profile's, or what --hardware's memory holds)",
+    ),
+    hardware: Optional[str] = typer.Option(
+        None,
+        "--hardware",
+        help="analytic roofline model on a hardware preset (m4-max, h100-sxm, cpu-local, ...) instead of a measured profile",
+    ),
+    model_config: Optional[str] = typer.Option(
+        None,
+        "--model-config",
+        help="with --hardware: a bundled model config (llama-3.1-8b, qwen3-30b-a3b, ...) or a config.json path",
+    ),
+    quant: Optional[int] = typer.Option(
+        None, "--quant", help="with --hardware: weight bits (4, 8, 16; default: the config's dtype)"
+    ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help=CONCURRENCY_HELP),
@@ -35,8 +69,14 @@ def simulate(
     burstiness: Optional[float] = typer.Option(None, "--burstiness", help=BURST_HELP),
     think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for trace jitter/thinning and the --request-rate schedule"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write summary.json, requests.csv, steps/tokens.parquet, meta.json here"),
-    passes: bool = typer.Option(False, "--passes", help="with --out: also write passes.parquet (one row per request per pass: exact timelines for plot; ~4 M rows for an hour of traffic)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="write summary.json, requests.csv, steps/tokens.parquet, meta.json here"
+    ),
+    passes: bool = typer.Option(
+        False,
+        "--passes",
+        help="with --out: also write passes.parquet (one row per request per pass: exact timelines for plot; ~4 M rows for an hour of traffic)",
+    ),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
@@ -46,11 +86,23 @@ def simulate(
     if passes and out is None:
         fail("--passes writes passes.parquet into the --out directory: give --out DIR too", 2)
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
-    clients = schedlab.ClientOptions(max_concurrency=max_concurrency, request_rate=request_rate,
-                                      burstiness=burstiness, think_time=think_time)
-    run = schedlab.simulate(policy, trace, options=parse_options(option), profile=profile, hardware=hardware,
-                            model_config=model_config, quant=quant, seed=seed, slo=slo, replica=replica,
-                            clients=clients, passes=passes)
+    clients = schedlab.ClientOptions(
+        max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
+    )
+    run = schedlab.simulate(
+        policy,
+        trace,
+        options=parse_options(option),
+        profile=profile,
+        hardware=hardware,
+        model_config=model_config,
+        quant=quant,
+        seed=seed,
+        slo=slo,
+        replica=replica,
+        clients=clients,
+        passes=passes,
+    )
     if out is not None:
         run.save(out)
     if not quiet:

@@ -14,26 +14,54 @@ from ._app import BLOCK_SIZE_HELP, PREFIX_HELP, Interrupted, make_app, parse_opt
 sweep_app = make_app(
     "Simulate policies over one trace rescaled to several request rates and/or behind several "
     "numbers of closed-loop clients; print a table, write sweep.csv, sweep.json and "
-    "latency-vs-load curves.")
+    "latency-vs-load curves."
+)
 
 
 @sweep_app.command()
 def sweep(
     policy: str = typer.Option(..., "--policy", "-p", help="comma-separated policies (bundled names or file.py:Class)"),
     trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name"),
-    rates: Optional[str] = typer.Option(None, "--rates", "-r", help="comma-separated request rates (req/s) to rescale the trace to"),
-    concurrency: Optional[str] = typer.Option(None, "--concurrency", "-c", help="comma-separated numbers of closed-loop clients (max concurrency) to put in front of the replica"),
-    request_rate: Optional[str] = typer.Option(None, "--request-rate", help="with --concurrency: issue requests at this rate (req/s; inf: all at once) instead of the trace's times"),
-    burstiness: Optional[float] = typer.Option(None, "--burstiness", help="with --request-rate: gamma shape of the gaps (1: Poisson)"),
-    think_time: Optional[float] = typer.Option(None, "--think-time", help="with --concurrency: seconds a client waits after a response"),
+    rates: Optional[str] = typer.Option(
+        None, "--rates", "-r", help="comma-separated request rates (req/s) to rescale the trace to"
+    ),
+    concurrency: Optional[str] = typer.Option(
+        None,
+        "--concurrency",
+        "-c",
+        help="comma-separated numbers of closed-loop clients (max concurrency) to put in front of the replica",
+    ),
+    request_rate: Optional[str] = typer.Option(
+        None,
+        "--request-rate",
+        help="with --concurrency: issue requests at this rate (req/s; inf: all at once) instead of the trace's times",
+    ),
+    burstiness: Optional[float] = typer.Option(
+        None, "--burstiness", help="with --request-rate: gamma shape of the gaps (1: Poisson)"
+    ),
+    think_time: Optional[float] = typer.Option(
+        None, "--think-time", help="with --concurrency: seconds a client waits after a response"
+    ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", help="worker processes (default: min(CPU count, jobs))"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"),
-    kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"),
-    option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value, applied to every policy (repeatable)"),
-    slo: Optional[str] = typer.Option(None, "--slo", help="SLOs for goodput, e.g. ttft_ms=2000,tpot_ms=100 (keys: ttft_ms, tpot_ms, e2e_ms)"),
-    attainment: float = typer.Option(0.9, "--attainment", help="fraction of requests that must meet every SLO for a rate to count as sustained"),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", "-j", help="worker processes (default: min(CPU count, jobs))"
+    ),
+    profile: Optional[str] = typer.Option(
+        None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"
+    ),
+    kv_tokens: Optional[int] = typer.Option(
+        None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"
+    ),
+    option: Optional[List[str]] = typer.Option(
+        None, "--option", "-o", help="policy option key=value, applied to every policy (repeatable)"
+    ),
+    slo: Optional[str] = typer.Option(
+        None, "--slo", help="SLOs for goodput, e.g. ttft_ms=2000,tpot_ms=100 (keys: ttft_ms, tpot_ms, e2e_ms)"
+    ),
+    attainment: float = typer.Option(
+        0.9, "--attainment", help="fraction of requests that must meet every SLO for a rate to count as sustained"
+    ),
     seed: int = typer.Option(0, "--seed", help="seed for trace loading (Mooncake tick jitter)"),
     out: Optional[Path] = typer.Option(None, "--out", "-O", help="output directory (default: ./sweep-TRACE)"),
     fmt: str = typer.Option("png,svg", "--format", "-f", help="figure formats: png, svg or png,svg"),
@@ -51,13 +79,19 @@ def sweep(
     if out is None:
         out = Path(f"sweep-{tr.name}")
     n_jobs = len(pols) * max(n_rates, 1) * max(n_conc, 1)
-    dims = f"{len(pols)} policies" + (f" x {n_rates} rates" if n_rates else "") + \
-        (f" x {n_conc} concurrencies" if n_conc else "")
+    dims = (
+        f"{len(pols)} policies"
+        + (f" x {n_rates} rates" if n_rates else "")
+        + (f" x {n_conc} concurrencies" if n_conc else "")
+    )
 
     def started(jobs: int, used: int) -> None:  # after the workers exist (see analysis.sweep._parallel)
         if not quiet:
-            print(f"sweep: {dims} = {jobs} simulations of "
-                  f"{tr.name} ({len(tr)} requests) on {used} worker(s)", file=sys.stderr, flush=True)
+            print(
+                f"sweep: {dims} = {jobs} simulations of {tr.name} ({len(tr)} requests) on {used} worker(s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     finished = [0]
 
@@ -67,19 +101,32 @@ def sweep(
             if cb is not None:
                 cb(row)
 
-        return schedlab.sweep(policy, tr, rates, concurrency=concurrency, options=parse_options(option),
-                              profile=profile, replica=schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size,
-                                                                             prefix_caching=prefix_caching),
-                              request_rate=request_rate, burstiness=burstiness, think_time=think_time, slo=slo,
-                              attainment=attainment, seed=seed, workers=workers, out=out, formats=fmt,
-                              on_start=started, on_done=done)
+        return schedlab.sweep(
+            policy,
+            tr,
+            rates,
+            concurrency=concurrency,
+            options=parse_options(option),
+            profile=profile,
+            replica=schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching),
+            request_rate=request_rate,
+            burstiness=burstiness,
+            think_time=think_time,
+            slo=slo,
+            attainment=attainment,
+            seed=seed,
+            workers=workers,
+            out=out,
+            formats=fmt,
+            on_start=started,
+            on_done=done,
+        )
 
     try:
         table = _with_progress(quiet, n_jobs, work)
     except KeyboardInterrupt:
         # typer turns Ctrl-C into a silent exit 130; say what was dropped, in one line
-        raise Interrupted(f"{finished[0]} of {n_jobs} simulations done, the rest cancelled; "
-                          "nothing written") from None
+        raise Interrupted(f"{finished[0]} of {n_jobs} simulations done, the rest cancelled; nothing written") from None
 
     info = table.attrs["info"]
     rows = sweep_rows(table)
@@ -87,8 +134,10 @@ def sweep(
     if not quiet:
         print(format_table(rows, slo=bool(info.get("slo"))))
         if sustained:
-            print(f"\nHighest sustained rate (>= {info['attainment']:.0%} of requests meet every SLO at it and at every "
-                  f"lower swept rate):")
+            print(
+                f"\nHighest sustained rate (>= {info['attainment']:.0%} of requests meet every SLO at it and at every "
+                f"lower swept rate):"
+            )
             for pol, s in sustained.items():
                 if s["rate_rps"] is None:
                     text = f"none: fails at the lowest swept rate, {s['first_failing_rate_rps']:g} req/s"
@@ -107,9 +156,11 @@ def sweep(
         print(f"sweep: error: {r['policy']} at {', '.join(where) or 'the trace times'}: {r['error']}", file=sys.stderr)
     rejected = [r for r in rows if r.get("rejected")]
     if rejected:
-        print(f"sweep: warning: {rejected[0]['rejected']} request(s) rejected in every run: their prompt + "
-              f"output exceeds the KV capacity of {info['kv_tokens']} tokens (they count as SLO misses)",
-              file=sys.stderr)
+        print(
+            f"sweep: warning: {rejected[0]['rejected']} request(s) rejected in every run: their prompt + "
+            f"output exceeds the KV capacity of {info['kv_tokens']} tokens (they count as SLO misses)",
+            file=sys.stderr,
+        )
     if errors:
         raise typer.Exit(1)
 
@@ -122,8 +173,15 @@ def _with_progress(quiet: bool, total: int, work):
     console = Console(stderr=True)
     if quiet or not console.is_terminal:
         return work(None)
-    with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+    with Progress(
+        TextColumn("simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=True,
+    ) as bar:
         task = bar.add_task("", total=total)
 
         def done(row):

@@ -18,25 +18,44 @@ from ._app import NOISE_HELP, log_to_stderr, make_app, parse_options, run_app
 
 validate_app = make_app(
     "Run a policy for real (MLX) and in simulation on the same trace and profile, and print "
-    "how far the simulation is from the measurement (metrics and per-step cost-model error).")
+    "how far the simulation is from the measurement (metrics and per-step cost-model error)."
+)
 
 
 @validate_app.command()
 def validate(
-    policy: str = typer.Option(..., "--policy", "-p", help="a policy name, several (a,b), or 'all' (every bundled one)"),
-    trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"),
-    model: str = typer.Option("tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"),
+    policy: str = typer.Option(
+        ..., "--policy", "-p", help="a policy name, several (a,b), or 'all' (every bundled one)"
+    ),
+    trace: str = typer.Option(
+        ..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"
+    ),
+    model: str = typer.Option(
+        "tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost profile (default: the bundled one if it matches this model and machine, else calibrate --quick first)"),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="use the analytic roofline model of this hardware preset instead of a profile, for the simulation and the real runs' predictions (cpu-local: this machine, with factors fitted by calibrate --analytic where a matching profile has them)"),
+    profile: Optional[str] = typer.Option(
+        None,
+        "--profile",
+        help="cost profile (default: the bundled one if it matches this model and machine, else calibrate --quick first)",
+    ),
+    hardware: Optional[str] = typer.Option(
+        None,
+        "--hardware",
+        help="use the analytic roofline model of this hardware preset instead of a profile, for the simulation and the real runs' predictions (cpu-local: this machine, with factors fitted by calibrate --analytic where a matching profile has them)",
+    ),
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV capacity in tokens (default: the profile's)"),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt ids"),
     repeat: int = typer.Option(1, "--repeat", help="real runs per policy (reports their spread)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: validate-<trace>)"),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),
-    residuals: bool = typer.Option(False, "--residuals", help="print the per-step residual table (measured/predicted "
-                                   "by rows, tokens, context, joins/leaves, idle gap, batch change)"),
+    residuals: bool = typer.Option(
+        False,
+        "--residuals",
+        help="print the per-step residual table (measured/predicted "
+        "by rows, tokens, context, joins/leaves, idle gap, batch change)",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only the tables"),
 ) -> None:
     """Validate the simulator against the real engine for POLICY on TRACE."""
@@ -56,9 +75,22 @@ def validate(
             print(format_residuals(v["residuals"], "per-step residuals over the real runs (measured / predicted):"))
         print()
 
-    val = schedlab.validate(policy, tr, model=model, dtype=dtype, options=opts, profile=profile, hardware=hardware,
-                            kv_tokens=kv_tokens, seed=seed, repeat=repeat, out=out, noise=noise,
-                            log=log_to_stderr("validate", quiet), on_result=done)
+    val = schedlab.validate(
+        policy,
+        tr,
+        model=model,
+        dtype=dtype,
+        options=opts,
+        profile=profile,
+        hardware=hardware,
+        kv_tokens=kv_tokens,
+        seed=seed,
+        repeat=repeat,
+        out=out,
+        noise=noise,
+        log=log_to_stderr("validate", quiet),
+        on_result=done,
+    )
     if len(val.results) > 1:
         print(format_overview(val.results))
     print(f"wrote {out}")

@@ -32,12 +32,29 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 #: where refit-serving looks for the tables (analysis.analytic.kernels.kernel_data_dir)
 DEFAULT_OUT = Path(os.environ.get("SCHEDLAB_KERNEL_DATA") or REPO / ".data" / "vidur-kernels")
-OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-       "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
+OPS = (
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
 GPUS = ("a100", "h100", "a40")
 #: layers per model (vidur/config/model_config.py); the mlp.csv files time one layer
-LAYERS = {"Llama-2-7b-hf": 32, "Llama-2-70b-hf": 80, "Meta-Llama-3-8B": 32, "Meta-Llama-3-70B": 80,
-          "CodeLlama-34b-Instruct-hf": 48, "internlm-20b": 60, "Qwen-72B": 80, "phi-2": 32}
+LAYERS = {
+    "Llama-2-7b-hf": 32,
+    "Llama-2-70b-hf": 80,
+    "Meta-Llama-3-8B": 32,
+    "Meta-Llama-3-70B": 80,
+    "CodeLlama-34b-Instruct-hf": 48,
+    "internlm-20b": 60,
+    "Qwen-72B": 80,
+    "phi-2": 32,
+}
 
 
 def _median(row: dict, op: str) -> str:
@@ -49,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("vidur", type=Path, help="a checkout of microsoft/vidur")
     ap.add_argument("--attention", type=Path, help="A100 Llama-2-7B attention.csv (or its transcribed medians)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                    help=f"directory to write the tables to (default $SCHEDLAB_KERNEL_DATA or {DEFAULT_OUT})")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"directory to write the tables to (default $SCHEDLAB_KERNEL_DATA or {DEFAULT_OUT})",
+    )
     a = ap.parse_args(argv)
     out_dir = a.out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,8 +89,17 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     seen.add(t)
                     rows.append([gpu, model, t] + [_median(r, op) for op in OPS])
-                    models[model] = [model, f"{f.parent.parent.name}/{model}", LAYERS[model], r["n_head"], r["n_kv_head"],
-                                     r["n_embd"], r["n_expanded_embd"], r["vocab_size"], r["use_gated_mlp"]]
+                    models[model] = [
+                        model,
+                        f"{f.parent.parent.name}/{model}",
+                        LAYERS[model],
+                        r["n_head"],
+                        r["n_kv_head"],
+                        r["n_embd"],
+                        r["n_expanded_embd"],
+                        r["vocab_size"],
+                        r["use_gated_mlp"],
+                    ]
     rows.sort(key=lambda x: (x[0], x[1], x[2]))
     if not rows:
         raise SystemExit(f"no data/profiling/compute/*/*/*/mlp.csv under {a.vidur}: is it a clone of microsoft/vidur?")
@@ -79,8 +109,19 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     with (out_dir / "vidur_models.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["model", "hf_name", "layers", "n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size",
-                    "use_gated_mlp"])
+        w.writerow(
+            [
+                "model",
+                "hf_name",
+                "layers",
+                "n_head",
+                "n_kv_head",
+                "n_embd",
+                "n_expanded_embd",
+                "vocab_size",
+                "use_gated_mlp",
+            ]
+        )
         w.writerows(sorted(models.values()))
     if a.attention:
         out = []
@@ -90,14 +131,24 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 pre = str(r["is_prefill"]).lower() == "true"
                 t = r["time_stats.attn_prefill.median" if pre else "time_stats.attn_decode.median"]
-                out.append(["prefill" if pre else "decode", int(r["batch_size"]), int(r["prefill_chunk_size"]),
-                            int(r["kv_cache_size"]), f"{float(t):.6g}"])
+                out.append(
+                    [
+                        "prefill" if pre else "decode",
+                        int(r["batch_size"]),
+                        int(r["prefill_chunk_size"]),
+                        int(r["kv_cache_size"]),
+                        f"{float(t):.6g}",
+                    ]
+                )
         out.sort()
         with (out_dir / "vidur_attention_a100_llama2_7b.csv").open("w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["kind", "batch_size", "prefill_chunk_size", "kv_cache_size", "median_ms"])
             w.writerows(out)
-    print(f"wrote the tables to {out_dir}" + ("" if a.attention else " (no --attention: vidur_attention_a100_llama2_7b.csv not written)"))
+    print(
+        f"wrote the tables to {out_dir}"
+        + ("" if a.attention else " (no --attention: vidur_attention_a100_llama2_7b.csv not written)")
+    )
     return 0
 
 
