@@ -173,13 +173,13 @@ def fingerprint(res):
     )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups())
 def test_every_request_finishes_once_kv_within_capacity_no_leaks(d: Draw):
     check_run(d)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups(pressure=True))
 def test_preemption_under_kv_pressure_never_loses_a_request(d: Draw):
     check_run(d)
@@ -233,7 +233,7 @@ def check_run(d: Draw) -> None:
         assert peak <= d.clients
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(setups(), setups(pressure=True)))
 def test_same_inputs_same_run_and_bulk_repeats_equal_step_by_step(d: Draw):
     a, b = go(d), go(d)
@@ -242,7 +242,7 @@ def test_same_inputs_same_run_and_bulk_repeats_equal_step_by_step(d: Draw):
     assert fingerprint(one_by_one) == fingerprint(a)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(setups(), setups(pressure=True)))
 def test_the_replica_ends_empty(d: Draw):
     """After the last finish every block, reservation and reference is back."""
