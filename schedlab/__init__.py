@@ -45,6 +45,7 @@ _API = (
     "Engine",
     "ReplicaOptions",
     "ClientOptions",
+    "ClusterOptions",
     "EngineOptions",
     "policy",
     "bundled_policies",

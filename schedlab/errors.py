@@ -33,10 +33,19 @@ def opt(name: str) -> str:
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Every exception that means bad input, not a bug. Imported lazily (no mlx here)."""
     from schedlab.policies import OptionError, PolicyNotFound
+    from schedlab.routers import RouterNotFound, RouterOptionError
     from schedlab.sim.cost import ProfileError
     from schedlab.traces.schema import TraceError
 
-    types: list[type[BaseException]] = [SchedlabError, OptionError, PolicyNotFound, ProfileError, TraceError]
+    types: list[type[BaseException]] = [
+        SchedlabError,
+        OptionError,
+        PolicyNotFound,
+        RouterNotFound,
+        RouterOptionError,
+        ProfileError,
+        TraceError,
+    ]
     try:  # engine errors exist only when the engine package imports
         from schedlab.engine.errors import EngineError
 

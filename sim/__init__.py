@@ -1,11 +1,13 @@
 """The simulator core: the replica loop, clocks, arrival sources, the request state machine,
-the backend protocol and ``SimBackend``, the cost model, metrics and run outputs.
+the backend protocol and ``SimBackend``, the cost model, metrics and run outputs; several
+replicas behind a router (``run_cluster``).
 
 Never imports mlx: a simulation runs where MLX is absent.
 """
 
 from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
+from .cluster import run_cluster
 from .cost import LinearCostModel, ProfileError
 from .loop import PolicyError, RunResult, run
 from .sources import ArrivalSource, ClientSource, LiveSource, SourceClosed, TraceSource
@@ -31,5 +33,6 @@ __all__ = [
     "SimBackend",
     "format_summary",
     "run",
+    "run_cluster",
     "summarize",
 ]

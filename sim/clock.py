@@ -34,10 +34,11 @@ import simpy.rt
 
 
 class SimClock:
-    """Simulated time: the sum of the seconds the backend returned."""
+    """Simulated time: the sum of the seconds the backend returned. ``env``: a SimPy environment
+    shared with other replicas' clocks (a cluster); each clock keeps its own replica's time."""
 
-    def __init__(self) -> None:
-        self.env = simpy.Environment()
+    def __init__(self, env: simpy.Environment | None = None) -> None:
+        self.env = env if env is not None else simpy.Environment()
         self.t = 0.0
 
     def start(self) -> None:

@@ -213,6 +213,16 @@ class RunResult:
     source: dict[str, Any] | None = None  # the arrival source's description (closed-loop clients)
     scheduled_s: dict[str, float] | None = None  # per request: when its client issued it
     passes_recorded: bool = True  # False: run(record_passes=False) kept no pass log
+    # a cluster (``sim.cluster``): each request's replica (aligned with ``requests``), each
+    # replica's own result, and the cluster's settings (replicas, router, its options, delay)
+    replica: list[int] | None = None
+    replicas: list["RunResult"] | None = None
+    cluster: dict[str, Any] | None = None
+
+    @property
+    def several(self) -> bool:
+        """A run of more than one replica (its files say which replica served what)."""
+        return self.replicas is not None and len(self.replicas) > 1
 
 
 def run(
@@ -241,99 +251,209 @@ def run(
     long traces when nothing wants the per-pass timeline); a real run always keeps it.
     """
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
-    given, cost_model = cost_model, as_cost_model(cost_model)
-    backend = backend if backend is not None else SimBackend(cost_model)
-    clock = clock if clock is not None else backend.make_clock()
-    env = clock.env
-    policy_name = getattr(policy, "name", type(policy).__name__)
-    state = ReplicaState(
-        (), kv_capacity, policy_name, block_size=block_size, prefix_caching=prefix_caching, token_keys=token_keys
+    replica = ReplicaLoop(
+        policy,
+        cost_model,
+        kv_capacity=kv_capacity,
+        next_arrival=source.next_arrival_s,
+        finished=source.finished,
+        backend=backend,
+        clock=clock,
+        on_step=on_step,
+        record_steps=record_steps,
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        token_keys=token_keys,
+        record_passes=record_passes,
     )
-    steps = StepLog()
-    pass_log = PassLog()
-    s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps._lists
-    p_step, p_k, p_start, p_end, p_pass = pass_log._lists
+    env = replica.env
     wall0 = time.perf_counter()
-    backend.start(state, source.requests)  # warm-up happens before the clock starts
-
-    wake = None  # the event the idle replica waits on, if it is waiting
-
-    def deliver(req: Request) -> None:
-        if state.receive(req) is None:  # refused at once (a server's 400): the client hears now
-            finished(state.rejected[-1][0], env.now)
-            return
-        if wake is not None and not wake.triggered:
-            wake.succeed()
+    replica.backend.start(replica.state, source.requests)  # warm-up happens before the clock starts
 
     def arrivals_process():
-        yield from source.process(env, deliver)
-        state.open = False
+        yield from source.process(env, replica.deliver)
+        replica.close()
+
+    replica.clock.start()  # after the backend's warm-up: time 0 is now
+    env.process(arrivals_process())
+    proc = env.process(replica.process())
+    error = None
+    try:
+        with gc_paused(not replica.measured):
+            env.run(until=proc)
+    except (PlanError, PolicyError) as exc:
+        error = str(exc)
+    except RuntimeError as exc:
+        if "No scheduled events left" not in str(exc):
+            raise
+        error = replica.stalled()
+    return replica.result(source, trace_name, wall0, error)
+
+
+class ReplicaLoop:
+    """One replica: its state, policy, backend and clock, and its loop as a SimPy process.
+
+    ``run`` drives one of them with an arrival source; ``sim.cluster`` drives several in one
+    SimPy environment, each fed by a router. Whoever drives it hands it its requests
+    (``deliver``) at their arrival times and says when no more will come (``close``);
+    ``next_arrival()`` says when the next request is due to whoever feeds it (a simulated
+    replica runs ahead of SimPy until then, and its bulk steps stop there); ``finished(r, t)``
+    is told of every request that finished, or was refused on arrival.
+
+    ``on_change``: ``(record, record_run)``, called after every step (``record(t_end)``) and
+    after every run of bulk steps (``record_run(ends, rows)``: ``len(ends)`` decode steps of
+    ``rows`` rows), for a caller that keeps the replica's history (a cluster's delayed signals).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        cost_model: CostModel,
+        *,
+        kv_capacity: int,
+        next_arrival: Callable[[], float | None],
+        finished: Callable[[RequestState, float], None],
+        backend: Backend | None = None,
+        clock: SimClock | WallClock | None = None,
+        on_step: Callable[[ReplicaState], None] | None = None,
+        record_steps: bool = True,
+        block_size: int = 1,
+        prefix_caching: bool = False,
+        token_keys: Callable[[Any], Sequence[int] | None] | None = None,
+        record_passes: bool = True,
+        on_change: tuple[Callable, Callable] | None = None,
+    ):
+        given, cost_model = cost_model, as_cost_model(cost_model)
+        self.backend = backend = backend if backend is not None else SimBackend(cost_model)
+        self.clock = clock = clock if clock is not None else backend.make_clock()
+        self.env = clock.env
+        self.policy = policy
+        self.policy_name = getattr(policy, "name", type(policy).__name__)
+        self.cost_model = cost_model
+        self.state = ReplicaState(
+            (),
+            kv_capacity,
+            self.policy_name,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            token_keys=token_keys,
+        )
+        self.steps = StepLog()
+        self.pass_log = PassLog()
+        self.next_arrival = next_arrival
+        self.finished = finished
+        self.on_step = on_step
+        self.on_change = on_change
+        self.record_steps = record_steps
+        # A backend whose seconds are this cost model's predictions needs no second prediction.
+        own = getattr(backend, "cost_model", None)
+        self.measured = own is not cost_model and own is not given
+        self.shapes: list = []
+        self.wakes: dict[int, tuple[float, float]] = {}
+        self.log_passes = record_steps and (record_passes or self.measured)
+        self._wake = None  # the event the idle replica waits on, if it is waiting
+
+    def deliver(self, req: Request) -> RequestState | None:
+        """``req`` arrives now: into the waiting queue (and the replica woken), or refused at
+        once (None: it can never fit; a server's 400, the client hears now)."""
+        state = self.state
+        r = state.receive(req)
+        if r is None:
+            self.finished(state.rejected[-1][0], self.env.now)
+            return None
+        wake = self._wake
+        if wake is not None and not wake.triggered:
+            wake.succeed()
+        return r
+
+    def close(self) -> None:
+        """No more requests will come: the replica finishes what it has, then its process ends."""
+        self.state.open = False
+        wake = self._wake
         if wake is not None and not wake.triggered:
             wake.succeed()
 
-    view = ReplicaView(state, cost_model)
-    overhead = cost_model.step_overhead_seconds
-    predict = cost_model.pass_seconds
-    execute = backend.execute
-    # A backend whose seconds are this cost model's predictions needs no second prediction.
-    own = getattr(backend, "cost_model", None)
-    measured = own is not cost_model and own is not given
-    shapes: list = []
-    wakes: dict[int, tuple[float, float]] = {}
-    log_passes = record_steps and (record_passes or measured)
-    if measured and record_steps:
-        # a real run: keep every pass's shape for fits (a simulation never comes here)
-        def execute(p, shape, state, _run=backend.execute, _keep=shapes.append):
-            _keep(shape)
-            return _run(p, shape, state)
-
-    idle_cost = cost_model.idle_seconds
-    # the steps after a wake are counted only for a model that charges them
-    after_wake = cost_model.after_wake_seconds if cost_model.has_after_wake else None
-    next_arrival = source.next_arrival_s
-    finished = source.finished
-    # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
-    # cost model's predictions, and no callback wants to see every step
-    repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None and not measured else None
-    # a cost model's own run formula is pure and may be evaluated ahead; any other is asked
-    # exactly once per step, as if the steps were planned one by one
-    lookahead = cost_model.has_run_formula
-
-    def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
-        """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
-        decode pass until a row is about to finish, a request arrives, or ``repeat`` runs out.
-        Every step is recorded (and timed) as if it had been planned on its own."""
-        nxt = next_arrival()
-        k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)
-        if k <= 0 or (nxt is not None and nxt <= t_end):
-            return t_end
-        rows = len(p.decode)
-        predicted_overhead = overhead(1, rows)
-        seconds, pass_starts, ends = clock.advance_steps(
-            backend.step_overhead(predicted_overhead), repeat_decode(shape, k), nxt, lookahead
+    def stalled(self) -> str:
+        """The error of a run whose replica waits idle for an arrival that waits for a finish."""
+        state = self.state
+        return (
+            f"policy '{self.policy_name}' step {state.step_index}: planned nothing with "
+            f"{state.n_accepted - state.finished} request(s) unfinished while the arrival source "
+            f"waits for one of them to finish"
         )
-        t = ends[-1] if ends else t_end
-        m = len(ends)
-        if record_steps:
-            steps.add_run(
-                state.step_index,
-                t_end,
-                ends,
-                list(map(add, _repeat(predicted_overhead, m), seconds)),
-                rows,
-                state.kv_used,
-            )
-        if log_passes:
-            p_step.extend(range(state.step_index, state.step_index + m))
-            p_k.extend([0] * m)
-            p_start.extend(pass_starts)
-            p_end.extend(ends)
-            p_pass.extend([p] * m)
-        state.repeat_decode(p, ends)
-        return t
 
-    def replica():
-        nonlocal wake
+    def process(self):
+        """The replica loop, a SimPy process generator: plan, check, run the passes, repeat."""
+        state, clock, backend, policy = self.state, self.clock, self.backend, self.policy
+        env = self.env
+        policy_name = self.policy_name
+        cost_model = self.cost_model
+        steps = self.steps
+        s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps._lists
+        p_step, p_k, p_start, p_end, p_pass = self.pass_log._lists
+        measured = self.measured
+        record_steps = self.record_steps
+        log_passes = self.log_passes
+        on_step = self.on_step
+        record, record_run = self.on_change if self.on_change is not None else (None, None)
+        wakes = self.wakes
+        view = ReplicaView(state, cost_model)
+        overhead = cost_model.step_overhead_seconds
+        predict = cost_model.pass_seconds
+        execute = backend.execute
+        if measured and record_steps:
+            # a real run: keep every pass's shape for fits (a simulation never comes here)
+            def execute(p, shape, state, _run=backend.execute, _keep=self.shapes.append):
+                _keep(shape)
+                return _run(p, shape, state)
+
+        idle_cost = cost_model.idle_seconds
+        # the steps after a wake are counted only for a model that charges them
+        after_wake = cost_model.after_wake_seconds if cost_model.has_after_wake else None
+        next_arrival = self.next_arrival
+        finished = self.finished
+        # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
+        # cost model's predictions, and no callback wants to see every step
+        repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None and not measured else None
+        # a cost model's own run formula is pure and may be evaluated ahead; any other is asked
+        # exactly once per step, as if the steps were planned one by one
+        lookahead = cost_model.has_run_formula
+
+        def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
+            """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
+            decode pass until a row is about to finish, a request arrives, or ``repeat`` runs out.
+            Every step is recorded (and timed) as if it had been planned on its own."""
+            nxt = next_arrival()
+            k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)
+            if k <= 0 or (nxt is not None and nxt <= t_end):
+                return t_end
+            rows = len(p.decode)
+            predicted_overhead = overhead(1, rows)
+            seconds, pass_starts, ends = clock.advance_steps(
+                backend.step_overhead(predicted_overhead), repeat_decode(shape, k), nxt, lookahead
+            )
+            t = ends[-1] if ends else t_end
+            m = len(ends)
+            if record_steps:
+                steps.add_run(
+                    state.step_index,
+                    t_end,
+                    ends,
+                    list(map(add, _repeat(predicted_overhead, m), seconds)),
+                    rows,
+                    state.kv_used,
+                )
+            if log_passes:
+                p_step.extend(range(state.step_index, state.step_index + m))
+                p_k.extend([0] * m)
+                p_start.extend(pass_starts)
+                p_end.extend(ends)
+                p_pass.extend([p] * m)
+            state.repeat_decode(p, ends)
+            if record_run is not None and ends:
+                record_run(ends, rows)
+            return t
+
         t_end = None  # when the previous step ended (None after waiting idle)
         idle_from = 0.0  # when the replica last ran out of work (the run's start at first)
         pending = 0.0  # the after-idle cost the next step carries
@@ -362,9 +482,9 @@ def run(
                     # nothing to run now: only the next arrival can change the policy's mind
                     if t_end is not None:
                         idle_from = t_end
-                    wake = env.event()
+                    self._wake = wake = env.event()
                     yield wake
-                    wake = None
+                    self._wake = None
                     t_end = None
                     clock.woke()
                     if after_wake is not None:
@@ -435,6 +555,8 @@ def run(
                 s_passes.append(len(passes))
                 s_kv.append(state.kv_used)
             state.step_index += 1
+            if record is not None:
+                record(t_end)
             if on_step is not None:
                 on_step(state)
             if (
@@ -453,43 +575,28 @@ def run(
             if ev is not None:
                 yield ev
 
-    clock.start()  # after the backend's warm-up: time 0 is now
-    env.process(arrivals_process())
-    proc = env.process(replica())
-    error = None
-    try:
-        with gc_paused(not measured):
-            env.run(until=proc)
-    except (PlanError, PolicyError) as exc:
-        error = str(exc)
-    except RuntimeError as exc:
-        if "No scheduled events left" not in str(exc):
-            raise
-        # the replica waits idle for an arrival that waits for a finish: a closed loop stalled
-        error = (
-            f"policy '{policy_name}' step {state.step_index}: planned nothing with "
-            f"{state.n_accepted - state.finished} request(s) unfinished while the arrival source "
-            f"waits for one of them to finish"
+    def result(self, source: Any, trace_name: str, wall0: float, error: str | None) -> RunResult:
+        """The run's result, once its process has ended (or stopped on ``error``)."""
+        state = self.state
+        meta = self.backend.finish()
+        describe = getattr(source, "describe", None) if source is not None else None
+        return RunResult(
+            policy=self.policy_name,
+            mode=self.backend.mode,
+            trace=trace_name,
+            requests=state.requests,
+            rejected=state.rejected,
+            steps=self.steps,
+            passes=self.pass_log,
+            wall_s=time.perf_counter() - wall0,
+            meta=meta,
+            error=error,
+            kv_capacity=state.kv_capacity,
+            shapes=self.shapes,
+            wakes=self.wakes,
+            block_size=state.block_size,
+            prefix_cache=state.prefix.stats() if state.prefix is not None else None,
+            source=describe() if describe is not None else None,
+            scheduled_s=getattr(source, "scheduled_s", None) if source is not None else None,
+            passes_recorded=self.log_passes,
         )
-    meta = backend.finish()
-    describe = getattr(source, "describe", None)
-    return RunResult(
-        policy=policy_name,
-        mode=backend.mode,
-        trace=trace_name,
-        requests=state.requests,
-        rejected=state.rejected,
-        steps=steps,
-        passes=pass_log,
-        wall_s=time.perf_counter() - wall0,
-        meta=meta,
-        error=error,
-        kv_capacity=state.kv_capacity,
-        shapes=shapes,
-        wakes=wakes,
-        block_size=state.block_size,
-        prefix_cache=state.prefix.stats() if state.prefix is not None else None,
-        source=describe() if describe is not None else None,
-        scheduled_s=getattr(source, "scheduled_s", None),
-        passes_recorded=log_passes,
-    )

@@ -59,11 +59,30 @@ _COL = {c: i for i, c in enumerate(REQUEST_COLUMNS)}
 _STATUS = _COL["status"]
 
 
+def several(result) -> bool:
+    """A run of more than one replica (a cluster's: its tables say which replica served what)."""
+    return bool(getattr(result, "several", False))
+
+
+def request_columns(result) -> tuple[str, ...]:
+    """requests.csv's columns for ``result``: ``REQUEST_COLUMNS``, and ``replica`` (the index of
+    the replica that served it) after them for a run of more than one replica."""
+    return REQUEST_COLUMNS + ("replica",) if several(result) else REQUEST_COLUMNS
+
+
 def request_table(result) -> list[tuple]:
-    """One row per request (``REQUEST_COLUMNS``: requests.csv's), in the run's request order:
+    """One row per request (``request_columns``: requests.csv's), in the run's request order:
     times in seconds and milliseconds, None where requests.csv has an empty cell (an unfinished
     or rejected request, a one-token output's TPOT and decode rate). ``scheduled_s``: when its
-    client issued it (its arrival unless closed-loop clients held it back)."""
+    client issued it (its arrival unless closed-loop clients held it back); ``replica``, for a
+    run of several replicas: the one that served it."""
+    out = _request_rows(result)
+    if several(result):
+        out = [row + (j,) for row, j in zip(out, result.replica)]
+    return out
+
+
+def _request_rows(result) -> list[tuple]:
     scheduled = getattr(result, "scheduled_s", None) or {}
     rejected = {r.id for r, _ in result.rejected}
     out = []
@@ -217,12 +236,21 @@ def summarize(
         good = sum(1 for row in rows if meets_slo(row, slo))
         summary["goodput_rps"] = good / makespan if makespan > 0 else None
         summary["slo_attainment"] = good / len(result.requests) if result.requests else None
+    if several(result):  # the cluster, and each replica's own summary
+        summary["cluster"] = dict(result.cluster or {})
+        summary["replicas"] = [
+            {"replica": i, **{k: v for k, v in summarize(part, percentiles, slo).items() if k not in _CLUSTER_WIDE}}
+            for i, part in enumerate(result.replicas)
+        ]
     if result.error:
         summary["error"] = result.error
     if result.meta:
         summary["meta"] = result.meta
     return summary
 
+
+# what a replica's own summary leaves out: the cluster's summary says it once
+_CLUSTER_WIDE = ("policy", "mode", "trace", "wall_s", "meta", "error")
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
@@ -259,6 +287,12 @@ def format_summary(s: Mapping[str, Any]) -> str:
     kv("Policy:", s["policy"])
     kv("Mode:", "simulated" if s["mode"] == "sim" else "real (MLX)")
     kv("Trace:", s["trace"])
+    cluster = s.get("cluster")
+    if cluster:
+        kv("Replicas:", cluster["replicas"])
+        kv("Router:", cluster["router"])
+        if cluster.get("router_delay"):
+            kv("Router delay (s):", cluster["router_delay"], "{:g}")
     kv("Successful requests:", s["finished"])
     if s.get("rejected"):
         kv("Rejected requests:", s["rejected"])
@@ -303,5 +337,12 @@ def format_summary(s: Mapping[str, Any]) -> str:
     if pc:
         kv("Prefix cache hit rate (prompt tokens):", pc["hit_rate"], "{:.2%}")
         kv("Prefill tokens saved:", pc["saved_prefill_tokens"])
+    if s.get("replicas"):
+        lines.append("Per replica".center(w, "-"))
+        for part in s["replicas"]:
+            i = part["replica"]
+            kv(f"Replica {i} successful requests:", part["finished"])
+            kv(f"Replica {i} median TTFT (ms):", part["ttft_ms"]["p50"])
+            kv(f"Replica {i} output throughput (tok/s):", part["output_throughput_tok_s"])
     lines.append("=" * w)
     return "\n".join(lines)

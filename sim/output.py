@@ -38,10 +38,10 @@ import numpy as np
 
 from .gcpause import gc_paused
 from .features import step_table, write_features
-from .metrics import REQUEST_COLUMNS, request_table, token_times_flat
+from .metrics import REQUEST_COLUMNS, request_columns, request_table, token_times_flat
 
 # requests.csv's integer columns (the rest but id and status are floats, empty where None)
-_INT_COLUMNS = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens")
+_INT_COLUMNS = ("prompt_tokens", "output_tokens", "preemptions", "recomputed_tokens", "cached_tokens", "replica")
 STEP_COLUMNS = (
     "step",
     "start_s",
@@ -88,7 +88,7 @@ def write_run(
             summary = summary()
         stable = {k: v for k, v in summary.items() if k not in ("wall_s", "meta")}
         (out / "summary.json").write_text(json.dumps(stable, indent=2) + "\n")
-        _write_requests(out / "requests.csv", request_table(result))
+        _write_requests(out / "requests.csv", request_table(result), request_columns(result))
         for job in writes:
             job.result()
     feats = step_table(result)  # real runs only: what a fit of the cost model needs
@@ -107,16 +107,16 @@ def write_run(
     return out
 
 
-def _write_requests(path: Path, rows: list[tuple]) -> None:
-    """requests.csv from ``request_table``'s rows, as columns through pyarrow's CSV writer
-    (a few times faster than the csv module's float formatting): None is an empty cell,
-    strings are quoted, floats are written in their shortest exact form."""
+def _write_requests(path: Path, rows: list[tuple], columns: tuple[str, ...] = REQUEST_COLUMNS) -> None:
+    """requests.csv from ``request_table``'s rows (``columns``: ``request_columns``), as columns
+    through pyarrow's CSV writer (a few times faster than the csv module's float formatting):
+    None is an empty cell, strings are quoted, floats are written in their shortest exact form."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
     n = len(rows)
     arrays = []
-    for name, col in zip(REQUEST_COLUMNS, zip(*rows) if rows else [()] * len(REQUEST_COLUMNS)):
+    for name, col in zip(columns, zip(*rows) if rows else [()] * len(columns)):
         if name in ("id", "status"):
             arrays.append(_strings([str(v) for v in col]))
         elif name in _INT_COLUMNS:
@@ -125,17 +125,18 @@ def _write_requests(path: Path, rows: list[tuple]) -> None:
             a = np.array(col, dtype=np.float64)  # (None becomes NaN: null below)
             valid = np.packbits(~np.isnan(a), bitorder="little")
             arrays.append(pa.Array.from_buffers(pa.float64(), n, [pa.py_buffer(valid), pa.py_buffer(a)]))
-    pacsv.write_csv(pa.Table.from_arrays(arrays, names=list(REQUEST_COLUMNS)), path)
+    pacsv.write_csv(pa.Table.from_arrays(arrays, names=list(columns)), path)
 
 
 def requests_frame(result):
     """requests.csv as a pandas DataFrame, typed as ``read_requests_csv`` reads the file back."""
     import pandas as pd
 
-    df = pd.DataFrame(request_table(result), columns=list(REQUEST_COLUMNS))
+    df = pd.DataFrame(request_table(result), columns=list(request_columns(result)))
     df["id"] = df["id"].astype(str)
     for c in _INT_COLUMNS:
-        df[c] = df[c].astype(np.int64)
+        if c in df:  # (replica: a cluster's only)
+            df[c] = df[c].astype(np.int64)
     for c in REQUEST_COLUMNS[1:]:
         if c not in _INT_COLUMNS and c != "status":
             df[c] = pd.to_numeric(df[c], errors="raise").astype(np.float64)
@@ -163,7 +164,12 @@ def steps_table(log):
             data.append(pa.array(c, type=pa.float64()) if c.count(None) != n else pa.nulls(n, pa.float64()))
         else:
             data.append(_arrow(c))
-    return pa.Table.from_arrays(data, names=list(STEP_COLUMNS))
+    names = list(STEP_COLUMNS)
+    replica = getattr(log, "replica", None)  # a cluster's steps: each one's replica
+    if replica is not None:
+        data.append(_arrow(replica))
+        names.append("replica")
+    return pa.Table.from_arrays(data, names=names)
 
 
 def _arrow(a: np.ndarray):
@@ -272,18 +278,21 @@ def passes_table(requests, passes):
         np.repeat(np.fromiter(c, dtype=dt, count=n), widths)
         for c, dt in ((step_col, np.int64), (k_col, np.int32), (start_col, np.float64), (end_col, np.float64))
     ]
-    return pa.Table.from_arrays(
-        [
-            _arrow(cols[0]),
-            _arrow(cols[1]),
-            _dictionary(owner_t[index], _ids(requests)),
-            _dictionary(kind_t[index], ["decode", "prefill"]),
-            _arrow(tokens_t[index]),
-            _arrow(cols[2]),
-            _arrow(cols[3]),
-        ],
-        names=["step", "pass", "request_id", "kind", "tokens", "start_s", "end_s"],
-    )
+    data = [
+        _arrow(cols[0]),
+        _arrow(cols[1]),
+        _dictionary(owner_t[index], _ids(requests)),
+        _dictionary(kind_t[index], ["decode", "prefill"]),
+        _arrow(tokens_t[index]),
+        _arrow(cols[2]),
+        _arrow(cols[3]),
+    ]
+    names = ["step", "pass", "request_id", "kind", "tokens", "start_s", "end_s"]
+    replica = getattr(passes, "replica", None)  # a cluster's passes: each one's replica
+    if replica is not None:
+        data.append(_arrow(np.repeat(replica, widths)))
+        names.append("replica")
+    return pa.Table.from_arrays(data, names=names)
 
 
 def _ids(requests) -> list[str]:

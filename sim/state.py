@@ -380,6 +380,12 @@ class ReplicaState:
         self.kv_reserved = 0
         self.finished = 0
         self.step_index = 0
+        # Work done, cumulative, by steps alone (arrivals never move them), so that what is
+        # outstanding at any time is what arrived minus these (a cluster's router reads them):
+        # prompt tokens put into the KV cache, less what preemptions gave back to compute again
+        # (prompt_done), and output tokens produced or given up at an EOS (output_done).
+        self.prompt_done = 0
+        self.output_done = 0
         # Rows of the engine's batched decode cache (see PassShape): mirrors what the
         # MLX backend does, so predicted copies match real ones.
         self.batch: set[str] = set()
@@ -449,6 +455,7 @@ class ReplicaState:
         r = self.by_id[rid]
         if r._phase is FINISHED or r._left <= 1:
             return
+        self.output_done += r._left - 1  # (tokens it will not produce)
         r.output_tokens = r.output_tokens - r._left + 1
         if r._seg >= 0:  # a batch row: counted again under its new end
             self._count(r, len(self._times), -1)
@@ -497,6 +504,8 @@ class ReplicaState:
             r = self._get(rid, "preempts")
             if r._phase is PREFILLING:
                 del self.prefilling[rid]
+                # (what it had left to compute is replaced below by its whole new target)
+                self.prompt_done += r._target - r._prefilled
             elif r._phase is DECODING:
                 del self.decoding[rid]
             else:
@@ -512,6 +521,7 @@ class ReplicaState:
             self.kv_reserved -= r._reserved
             r._reserved = 0
             r._target = r.prompt_tokens + r.generated
+            self.prompt_done -= r._target
             r._prefilled = 0
             r._ctx = 1
             r._phase = WAITING
@@ -543,6 +553,7 @@ class ReplicaState:
                     r._prefilled = n
                     r._ctx = n + 1
                     self.kv_used += n
+                    self.prompt_done += n
                     if first:
                         r.cached_tokens = n
         return preempted
@@ -661,6 +672,7 @@ class ReplicaState:
                 new += (c - 2 + m) // bs - (c - 2) // bs
             r._ctx = c + m
         self.kv_used += len(rows) * m
+        self.output_done += len(rows) * m
         self.blocks_used += len(rows) * m if bs == 1 else new
         if pc is not None:
             self._room(pc)
@@ -736,6 +748,7 @@ class ReplicaState:
                 for r in rs:
                     if r._phase is PREFILLING:  # hand-off: the last prompt token goes in
                         r._prefilled += 1
+                        self.prompt_done += 1
                         r._phase = DECODING
                         del self.prefilling[r.id]
                         decoding[r.id] = r
@@ -750,6 +763,7 @@ class ReplicaState:
             if finishing:  # (shape counted the rows with one token left)
                 done.extend(compress(rs, map(not_, map(_LEFT, rs))))
             self.kv_used += len(rs)
+            self.output_done += len(rs)
             self._last_decode = p.decode
             self._last_rows = rs
         for rid, n in p.prefill:
@@ -758,11 +772,13 @@ class ReplicaState:
                 r.recomputed_tokens += min(r._prefilled + n, r._high) - r._prefilled
             r._prefilled += n
             self.kv_used += n
+            self.prompt_done += n
             if r._prefilled == r._target:  # the prompt is in: this pass yields a token
                 del self.prefilling[rid]
                 r._phase = DECODING
                 decoding[rid] = r
                 r._left -= 1
+                self.output_done += 1
                 r._ctx = r._target + 1  # prompt (+ recomputed output) plus the new token
                 if r.first_token_s is None:
                     r.first_token_s = t

@@ -30,6 +30,7 @@ PACKAGE = "schedlab"
 LAYERS: dict[str, int] = {
     "schedlab.traces": 0,
     "schedlab.policies": 1,
+    "schedlab.routers": 1,  # beside the policies: traces and the policies' types below it, nothing above
     "schedlab.sim": 2,
     "schedlab.analysis": 3,
     "schedlab.engine": 4,

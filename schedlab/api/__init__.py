@@ -11,7 +11,7 @@
 Keyword arguments are the commands' options (``--kv-tokens`` is ``kv_tokens``, ``-o k=v`` is
 ``options={"k": v}``); the replica's, the clients' and the engine's settings may also be given
 as one object each (``replica=ReplicaOptions(...)``, ``clients=ClientOptions(...)``,
-``engine=EngineOptions(...)``), as the commands give them. A policy is a bundled name,
+``cluster=ClusterOptions(...)``, ``engine=EngineOptions(...)``), as the commands give them. A policy is a bundled name,
 ``"file.py:Class"``, a class or an object with ``plan(view)``; a trace is a bundled name or a
 path, a dataset spec (``"random:n=50"``), a ``traces.Trace``, a list of ``traces.Request`` or a
 DataFrame with the trace columns (id, arrival_s, prompt_tokens, output_tokens). Bad input raises
@@ -30,7 +30,7 @@ from ..errors import SchedlabError, SchedlabWarning
 from .calibration import calibrate
 from .figures import Figures, plot
 from .inputs import bundled_policies, load_trace, policy, trace_stats
-from .options import ClientOptions, EngineOptions, ReplicaOptions
+from .options import ClientOptions, ClusterOptions, EngineOptions, ReplicaOptions
 from .profiles import CostModel, Profile, cost_model, load_profile, profile_mismatch
 from .real import Engine, load_engine, model_info, run_real
 from .runs import Run, load_run
@@ -49,6 +49,7 @@ __all__ = [
     "Engine",
     "ReplicaOptions",
     "ClientOptions",
+    "ClusterOptions",
     "EngineOptions",
     "policy",
     "bundled_policies",

@@ -1,8 +1,9 @@
 """The options a run is made with, as small frozen objects: the replica's KV cache
-(``ReplicaOptions``), the clients in front of it (``ClientOptions``) and the real engine
-(``EngineOptions``). The commands build them from their flags and hand them to the API, which
-hands their fields to the loop and the engine; the API's functions also take the same settings
-as keyword arguments (``kv_tokens=``, ``max_concurrency=``, ``model=``, ...).
+(``ReplicaOptions``), the clients in front of it (``ClientOptions``), several replicas behind a
+router (``ClusterOptions``) and the real engine (``EngineOptions``). The commands build them
+from their flags and hand them to the API, which hands their fields to the loop and the engine;
+the API's functions also take the same settings as keyword arguments (``kv_tokens=``,
+``max_concurrency=``, ``replicas=``, ``model=``, ...).
 
 Each checks its values when made: bad ones raise ``SchedlabError`` with one line naming the
 option as the caller knows it (``block_size`` in Python, ``--block-size`` on the command line).
@@ -14,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import opt
 from ._base import check_kv_tokens, check_seed, fail
@@ -109,6 +110,82 @@ class ClientOptions:
         from schedlab.sim.sources import clients
 
         return clients(requests, self.max_concurrency, self.request_rate, self.burstiness, self.think_time or 0.0, seed)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """Several replicas behind a router. ``replicas``: how many (each its own copy of the policy,
+    KV cache and backend); ``router``: which replica serves each arrival, a bundled router's name
+    (``round-robin``, ``random``, ``least-requests``, ``least-tokens``, ``least-kv``,
+    ``power-of-two``, ``prefix-affinity``, ``weighted``), ``"file.py:Class"``, a router class or
+    object (``route(view) -> replica index``); None: round-robin; ``router_options``: the
+    router's options (``--router-option k=v``); ``router_delay``: seconds by which the router's
+    view of each replica lags (stale signals). The defaults are one replica and no router: the
+    single-replica simulation; giving any of them runs the cluster (with one replica, the same
+    result)."""
+
+    replicas: int = 1
+    router: Any = None
+    router_options: Any = None
+    router_delay: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = self.replicas
+        if isinstance(n, bool) or not isinstance(n, int):
+            fail(f"{opt('replicas')} must be an integer, got {n!r}", 2)
+        if n < 1:
+            fail(f"{opt('replicas')} must be >= 1, got {n}", 2)
+        d = _number(self.router_delay, "router_delay")
+        if not (d >= 0 and math.isfinite(d)):
+            fail(f"{opt('router_delay')} must be a finite number of seconds >= 0, got {d:g}", 2)
+        object.__setattr__(self, "router_delay", d)
+        ro = self.router_options
+        if ro is not None:
+            if not isinstance(ro, Mapping):
+                fail(f"router_options is a mapping such as {{'seed': 1}}, got {type(ro).__name__}", 2)
+            for key in ro:
+                if not isinstance(key, str) or not key:
+                    fail(f"router option names are strings, got {key!r}", 2)
+            object.__setattr__(self, "router_options", {k.replace("-", "_"): v for k, v in ro.items()})
+        if ro and self.router is None:
+            fail(f"{opt('router_option')} goes with {opt('router')}: name the router too", 2)
+        if self.router is not None and isinstance(self.router, (str, Path)) and not str(self.router).strip():
+            fail(f"{opt('router')} is empty", 2)
+
+    @property
+    def used(self) -> bool:
+        """Whether the run is a cluster's (any field other than its default)."""
+        return self.replicas != 1 or self.router is not None or bool(self.router_options) or self.router_delay != 0
+
+    def make_router(self):
+        """A fresh router object (one per run: routers keep state, such as round-robin's turn)."""
+        from schedlab.routers import ROUTERS, RouterNotFound, RouterOptionError, make_router
+
+        spec, options = self.router, dict(self.router_options or {})
+        if spec is None:
+            return make_router("round-robin")
+        if isinstance(spec, (str, Path)):
+            return make_router(str(spec), options)
+        if isinstance(spec, type):
+            if not callable(getattr(spec, "route", None)):
+                raise RouterNotFound(f"router class {spec.__name__} has no route(view) method")
+            if hasattr(spec, "from_options"):
+                return spec.from_options(options)
+            try:
+                router = spec(**options)
+            except TypeError as exc:
+                raise RouterOptionError(f"router '{spec.__name__}': {exc}") from None
+            if not hasattr(router, "name"):
+                router.name = spec.__name__
+            return router
+        if callable(getattr(spec, "route", None)):
+            if options:
+                fail("router options go with a router's name or class, not with a router object", 2)
+            return spec
+        raise RouterNotFound(
+            f"a router is a bundled name ({', '.join(ROUTERS)}), 'file.py:Class', a class or an object with "
+            f"a route(view) method; got {type(spec).__name__}"
+        )
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,21 @@ def simulate(
         help="with --out: also write passes.parquet (one row per request per pass: exact timelines for plot; ~4 M rows for an hour of traffic)",
     ),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
+    replicas: int = typer.Option(
+        1, "--replicas", help="replicas behind a router, each with its own copy of the policy, KV cache and backend"
+    ),
+    router: Optional[str] = typer.Option(
+        None,
+        "--router",
+        help="which replica serves each arrival: round-robin (the default with --replicas), random, least-requests, "
+        "least-tokens, least-kv, power-of-two, prefix-affinity, weighted, or file.py:Class",
+    ),
+    router_option: Optional[List[str]] = typer.Option(
+        None, "--router-option", help="router option key=value (repeatable), e.g. seed=1 or max_requests=8"
+    ),
+    router_delay: float = typer.Option(
+        0.0, "--router-delay", help="seconds by which the router's view of each replica lags (stale signals)"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Simulate POLICY on TRACE and print the summary."""
@@ -88,6 +103,9 @@ def simulate(
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     clients = schedlab.ClientOptions(
         max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
+    )
+    cluster = schedlab.ClusterOptions(
+        replicas=replicas, router=router, router_options=parse_options(router_option), router_delay=router_delay
     )
     run = schedlab.simulate(
         policy,
@@ -101,6 +119,7 @@ def simulate(
         slo=slo,
         replica=replica,
         clients=clients,
+        cluster=cluster,
         passes=passes,
     )
     if out is not None:

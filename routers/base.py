@@ -1,0 +1,182 @@
+"""The router API: what a router reads (a cluster view) and what it returns (a replica index).
+
+A router is any object with ``name`` and ``route(view) -> int``. At each arrival to the
+cluster the simulator hands it a frozen ``ClusterView``: the arriving request and, per replica,
+a ``ReplicaSignals`` (its queues, outstanding tokens, KV, the request's cached prefix there,
+whether it is up), as the replica was ``router_delay`` seconds before (stale signals, as a
+router that reads the replicas' metrics sees them). It returns the index of the replica that
+serves the request; anything else (not an int, out of range, a replica that is down) stops the
+run with one line naming the router and the request.
+
+Routers may keep state between calls (round-robin's position, a seeded generator): the
+simulator makes one router object per run and calls it once per arrival, in arrival order.
+
+This module imports nothing from ``sim`` or ``engine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Protocol, Sequence
+
+from schedlab.traces.schema import Request
+
+
+class ReplicaSignals(NamedTuple):
+    """One replica as a router sees it (a snapshot; immutable).
+
+    ``waiting``: requests arrived and not admitted (preempted ones included); ``running``:
+    admitted and unfinished; ``prompt_tokens``: prompt tokens of its unfinished requests not yet
+    in its KV cache (a preempted request's recompute included); ``output_tokens``: output tokens
+    its unfinished requests have still to produce; ``kv_used``: KV tokens its requests hold (a
+    shared cached block counts for each holder); ``kv_capacity``: its KV capacity in tokens;
+    ``prefix_hit``: tokens of the arriving request's prompt already in its prefix cache (0
+    without prefix caching; read at the decision, not delayed); ``up``: it takes requests."""
+
+    index: int
+    waiting: int = 0
+    running: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 1
+    prefix_hit: int = 0
+    up: bool = True
+
+    @property
+    def requests(self) -> int:
+        """Unfinished requests: waiting + running."""
+        return self.waiting + self.running
+
+    @property
+    def tokens(self) -> int:
+        """Outstanding tokens: prompt tokens to compute + output tokens to produce."""
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def kv_utilisation(self) -> float:
+        """KV in use as a fraction of the capacity (may exceed 1 when cached blocks are shared)."""
+        return self.kv_used / self.kv_capacity if self.kv_capacity > 0 else 1.0
+
+
+class ClusterView(NamedTuple):
+    """What ``router.route(view)`` reads: the time of the decision, the arriving request, its
+    position among the arrivals (0, 1, ...), and every replica's signals, in replica order."""
+
+    now: float
+    request: Request
+    arrival: int
+    replicas: tuple[ReplicaSignals, ...]
+
+    def up(self) -> list[ReplicaSignals]:
+        """The replicas that take requests, in replica order."""
+        return [r for r in self.replicas if r.up]
+
+
+class Router(Protocol):
+    name: str
+
+    def route(self, view: ClusterView) -> int: ...
+
+
+class RouterNotFound(ValueError):
+    """An unknown router name or a ``file.py:Class`` that does not load. Exit status 2."""
+
+    code = 2
+
+
+class RouterOptionError(ValueError):
+    """A bad router option (unknown, or the wrong type). Exit status 2."""
+
+    code = 2
+
+
+class RouteError(RuntimeError):
+    """A router returned something it may not (not an int, no such replica, one that is down)
+    or raised. One line naming the router and the request."""
+
+
+def least(replicas: Sequence[ReplicaSignals], key) -> int:
+    """The index of the replica with the smallest ``key`` among ``replicas`` (the lowest index
+    on a tie); the replicas given should be up."""
+    best = min(replicas, key=lambda r: (key(r), r.index))
+    return best.index
+
+
+@dataclass
+class RouterBase:
+    """Base for the bundled routers: options are dataclass fields, settable by name (strings
+    from the command line are converted to the field's type)."""
+
+    name = "router"
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> "RouterBase":
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        kwargs: dict[str, Any] = {}
+        for key, raw in dict(options or {}).items():
+            norm = str(key).replace("-", "_")
+            if norm not in fields:
+                known = ", ".join(sorted(fields)) or "none"
+                raise RouterOptionError(f"router '{cls.name}' has no option '{key}' (options: {known})")
+            kwargs[norm] = _coerce(cls.name, norm, raw, fields[norm].default)
+        try:
+            return cls(**kwargs)
+        except RouterOptionError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise RouterOptionError(f"router '{cls.name}': {exc}") from None
+
+    def options(self) -> dict[str, Any]:
+        """The router's options (its state, such as a generator, left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def route(self, view: ClusterView) -> int:
+        raise NotImplementedError
+
+
+def _coerce(router: str, key: str, raw: Any, default: Any) -> Any:
+    kind = type(default)
+    if not isinstance(raw, str):
+        ok = (
+            isinstance(raw, bool)
+            if kind is bool
+            else isinstance(raw, int) and not isinstance(raw, bool)
+            if kind is int
+            else isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw)
+            if kind is float
+            else True
+        )
+        if not ok:
+            raise RouterOptionError(f"router '{router}': option {key}={raw!r} is not a valid {kind.__name__}")
+        return float(raw) if kind is float else raw
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise RouterOptionError(f"router '{router}': option {key}={raw!r} is not a valid {kind.__name__}") from None
+    return raw
+
+
+def require_non_negative(router: str, **values: float) -> None:
+    for key, value in values.items():
+        if value < 0:
+            raise RouterOptionError(f"router '{router}': option {key} must be >= 0, got {value}")

@@ -1,0 +1,397 @@
+"""Several replicas behind a router (``sim.cluster``): one replica is the single-replica run byte
+for byte; routers spread, keep prefixes together and see stale signals as asked; an illegal
+route is one line; the signals a router reads are what the replicas held at that time; and, over
+random traces, routers and cluster sizes, every request is answered exactly once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import schedlab
+from schedlab.policies import make_policy
+from schedlab.routers import ROUTERS, make_router
+from schedlab.sim import run
+from schedlab.sim.cluster import run_cluster
+from schedlab.sim.sources import ClientSource
+from schedlab.traces.schema import Request
+from simkit import command, cost_model, read_table
+from test_properties import POLICY_OPTIONS, traces_
+
+
+def cluster(reqs, router, n, policy="unified", **kw):
+    router = make_router(router) if isinstance(router, str) else router
+    kw.setdefault("kv_capacity", 100_000)
+    return run_cluster(reqs, [make_policy(policy) for _ in range(n)], cost_model(), router, **kw)
+
+
+class Recorder:
+    """least-requests, keeping every view it was shown."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.views = []
+        self.inner = make_router("least-requests")
+
+    def route(self, view):
+        self.views.append(view)
+        return self.inner.route(view)
+
+
+# ---------------------------------------------------------------- one replica is one replica
+
+SAME_AS_ONE = [
+    ("vllm", "least-requests", {}),
+    ("unified", "weighted", {"prefix_caching": True}),  # Plan.repeat's bulk steps, prefix cache
+    ("static", "random", {}),  # a million repeated steps on the hour: Plan.repeat all along
+    ("vllm", "power-of-two", {"max_concurrency": 8, "kv_tokens": 20000}),  # clients, preemption
+]
+
+
+@pytest.mark.parametrize("policy,router,kw", SAME_AS_ONE, ids=[f"{p}-{r}" for p, r, _ in SAME_AS_ONE])
+def test_one_replica_through_the_cluster_gives_the_single_replica_files_byte_for_byte(tmp_path, policy, router, kw):
+    one = schedlab.simulate(policy, "mixed", **kw)
+    via = schedlab.simulate(policy, "mixed", router=router, replicas=1, **kw)
+    assert via.meta["cluster"] == {**via.meta["cluster"], "replicas": 1, "router": router}  # (the cluster ran)
+    assert "cluster" not in one.meta
+    a, b = one.save(tmp_path / "one"), via.save(tmp_path / "via")
+    for name in ("summary.json", "requests.csv", "tokens.parquet", "steps.parquet", "passes.parquet"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert one.summary["finished"] >= 300  # (a real run, not an empty one)
+
+
+# ---------------------------------------------------------------- routers at work
+
+
+def test_round_robin_spreads_evenly_and_the_files_say_which_replica(tmp_path):
+    reqs = [Request(f"r{i}", i * 0.05, 40 + i, 10 + i % 7) for i in range(31)]
+    res = cluster(reqs, "round-robin", 3)
+    assert res.error is None
+    assert res.replica == [i % 3 for i in range(31)]
+    assert [len(p.requests) for p in res.replicas] == [11, 10, 10]
+    assert [r.id for r in res.replicas[1].requests] == [f"r{i}" for i in range(1, 31, 3)]
+    # the same run through the API: summary per replica, replica columns
+    run_ = schedlab.simulate("unified", reqs, replicas=3, router="round-robin", passes=True)
+    out = run_.save(tmp_path / "rr")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cluster"]["replicas"] == 3 and summary["cluster"]["router"] == "round-robin"
+    assert [p["replica"] for p in summary["replicas"]] == [0, 1, 2]
+    assert [p["finished"] for p in summary["replicas"]] == [11, 10, 10]
+    assert sum(p["total_output_tokens"] for p in summary["replicas"]) == summary["total_output_tokens"]
+    rows = read_table(out / "requests.csv")
+    assert [int(r["replica"]) for r in rows] == [i % 3 for i in range(31)]
+    steps = read_table(out / "steps.parquet")
+    assert {s["replica"] for s in steps} == {0, 1, 2} and len(steps) == summary["steps"]
+    passes = read_table(out / "passes.parquet")
+    where = {r["id"]: int(r["replica"]) for r in rows}
+    assert all(p["replica"] == where[p["request_id"]] for p in passes)
+    assert "Replica 2 successful requests:" in run_.report()
+    # the same inputs, the same run
+    again = cluster(reqs, "round-robin", 3)
+    assert [r.token_times for r in again.requests] == [r.token_times for r in res.requests]
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_replica_until_its_bound():
+    # r0 computes the shared 512-token block on replica 0; r1..r5 arrive while it decodes
+    times = [0.0, 0.5, 0.6, 0.7, 0.8, 0.9]
+    reqs = [Request(f"r{i}", t, 600, 400, (7,)) for i, t in enumerate(times)]
+    kw = {"block_size": 16, "prefix_caching": True}
+    res = cluster(reqs, make_router("prefix-affinity", {"max_requests": 3}), 3, **kw)
+    assert res.error is None
+    # four on replica 0 (up to 3 unfinished there, it takes one more); then replica 1, which
+    # holds the prefix from r4 on
+    assert res.replica == [0, 0, 0, 0, 1, 1]
+    assert [r.cached_tokens for r in res.requests] == [0, 512, 512, 512, 0, 512]
+    spread = cluster(reqs, "least-requests", 3, **kw)
+    assert spread.replica == [0, 1, 2, 0, 1, 2]
+    assert sum(r.cached_tokens for r in spread.requests) < sum(r.cached_tokens for r in res.requests)
+
+
+def test_router_delay_changes_least_requests_choices():
+    burst = [Request(f"b{i}", 1.0, 50, 20) for i in range(4)]
+    assert cluster(burst, "least-requests", 2).replica == [0, 1, 0, 1]
+    # half a second late, the router sees an empty cluster at every one of them
+    assert cluster(burst, "least-requests", 2, router_delay=0.5).replica == [0, 0, 0, 0]
+    # a long request still running at 1.0 s: seen with a delay under 1 s, not with 2 s
+    pair = [Request("long", 0.0, 50, 2000), Request("next", 1.0, 50, 5)]
+    assert cluster(pair, "least-requests", 2, router_delay=0.9).replica == [0, 1]
+    assert cluster(pair, "least-requests", 2, router_delay=2.0).replica == [0, 0]
+
+
+class Pin(Recorder):
+    """Request "a" to replica 0, every other one to replica 1; keeps the views."""
+
+    def route(self, view):
+        self.views.append(view)
+        return 0 if view.request.id == "a" else 1
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_the_signals_are_what_the_replica_held_at_that_time(delay):
+    """The router shown a replica at time x (the arrival less the delay) sees what the run's
+    own times say it held at x: through bulk decode steps, and not the step in progress."""
+    reqs = [Request("a", 0.0, 300, 900)] + [Request(f"q{i}", 0.2 + 0.37 * i, 40 + 9 * i, 3 + i) for i in range(8)]
+    pin = Pin()
+    res = cluster(reqs, pin, 2, router_delay=delay)
+    assert res.error is None and all(r.finish_s is not None for r in res.requests)
+    a = res.requests[0]
+    others = res.requests[1:]
+    checked = 0
+    for v in pin.views[1:]:
+        x = v.now - delay
+        s0, s1 = v.replicas
+        if x < 0:
+            assert s0 == (0, 0, 0, 0, 0, 0, 100_000, 0, True)
+            continue
+        assert x >= a.first_token_s  # (a decodes from 0.02 s on)
+        done = sum(1 for t in a.token_times if t <= x)  # a's tokens out by x
+        assert (s0.waiting, s0.running, s0.prompt_tokens) == (0, 1, 0)
+        assert (s0.output_tokens, s0.kv_used) == (900 - done, 300 + done - 1)
+        # replica 1: the requests sent by x (before this one) and not finished by x
+        live = [r for r in others if r.arrival_s <= x and r.finish_s > x and r.id != v.request.id]
+        assert s1.requests == len(live)
+        assert s1.output_tokens == sum(r.output_tokens - sum(1 for t in r.token_times if t <= x) for r in live)
+        checked += 1
+    assert checked >= 6
+    # the first arrival saw an empty cluster
+    assert pin.views[0].replicas == tuple(type(s)(s.index, kv_capacity=s.kv_capacity) for s in pin.views[0].replicas)
+
+
+class Bad:
+    def __init__(self, answer):
+        self.answer = answer
+        self.name = "bad"
+
+    def route(self, view):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    "answer,fragment",
+    [
+        (5, "returned replica 5, but the cluster has replicas 0 to 1"),
+        (-1, "returned replica -1"),
+        ("1", "returned '1', not a replica index (0 to 1)"),
+        (True, "returned True, not a replica index"),
+        (1.0, "returned 1.0, not a replica index"),
+        (ValueError("no idea"), "route() raised ValueError: no idea"),
+    ],
+)
+def test_an_illegal_route_stops_the_run_with_one_line(answer, fragment):
+    reqs = [Request("r0", 0.0, 10, 3), Request("r1", 0.1, 10, 3)]
+    res = cluster(reqs, Bad(answer), 2)
+    assert res.error is not None and "\n" not in res.error
+    assert res.error.startswith("router 'bad' request r0: ") and fragment in res.error
+    run_ = schedlab.simulate("unified", reqs, replicas=2, router=Bad(answer))
+    assert run_.error == res.error and run_.problems == [res.error]
+
+
+def test_a_policy_error_names_its_replica():
+    class Broken:
+        name = "broken"
+
+        def plan(self, view):
+            raise RuntimeError("oops")
+
+    reqs = [Request("r0", 0.0, 10, 3), Request("r1", 0.1, 10, 3)]
+    res = run_cluster(
+        reqs, [make_policy("unified"), Broken()], cost_model(), make_router("round-robin"), kv_capacity=99
+    )
+    assert res.error == "replica 1: policy 'broken' step 0 raised RuntimeError: oops"
+
+
+def test_a_policy_object_is_copied_for_each_replica():
+    class Counting:
+        """unified, counting the steps it planned (its own state)."""
+
+        name = "counting"
+
+        def __init__(self):
+            self.inner = make_policy("unified")
+            self.planned = 0
+
+        def plan(self, view):
+            self.planned += 1
+            return self.inner.plan(view)
+
+    reqs = [Request(f"r{i}", i * 0.01, 30, 20) for i in range(8)]
+    pol = Counting()
+    one = schedlab.simulate(pol, reqs, replicas=2, router="round-robin")
+    assert one.error is None and one.summary["finished"] == 8
+    # replica 0 ran the object given, replica 1 a copy of it: the object saw replica 0's steps only
+    assert 0 < pol.planned < one.summary["steps"] + 8
+    assert pol.planned <= one.summary["replicas"][0]["steps"] + 4
+
+
+def test_bad_cluster_options_are_one_line_errors():
+    reqs = [Request("r0", 0.0, 10, 3)]
+    for kw, msg in [
+        ({"replicas": 0}, "replicas must be >= 1, got 0"),
+        ({"replicas": 2.5}, "replicas must be an integer"),
+        ({"router_delay": -1.0}, "router_delay must be a finite number of seconds >= 0"),
+        ({"router": "nope"}, "unknown router 'nope'"),
+        ({"router": "random", "router_options": {"speed": 1}}, "router 'random' has no option 'speed'"),
+        ({"router_options": {"seed": 1}}, "router_option goes with router"),
+    ]:
+        with pytest.raises(schedlab.SchedlabError, match=msg) as exc:
+            schedlab.simulate("unified", reqs, **kw)
+        assert exc.value.code == 2, kw
+    with pytest.raises(schedlab.SchedlabError, match="give either cluster= or replicas, not both"):
+        schedlab.simulate("unified", reqs, cluster=schedlab.ClusterOptions(replicas=2), replicas=3)
+
+
+def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([*command("simulate"), *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_the_command(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("class Far:\n    name = 'far'\n    def route(self, view):\n        return 7\n")
+    trace = tmp_path / "t.json"
+    trace.write_text(
+        json.dumps(
+            {
+                "requests": [
+                    {"id": f"q{i}", "arrival_s": i * 0.1, "prompt_tokens": 20, "output_tokens": 4} for i in range(6)
+                ]
+            }
+        )
+    )
+    ok = cli("--policy", "unified", "--trace", str(trace), "--replicas", "2", "--router", "round-robin",
+             "--router-delay", "0.05", "--out", str(tmp_path / "o"))  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "Replicas:                                2" in ok.stdout and "Router:   " in ok.stdout
+    assert [r["replica"] for r in read_table(tmp_path / "o" / "requests.csv")] == ["0", "1"] * 3
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["cluster"] == {"replicas": 2, "router": "round-robin", "router_options": {}, "router_delay": 0.05}
+    for args, code, frag in [
+        (["--replicas", "0"], 2, "--replicas must be >= 1"),
+        (["--router", "nope"], 2, "unknown router 'nope'"),
+        (["--router", "random", "--router-option", "nope=1"], 2, "router 'random' has no option 'nope'"),
+        (["--router-delay", "-1"], 2, "--router-delay must be a finite number of seconds >= 0"),
+        (["--replicas", "2", "--router", f"{f}:Far"], 1, "router 'far' request q0: returned replica 7"),
+    ]:
+        proc = cli("--policy", "unified", "--trace", str(trace), *args)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == code and len(lines) == 1 and frag in lines[0], (args, proc.stderr)
+
+
+def test_closed_loop_clients_across_replicas_send_at_the_finishes_and_start_at_once():
+    """Two replicas, three clients, all issued at once: request k >= 3 is sent at the (k-2)-th
+    finish among those before it, whichever replica that was on; and the replica it goes to
+    admits it at its first step after it arrived (no replica ran ahead past a send it could not
+    foresee; a step that starts at the very instant it is sent plans without it, as on one
+    replica)."""
+    reqs = [Request(f"c{i}", 0.0, 30 + 17 * (i % 4), 5 + 11 * (i % 5)) for i in range(14)]
+    res = cluster(ClientSource(reqs, 3), "least-tokens", 2)
+    assert res.error is None and all(r.finish_s is not None for r in res.requests)
+    by = {r.id: r for r in res.requests}
+    for k in range(3, 14):
+        earlier = sorted(by[f"c{j}"].finish_s for j in range(k))
+        assert by[f"c{k}"].arrival_s == pytest.approx(earlier[k - 3], abs=1e-12)
+    assert set(res.replica) == {0, 1}
+    for r, j in zip(res.requests, res.replica):
+        starts = res.replicas[j].steps.columns[1]
+        first = min(t for t in starts if t >= r.arrival_s)
+        assert r.admitted_s in (first, min(t for t in starts if t > first)), r.id
+
+
+# ---------------------------------------------------------------- properties
+
+
+@st.composite
+def cluster_setups(draw):
+    reqs, _ = draw(traces_())
+    name = draw(st.sampled_from(sorted(POLICY_OPTIONS)))
+    opts = {k: draw(s) for k, s in POLICY_OPTIONS[name].items() if draw(st.booleans())}
+    bs = draw(st.sampled_from([1, 16]))
+    biggest = max(r.prompt_tokens + r.output_tokens - 1 for r in reqs)
+    kv = draw(st.integers(max(1, biggest - 40), biggest * 3 + 64))
+    return {
+        "reqs": reqs,
+        "policy": (name, opts),
+        "router": draw(st.sampled_from(sorted(ROUTERS))),
+        "n": draw(st.integers(1, 4)),
+        "delay": draw(st.sampled_from([0.0, 0.01, 0.5])),
+        "kv": kv,
+        "bs": bs,
+        "prefix": draw(st.booleans()),
+        "clients": draw(st.one_of(st.none(), st.integers(1, 4))),
+    }
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster_setups())
+def test_every_request_is_answered_once_by_one_replica(d):
+    reqs = d["reqs"]
+    name, opts = d["policy"]
+    arrivals = ClientSource(reqs, d["clients"]) if d["clients"] else reqs
+    res = run_cluster(
+        arrivals,
+        [make_policy(name, opts) for _ in range(d["n"])],
+        cost_model(),
+        make_router(d["router"]),
+        kv_capacity=d["kv"],
+        block_size=d["bs"],
+        prefix_caching=d["prefix"],
+        router_delay=d["delay"],
+    )
+    assert res.error is None, res.error
+    assert sorted(r.id for r in res.requests) == sorted(r.id for r in reqs)  # each exactly once
+    assert len(res.replica) == len(res.requests) and set(res.replica) <= set(range(d["n"]))
+    parts = [{id(r) for r in p.requests} for p in res.replicas]
+    assert sum(map(len, parts)) == len(reqs)  # on one replica only: the one the router chose
+    assert sum(len(p.rejected) for p in res.replicas) == len(res.rejected)
+    refused = {r.id: why for r, why in res.rejected}
+    want = {r.id: r.output_tokens for r in reqs}
+    for r, j in zip(res.requests, res.replica):
+        assert id(r) in parts[j]
+        if r.id in refused:
+            assert r.finish_s is None and "KV capacity" in refused[r.id]
+        else:
+            assert r.finish_s is not None and len(r.token_times) == want[r.id] == r.output_tokens
+            assert r.first_token_s >= r.arrival_s
+    too_big = {r.id for r in reqs if r.prompt_tokens + r.output_tokens - 1 > res.kv_capacity}  # (whole blocks)
+    assert {r.id for r, _ in res.rejected} == too_big
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster_setups())
+def test_the_work_counters_are_what_is_outstanding_at_every_step(d):
+    """``prompt_done`` and ``output_done`` (what the signals subtract from what was sent) always
+    leave exactly the prompt tokens still to compute and the output tokens still to produce,
+    preemptions and prefix hits included."""
+    name, opts = d["policy"]
+
+    def check(state):
+        live = [r for r in state.accepted if r.finish_s is None]
+        sent = state.accepted
+        # (not remaining_prompt: a waiting request's cached prefix is not in its KV cache yet)
+        left = sum(r.prefill_target - r.prefilled for r in live)
+        assert sum(r.prompt_tokens for r in sent) - state.prompt_done == left
+        assert sum(r.output_tokens for r in sent) - state.output_done == sum(r.tokens_left for r in live)
+
+    res = run(
+        d["reqs"],
+        make_policy(name, opts),
+        cost_model(),
+        kv_capacity=d["kv"],
+        block_size=d["bs"],
+        prefix_caching=d["prefix"],
+        on_step=check,
+    )
+    assert res.error is None, res.error
+
+
+def test_the_cluster_module_is_documented_where_users_look():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
+    for name in ROUTERS:
+        assert f"`{name}`" in text, name
