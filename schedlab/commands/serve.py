@@ -121,6 +121,7 @@ def serve(
     engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
+    _check_address(host, port)  # and so does an address in use (loading a model takes seconds)
     eng = schedlab.load_engine(
         engine,
         replica=replica,
@@ -137,6 +138,26 @@ def serve(
         print(run.report())
     if error:
         raise SchedlabError(error)
+
+
+def _check_address(host: str, port: int) -> None:
+    """Fail at once when ``host:port`` cannot be listened on (a port in use, an address not of this
+    machine), before the model loads; uvicorn's own bind, later, still reports a port taken since."""
+    import socket
+
+    if port == 0:
+        return
+    message = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError):
+        raise SchedlabError(message) from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError:
+            raise SchedlabError(message) from None
 
 
 def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path | None, log):
