@@ -54,7 +54,7 @@ def make_policy(spec: str, options: Mapping[str, Any] | None = None) -> Policy:
     if ":" not in spec:
         known = ", ".join(POLICIES)
         raise PolicyNotFound(f"unknown policy '{spec}' (bundled: {known}; or give file.py:Class)")
-    cls = _load_class(spec)
+    cls = load_class(spec)
     if hasattr(cls, "from_options"):
         return cls.from_options(options)
     if options:
@@ -69,25 +69,27 @@ def make_policy(spec: str, options: Mapping[str, Any] | None = None) -> Policy:
     return policy
 
 
-def _load_class(spec: str) -> type:
+def load_class(spec: str, kind: str = "policy", method: str = "plan", error: type[Exception] = PolicyNotFound) -> type:
+    """The class ``spec`` names (``file.py:Class`` or ``module:Class``), which must have ``method``;
+    anything wrong is ``error`` naming the ``kind`` (policies and routers share it)."""
     where, _, attr = spec.rpartition(":")
     try:
         if where.endswith(".py") or "/" in where:
             path = Path(where)
             if not path.is_file():
-                raise PolicyNotFound(f"policy file not found: {where}")
-            mod_spec = importlib.util.spec_from_file_location(f"_user_policy_{path.stem}", path)
+                raise error(f"{kind} file not found: {where}")
+            mod_spec = importlib.util.spec_from_file_location(f"_user_{kind}_{path.stem}", path)
             module = importlib.util.module_from_spec(mod_spec)
             mod_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except PolicyNotFound:
+    except error:
         raise
     except Exception as exc:  # a user's file: report, don't crash
-        raise PolicyNotFound(f"cannot load policy '{spec}': {type(exc).__name__}: {exc}") from None
+        raise error(f"cannot load {kind} '{spec}': {type(exc).__name__}: {exc}") from None
     cls = getattr(module, attr, None)
-    if cls is None or not inspect.isclass(cls) or not callable(getattr(cls, "plan", None)):
-        raise PolicyNotFound(f"'{spec}' is not a class with a plan(view) method")
+    if cls is None or not inspect.isclass(cls) or not callable(getattr(cls, method, None)):
+        raise error(f"'{spec}' is not a class with a {method}(view) method")
     return cls
 
 

@@ -341,28 +341,34 @@ class PolicyBase:
         return dataclasses.asdict(self)
 
 
+def parse_option(raw: str, kind: type) -> Any:
+    """A ``-o key=value`` string as an option of type ``kind`` (bool, int, a finite float; any other
+    type keeps the string). Raises ValueError when the string is not one. Policies and routers share it."""
+    if kind is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(raw)
+    if kind is int:
+        return int(raw)
+    if kind is float:
+        value = float(raw)
+        if not math.isfinite(value):
+            raise ValueError(raw)
+        return value
+    return raw
+
+
 def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
     if not isinstance(raw, str):
         return raw
     kind = type(default)
     try:
-        if kind is bool:
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            value = float(raw)
-            if not math.isfinite(value):
-                raise ValueError
-            return value
+        return parse_option(raw, kind)
     except ValueError:
         raise OptionError(f"policy '{policy}': option {key}={raw!r} is not a valid {kind.__name__}") from None
-    return raw
 
 
 def require_positive(policy: str, **values: int) -> None:

@@ -9,11 +9,9 @@ API in ``routers.base``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
-from pathlib import Path
 from typing import Any, Mapping
+
+from schedlab.policies import load_class
 
 from .base import (
     ClusterView,
@@ -48,7 +46,7 @@ def make_router(spec: str, options: Mapping[str, Any] | None = None) -> Router:
         return ROUTERS[spec].from_options(options)
     if ":" not in spec:
         raise RouterNotFound(f"unknown router '{spec}' (bundled: {', '.join(ROUTERS)}; or give file.py:Class)")
-    cls = _load_class(spec)
+    cls = load_class(spec, "router", "route", RouterNotFound)
     if hasattr(cls, "from_options"):
         return cls.from_options(options)
     try:
@@ -58,28 +56,6 @@ def make_router(spec: str, options: Mapping[str, Any] | None = None) -> Router:
     if not hasattr(router, "name"):
         router.name = spec
     return router
-
-
-def _load_class(spec: str) -> type:
-    where, _, attr = spec.rpartition(":")
-    try:
-        if where.endswith(".py") or "/" in where:
-            path = Path(where)
-            if not path.is_file():
-                raise RouterNotFound(f"router file not found: {where}")
-            mod_spec = importlib.util.spec_from_file_location(f"_user_router_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except RouterNotFound:
-        raise
-    except Exception as exc:  # a user's file: report, don't crash
-        raise RouterNotFound(f"cannot load router '{spec}': {type(exc).__name__}: {exc}") from None
-    cls = getattr(module, attr, None)
-    if cls is None or not inspect.isclass(cls) or not callable(getattr(cls, "route", None)):
-        raise RouterNotFound(f"'{spec}' is not a class with a route(view) method")
-    return cls
 
 
 __all__ = [

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
+from schedlab.policies.base import parse_option
 from schedlab.traces.schema import Request
 
 
@@ -157,23 +158,9 @@ def _coerce(router: str, key: str, raw: Any, default: Any) -> Any:
             raise RouterOptionError(f"router '{router}': option {key}={raw!r} is not a valid {kind.__name__}")
         return float(raw) if kind is float else raw
     try:
-        if kind is bool:
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            value = float(raw)
-            if not math.isfinite(value):
-                raise ValueError
-            return value
+        return parse_option(raw, kind)
     except ValueError:
         raise RouterOptionError(f"router '{router}': option {key}={raw!r} is not a valid {kind.__name__}") from None
-    return raw
 
 
 def require_non_negative(router: str, **values: float) -> None:
