@@ -109,10 +109,10 @@ class _History:
 def run_cluster(
     arrivals: Sequence[Request] | ArrivalSource,
     policies: Sequence[Policy],
-    cost_model: CostModel,
+    cost_model: CostModel | Sequence[CostModel],
     router: Any,
     *,
-    kv_capacity: int,
+    kv_capacity: int | Sequence[int],
     router_delay: float = 0.0,
     trace_name: str = "trace",
     block_size: int = 1,
@@ -124,7 +124,8 @@ def run_cluster(
     """Simulate ``len(policies)`` replicas, replica i running ``policies[i]`` (each its own
     object), behind ``router`` (an object with ``name`` and ``route(view) -> int``), over
     ``arrivals``. Every replica has ``kv_capacity`` tokens of KV in blocks of ``block_size`` and
-    the cost model ``cost_model``; ``router_delay``: the router sees each replica as it was that
+    the cost model ``cost_model`` (either may be a sequence, one per replica: a heterogeneous
+    cluster); ``router_delay``: the router sees each replica as it was that
     many seconds before the arrival.
 
     The result is the whole cluster's (every request, in arrival order, with ``replica``: the
@@ -140,6 +141,13 @@ def run_cluster(
         raise ValueError(f"router_delay must be a number of seconds >= 0, got {router_delay!r}")
     if not math.isfinite(router_delay):
         raise ValueError(f"router_delay must be finite, got {router_delay!r}")
+    costs = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * n
+    capacities = list(kv_capacity) if isinstance(kv_capacity, (list, tuple)) else [kv_capacity] * n
+    if len(costs) != n or len(capacities) != n:
+        raise ValueError(
+            f"one cost model and one KV capacity per replica: {n} replicas, {len(costs)} cost models, "
+            f"{len(capacities)} KV capacities"
+        )
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
     env = simpy.Environment()
     sending = [True]  # the source may still send
@@ -156,12 +164,12 @@ def run_cluster(
 
     replicas: list[ReplicaLoop] = []
     histories: list[_History] = []
-    for pol in policies:
+    for pol, cost, capacity in zip(policies, costs, capacities):
         h = _History(None)
         rep = ReplicaLoop(
             pol,
-            cost_model,
-            kv_capacity=kv_capacity,
+            cost,
+            kv_capacity=capacity,
             next_arrival=next_arrival,  # the cluster's next arrival: any may come here
             finished=source.finished,
             clock=SimClock(env),
