@@ -22,6 +22,8 @@ from .base import (
     RouterNotFound,
     RouterOptionError,
     least,
+    least_requests,
+    least_tokens,
 )
 from .least_kv import LeastKV
 from .least_requests import LeastRequests
@@ -69,4 +71,6 @@ __all__ = [
     "RouterNotFound",
     "RouterOptionError",
     "least",
+    "least_requests",
+    "least_tokens",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ClusterView, RouterBase, least
+from .base import ClusterView, RouterBase, least_requests
 
 
 @dataclass
@@ -14,4 +14,4 @@ class LeastRequests(RouterBase):
 
     def route(self, view: ClusterView) -> int:
         up = view.up()
-        return least(up, lambda r: r.requests) if up else 0
+        return least_requests(up) if up else 0

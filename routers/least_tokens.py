@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ClusterView, RouterBase, least
+from .base import ClusterView, RouterBase, least_tokens
 
 
 @dataclass
@@ -15,4 +15,4 @@ class LeastTokens(RouterBase):
 
     def route(self, view: ClusterView) -> int:
         up = view.up()
-        return least(up, lambda r: r.tokens) if up else 0
+        return least_tokens(up) if up else 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ClusterView, RouterBase, RouterOptionError, least
+from .base import ClusterView, RouterBase, RouterOptionError, least_requests
 
 
 @dataclass
@@ -34,5 +34,5 @@ class PrefixAffinity(RouterBase):
         if best >= self.min_hit:
             holders = [r for r in up if r.prefix_hit == best and r.requests <= self.max_requests]
             if holders:
-                return least(holders, lambda r: r.requests)
-        return least(up, lambda r: r.requests)
+                return least_requests(holders)
+        return least_requests(up)

@@ -31,6 +31,7 @@ import math
 import operator
 import time
 from bisect import bisect_right
+from heapq import heappop, heappush
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -52,10 +53,12 @@ class _History:
     """One replica's signals over time (see the module's docstring): what its steps did and what
     it was sent, each a list of entries in time order with their stamps."""
 
-    __slots__ = ("state", "t_done", "done", "t_sent", "sent", "n", "p", "o")
+    __slots__ = ("state", "t_done", "done", "t_sent", "sent", "n", "p", "o", "index", "dirty")
 
-    def __init__(self, state) -> None:
+    def __init__(self, state, index: int = 0, dirty: set | None = None) -> None:
         self.state = state
+        self.index = index
+        self.dirty = dirty if dirty is not None else set()  # where it says that it has a new entry
         self.t_done: list[float] = []
         self.done: list[tuple] = []  # (running, admitted or finished, prompt done, output done, KV[, ends, rows])
         self.t_sent: list[float] = []
@@ -67,6 +70,7 @@ class _History:
         running = len(st.running)
         self.t_done.append(t_end)
         self.done.append((running, running + st.finished, st.prompt_done, st.output_done, st.kv_used))
+        self.dirty.add(self.index)
 
     def record_run(self, ends: list[float], rows: int) -> None:
         # one entry for a run of bulk decode steps: the state after its last step, and what it
@@ -75,6 +79,7 @@ class _History:
         running = len(st.running)
         self.t_done.append(ends[0])
         self.done.append((running, running + st.finished, st.prompt_done, st.output_done, st.kv_used, ends, rows))
+        self.dirty.add(self.index)
 
     def sent_one(self, t: float, req: Request) -> None:
         self.n += 1
@@ -82,28 +87,41 @@ class _History:
         self.o += req.output_tokens
         self.t_sent.append(t)
         self.sent.append((self.n, self.p, self.o))
+        self.dirty.add(self.index)
 
-    def at(self, x: float) -> tuple[int, int, int, int, int]:
-        """(waiting, running, prompt tokens, output tokens outstanding, KV used) at time ``x``."""
-        i = bisect_right(self.t_sent, x) - 1
+    def at(self, x: float) -> tuple[tuple[int, int, int, int, int], float]:
+        """(waiting, running, prompt tokens, output tokens outstanding, KV used) at time ``x``,
+        and until when (exclusive) they stay so as far as the entries recorded so far tell
+        (``inf``: until the next entry)."""
+        t_sent, t_done = self.t_sent, self.t_done
+        i = bisect_right(t_sent, x) - 1
         n, p, o = self.sent[i] if i >= 0 else (0, 0, 0)
-        j = bisect_right(self.t_done, x) - 1
+        hi = t_sent[i + 1] if i + 1 < len(t_sent) else _INF
+        j = bisect_right(t_done, x) - 1
+        if j + 1 < len(t_done) and t_done[j + 1] < hi:
+            hi = t_done[j + 1]
         if j < 0:
-            return n, 0, p, o, 0
+            return (n, 0, p, o, 0), hi
         e = self.done[j]
         # the times asked for never go back (arrivals come in order): what is older than the
         # entries found now is never read again
         if i > 1024:
-            del self.t_sent[:i], self.sent[:i]
+            del t_sent[:i], self.sent[:i]
         if j > 1024:
-            del self.t_done[:j], self.done[:j]
+            del t_done[:j], self.done[:j]
         running, admitted, prompt_done, output_done, kv = e[:5]
         if len(e) > 5:  # within a run of bulk steps: the steps that had not ended at x are undone
             ends, rows = e[5], e[6]
-            back = (len(ends) - bisect_right(ends, x)) * rows
+            k = bisect_right(ends, x)
+            if k < len(ends) and ends[k] < hi:
+                hi = ends[k]
+            back = (len(ends) - k) * rows
             output_done -= back
             kv -= back
-        return n - admitted, running, p - prompt_done, o - output_done, kv
+        return (n - admitted, running, p - prompt_done, o - output_done, kv), hi
+
+
+_INF = float("inf")
 
 
 def run_cluster(
@@ -164,8 +182,9 @@ def run_cluster(
 
     replicas: list[ReplicaLoop] = []
     histories: list[_History] = []
-    for pol, cost, capacity in zip(policies, costs, capacities):
-        h = _History(None)
+    dirty: set[int] = set()  # replicas with history entries recorded since their signals were made
+    for i, (pol, cost, capacity) in enumerate(zip(policies, costs, capacities)):
+        h = _History(None, i, dirty)
         rep = ReplicaLoop(
             pol,
             cost,
@@ -201,19 +220,36 @@ def run_cluster(
     def illegal(req: Request, what: str) -> RouteError:
         return RouteError(f"router '{router_name}' request {req.id}: {what}")
 
+    # Each replica's signals as last made, and until when they hold (a heap of (time, version,
+    # replica)): an arrival remakes only those that have changed since (the replicas whose
+    # history has a new entry, or whose signals ran out), so what a decision costs grows with
+    # what happened since the last one, not with the number of replicas.
+    signals = [ReplicaSignals(i, kv_capacity=capacities[i]) for i in range(n)]
+    version = [0] * n
+    expiry: list[tuple[float, int, int]] = []
+    up = [True] * n  # (faults: not yet)
+
+    def refresh(i: int, x: float) -> None:
+        vals, hi = histories[i].at(x)
+        signals[i] = ReplicaSignals(i, *vals, capacities[i], 0, up[i])
+        version[i] += 1
+        if hi != _INF:
+            heappush(expiry, (hi, version[i], i))
+
     def deliver(req: Request) -> None:
         now = env.now
         x = now - delay
-        hits = prefix_hits(req) if prefix_caching else [0] * n
-        view = ClusterView(
-            now,
-            req,
-            len(requests),
-            tuple(
-                ReplicaSignals(i, *histories[i].at(x), capacities[i], hits[i], True)  # (faults: not yet)
-                for i in range(n)
-            ),
-        )
+        while dirty:
+            refresh(dirty.pop(), x)
+        while expiry and expiry[0][0] <= x:
+            _, v, i = heappop(expiry)
+            if v == version[i]:
+                refresh(i, x)
+        if prefix_caching:
+            hits = prefix_hits(req)
+            view = ClusterView(now, req, len(requests), tuple(s._replace(prefix_hit=h) for s, h in zip(signals, hits)))
+        else:
+            view = ClusterView(now, req, len(requests), tuple(signals))
         try:
             j = route(view)
         except Exception as exc:  # the user's router code

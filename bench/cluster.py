@@ -1,0 +1,137 @@
+"""Cluster simulation speed: the Azure 2023 conversation hour on N replicas, its rate scaled by N.
+
+The hour's requests arrive N times as fast (every arrival time divided by N), so each of N
+replicas behind the router sees about the load one replica sees in the plain hour; a run
+simulates the same requests on N = 1, 4, 16, 64 replicas (``least-requests``, ``unified``, the
+bundled measured profile). Each run is a fresh process (``sim.cluster.run_cluster``, the loop
+alone: the trace is loaded and scaled before the clock starts), so its peak memory is its own.
+Reported per N, medians over ``--repeat`` rounds (the Ns interleaved in each round: this
+machine drifts): wall seconds, simulated requests per wall second, the simulated makespan, peak
+resident memory. Goal: at least 10,000 simulated requests per second at every N.
+
+    python bench/cluster.py [--repeat 3] [--ns 1,4,16,64] [--out bench/results/cluster.json]
+
+Results: ``bench/results/cluster.json`` (``docs/cluster.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+
+GOAL_REQ_PER_S = 10_000
+
+# one run, in a fresh process: prints a JSON line
+CHILD = r"""
+import dataclasses, json, resource, sys, time
+from schedlab import traces
+from schedlab.policies import make_policy
+from schedlab.routers import make_router
+from schedlab.sim.cluster import run_cluster
+from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
+from schedlab.sim.profiles import resolve_profile
+
+n, trace, policy, router = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+profile = resolve_profile(None)
+cost = LinearCostModel.from_profile(profile)
+capacity = int(cost.meta.get('kv_tokens', DEFAULT_KV_TOKENS))
+tr = traces.load(trace)
+reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / n) for r in tr.requests]
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+res = run_cluster(reqs, [make_policy(policy) for _ in range(n)], cost, make_router(router),
+                  kv_capacity=capacity, trace_name=tr.name, record_passes=False)
+wall = time.perf_counter() - t0
+assert res.error is None, res.error
+done = [r for r in res.requests if r.finish_s is not None]
+print(json.dumps({
+    "wall_s": wall,
+    "requests": len(res.requests),
+    "finished": len(done),
+    "makespan_s": max(r.finish_s for r in done),
+    "steps": len(res.steps),
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "rss_before_run_mb": rss0 / 1024,
+}))
+"""
+
+
+def one(n: int, trace: str, policy: str, router: str) -> dict:
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(n), trace, policy, router], capture_output=True, text=True, check=False
+    )
+    if p.returncode != 0:
+        raise SystemExit(f"cluster run N={n} failed: {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ns", default="1,4,16,64")
+    ap.add_argument("--trace", default="azure2023_conv")
+    ap.add_argument("--policy", default="unified")
+    ap.add_argument("--router", default="least-requests")
+    ap.add_argument("--out", type=Path, default=common.result_path("cluster"))
+    args = ap.parse_args()
+    ns = [int(x) for x in args.ns.split(",")]
+    runs: dict[int, list[dict]] = {n: [] for n in ns}
+    for k in range(args.repeat):
+        for n in ns:
+            r = one(n, args.trace, args.policy, args.router)
+            runs[n].append(r)
+            print(
+                f"round {k + 1} N={n}: {r['wall_s']:.2f} s, {r['requests'] / r['wall_s']:,.0f} req/s, "
+                f"peak {r['peak_rss_mb']:.0f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows = []
+    for n in ns:
+        rs = runs[n]
+        wall = statistics.median(r["wall_s"] for r in rs)
+        rows.append(
+            {
+                "replicas": n,
+                "requests": rs[0]["requests"],
+                "finished": rs[0]["finished"],
+                "steps": rs[0]["steps"],
+                "makespan_s": rs[0]["makespan_s"],
+                "wall_s": wall,
+                "wall_s_runs": [r["wall_s"] for r in rs],
+                "req_per_s": rs[0]["requests"] / wall,
+                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
+                "rss_before_run_mb": statistics.median(r["rss_before_run_mb"] for r in rs),
+                "meets_goal": rs[0]["requests"] / wall >= GOAL_REQ_PER_S,
+            }
+        )
+    out = {
+        "bench": "cluster",
+        "what": "the trace's arrival times divided by N on N replicas; wall seconds of run_cluster alone "
+        "(record_passes=False), medians over rounds, N interleaved within each round",
+        "trace": args.trace,
+        "policy": args.policy,
+        "router": args.router,
+        "cost": "bundled measured profile",
+        "goal_req_per_s": GOAL_REQ_PER_S,
+        "repeat": args.repeat,
+        "revision": common.git_rev(),
+        "machine": common.machine(),
+        "rows": rows,
+    }
+    common.write_json(out, args.out)
+    for row in rows:
+        print(
+            f"N={row['replicas']:>3}: {row['wall_s']:6.2f} s  {row['req_per_s']:>9,.0f} req/s  "
+            f"makespan {row['makespan_s']:.0f} s  peak {row['peak_rss_mb']:.0f} MB"
+        )
+
+
+if __name__ == "__main__":
+    main()
