@@ -138,6 +138,7 @@ def run_cluster(
     token_keys: Callable[[Any], Sequence[int] | None] | None = None,
     record_passes: bool = True,
     router_options: dict | None = None,
+    fail: Sequence[tuple[int, float]] = (),
 ) -> RunResult:
     """Simulate ``len(policies)`` replicas, replica i running ``policies[i]`` (each its own
     object), behind ``router`` (an object with ``name`` and ``route(view) -> int``), over
@@ -150,7 +151,14 @@ def run_cluster(
     replica that served each; the steps and passes of all replicas, by replica); ``replicas``
     holds each replica's own ``RunResult``. A router that raises, or returns anything but the
     index of a replica that is up, stops the run (``error``: one line naming the router and the
-    request), as a plan the state machine refuses does."""
+    request), as a plan the state machine refuses does.
+
+    ``fail``: ``(replica, seconds)`` pairs: that replica dies at that time (no pass that would
+    end after it happens). From then on the router sees it down. Its unfinished requests that
+    had no token yet are routed again at once (once: the router chooses among the replicas up;
+    their arrival time stays theirs, so the time lost shows in their TTFT); one that had tokens
+    already, or was retried already, or finds no replica up, is refused with the reason (a
+    client that saw tokens cannot be answered again without repeating them)."""
     policies = list(policies)
     n = len(policies)
     if n < 1:
@@ -166,11 +174,19 @@ def run_cluster(
             f"one cost model and one KV capacity per replica: {n} replicas, {len(costs)} cost models, "
             f"{len(capacities)} KV capacities"
         )
+    faults = _checked_faults(fail, n)
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
     env = simpy.Environment()
     sending = [True]  # the source may still send
-    if n == 1:
+    pending_faults = sorted(faults.values())  # (a failure sends its requests elsewhere: an arrival)
+    if n == 1 and not faults:
         next_arrival = source.next_arrival_s
+    elif n == 1:
+
+        def next_arrival(_next=source.next_arrival_s):
+            t = _next()
+            f = pending_faults[0] if pending_faults else None
+            return f if t is None or (f is not None and f < t) else t
     else:
 
         def next_arrival(_next=source.next_arrival_s):
@@ -178,7 +194,10 @@ def run_cluster(
             # from another replica's finish at any time, so no replica runs ahead of SimPy (one
             # replica alone may: only its own finishes can send it more).
             t = _next()
-            return env.now if t is None and sending[0] else t
+            if t is None and sending[0]:
+                return env.now
+            f = pending_faults[0] if pending_faults else None
+            return f if t is None or (f is not None and f < t) else t
 
     replicas: list[ReplicaLoop] = []
     histories: list[_History] = []
@@ -199,6 +218,7 @@ def run_cluster(
             on_change=(h.record, h.record_run),
         )
         h.state = rep.state
+        rep.fail_at = faults.get(i)
         replicas.append(rep)
         histories.append(h)
 
@@ -227,7 +247,7 @@ def run_cluster(
     signals = [ReplicaSignals(i, kv_capacity=capacities[i]) for i in range(n)]
     version = [0] * n
     expiry: list[tuple[float, int, int]] = []
-    up = [True] * n  # (faults: not yet)
+    up = [True] * n
 
     def refresh(i: int, x: float) -> None:
         vals, hi = histories[i].at(x)
@@ -236,8 +256,23 @@ def run_cluster(
         if hi != _INF:
             heappush(expiry, (hi, version[i], i))
 
-    def deliver(req: Request) -> None:
+    position: dict[str, int] = {}  # request id -> its place in requests
+    retried: dict[str, int] = {}  # request id -> the replica it was first sent to
+    failures: list[dict[str, Any]] = []
+
+    def deliver(req: Request, retry: bool = False) -> None:
         now = env.now
+        if faults and not any(up):  # no router can choose: refused (replica -1: none)
+            r = RequestState(req, -1)
+            if retry:
+                k = position[req.id]
+                requests[k], replica_of[k] = r, -1
+            else:
+                position[req.id] = len(requests)
+                requests.append(r)
+                replica_of.append(-1)
+            refuse(r, "no replica is up")
+            return
         x = now - delay
         while dirty:
             refresh(dirty.pop(), x)
@@ -267,15 +302,58 @@ def run_cluster(
         rep = replicas[j]
         r = rep.deliver(req)
         st = rep.state
-        requests.append(st.requests[-1])
-        replica_of.append(j)
+        if retry:
+            k = position[req.id]
+            requests[k] = st.requests[-1]
+            replica_of[k] = j
+        else:
+            position[req.id] = len(requests)
+            requests.append(st.requests[-1])
+            replica_of.append(j)
         if r is None:
             rejected.append(st.rejected[-1])
         else:
             histories[j].sent_one(now, req)
 
+    def refuse(r: RequestState, why: str) -> None:
+        rejected.append((r, why))
+        source.finished(r, env.now)
+
+    def fault(i: int, at: float):
+        yield env.timeout(at)
+        pending_faults.remove(at)
+        rep = replicas[i]
+        rep.kill()
+        up[i] = False
+        dirty.add(i)
+        refused = {id(r) for r, _ in rep.state.rejected}
+        # its unfinished requests (those it refused on arrival were answered then)
+        lost = [
+            r
+            for r in rep.state.requests
+            if r.finish_s is None and id(r) not in refused and requests[position[r.id]] is r
+        ]
+        again = failed = 0
+        for r in lost:
+            if r.first_token_s is not None:
+                refuse(r, f"replica {i} failed at {at:g} s after {len(r.token_times)} token(s)")
+                failed += 1
+            elif r.id in retried:
+                refuse(r, f"replica {i} failed at {at:g} s, and the request was retried once already")
+                failed += 1
+            elif not any(up):
+                refuse(r, f"replica {i} failed at {at:g} s and no replica is up")
+                failed += 1
+            else:
+                retried[r.id] = i
+                deliver(r.request, retry=True)
+                again += 1
+        failures.append({"replica": i, "at_s": at, "retried": again, "refused": failed})
+
     def arrivals_process():
         yield from source.process(env, deliver)
+        if dying:  # a failure to come may send requests to the others: they stay open till then
+            yield env.all_of(dying)
         sending[0] = False
         for rep in replicas:
             rep.close()
@@ -292,11 +370,12 @@ def run_cluster(
     for rep in replicas:
         rep.backend.start(rep.state, source.requests)
         rep.clock.start()
-    env.process(arrivals_process())
-    if n == 1:
+    dying = [env.process(fault(i, at)) for i, at in faults.items()]
+    sending_done = env.process(arrivals_process())
+    if n == 1 and not faults:
         until = env.process(replicas[0].process())
-    else:
-        until = env.all_of([env.process(tagged(i, rep)) for i, rep in enumerate(replicas)])
+    else:  # (after failures the source may go on sending: into a cluster with no replica up)
+        until = env.all_of([sending_done, *dying] + [env.process(tagged(i, rep)) for i, rep in enumerate(replicas)])
     error = None
     try:
         with gc_paused():
@@ -306,7 +385,7 @@ def run_cluster(
     except RuntimeError as exc:
         if "No scheduled events left" not in str(exc):
             raise
-        stuck = next((rep for rep in replicas if not rep.state.done), replicas[0])
+        stuck = next((rep for rep in replicas if not rep.state.done and not rep.failed), replicas[0])
         error = stuck.stalled()
     parts = [rep.result(None, trace_name, wall0, None) for rep in replicas]
     describe = getattr(source, "describe", None)
@@ -336,8 +415,27 @@ def run_cluster(
             "router": router_name,
             "router_options": dict(router_options or {}),
             "router_delay": delay,
+            **({"failures": failures, "retried": dict(retried)} if faults else {}),
         },
     )
+
+
+def _checked_faults(fail: Sequence[tuple[int, float]], n: int) -> dict[int, float]:
+    """``fail`` as {replica: seconds}, or a ValueError naming what is wrong."""
+    out: dict[int, float] = {}
+    for item in fail:
+        try:
+            i, at = item
+        except (TypeError, ValueError):
+            raise ValueError(f"a failure is (replica, seconds), got {item!r}") from None
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise ValueError(f"a failure names replica 0 to {n - 1}, got {i!r}")
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not (math.isfinite(at) and at >= 0):
+            raise ValueError(f"replica {i} fails at a finite time >= 0 s, got {at!r}")
+        if i in out:
+            raise ValueError(f"replica {i} fails twice (at {out[i]:g} s and {at:g} s); a replica fails once")
+        out[i] = float(at)
+    return out
 
 
 def merged_steps(logs: Sequence[StepLog]) -> StepLog:

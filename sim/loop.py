@@ -23,6 +23,7 @@ other object with ``pass_seconds`` and ``step_overhead_seconds`` runs as one wit
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from itertools import repeat as _repeat
 from operator import add, attrgetter
 from dataclasses import dataclass, field
@@ -303,6 +304,11 @@ class ReplicaLoop:
     ``on_change``: ``(record, record_run)``, called after every step (``record(t_end)``) and
     after every run of bulk steps (``record_run(ends, rows)``: ``len(ends)`` decode steps of
     ``rows`` rows), for a caller that keeps the replica's history (a cluster's delayed signals).
+
+    ``fail_at`` (a simulated replica): the replica dies at that time: no pass that would end
+    after it is applied, no step starts at or after it, and its process ends there (``failed``);
+    the caller decides what becomes of its unfinished requests. Whoever feeds it must count the
+    failure among its next arrivals, so that the replica's bulk steps stop there.
     """
 
     def __init__(
@@ -352,6 +358,8 @@ class ReplicaLoop:
         self.wakes: dict[int, tuple[float, float]] = {}
         self.log_passes = record_steps and (record_passes or self.measured)
         self._wake = None  # the event the idle replica waits on, if it is waiting
+        self.fail_at: float | None = None
+        self.failed = False
 
     def deliver(self, req: Request) -> RequestState | None:
         """``req`` arrives now: into the waiting queue (and the replica woken), or refused at
@@ -369,6 +377,13 @@ class ReplicaLoop:
     def close(self) -> None:
         """No more requests will come: the replica finishes what it has, then its process ends."""
         self.state.open = False
+        wake = self._wake
+        if wake is not None and not wake.triggered:
+            wake.succeed()
+
+    def kill(self) -> None:
+        """The replica is dead (its ``fail_at`` has come): an idle one's process ends now."""
+        self.failed = True
         wake = self._wake
         if wake is not None and not wake.triggered:
             wake.succeed()
@@ -418,6 +433,7 @@ class ReplicaLoop:
         # a cost model's own run formula is pure and may be evaluated ahead; any other is asked
         # exactly once per step, as if the steps were planned one by one
         lookahead = cost_model.has_run_formula
+        deadline = self.fail_at if self.fail_at is not None else float("inf")
 
         def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
             """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
@@ -432,6 +448,10 @@ class ReplicaLoop:
             seconds, pass_starts, ends = clock.advance_steps(
                 backend.step_overhead(predicted_overhead), repeat_decode(shape, k), nxt, lookahead
             )
+            if ends and ends[-1] > deadline:  # the replica dies first: the step reaching it never ends
+                m = bisect_right(ends, deadline)
+                del seconds[m:], pass_starts[m:], ends[m:]
+                clock.t = ends[-1] if ends else t_end
             t = ends[-1] if ends else t_end
             m = len(ends)
             if record_steps:
@@ -462,6 +482,9 @@ class ReplicaLoop:
             # A step starts where the previous one ended: on a wall clock the SimPy hops and
             # arrival handling between two steps belong to its time, as they do to a user.
             t0 = clock.now() if t_end is None else t_end
+            if t0 >= deadline or self.failed:
+                self.failed = True
+                return
             view.now = t0
             view.step_index = state.step_index
             try:
@@ -485,6 +508,8 @@ class ReplicaLoop:
                     self._wake = wake = env.event()
                     yield wake
                     self._wake = None
+                    if self.failed:
+                        return
                     t_end = None
                     clock.woke()
                     if after_wake is not None:
@@ -529,6 +554,9 @@ class ReplicaLoop:
                 seconds = execute(p, shape, state)
                 clock.advance(seconds)
                 t = clock.now()
+                if t > deadline:  # the replica dies while this pass runs: it never ends
+                    self.failed = True
+                    return
                 predicted += predict(shape) if measured else seconds
                 rows += len(p.decode)
                 if p.prefill:

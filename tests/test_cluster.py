@@ -6,6 +6,7 @@ random traces, routers and cluster sizes, every request is answered exactly once
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -315,11 +316,15 @@ def cluster_setups(draw):
     bs = draw(st.sampled_from([1, 16]))
     biggest = max(r.prompt_tokens + r.output_tokens - 1 for r in reqs)
     kv = draw(st.integers(max(1, biggest - 40), biggest * 3 + 64))
+    n = draw(st.integers(1, 4))
+    end = max(r.arrival_s for r in reqs) + 2.0
+    dead = draw(st.sets(st.integers(0, n - 1), max_size=n))
     return {
         "reqs": reqs,
         "policy": (name, opts),
         "router": draw(st.sampled_from(sorted(ROUTERS))),
-        "n": draw(st.integers(1, 4)),
+        "n": n,
+        "fail": [(i, draw(st.floats(0.0, end, allow_nan=False))) for i in sorted(dead)],
         "delay": draw(st.sampled_from([0.0, 0.01, 0.5])),
         "kv": kv,
         "bs": bs,
@@ -343,24 +348,40 @@ def test_every_request_is_answered_once_by_one_replica(d):
         block_size=d["bs"],
         prefix_caching=d["prefix"],
         router_delay=d["delay"],
+        fail=d["fail"],
     )
     assert res.error is None, res.error
     assert sorted(r.id for r in res.requests) == sorted(r.id for r in reqs)  # each exactly once
-    assert len(res.replica) == len(res.requests) and set(res.replica) <= set(range(d["n"]))
+    assert len(res.replica) == len(res.requests) and set(res.replica) <= set(range(d["n"])) | {-1}
     parts = [{id(r) for r in p.requests} for p in res.replicas]
-    assert sum(map(len, parts)) == len(reqs)  # on one replica only: the one the router chose
-    assert sum(len(p.rejected) for p in res.replicas) == len(res.rejected)
+    nowhere = res.replica.count(-1)  # arrived when no replica was up: refused by the cluster itself
+    retried = (res.cluster.get("retried") or {}) if d["fail"] else {}
+    # on one replica only (the one the router chose), and on a second one when retried after a failure
+    assert sum(map(len, parts)) == len(reqs) + len(retried) - nowhere
+    dies = dict(d["fail"])
     refused = {r.id: why for r, why in res.rejected}
+    assert len(refused) == len(res.rejected)  # refused once
     want = {r.id: r.output_tokens for r in reqs}
     for r, j in zip(res.requests, res.replica):
+        if j == -1:
+            assert refused[r.id] == "no replica is up" and len(dies) == d["n"]
+            continue
         assert id(r) in parts[j]
         if r.id in refused:
-            assert r.finish_s is None and "KV capacity" in refused[r.id]
+            assert r.finish_s is None
+            why = refused[r.id]
+            if "KV capacity" not in why:  # refused because its replica failed
+                assert j in dies and f"replica {j} failed at" in why, why
+                had = sum(t <= dies[j] for t in r.token_times)
+                assert ("after" in why) == (had > 0) and (had > 0 or r.id in retried or "no replica is up" in why)
         else:
             assert r.finish_s is not None and len(r.token_times) == want[r.id] == r.output_tokens
             assert r.first_token_s >= r.arrival_s
+            assert j not in dies or r.finish_s <= dies[j]  # nothing ends on a replica after it died
+        if r.id in retried:
+            assert retried[r.id] in dies and retried[r.id] != j
     too_big = {r.id for r in reqs if r.prompt_tokens + r.output_tokens - 1 > res.kv_capacity}  # (whole blocks)
-    assert {r.id for r, _ in res.rejected} == too_big
+    assert too_big <= set(refused) and (bool(d["fail"]) or set(refused) == too_big)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -395,3 +416,54 @@ def test_the_cluster_module_is_documented_where_users_look():
     text = (Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
     for name in ROUTERS:
         assert f"`{name}`" in text, name
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_a_failed_replica_retries_what_had_no_token_and_refuses_what_had():
+    """Two replicas, round-robin; replica 1 dies mid-run: its request that was decoding is refused
+    with the tokens it had, the one still waiting is served by replica 0 with its own arrival
+    time, nothing ends on replica 1 after its death, and the router never sees it up again."""
+    reqs = [
+        Request("a", 0.0, 64, 400),  # -> 0
+        Request("b", 0.0, 64, 400),  # -> 1, decoding when replica 1 dies
+        Request("c", 0.01, 64, 8),  # -> 0
+        Request("d", 0.01, 4000, 8),  # -> 1, behind b (static batches of one): no token yet
+        Request("e", 5.0, 16, 4),  # after the death: round-robin skips replica 1
+    ]
+    rec = Recorder()
+    rec.inner = make_router("round-robin")
+
+    def go(router, **kw):
+        pols = [make_policy("static", {"batch_size": 1}) for _ in range(2)]
+        return run_cluster(reqs, pols, cost_model(), router, kv_capacity=10_000, **kw)
+
+    res, res_ok = go(rec, fail=[(1, 1.0)]), go(make_router("round-robin"))
+    assert res.error is None and res_ok.error is None
+    assert res_ok.replica == [0, 1, 0, 1, 0]
+    by = {r.id: (r, j) for r, j in zip(res.requests, res.replica)}
+    refused = dict((r.id, why) for r, why in res.rejected)
+    b, _ = by["b"]
+    had = sum(t <= 1.0 for t in b.token_times)
+    assert had > 0 and refused == {"b": f"replica 1 failed at 1 s after {had} token(s)"}
+    d, j = by["d"]
+    assert j == 0 and d.finish_s is not None and d.arrival_s == 0.01 and d.first_token_s > 1.0
+    assert len(d.token_times) == 8
+    assert res.cluster["retried"] == {"d": 1}
+    assert res.cluster["failures"] == [{"replica": 1, "at_s": 1.0, "retried": 1, "refused": 1}]
+    assert all(r.finish_s is None or r.finish_s <= 1.0 for r in res.replicas[1].requests)
+    assert by["e"][1] == 0
+    late = [v for v in rec.views if v.now >= 1.0]
+    assert late and all(not v.replicas[1].up for v in late) and all(v.replicas[1].up for v in rec.views if v.now < 1.0)
+
+
+def test_bad_failures_are_one_line_errors():
+    for fail, fragment in [
+        ([(2, 1.0)], "replica 0 to 1"),
+        ([(0, -1.0)], "finite time >= 0"),
+        ([(0, 1.0), (0, 2.0)], "fails twice"),
+        ([(0,)], "(replica, seconds)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            cluster([Request("a", 0.0, 4, 4)], "round-robin", 2, fail=fail)
