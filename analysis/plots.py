@@ -1,4 +1,5 @@
-"""Figures from run directories: latency CDFs, decode rates, step timelines, validation.
+"""Figures from run directories: latency CDFs, decode rates, step timelines, each replica's
+load over time (a cluster's runs), validation.
 
 A run directory is what ``simulate --out DIR`` writes (sim/output.py): summary.json,
 requests.csv, tokens.parquet, steps.parquet and passes.parquet (meta.json is not needed here;
@@ -816,6 +817,83 @@ def plot_timeline(
     }
 
 
+# ------------------------------------------------------------------------ replica load
+
+MAX_REPLICA_LINES = 8  # more replicas: the min/median/max across them instead of a line each
+
+
+def is_cluster_run(run: RunData) -> bool:
+    """A run of several replicas (requests.csv has ``replica``; summary.json ``replicas``)."""
+    return "replica" in run.requests.columns and len(run.summary.get("replicas") or ()) > 1
+
+
+def replica_load(run: RunData) -> tuple[np.ndarray, np.ndarray]:
+    """(times, counts): each replica's unfinished requests (arrived, not finished; rejected
+    ones never count) at every time its count may change, from requests.csv. ``counts[j, i]``
+    holds from ``times[i]`` until ``times[i + 1]`` (an arrival at t counts at t, a finish at t
+    no longer does); ``counts`` has one row per replica, in order."""
+    req = run.requests
+    req = req[req["status"] != "rejected"]
+    n = max(len(run.summary.get("replicas") or ()), int(req["replica"].max()) + 1 if len(req) else 0)
+    rep = req["replica"].to_numpy(dtype=np.int64)
+    arr = req["arrival_s"].to_numpy(dtype=float)
+    fin = req["finish_s"].to_numpy(dtype=float)  # NaN: never finished (a run stopped early)
+    times = np.unique(np.concatenate([arr, fin[np.isfinite(fin)]]))
+    counts = np.zeros((n, times.size), dtype=np.int64)
+    for j in range(n):
+        mine = rep == j
+        a = np.sort(arr[mine])
+        f = np.sort(fin[mine & np.isfinite(fin)])
+        counts[j] = np.searchsorted(a, times, "right") - np.searchsorted(f, times, "right")
+    return times, counts
+
+
+def _replica_names(run: RunData) -> list[str]:
+    parts = run.summary.get("replicas") or []
+    several = len({p.get("group") for p in parts}) > 1  # a heterogeneous cluster: say each one's group
+    return [
+        f"replica {p.get('replica', i)}" + (f" (group {p['group']}: {p.get('policy')})" if several else "")
+        for i, p in enumerate(parts)
+    ]
+
+
+def plot_replica_load(runs: Sequence[RunData], out_dir: str | Path | None, formats=FORMATS) -> dict[str, Any]:
+    """Each cluster run's unfinished requests per replica over time, one panel per run: a line
+    per replica, or (more than ``MAX_REPLICA_LINES`` replicas) the min-max band and median
+    across them. Returns the drawn numbers (``times``, ``counts`` per run)."""
+    runs = [r for r in runs if is_cluster_run(r)]
+    n = len(runs)
+    fig = _new_figure(9.5, 1.6 + 2.8 * n)
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    data: dict[str, Any] = {}
+    for ax, r in zip(axes, runs):
+        times, counts = replica_load(r)
+        band = counts.shape[0] > MAX_REPLICA_LINES
+        if band:
+            lo, mid, hi = counts.min(axis=0), np.median(counts, axis=0), counts.max(axis=0)
+            ax.fill_between(times, lo, hi, step="post", color=DECODE_COLOR, alpha=0.25, linewidth=0, label="min–max")
+            ax.step(times, mid, where="post", color=DECODE_COLOR, linewidth=1.2, label="median")
+            what = f"min, median and max across {counts.shape[0]} replicas"
+        else:
+            names = _replica_names(r)
+            for j, row in enumerate(counts):
+                name = names[j] if j < len(names) else f"replica {j}"
+                ax.step(times, row, where="post", color=f"C{j % 10}", linewidth=1.1, label=name)
+            what = f"{counts.shape[0]} replicas"
+        from matplotlib.ticker import MaxNLocator
+
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("unfinished requests")
+        ax.set_title(f"{r.label}: unfinished requests (arrived, not finished) per replica, {what}", fontsize=10)
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.9, ncol=2 if counts.shape[0] > 4 else 1)
+        _style(ax)
+        data[r.label] = {"times": times, "counts": counts, "band": band}
+    files = save(fig, out_dir, "replica_load", formats)
+    return {"files": files, "figure": fig, "runs": data}
+
+
 # ------------------------------------------------------------------------ validation
 
 
@@ -947,7 +1025,7 @@ def plot_all(
     return plot_runs(runs, vals, out_dir, formats=formats, lanes=lanes, window=window)
 
 
-KINDS = ("ttft", "itl", "decode_rate", "timeline", "validation")
+KINDS = ("ttft", "itl", "decode_rate", "timeline", "replica_load", "validation")
 
 
 def plot_runs(
@@ -988,6 +1066,8 @@ def plot_runs(
             k += 1
         used.add(name)
         rep.data[name] = keep(name, plot_timeline(r, out_dir, name, lanes=lanes, window=window, formats=formats))
+    if "replica_load" in kinds and any(is_cluster_run(r) for r in runs):  # (runs of several replicas only)
+        rep.data["replica_load"] = keep("replica_load", plot_replica_load(runs, out_dir, formats))
     vnames: set[str] = set()
     for v in vals if "validation" in kinds else ():
         name = f"validate_{slug(v.path.resolve().name)}"

@@ -46,6 +46,7 @@ _API = (
     "ReplicaOptions",
     "ClientOptions",
     "ClusterOptions",
+    "ReplicaGroup",
     "EngineOptions",
     "policy",
     "bundled_policies",

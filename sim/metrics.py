@@ -339,8 +339,11 @@ def format_summary(s: Mapping[str, Any]) -> str:
         kv("Prefill tokens saved:", pc["saved_prefill_tokens"])
     if s.get("replicas"):
         lines.append("Per replica".center(w, "-"))
+        groups = len({part.get("group") for part in s["replicas"]}) > 1  # a heterogeneous cluster's
         for part in s["replicas"]:
             i = part["replica"]
+            if groups:
+                kv(f"Replica {i} group:", f"{part['group']}: {part['policy']}, {part['cost']}")
             kv(f"Replica {i} successful requests:", part["finished"])
             kv(f"Replica {i} median TTFT (ms):", part["ttft_ms"]["p50"])
             kv(f"Replica {i} output throughput (tok/s):", part["output_throughput_tok_s"])

@@ -30,7 +30,7 @@ from ..errors import SchedlabError, SchedlabWarning
 from .calibration import calibrate
 from .figures import Figures, plot
 from .inputs import bundled_policies, load_trace, policy, trace_stats
-from .options import ClientOptions, ClusterOptions, EngineOptions, ReplicaOptions
+from .options import ClientOptions, ClusterOptions, EngineOptions, ReplicaGroup, ReplicaOptions
 from .profiles import CostModel, Profile, cost_model, load_profile, profile_mismatch
 from .real import Engine, load_engine, model_info, run_real
 from .runs import Run, load_run
@@ -50,6 +50,7 @@ __all__ = [
     "ReplicaOptions",
     "ClientOptions",
     "ClusterOptions",
+    "ReplicaGroup",
     "EngineOptions",
     "policy",
     "bundled_policies",

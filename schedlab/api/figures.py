@@ -62,7 +62,8 @@ def plot(
     (the file stems the command writes); ``out``: also write them there in ``formats``.
     ``lanes``: the most requests a timeline draws; ``window``: its time span ``(start, end)``
     in seconds (or ``"START:END"``); ``kinds``: only these figures, of ``ttft``, ``itl``,
-    ``decode_rate``, ``timeline``, ``validation`` (default: all)."""
+    ``decode_rate``, ``timeline``, ``replica_load`` (a cluster's runs: each replica's unfinished
+    requests over time), ``validation`` (default: all)."""
     from schedlab.analysis.plots import KINDS, parse_window, plot_runs
 
     if not items:

@@ -1,6 +1,7 @@
 """The options a run is made with, as small frozen objects: the replica's KV cache
 (``ReplicaOptions``), the clients in front of it (``ClientOptions``), several replicas behind a
-router (``ClusterOptions``) and the real engine (``EngineOptions``). The commands build them
+router (``ClusterOptions``; its kinds of replica in a heterogeneous cluster, ``ReplicaGroup``,
+also read from a cluster file) and the real engine (``EngineOptions``). The commands build them
 from their flags and hand them to the API, which hands their fields to the loop and the engine;
 the API's functions also take the same settings as keyword arguments (``kv_tokens=``,
 ``max_concurrency=``, ``replicas=``, ``model=``, ...).
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import opt
+from ..errors import SchedlabError, opt
 from ._base import check_kv_tokens, check_seed, fail
 
 
@@ -112,6 +113,143 @@ class ClientOptions:
         return clients(requests, self.max_concurrency, self.request_rate, self.burstiness, self.think_time or 0.0, seed)
 
 
+_GROUP_KEYS = ("count", "policy", "options", "profile", "hardware", "model_config", "quant", "kv_tokens")
+
+
+def _checked_group(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A replica group's fields (a ``[[group]]`` table, a mapping or a ``ReplicaGroup``'s),
+    checked and normalised; a bad one is one line starting with ``where`` and naming the key."""
+
+    def bad(message: str) -> None:
+        fail(f"{where}{message}", 2)
+
+    unknown = [k for k in fields if k not in _GROUP_KEYS + ("cost",)]
+    if unknown:
+        bad(f"unknown key {unknown[0]!r} (keys: {', '.join(_GROUP_KEYS)})")
+    out = {k: fields.get(k) for k in _GROUP_KEYS + ("cost",)}
+    n = fields.get("count", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        bad(f"count must be an integer >= 1, got {n!r}")
+    out["count"] = n
+    pol = out["policy"]
+    if pol is None:
+        bad("no policy: every group names its policy (a bundled name or 'file.py:Class')")
+    if isinstance(pol, (str, Path)):
+        if not str(pol).strip():
+            bad("policy is empty")
+    elif not (isinstance(pol, type) or callable(getattr(pol, "plan", None))):
+        bad(f"policy must be a policy's name, 'file.py:Class', a class or an object with plan(view), got {pol!r}")
+    o = out["options"]
+    if o is not None:
+        if not isinstance(o, Mapping):
+            bad(f"options must be a table of the policy's options such as {{ budget = 256 }}, got {o!r}")
+        for key in o:
+            if not isinstance(key, str) or not key:
+                bad(f"option names are strings, got {key!r}")
+        out["options"] = {k.replace("-", "_"): v for k, v in o.items()}
+    for key in ("hardware", "model_config"):
+        v = out[key]
+        if v is not None and not (isinstance(v, (str, Path)) and str(v).strip()):
+            bad(f"{key} must be a non-empty string, got {v!r}")
+    prof = out["profile"]
+    if prof is not None and isinstance(prof, (str, Path, bool, int, float)):
+        if isinstance(prof, (bool, int, float)) or not str(prof).strip():
+            bad(f"profile must be a profile's path or bundled name, got {prof!r}")
+    q = out["quant"]
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+        bad(f"quant must be the weights' bits (4, 8, 16), got {q!r}")
+    kv = out["kv_tokens"]
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+        bad(f"kv_tokens must be an integer >= 1, got {kv!r}")
+    hw, mc = out["hardware"] is not None, out["model_config"] is not None
+    if out["cost"] is not None and (prof is not None or hw or mc or q is not None):
+        bad("give one cost source: profile, hardware + model_config, or cost")
+    if prof is not None and (hw or mc):
+        bad("give either profile or hardware + model_config, not both")
+    if hw != mc:
+        bad("hardware and model_config go together")
+    if q is not None and not hw:
+        bad("quant goes with hardware and model_config")
+    return out
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """``count`` replicas alike, one kind of replica of a heterogeneous cluster
+    (``ClusterOptions.groups``; a ``[[group]]`` table of a cluster file). Each replica runs its
+    own ``policy`` object (a bundled name, ``"file.py:Class"``, a class, or an object, copied per
+    replica) made with ``options``; its cost model is a measured ``profile`` (a path or a
+    bundled name; none given: the bundled measured one), or the analytic model of ``hardware``
+    running ``model_config`` [at ``quant`` bits], or ``cost`` (any cost model object);
+    ``kv_tokens``: each replica's KV capacity (default: the profile's, or what the hardware's
+    memory holds). Names (policies, profiles, presets) are looked up when the run starts."""
+
+    policy: Any
+    count: int = 1
+    options: Any = None
+    profile: Any = None
+    hardware: str | None = None
+    model_config: Any = None
+    quant: int | None = None
+    kv_tokens: int | None = None
+    cost: Any = None
+
+    def __post_init__(self) -> None:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key, value in _checked_group(fields, "ReplicaGroup: ").items():
+            object.__setattr__(self, key, value)
+
+    def describe(self) -> dict[str, Any]:
+        """The group as meta.json records it (what was given, names as strings)."""
+        out: dict[str, Any] = {"count": self.count}
+        for key in ("policy", "profile", "cost"):
+            v = getattr(self, key)
+            if v is not None:
+                out[key] = str(v) if isinstance(v, (str, Path)) else getattr(v, "name", None) or type(v).__name__
+        for key in ("hardware", "model_config", "quant", "kv_tokens"):
+            v = getattr(self, key)
+            if v is not None:
+                out[key] = str(v) if isinstance(v, Path) else v
+        if self.options:
+            out["options"] = dict(self.options)
+        return out
+
+
+def _cluster_dir() -> Path:
+    import importlib.util
+
+    return Path(importlib.util.find_spec("schedlab.routers").origin).parent / "clusters"
+
+
+def bundled_clusters() -> list[str]:
+    """Bare names of the cluster files shipped with schedlab (``routers/clusters``)."""
+    d = _cluster_dir()
+    return sorted(f.stem for f in d.glob("*.toml")) if d.is_dir() else []
+
+
+def bundled_cluster(path: str | Path) -> Path:
+    """``path``, or the bundled cluster file it names (``h100-a100``) when there is no such file."""
+    p = Path(path)
+    if p.exists() or p.parent != Path("."):
+        return p
+    for cand in (_cluster_dir() / p.name, _cluster_dir() / f"{p.name}.toml"):
+        if cand.is_file():
+            return cand
+    return p
+
+
+def _near(value: Any, base: Path, spec: bool = False) -> Any:
+    """A path in a cluster file, relative to the file's folder when it names something there
+    (``spec``: a ``file.py:Class``, whose file part is the path); else as written (a bundled
+    name, a path from the working directory)."""
+    if not isinstance(value, str) or not value:
+        return value
+    path, sep, cls = value.rpartition(":") if spec and ".py:" in value else (value, "", "")
+    if Path(path).is_absolute() or not (base / path).exists():
+        return value
+    return f"{base / path}{sep}{cls}"
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     """Several replicas behind a router. ``replicas``: how many (each its own copy of the policy,
@@ -122,14 +260,24 @@ class ClusterOptions:
     router's options (``--router-option k=v``); ``router_delay``: seconds by which the router's
     view of each replica lags (stale signals). The defaults are one replica and no router: the
     single-replica simulation; giving any of them runs the cluster (with one replica, the same
-    result)."""
+    result).
+
+    ``groups``: a heterogeneous cluster, a sequence of ``ReplicaGroup`` (or mappings of its
+    fields), replicas numbered group by group in order; each group names its own policy, cost
+    model and KV capacity, so ``simulate`` is then given no policy, profile or KV capacity of
+    its own. ``replicas`` is then the groups' count (leave it out). ``file``: the cluster file
+    they were read from (``from_file``), named by messages and meta.json."""
 
     replicas: int = 1
     router: Any = None
     router_options: Any = None
     router_delay: float = 0.0
+    groups: Any = None
+    file: str | None = None
 
     def __post_init__(self) -> None:
+        if self.groups is not None:
+            self._check_groups()
         n = self.replicas
         if isinstance(n, bool) or not isinstance(n, int):
             fail(f"{opt('replicas')} must be an integer, got {n!r}", 2)
@@ -152,10 +300,113 @@ class ClusterOptions:
         if self.router is not None and isinstance(self.router, (str, Path)) and not str(self.router).strip():
             fail(f"{opt('router')} is empty", 2)
 
+    def _check_groups(self) -> None:
+        where = f"{self.file}: " if self.file else ""
+        gs = self.groups
+        if isinstance(gs, (str, bytes, Mapping, ReplicaGroup)) or not isinstance(gs, Sequence) or not gs:
+            fail(f"{where}groups is a non-empty sequence of ReplicaGroup, got {gs!r}", 2)
+        out = []
+        for k, g in enumerate(gs, 1):
+            if isinstance(g, Mapping):
+                g = ReplicaGroup(**_checked_group(g, f"{where}group {k}: "))
+            elif not isinstance(g, ReplicaGroup):
+                fail(f"{where}group {k} is a ReplicaGroup or a mapping of its fields, got {type(g).__name__}", 2)
+            out.append(g)
+        total = sum(g.count for g in out)
+        if self.replicas not in (1, total):
+            fail(f"{where}give either replicas or groups: the groups' counts make {total} replicas", 2)
+        object.__setattr__(self, "groups", tuple(out))
+        object.__setattr__(self, "replicas", total)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ClusterOptions":
+        """A cluster file (TOML; ``simulate --cluster FILE``): ``router``, ``router_options`` (a
+        table), ``router_delay`` and one ``[[group]]`` table per kind of replica, with the fields
+        of ``ReplicaGroup`` (``count``, ``policy``, ``options``, ``profile`` or ``hardware`` +
+        ``model_config`` [+ ``quant``], ``kv_tokens``). Paths in it (profiles, config.json,
+        ``file.py:Class``) are relative to its folder. ``path`` may be a bundled file's bare name
+        (``bundled_clusters()``: ``h100-a100``). Anything wrong is one line naming the file, the
+        group (counted from 1) and the key."""
+        try:
+            import tomllib
+        except ImportError:  # pragma: no cover - Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError:
+                fail("reading a cluster file needs Python 3.11 or later (tomllib), or the tomli package", 2)
+        from ..errors import _CLI
+
+        where = str(path)
+        p = bundled_cluster(path)
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            names = ", ".join(bundled_clusters())
+            fail(f"{where}: no such cluster file" + (f" (bundled: {names})" if names else ""), 2)
+        except IsADirectoryError:
+            fail(f"{where} is a directory, not a cluster file (TOML)", 2)
+        except OSError as exc:
+            fail(f"cannot read {where}: {exc.strerror or exc}", 2)
+        except UnicodeDecodeError:
+            fail(f"{where}: not a UTF-8 text file", 2)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            fail(f"{where}: invalid TOML: {exc}", 2)
+        top = ("router", "router_options", "router_delay", "group")
+        unknown = [k for k in data if k not in top]
+        if unknown:
+            fail(f"{where}: unknown key {unknown[0]!r} (keys: router, router_options, router_delay, [[group]])", 2)
+        tables = data.get("group")
+        if tables is None:
+            fail(f"{where}: no [[group]] table: the file has one [[group]] per kind of replica", 2)
+        if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+            fail(f"{where}: group must be [[group]] tables, got {tables!r}", 2)
+        base = p.parent
+        groups = []
+        for k, t in enumerate(tables, 1):
+            t = dict(t)
+            for key in ("profile", "model_config"):
+                t[key] = _near(t.get(key), base)
+            t["policy"] = _near(t.get("policy"), base, spec=True)
+            t = {key: v for key, v in t.items() if v is not None}
+            if "cost" in t:
+                fail(f"{where}: group {k}: unknown key 'cost' (keys: {', '.join(_GROUP_KEYS)})", 2)
+            groups.append(_checked_group(t, f"{where}: group {k}: "))
+        router = data.get("router")
+        if router is not None and not isinstance(router, str):
+            fail(f"{where}: router must be a router's name or 'file.py:Class', got {router!r}", 2)
+        ro = data.get("router_options")
+        if ro is not None and not isinstance(ro, dict):
+            fail(f"{where}: router_options must be a table such as {{ seed = 1 }}, got {ro!r}", 2)
+        if ro and router is None:
+            fail(f"{where}: router_options goes with router: name the router too", 2)
+        delay = data.get("router_delay", 0.0)
+        token = _CLI.set(False)  # the file's keys, not the command's flags
+        try:
+            return cls(
+                router=_near(router, base, spec=True),
+                router_options=ro,
+                router_delay=delay,
+                groups=tuple(ReplicaGroup(**g) for g in groups),
+                file=where,
+            )
+        except SchedlabError as exc:
+            msg = str(exc)
+            raise SchedlabError(msg if msg.startswith(where) else f"{where}: {msg}", exc.code) from None
+        finally:
+            _CLI.reset(token)
+
     @property
     def used(self) -> bool:
         """Whether the run is a cluster's (any field other than its default)."""
-        return self.replicas != 1 or self.router is not None or bool(self.router_options) or self.router_delay != 0
+        return (
+            self.replicas != 1
+            or self.router is not None
+            or bool(self.router_options)
+            or self.router_delay != 0
+            or bool(self.groups)
+        )
 
     def make_router(self):
         """A fresh router object (one per run: routers keep state, such as round-robin's turn)."""

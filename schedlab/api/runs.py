@@ -142,9 +142,15 @@ class Run:
             rej = self._result.rejected
             shown = ", ".join(f"{r.id} ({r.kv_footprint})" for r, _ in rej[:5])
             more = f" and {len(rej) - 5} more" if len(rej) > 5 else ""
+            caps = {p.kv_capacity for p in self._result.replicas or ()}
+            cap = (
+                "the KV capacity of the replica each was routed to"
+                if len(caps) > 1
+                else f"the KV capacity of {self._result.kv_capacity} tokens"
+            )
             lines.append(
-                f"{len(rej)} request(s) rejected: their prompt + output exceeds "
-                f"the KV capacity of {self._result.kv_capacity} tokens: {shown}{more}; the other requests ran"
+                f"{len(rej)} request(s) rejected: their prompt + output exceeds {cap}: {shown}{more}; "
+                "the other requests ran"
             )
         elif self._result is None and self.rejected:
             lines.append(f"{len(self.rejected)} request(s) rejected: their prompt + output exceeds the KV capacity")
@@ -318,9 +324,10 @@ class Run:
         kinds: str | Sequence[str] | None = None,
     ) -> Figures:
         """The ``plot`` command's figures for this run (and ``others`` beside it): TTFT and ITL
-        CDFs, per-request decode rates, a step timeline per run (``kinds``: only some of
-        ``ttft``, ``itl``, ``decode_rate``, ``timeline``). ``out``: also write them there, in
-        ``formats``. See :func:`schedlab.plot`."""
+        CDFs, per-request decode rates, a step timeline per run, each replica's load for a
+        cluster's run (``kinds``: only some of ``ttft``, ``itl``, ``decode_rate``, ``timeline``,
+        ``replica_load``). ``out``: also write them there, in ``formats``. See
+        :func:`schedlab.plot`."""
         from .figures import plot
 
         return plot(self, *others, out=out, formats=formats, lanes=lanes, window=window, kinds=kinds)

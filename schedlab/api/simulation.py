@@ -6,7 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any, Mapping
 
-from ._base import PolicyLike, TraceLike, check_seed, parse_slo, policy_options, public
+from ._base import PolicyLike, TraceLike, check_seed, fail, parse_slo, policy_options, public
 from .inputs import as_policy, as_trace
 from .options import ClientOptions, ClusterOptions, ReplicaOptions, merged
 from .profiles import ProfileLike, pick_cost
@@ -60,13 +60,23 @@ def simulate(
     ``replicas``, ``router``, ``router_options``, ``router_delay``): each replica its own copy of
     the policy, KV cache and backend, one arrival source, the router choosing at each arrival;
     ``run.summary`` gains ``cluster`` and ``replicas`` (one summary per replica) and
-    ``run.requests`` a ``replica`` column when there is more than one replica."""
+    ``run.requests`` a ``replica`` column when there is more than one replica.
+
+    A heterogeneous cluster: ``cluster=ClusterOptions(groups=[ReplicaGroup(...), ...])`` or
+    ``ClusterOptions.from_file("cluster.toml")`` (``simulate --cluster``), each group its own
+    policy, cost model and KV capacity; ``policy`` is then None and none of ``options``,
+    ``profile``, ``hardware``, ``model_config``, ``quant``, ``cost``, ``kv_tokens`` is given.
+    Each replica's summary names its group, policy, cost model and KV capacity, and meta.json's
+    ``cluster.groups`` each group's."""
     from schedlab.sim import run as run_loop
     from schedlab.sim.gcpause import gc_paused
     from schedlab.sim.metrics import summarize
 
     seed = check_seed(seed)
-    pol = as_policy(policy, options)
+    grouped = isinstance(cluster, ClusterOptions) and bool(cluster.groups)  # each group names its policy
+    if grouped:
+        _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica)
+    pol = None if grouped else as_policy(policy, options)
     slos = parse_slo(slo)
     tr = as_trace(trace, seed=seed)
     rep = merged(
@@ -92,7 +102,13 @@ def simulate(
     )
     rt = cu.make_router() if cu.used else None
     arrivals = cl.arrivals(tr.requests, seed)
-    model, capacity, cost_meta = pick_cost(profile, rep.kv_tokens, hardware, model_config, quant, cost)
+    if grouped:
+        groups = _build_groups(cu)
+        model, capacity = groups.costs, groups.capacities
+        cost_meta = groups.common_meta()
+    else:
+        groups = None
+        model, capacity, cost_meta = pick_cost(profile, rep.kv_tokens, hardware, model_config, quant, cost)
     extra: dict[str, Any] = {}
     if rt is None:
         result = run_loop(
@@ -110,7 +126,11 @@ def simulate(
 
         # each replica its own policy object (policies keep state between steps)
         fresh = isinstance(policy, (str, Path, type))
-        pols = [pol] + [as_policy(policy, options) if fresh else copy.deepcopy(pol) for _ in range(cu.replicas - 1)]
+        if groups is not None:
+            pols = groups.policies
+        else:
+            pols = [pol] + [as_policy(policy, options) if fresh else copy.deepcopy(pol) for _ in range(cu.replicas - 1)]
+            groups = _Groups.plain(pols, model, capacity, cost_meta)
         get = getattr(rt, "options", None)
         r_opts = get() if callable(get) else dict(cu.router_options or {})
         result = run_cluster(
@@ -127,21 +147,182 @@ def simulate(
             router_options=r_opts,
         )
         extra["cluster"] = dict(result.cluster)
+        if grouped:  # (a plain --replicas cluster: one group, the run's policy and cost model)
+            extra["cluster"].update(groups.meta(cu.file))
 
     @gc_paused()
     def summary():  # when first needed (saving writes the large tables meanwhile)
-        return summarize(result, slo=slos or None)
+        s = summarize(result, slo=slos or None)
+        return groups.label(s, result) if groups is not None else s
 
     return Run(
         result,
         summary,
         {
             **cost_meta,
-            "kv_tokens": result.kv_capacity,
+            "kv_tokens": result.kv_capacity if groups is None else groups.kv_tokens(result),
             "block_size": rep.block_size,
             "prefix_caching": rep.prefix_caching,
             "seed": seed,
-            "policy_options": policy_options(pol),
+            "policy_options": policy_options(pol) if pol is not None else groups.common_options(),
             **extra,
         },
     )
+
+
+def _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica) -> None:
+    """A cluster of groups: each group names its policy, cost model and KV capacity, so the
+    run itself is given none of them."""
+    given = [
+        name
+        for name, v in (
+            ("policy", policy),
+            ("options", options),
+            ("profile", profile),
+            ("hardware", hardware),
+            ("model_config", model_config),
+            ("quant", quant),
+            ("cost", cost),
+            ("kv_tokens", kv_tokens if kv_tokens is not None else getattr(replica, "kv_tokens", None)),
+        )
+        if v is not None and not (isinstance(v, Mapping) and not v)
+    ]
+    if given:
+        fail(
+            f"the cluster's groups name each replica's policy, cost model and KV capacity: give {given[0]} in "
+            f"a ReplicaGroup (or the cluster file's [[group]]), not beside them (policy=None)",
+            2,
+        )
+
+
+def _cost_label(meta: Mapping[str, Any]) -> str:
+    """A cost model in a few words, as each replica's summary names it."""
+    if "profile" in meta:
+        return Path(meta["profile"]).name
+    a = meta.get("analytic")
+    if isinstance(a, Mapping):
+        bits = a.get("quant_bits")
+        return " ".join(
+            str(x) for x in (a.get("hardware"), a.get("model_config"), f"{bits}-bit" if bits else None) if x
+        )
+    return str(meta.get("cost_model", "cost model"))
+
+
+class _Groups:
+    """A cluster's replicas group by group: each replica's policy object, cost model, KV
+    capacity (as asked) and group; what the summary and meta.json say of them."""
+
+    def __init__(self) -> None:
+        self.policies: list[Any] = []
+        self.costs: list[Any] = []
+        self.capacities: list[int] = []
+        self.group_of: list[int] = []  # each replica's group, counted from 1
+        self.cost_metas: list[dict[str, Any]] = []  # per group
+        self.options: list[dict[str, Any]] = []  # per replica
+
+    def add(self, pols: list[Any], cost: Any, capacity: int, cost_meta: Mapping[str, Any]) -> None:
+        self.cost_metas.append(dict(cost_meta))
+        k = len(self.cost_metas)
+        for pol in pols:
+            self.policies.append(pol)
+            self.costs.append(cost)
+            self.capacities.append(capacity)
+            self.group_of.append(k)
+            self.options.append(policy_options(pol))
+
+    @classmethod
+    def plain(cls, pols: list[Any], cost: Any, capacity: int, cost_meta: Mapping[str, Any]) -> "_Groups":
+        """``--replicas N``: one group of N replicas alike."""
+        g = cls()
+        g.add(pols, cost, capacity, cost_meta)
+        return g
+
+    def names(self) -> list[str]:
+        return [str(getattr(p, "name", type(p).__name__)) for p in self.policies]
+
+    def common_meta(self) -> dict[str, Any]:
+        """The cost model's meta when every group has the same one, else none (meta.json's
+        ``cluster.groups`` has each group's)."""
+        first = self.cost_metas[0]
+        return dict(first) if all(m == first for m in self.cost_metas) else {}
+
+    def common_options(self) -> dict[str, Any] | None:
+        """The policies' options when every replica runs the same policy alike, else None
+        (meta.json's ``cluster.groups`` has each group's)."""
+        names = self.names()
+        same = all(o == self.options[0] and n == names[0] for o, n in zip(self.options, names))
+        return dict(self.options[0]) if same else None
+
+    def kv_tokens(self, result) -> int | list[int]:
+        """The KV capacity: one number, or one per replica when they differ."""
+        caps = [p.kv_capacity for p in result.replicas or ()] or [result.kv_capacity]
+        return caps[0] if len(set(caps)) == 1 else caps
+
+    def meta(self, file: str | None) -> dict[str, Any]:
+        """meta.json's ``cluster`` additions: the file, and each group's replicas (first, last),
+        policy, its options, cost model and KV capacity."""
+        names = self.names()
+        out: list[dict[str, Any]] = []
+        for k, cm in enumerate(self.cost_metas, 1):
+            idx = [i for i, g in enumerate(self.group_of) if g == k]
+            i = idx[0]
+            out.append(
+                {
+                    "group": k,
+                    "replicas": [i, idx[-1]],
+                    "count": len(idx),
+                    "policy": names[i],
+                    "policy_options": self.options[i],
+                    **cm,
+                    "kv_tokens": self.capacities[i],
+                }
+            )
+        return {**({"file": file} if file else {}), "groups": out}
+
+    def label(self, s: dict[str, Any], result) -> dict[str, Any]:
+        """The summary with each replica's group, policy, cost model and KV capacity in its own
+        summary, and the policies' names joined when they differ."""
+        names = self.names()
+        parts = s.get("replicas")
+        if parts:
+            caps = [p.kv_capacity for p in result.replicas]
+            s["replicas"] = [
+                {
+                    "replica": p["replica"],
+                    "group": self.group_of[p["replica"]],
+                    "policy": names[p["replica"]],
+                    "cost": _cost_label(self.cost_metas[self.group_of[p["replica"]] - 1]),
+                    "kv_tokens": caps[p["replica"]],
+                    **{k: v for k, v in p.items() if k != "replica"},
+                }
+                for p in parts
+            ]
+        distinct = list(dict.fromkeys(names))
+        if len(distinct) > 1:
+            s["policy"] = "+".join(distinct)
+        return s
+
+
+def _build_groups(cu: ClusterOptions) -> _Groups:
+    """Each group's policy objects (one per replica) and cost model; a name that is not found
+    is one line naming the file and the group."""
+    from ..errors import _CLI, SchedlabError, user_error_types
+
+    out = _Groups()
+    where = f"{cu.file}: " if cu.file else ""
+    token = _CLI.set(False)  # the groups' keys, not the command's flags
+    try:
+        for k, g in enumerate(cu.groups, 1):
+            try:
+                spec = g.policy
+                fresh = isinstance(spec, (str, Path, type))
+                pols = [as_policy(spec if fresh else copy.deepcopy(spec), g.options) for _ in range(g.count)]
+                model, capacity, cost_meta = pick_cost(
+                    g.profile, g.kv_tokens, g.hardware, g.model_config, g.quant, g.cost
+                )
+            except user_error_types() as exc:
+                raise SchedlabError(f"{where}group {k}: {exc}", getattr(exc, "code", 1)) from None
+            out.add(pols, model, capacity, cost_meta)
+    finally:
+        _CLI.reset(token)
+    return out

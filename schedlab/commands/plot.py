@@ -13,7 +13,8 @@ from ._app import Interrupted, make_app, run_app
 plot_app = make_app(
     "Draw figures from run directories (simulate --out DIR) and validation directories "
     "(DIR/validation.json + DIR/sim/ + DIR/real/): TTFT and ITL CDFs, per-request decode "
-    "rates, a step timeline per run, and simulated-vs-measured overlays."
+    "rates, a step timeline per run, each replica's unfinished requests over time for a run of several replicas "
+    "(replica_load), and simulated-vs-measured overlays."
 )
 
 

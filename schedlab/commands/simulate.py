@@ -31,11 +31,12 @@ simulate_app = make_app(
 
 @simulate_app.command()
 def simulate(
-    policy: str = typer.Option(
-        ...,
+    policy: Optional[str] = typer.Option(
+        None,
         "--policy",
         "-p",
-        help="mlx-default, prefer-prefill, static, slots, chunked-prefill, unified, or file.py:Class / module:Class",
+        help="mlx-default, prefer-prefill, static, slots, chunked-prefill, unified, vllm, or file.py:Class / "
+        "module:Class (required unless --cluster)",
     ),
     trace: str = typer.Option(
         ..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. mixed.json)"
@@ -90,8 +91,19 @@ def simulate(
     router_option: Optional[List[str]] = typer.Option(
         None, "--router-option", help="router option key=value (repeatable), e.g. seed=1 or max_requests=8"
     ),
-    router_delay: float = typer.Option(
-        0.0, "--router-delay", help="seconds by which the router's view of each replica lags (stale signals)"
+    router_delay: Optional[float] = typer.Option(
+        None,
+        "--router-delay",
+        help="seconds by which the router's view of each replica lags (stale signals; default 0)",
+        show_default=False,
+    ),
+    cluster_file: Optional[Path] = typer.Option(
+        None,
+        "--cluster",
+        help="a cluster file (TOML, see docs/cluster.md): [[group]] tables of replicas, each group its own policy, "
+        "options, cost model (profile, or hardware + model_config) and kv_tokens, and the router. The file names the "
+        "policies and cost models: --policy, -o, --profile, --hardware, --model-config, --quant, --kv-tokens and "
+        "--replicas are errors beside it; --router, --router-option and --router-delay override the file's",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
@@ -100,13 +112,34 @@ def simulate(
 
     if passes and out is None:
         fail("--passes writes passes.parquet into the --out directory: give --out DIR too", 2)
+    if policy is None and cluster_file is None:
+        fail("Missing option '--policy' / '-p' (or give --cluster FILE)", 2)
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     clients = schedlab.ClientOptions(
         max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
     )
-    cluster = schedlab.ClusterOptions(
-        replicas=replicas, router=router, router_options=parse_options(router_option), router_delay=router_delay
-    )
+    if cluster_file is not None:
+        given = {
+            "--policy": policy is not None,
+            "-o/--option": bool(option),
+            "--profile": profile is not None,
+            "--hardware": hardware is not None,
+            "--model-config": model_config is not None,
+            "--quant": quant is not None,
+            "--kv-tokens": kv_tokens is not None,
+            "--replicas": replicas != 1,
+        }
+        clash = [flag for flag, g in given.items() if g]
+        if clash:
+            fail(f"--cluster {cluster_file} says {_CLUSTER_SAYS[clash[0]]}: drop {clash[0]}, or change the file", 2)
+        cluster = _from_file(cluster_file, router, router_option, router_delay)
+    else:
+        cluster = schedlab.ClusterOptions(
+            replicas=replicas,
+            router=router,
+            router_options=parse_options(router_option),
+            router_delay=router_delay if router_delay is not None else 0.0,
+        )
     run = schedlab.simulate(
         policy,
         trace,
@@ -127,6 +160,38 @@ def simulate(
     if not quiet:
         print(run.report())
     report_problems(run)
+
+
+_CLUSTER_SAYS = {
+    "--policy": "each group's policy",
+    "-o/--option": "each group's policy options (options = { ... })",
+    "--profile": "each group's cost model",
+    "--hardware": "each group's cost model",
+    "--model-config": "each group's cost model",
+    "--quant": "each group's cost model",
+    "--kv-tokens": "each group's KV capacity (kv_tokens)",
+    "--replicas": "how many replicas (each group's count)",
+}
+
+
+def _from_file(path, router, router_option, router_delay):
+    """The cluster file's options, with the command line's router settings over the file's:
+    --router replaces its router and router_options, --router-option sets options over the
+    file's (or over none, with --router), --router-delay replaces its router_delay."""
+    import dataclasses
+
+    import schedlab
+
+    base = schedlab.ClusterOptions.from_file(path)
+    changes: dict = {}
+    if router is not None:
+        changes["router"], changes["router_options"] = router, None
+    if router_option:
+        kept = {} if router is not None else dict(base.router_options or {})
+        changes["router_options"] = {**kept, **parse_options(router_option)}
+    if router_delay is not None:
+        changes["router_delay"] = router_delay
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 def main() -> None:
