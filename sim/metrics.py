@@ -347,5 +347,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
             kv(f"Replica {i} successful requests:", part["finished"])
             kv(f"Replica {i} median TTFT (ms):", part["ttft_ms"]["p50"])
             kv(f"Replica {i} output throughput (tok/s):", part["output_throughput_tok_s"])
+        for f in (s.get("cluster") or {}).get("failures") or ():
+            kv(f"Replica {f['replica']} failed at (s):", f["at_s"])
+            kv("  its requests sent elsewhere / refused:", f"{f['retried']} / {f['refused']}")
     lines.append("=" * w)
     return "\n".join(lines)

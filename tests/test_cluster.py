@@ -279,6 +279,9 @@ def test_the_command(tmp_path):
         (["--router", "random", "--router-option", "nope=1"], 2, "router 'random' has no option 'nope'"),
         (["--router-delay", "-1"], 2, "--router-delay must be a finite number of seconds >= 0"),
         (["--replicas", "2", "--router", f"{f}:Far"], 1, "router 'far' request q0: returned replica 7"),
+        (["--replicas", "2", "--fail", "2@1"], 2, "--fail '2@1': the cluster has replicas 0 to 1"),
+        (["--replicas", "2", "--fail", "1"], 2, "--fail is REPLICA@SECONDS such as 1@30, got '1'"),
+        (["--replicas", "2", "--fail", "1@1", "--fail", "1@2"], 2, "replica 1 fails twice"),
     ]:
         proc = cli("--policy", "unified", "--trace", str(trace), *args)
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -456,6 +459,24 @@ def test_a_failed_replica_retries_what_had_no_token_and_refuses_what_had():
     assert by["e"][1] == 0
     late = [v for v in rec.views if v.now >= 1.0]
     assert late and all(not v.replicas[1].up for v in late) and all(v.replicas[1].up for v in rec.views if v.now < 1.0)
+
+
+def test_the_command_fails_a_replica_and_says_what_became_of_its_requests(tmp_path):
+    trace = tmp_path / "t.json"
+    reqs = [{"id": f"q{i}", "arrival_s": i * 0.01, "prompt_tokens": 30, "output_tokens": 300} for i in range(6)]
+    trace.write_text(json.dumps({"requests": reqs}))
+    args = ["--policy", "static", "-o", "batch_size=1", "--trace", str(trace), "--replicas", "2"]
+    proc = subprocess.run([*command("simulate"), *args, "--fail", "1@0.5", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr  # a refusal the experiment asked for is not an error
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    (f,) = s["cluster"]["failures"]
+    # replica 1 held q1 (decoding at 0.5 s: refused), q3 and q5 (no token yet: to replica 0)
+    assert f == {"replica": 1, "at_s": 0.5, "retried": 2, "refused": 1}
+    rows = {r["id"]: r for r in read_table(tmp_path / "o" / "requests.csv")}
+    assert [rows[f"q{i}"]["replica"] for i in range(6)] == ["0", "1", "0", "0", "0", "0"]
+    assert rows["q1"]["status"] == "rejected" and all(rows[f"q{i}"]["status"] == "finished" for i in (0, 2, 3, 4, 5))
+    assert "Replica 1 failed at (s):" in proc.stdout and "2 / 1" in proc.stdout
 
 
 def test_bad_failures_are_one_line_errors():

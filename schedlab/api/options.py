@@ -22,6 +22,38 @@ from ..errors import SchedlabError, opt
 from ._base import check_kv_tokens, check_seed, fail
 
 
+def _checked_failures(value: Any, n: int) -> tuple[tuple[int, float], ...]:
+    """``fail`` as ((replica, seconds), ...): each a pair or a string ``REPLICA@SECONDS``; one
+    line naming the bad one otherwise."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        fail(f"{opt('fail')} is REPLICA@SECONDS (or a list of them), got {value!r}", 2)
+    out: list[tuple[int, float]] = []
+    for item in items:
+        if isinstance(item, str):
+            head, at, tail = item.strip().partition("@")
+            try:
+                i, t = int(head), float(tail)
+            except ValueError:
+                i = t = None
+            if not at or i is None:
+                fail(f"{opt('fail')} is REPLICA@SECONDS such as 1@30, got {item!r}", 2)
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            i, t = item
+        else:
+            fail(f"{opt('fail')} is REPLICA@SECONDS such as 1@30, got {item!r}", 2)
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            fail(f"{opt('fail')} {item!r}: the cluster has replicas 0 to {n - 1}", 2)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+            fail(f"{opt('fail')} {item!r}: the time must be a finite number of seconds >= 0", 2)
+        if any(j == i for j, _ in out):
+            fail(f"{opt('fail')}: replica {i} fails twice; a replica fails once", 2)
+        out.append((i, float(t)))
+    return tuple(out)
+
+
 def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         fail(f"{opt(name)} must be a number, got {value!r}", 2)
@@ -266,7 +298,12 @@ class ClusterOptions:
     fields), replicas numbered group by group in order; each group names its own policy, cost
     model and KV capacity, so ``simulate`` is then given no policy, profile or KV capacity of
     its own. ``replicas`` is then the groups' count (leave it out). ``file``: the cluster file
-    they were read from (``from_file``), named by messages and meta.json."""
+    they were read from (``from_file``), named by messages and meta.json.
+
+    ``fail``: replicas that die during the run, ``(replica, seconds)`` pairs or strings
+    ``"REPLICA@SECONDS"`` (``--fail 1@30``): from then on the router sees the replica down, its
+    requests with no token yet go to another replica (once), those with tokens are refused
+    (``sim.cluster.run_cluster``)."""
 
     replicas: int = 1
     router: Any = None
@@ -274,6 +311,7 @@ class ClusterOptions:
     router_delay: float = 0.0
     groups: Any = None
     file: str | None = None
+    fail: Any = ()
 
     def __post_init__(self) -> None:
         if self.groups is not None:
@@ -299,6 +337,7 @@ class ClusterOptions:
             fail(f"{opt('router_option')} goes with {opt('router')}: name the router too", 2)
         if self.router is not None and isinstance(self.router, (str, Path)) and not str(self.router).strip():
             fail(f"{opt('router')} is empty", 2)
+        object.__setattr__(self, "fail", _checked_failures(self.fail, self.replicas))
 
     def _check_groups(self) -> None:
         where = f"{self.file}: " if self.file else ""
@@ -406,6 +445,7 @@ class ClusterOptions:
             or bool(self.router_options)
             or self.router_delay != 0
             or bool(self.groups)
+            or bool(self.fail)
         )
 
     def make_router(self):

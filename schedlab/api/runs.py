@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 
+def _failure(why: str) -> bool:
+    """Whether a refusal's reason is a replica's failure (``sim.cluster``), not the KV capacity."""
+    return why == "no replica is up" or (why.startswith("replica ") and " failed at " in why)
+
+
 def real_dir_name(k: int) -> str:
     """The directory of a validation's ``k``-th real run (from 0): real, real-2, real-3, ..."""
     return "real" if k == 0 else f"real-{k + 1}"
@@ -138,8 +143,9 @@ class Run:
         """One line per problem of the run (rejected requests, an early stop), as the commands
         print them; empty when every request ran."""
         lines = []
-        if self._result is not None and self._result.rejected:
-            rej = self._result.rejected
+        # (requests refused because their replica failed are the experiment's, not a problem)
+        rej = [(r, why) for r, why in self._result.rejected if not _failure(why)] if self._result is not None else []
+        if rej:
             shown = ", ".join(f"{r.id} ({r.kv_footprint})" for r, _ in rej[:5])
             more = f" and {len(rej) - 5} more" if len(rej) > 5 else ""
             caps = {p.kv_capacity for p in self._result.replicas or ()}

@@ -40,6 +40,7 @@ def simulate(
     router: Any = None,
     router_options: Mapping[str, Any] | None = None,
     router_delay: float = 0.0,
+    fail: Any = (),
     cluster: ClusterOptions | None = None,
 ) -> Run:
     """Simulate ``policy`` on ``trace`` (the ``simulate`` command).
@@ -57,7 +58,7 @@ def simulate(
     ``max_concurrency``, ``request_rate``, ``burstiness``, ``think_time``): see those classes.
 
     Several replicas behind a router (``cluster``, a ``ClusterOptions``, or its fields
-    ``replicas``, ``router``, ``router_options``, ``router_delay``): each replica its own copy of
+    ``replicas``, ``router``, ``router_options``, ``router_delay``, ``fail``): each replica its own copy of
     the policy, KV cache and backend, one arrival source, the router choosing at each arrival;
     ``run.summary`` gains ``cluster`` and ``replicas`` (one summary per replica) and
     ``run.requests`` a ``replica`` column when there is more than one replica.
@@ -99,6 +100,7 @@ def simulate(
         router=router,
         router_options=router_options,
         router_delay=router_delay,
+        fail=fail,
     )
     rt = cu.make_router() if cu.used else None
     arrivals = cl.arrivals(tr.requests, seed)
@@ -145,6 +147,7 @@ def simulate(
             prefix_caching=rep.prefix_caching,
             record_passes=bool(passes),
             router_options=r_opts,
+            fail=cu.fail,
         )
         extra["cluster"] = dict(result.cluster)
         if grouped:  # (a plain --replicas cluster: one group, the run's policy and cost model)

@@ -97,6 +97,12 @@ def simulate(
         help="seconds by which the router's view of each replica lags (stale signals; default 0)",
         show_default=False,
     ),
+    fail_at: Optional[List[str]] = typer.Option(
+        None,
+        "--fail",
+        help="REPLICA@SECONDS: that replica dies then (repeatable): the router sees it down, its requests with no "
+        "token yet go to another replica once, those with tokens are refused",
+    ),
     cluster_file: Optional[Path] = typer.Option(
         None,
         "--cluster",
@@ -133,12 +139,17 @@ def simulate(
         if clash:
             fail(f"--cluster {cluster_file} says {_CLUSTER_SAYS[clash[0]]}: drop {clash[0]}, or change the file", 2)
         cluster = _from_file(cluster_file, router, router_option, router_delay)
+        if fail_at:
+            import dataclasses
+
+            cluster = dataclasses.replace(cluster, fail=tuple(fail_at))
     else:
         cluster = schedlab.ClusterOptions(
             replicas=replicas,
             router=router,
             router_options=parse_options(router_option),
             router_delay=router_delay if router_delay is not None else 0.0,
+            fail=tuple(fail_at or ()),
         )
     run = schedlab.simulate(
         policy,
