@@ -269,3 +269,50 @@ def speed_line(speed: Mapping[str, Any] | None) -> str | None:
                 "(every run met a different machine)"
             )
     return line
+
+
+def tables_summary(requests: Any, tokens: Any, shifts: Mapping[Any, float] | None = None) -> dict[str, Any]:
+    """The metrics ``compare`` reads (``METRICS``), with ``sim.metrics``' definitions, from the
+    tables of a run directory rather than a run: ``requests`` (requests.csv as a DataFrame) and
+    ``tokens`` (tokens.parquet: request_id, token_index, time_s). For a cluster whose replicas
+    kept their own clocks: the tables of all its replicas concatenated, with a ``replica``
+    column in both, and ``shifts`` {replica: seconds to add to its times} putting them on one
+    clock (latencies do not depend on it; the makespan and throughput do)."""
+    from schedlab.sim.metrics import PERCENTILES, dist
+
+    req = requests.copy()
+    tok = tokens.copy()
+    if shifts:
+        req["arrival_s"] = req["arrival_s"] + req["replica"].map(shifts)
+        req["finish_s"] = req["finish_s"] + req["replica"].map(shifts)
+    done = req[req["status"] == "finished"]
+    start = float(req["arrival_s"].min()) if len(req) else 0.0
+    end = float(done["finish_s"].max()) if len(done) else start
+    makespan = end - start
+    out_tokens = int(done["output_tokens"].sum())
+    # ITL: every gap between consecutive tokens of each finished request, pooled
+    key = ["replica", "request_id"] if "replica" in tok.columns else ["request_id"]
+    rkey = ["replica", "id"] if "replica" in tok.columns else ["id"]
+    fin = set(map(tuple, done[rkey].to_numpy().tolist()))
+    tok = tok[[tuple(k) in fin for k in tok[key].to_numpy().tolist()]].sort_values([*key, "token_index"])
+    gaps = np.diff(tok["time_s"].to_numpy(dtype=float))
+    same = np.ones(len(gaps), dtype=bool)
+    for c in key:
+        v = tok[c].to_numpy()
+        same &= v[1:] == v[:-1]
+    itl = gaps[same] * 1e3
+
+    def col(name: str) -> list[float]:
+        return [float(x) for x in done[name].dropna()]
+
+    return {
+        "requests": int(len(req)),
+        "finished": int(len(done)),
+        "makespan_s": makespan,
+        "total_output_tokens": out_tokens,
+        "output_throughput_tok_s": out_tokens / makespan if makespan > 0 else None,
+        "ttft_ms": dist(col("ttft_ms"), PERCENTILES),
+        "tpot_ms": dist(col("tpot_ms"), PERCENTILES),
+        "itl_ms": dist(itl, PERCENTILES),
+        "e2e_ms": dist(col("e2e_ms"), PERCENTILES),
+    }

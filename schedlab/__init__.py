@@ -61,6 +61,7 @@ _API = (
     "run_real",
     "calibrate",
     "validate",
+    "validate_served",
     "compare",
     "sweep",
     "plot_sweep",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from ..errors import SchedlabError, SchedlabWarning
 from .calibration import calibrate
+from .cluster_validation import validate_served
 from .figures import Figures, plot
 from .inputs import bundled_policies, load_trace, policy, trace_stats
 from .options import ClientOptions, ClusterOptions, EngineOptions, ReplicaGroup, ReplicaOptions
@@ -65,6 +66,7 @@ __all__ = [
     "run_real",
     "calibrate",
     "validate",
+    "validate_served",
     "compare",
     "sweep",
     "plot_sweep",

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import NOISE_HELP, log_to_stderr, make_app, parse_options, run_app
+from ._app import NOISE_HELP, fail, log_to_stderr, make_app, parse_options, run_app
 
 validate_app = make_app(
     "Run a policy for real (MLX) and in simulation on the same trace and profile, and print "
@@ -24,11 +24,22 @@ validate_app = make_app(
 
 @validate_app.command()
 def validate(
-    policy: str = typer.Option(
-        ..., "--policy", "-p", help="a policy name, several (a,b), or 'all' (every bundled one)"
+    policy: Optional[str] = typer.Option(
+        None, "--policy", "-p", help="a policy name, several (a,b), or 'all' (every bundled one)"
     ),
-    trace: str = typer.Option(
-        ..., "--trace", "-t", help="trace file, or a bundled trace's bare name (e.g. real-smoke)"
+    trace: Optional[str] = typer.Option(
+        None,
+        "--trace",
+        "-t",
+        help="trace file, or a bundled trace's bare name (e.g. real-smoke); with --served: the trace to "
+        "simulate (default: the served one)",
+    ),
+    served: Optional[List[Path]] = typer.Option(
+        None,
+        "--served",
+        help="a real cluster's run directory (serve --replicas N --out DIR, run-real --replicas N --out DIR; "
+        "repeatable: several runs of one setting): simulate its traffic on as many replicas behind the same "
+        "router, policy and profile, and compare the cluster, each replica and the routing",
     ),
     model: str = typer.Option(
         "tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"
@@ -62,6 +73,18 @@ def validate(
     import schedlab
     from schedlab.api.validation import format_overview
 
+    if served:
+        from schedlab.api.cluster_validation import format_served
+
+        if policy is not None or option:
+            fail("--served runs name their policy and options: drop --policy/-o", 2)
+        v = schedlab.validate_served(served, trace=trace, profile=profile, out=out)
+        print(format_served(v))
+        if out is not None:
+            print(f"wrote {out}")
+        return
+    if policy is None or trace is None:
+        fail("Missing option '--policy' / '-p' and '--trace' / '-t' (or give --served DIR)", 2)
     opts = parse_options(option)
     tr = schedlab.load_trace(trace, seed=seed)
     out = out or Path(f"validate-{tr.name}")

@@ -1,0 +1,194 @@
+"""``validate --served DIR``: a real cluster's runs (``serve --replicas N --out DIR`` or
+``run-real --replicas N --out DIR``) against the simulation of the same traffic, the same number
+of replicas, the same router, policy and cost model.
+
+A real cluster's directory holds ``cluster.json`` (replicas, router, its options), ``trace.json``
+(the requests as they arrived at the front, each with the replica that served it) and one run
+directory per replica (``replica-<i>``: its requests, token times, steps, meta). Each replica kept
+its own clock; its times are put on the front's by the median difference between the front's
+arrival time of each of its requests and its own (a few milliseconds of HTTP between them), so
+the cluster's makespan and throughput are over one clock; latencies need no clock.
+
+Compared: the whole cluster (``analysis.validation.tables_summary`` over every replica's tables,
+the metrics ``validate`` compares for one replica), each replica (its own summary.json against the
+simulated replica of the same index), and the routing (the share of requests each replica served,
+and how many requests the simulated router sent where the real one did). With several
+directories (repeats), the measured value is their median with their spread, as ``validate``
+reports for one replica.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import SchedlabError
+from ._base import public
+
+__all__ = ["validate_served"]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SchedlabError(
+            f"{path.parent}: no {path.name}: not a real cluster's run directory "
+            "(serve --replicas N --out DIR, or run-real --replicas N --out DIR)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise SchedlabError(f"cannot read {path}: {exc}") from None
+
+
+class _Served:
+    """One real cluster run directory, read."""
+
+    def __init__(self, path: Path):
+        import pandas as pd
+
+        self.path = path
+        if not path.is_dir():
+            raise SchedlabError(f"--served {path}: no such directory")
+        self.cluster = _read_json(path / "cluster.json")
+        self.trace = _read_json(path / "trace.json")
+        self.n = int(self.cluster["replicas"])
+        reqs, toks, self.summaries, self.metas = [], [], [], []
+        for i in range(self.n):
+            d = path / f"replica-{i}"
+            self.summaries.append(_read_json(d / "summary.json"))
+            self.metas.append(_read_json(d / "meta.json"))
+            try:
+                r = pd.read_csv(d / "requests.csv", dtype={"id": str})
+                t = pd.read_parquet(d / "tokens.parquet")
+            except (OSError, ValueError) as exc:
+                raise SchedlabError(f"cannot read {d}: {exc}") from None
+            r["replica"] = i
+            t["replica"] = i
+            reqs.append(r)
+            toks.append(t)
+        self.requests = pd.concat(reqs, ignore_index=True)
+        self.tokens = pd.concat(toks, ignore_index=True)
+        front = {row["id"]: float(row["arrival_s"]) for row in self.trace["requests"]}
+        self.front_replica = {row["id"]: row.get("replica") for row in self.trace["requests"]}
+        self.shifts = {}
+        for i in range(self.n):
+            mine = self.requests[self.requests["replica"] == i]
+            diffs = [front[k] - a for k, a in zip(mine["id"], mine["arrival_s"]) if k in front]
+            self.shifts[i] = statistics.median(diffs) if diffs else 0.0
+
+    def total(self) -> dict[str, Any]:
+        from schedlab.analysis.validation import tables_summary
+
+        # (a request retried after a failure is in two replicas' tables: it counts where it ended)
+        req = self.requests
+        keep = [self.front_replica.get(k, i) == i for k, i in zip(req["id"], req["replica"])]
+        return tables_summary(req[keep], self.tokens, self.shifts)
+
+
+@public
+def validate_served(
+    served: str | Path | Sequence[str | Path],
+    *,
+    trace: str | Path | None = None,
+    profile: str | Path | None = None,
+    out: str | Path | None = None,
+) -> dict[str, Any]:
+    """Compare real cluster runs (directories written by ``serve --replicas N --out DIR`` or
+    ``run-real --replicas N --out DIR``) with the simulation of their traffic on as many
+    replicas behind the same router, with the policy, options and cost profile the replicas ran
+    (``profile``: another one). ``trace``: the trace to simulate (default: the first
+    directory's served trace, the requests as they arrived). Returns what validation.json holds
+    (``total``, ``replicas``, ``routing``); ``out``: write it there with the simulated run."""
+    from schedlab.analysis.validation import compare
+
+    from .simulation import simulate
+
+    dirs = [served] if isinstance(served, (str, Path)) else list(served)
+    if not dirs:
+        raise SchedlabError("give at least one real cluster run directory (--served DIR)")
+    runs = [_Served(Path(d)) for d in dirs]
+    first = runs[0]
+    for r in runs[1:]:
+        for key in ("replicas", "router", "router_options", "policy"):
+            if r.cluster.get(key) != first.cluster.get(key):
+                raise SchedlabError(
+                    f"--served {r.path} and {first.path} differ in {key} "
+                    f"({r.cluster.get(key)!r} vs {first.cluster.get(key)!r}): compare runs of one setting"
+                )
+    meta0 = first.metas[0]
+    policy = first.summaries[0]["policy"]
+    prof = profile if profile is not None else meta0.get("profile")
+    tr = trace if trace is not None else str(first.path / "trace.json")
+    sim = simulate(
+        policy,
+        tr,
+        options=meta0.get("policy_options") or {},
+        profile=prof,
+        kv_tokens=meta0.get("kv_tokens"),
+        block_size=meta0.get("block_size", 16),
+        prefix_caching=bool(meta0.get("prefix_caching")),
+        replicas=first.n,
+        router=first.cluster["router"],
+        router_options=first.cluster.get("router_options") or {},
+    )
+    s = sim.summary
+    name = f"{policy} x{first.n} behind {first.cluster['router']}"
+    total = compare(s, [r.total() for r in runs], policy=name, trace=str(tr))
+    per = [
+        compare(s["replicas"][i], [r.summaries[i] for r in runs], policy=f"{policy} replica {i}", trace=str(tr))
+        for i in range(first.n)
+    ]
+    # routing: each replica's share, and agreement request by request (on the first run's trace)
+    sim_of = dict(zip(sim.requests["id"].astype(str), sim.requests["replica"]))
+    routing = []
+    for r in runs:
+        both = [(k, j) for k, j in r.front_replica.items() if k in sim_of and j is not None]
+        routing.append(
+            {
+                "dir": str(r.path),
+                "real_share": [sum(1 for _, j in both if j == i) / max(len(both), 1) for i in range(first.n)],
+                "same_replica": sum(1 for k, j in both if sim_of[k] == j) / max(len(both), 1),
+            }
+        )
+    result = {
+        "served": [str(r.path) for r in runs],
+        "trace": str(tr),
+        "replicas": first.n,
+        "router": first.cluster["router"],
+        "router_options": first.cluster.get("router_options") or {},
+        "policy": policy,
+        "profile": prof,
+        "shifts_s": [r.shifts for r in runs],
+        "total": total,
+        "per_replica": per,
+        "routing": {
+            "sim_share": [float((sim.requests["replica"] == i).mean()) for i in range(first.n)],
+            "runs": routing,
+        },
+    }
+    if out is not None:
+        o = Path(out)
+        o.mkdir(parents=True, exist_ok=True)
+        sim.save(o / "sim")
+        (o / "validation.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def format_served(v: dict[str, Any]) -> str:
+    """What ``validate --served`` prints: the cluster's table, each replica's, the routing."""
+    from schedlab.analysis.validation import format_table
+
+    parts = [format_table(v["total"])]
+    for p in v["per_replica"]:
+        parts.append(format_table(p))
+    share = " / ".join(f"{x:.2f}" for x in v["routing"]["sim_share"])
+    lines = [f"routing: simulated share per replica {share}"]
+    for r in v["routing"]["runs"]:
+        lines.append(
+            f"  {r['dir']}: real share {' / '.join(f'{x:.2f}' for x in r['real_share'])}, "
+            f"same replica as simulated for {100 * r['same_replica']:.0f} % of requests"
+        )
+    parts.append("\n".join(lines))
+    return "\n\n".join(parts)
