@@ -19,6 +19,34 @@ from fastapi import Request as HTTPRequest  # (module level: FastAPI resolves ha
 DEFAULT_MAX_TOKENS = 256  # a request that gives no max_tokens: at most this many (and what the context allows)
 
 
+def openai_app(title: str):
+    """A FastAPI app whose unknown paths and methods answer as OpenAI errors, and ``error``: an
+    ``APIError`` as its JSON response (the single replica's server and the cluster's front)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(e: "APIError") -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        return error(APIError(exc.status_code, str(exc.detail), kind="invalid_request_error"))
+
+    return app, error
+
+
+def listening(http_server) -> tuple[str, int] | None:
+    """Where a started uvicorn server listens: (host, port), or None."""
+    for s in getattr(http_server, "servers", None) or []:
+        for sock in getattr(s, "sockets", None) or []:
+            host, port = sock.getsockname()[:2]
+            return host, port
+    return None
+
+
 class APIError(Exception):
     """An OpenAI-style error response: ``status``, one-line ``message``, ``param``, ``code``."""
 
@@ -76,21 +104,52 @@ class Bridge:
         self._lock = threading.Lock()
         self.cancelled = 0  # requests ended early because their client went away
         backend.on_token = self.on_token
+        # what GET /state reads (a cluster's router): the replica's ReplicaState, known once the
+        # run starts (the loop hands it to the backend's start), and what was sent to it
+        self.state = None
+        self.received = [0, 0, 0]  # requests, prompt tokens, output tokens submitted (cumulative)
+        self._refused = [0, 0]  # prompt and output tokens of requests refused on arrival
+        self._sizes: dict[str, tuple[int, int]] = {}
+        start = backend.start
+
+        def start_and_keep(state, requests=None):
+            self.state = state
+            return start(state, requests)
+
+        backend.start = start_and_keep
 
     def open(
-        self, rid: str, loop: asyncio.AbstractEventLoop, stop: tuple[str, ...] = (), ignore_eos: bool = False
+        self,
+        rid: str,
+        loop: asyncio.AbstractEventLoop,
+        stop: tuple[str, ...] = (),
+        ignore_eos: bool = False,
+        sizes: tuple[int, int] | None = None,
     ) -> _Stream:
+        """A stream for request ``rid`` (``sizes``: its prompt and output tokens, counted as sent)."""
         st = _Stream(loop, TextDelta(self.tokenizer, self.eos, stop) if stop else None)
         with self._lock:
             self._streams[rid] = st
             if ignore_eos:
                 self.backend.no_eos.add(rid)
+            if sizes is not None:
+                self._sizes[rid] = sizes
+                self._count(sizes, 1)
         return st
 
+    def _count(self, sizes: tuple[int, int], sign: int) -> None:
+        self.received[0] += sign
+        self.received[1] += sign * sizes[0]
+        self.received[2] += sign * sizes[1]
+
     def drop(self, rid: str) -> None:
+        """Forget ``rid``: it was never submitted."""
         with self._lock:
             self._streams.pop(rid, None)
             self.backend.no_eos.discard(rid)
+            sizes = self._sizes.pop(rid, None)
+            if sizes is not None:
+                self._count(sizes, -1)
 
     def cancel(self, rid: str) -> None:
         with self._lock:
@@ -120,6 +179,10 @@ class Bridge:
         with self._lock:
             st = self._streams.pop(r.id, None)
             self.backend.no_eos.discard(r.id)
+            sizes = self._sizes.pop(r.id, None)
+            if sizes is not None and r.finish_s is None:  # refused: its tokens are never done
+                self._refused[0] += sizes[0]
+                self._refused[1] += sizes[1]
         if st is None:
             return
         if r.finish_s is None:  # refused on arrival: it can never fit this replica's KV cache
@@ -136,6 +199,28 @@ class Bridge:
             )
             return
         st.put(("done", "stop" if r.id in self.backend.stopped or st.hit_stop else "length"))
+
+    def signals(self) -> dict[str, Any]:
+        """GET /state: the replica as a router reads it (``routers.ReplicaSignals``' fields): requests
+        waiting (sent and not admitted: in the source's queue or the waiting queue) and running,
+        prompt and output tokens outstanding (sent less what the steps did), KV used and capacity;
+        and ``received``, what was sent to it so far (requests, prompt tokens, output tokens). Read
+        from the replica loop's state while it runs (plain counters: a snapshot, not a locked one)."""
+        st = self.state
+        with self._lock:
+            in_flight = len(self._streams)
+            n, p, o = self.received
+            rp, ro = self._refused
+        running = len(st.running) if st is not None else 0
+        return {
+            "waiting": max(in_flight - running, 0),
+            "running": running,
+            "prompt_tokens": max(p - rp - (st.prompt_done if st is not None else 0), 0),
+            "output_tokens": max(o - ro - (st.output_done if st is not None else 0), 0),
+            "kv_used": st.kv_used if st is not None else 0,
+            "kv_capacity": st.kv_capacity if st is not None else self.kv_capacity,
+            "received": {"requests": n, "prompt_tokens": p, "output_tokens": o},
+        }
 
     def fail_all(self, error: APIError) -> None:
         with self._lock:
@@ -339,6 +424,13 @@ def _messages(ms: Any) -> tuple[tuple[str, str], ...]:
 # ---------------------------------------------------------------------------- the server
 
 
+async def _json(http: HTTPRequest) -> Any:
+    try:
+        return await http.json()
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
 class Server:
     """The HTTP side: a FastAPI app whose handlers submit to ``source`` and read ``bridge``."""
 
@@ -360,15 +452,29 @@ class Server:
         self.temperature = temperature
         self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
+        self._used: set[str] = set()  # request ids given so far (the replica's state keeps them all)
         self.app = self._make_app()
 
-    def request(self, params: Params, chat: bool):
+    def claim_id(self, chat: bool, given: str | None = None) -> str:
+        """A fresh request id: ``given`` (a cluster's front names its requests, header
+        ``X-Schedlab-Request-Id``) unless already used here, else the next of ours."""
+        if given is not None:
+            if not given or len(given) > 200 or given in self._used:
+                raise APIError(400, f"request id {given[:200]!r} is empty, too long or already used on this replica")
+            rid = given
+        else:
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+            while rid in self._used:
+                rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+        self._used.add(rid)
+        return rid
+
+    def request(self, params: Params, chat: bool, rid: str = "request"):
         """A ``traces.Request`` for ``params``, counted with the model's tokenizer (not stamped)."""
         from schedlab import traces
         from schedlab.engine.errors import EngineError
         from schedlab.traces.schema import Request, TraceError
 
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
         req = Request(rid, 0.0, None, 1, prompt=params.prompt, messages=params.messages)
         try:
             n = len(traces.prompt_ids(req, self.tokenizer))
@@ -398,25 +504,46 @@ class Server:
         return req
 
     def _make_app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
-        from starlette.exceptions import HTTPException
+        from fastapi.responses import StreamingResponse
 
         from schedlab.sim.sources import SourceClosed
 
-        app = FastAPI(title="schedlab serve", docs_url=None, redoc_url=None, openapi_url=None)
+        app, error = openai_app("schedlab serve")
         server = self
-
-        def error(e: APIError) -> JSONResponse:
-            return JSONResponse(e.body(), status_code=e.status)
-
-        @app.exception_handler(HTTPException)
-        async def http_error(request, exc):  # unknown paths and methods, as OpenAI errors
-            return error(APIError(exc.status_code, str(exc.detail), kind="invalid_request_error"))
 
         @app.get("/health")
         async def health():
             return {"status": "ok", "in_flight": server.bridge.in_flight(), "cancelled": server.bridge.cancelled}
+
+        @app.get("/state")
+        async def state():  # what a cluster's router reads (routers.ReplicaSignals' fields)
+            return server.bridge.signals()
+
+        async def prepare(http: HTTPRequest, chat: bool):
+            """A completion request checked and counted, not submitted (a cluster's front asks
+            before it routes): its prompt and max_tokens, or the error it would get."""
+            try:
+                params = Params(await _json(http), server, chat)
+                req = server.request(params, chat)
+                server.check_fits(req)
+            except APIError as e:
+                return error(e)
+            return {
+                "prompt_tokens": req.prompt_tokens,
+                "max_tokens": req.output_tokens,
+                "stream": params.stream,
+                "include_usage": params.include_usage,
+                "prompt": req.prompt,
+                "messages": req.chat(),
+            }
+
+        @app.post("/prepare/completions")
+        async def prepare_completions(http: HTTPRequest):
+            return await prepare(http, chat=False)
+
+        @app.post("/prepare/chat/completions")
+        async def prepare_chat_completions(http: HTTPRequest):
+            return await prepare(http, chat=True)
 
         @app.get("/v1/models")
         async def models():
@@ -427,15 +554,18 @@ class Server:
 
         async def handle(http: HTTPRequest, chat: bool):
             try:
-                try:
-                    body = await http.json()
-                except (ValueError, UnicodeDecodeError):
-                    raise APIError(400, "the request body is not valid JSON") from None
-                params = Params(body, server, chat)
-                req = server.request(params, chat)
+                params = Params(await _json(http), server, chat)
+                rid = server.claim_id(chat, http.headers.get("x-schedlab-request-id"))
+                req = server.request(params, chat, rid)
             except APIError as e:
                 return error(e)
-            st = server.bridge.open(req.id, asyncio.get_running_loop(), params.stop, params.ignore_eos)
+            st = server.bridge.open(
+                req.id,
+                asyncio.get_running_loop(),
+                params.stop,
+                params.ignore_eos,
+                (req.prompt_tokens, req.output_tokens),
+            )
             try:
                 server.source.submit(req)
             except SourceClosed as exc:
@@ -455,6 +585,19 @@ class Server:
             return await handle(http, chat=True)
 
         return app
+
+    def check_fits(self, req) -> None:
+        """The 400 the replica gives on arrival a request larger than its KV capacity, said now."""
+        st = self.bridge.state
+        capacity = st.kv_capacity if st is not None else self.bridge.kv_capacity
+        need = req.prompt_tokens + req.output_tokens - 1
+        if need > capacity:
+            raise APIError(
+                400,
+                f"this request needs {need} KV tokens (prompt {req.prompt_tokens} + max_tokens "
+                f"{req.output_tokens} - 1) but the server's KV capacity is {self.bridge.kv_capacity} (serve --kv-tokens)",
+                "max_tokens",
+            )
 
     def _usage(self, req, completion: int) -> dict[str, int]:
         return {

@@ -96,6 +96,17 @@ def run_real(
         "by rows, tokens, context, joins/leaves, idle gap, batch change)",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors and warnings"),
+    replicas: int = typer.Option(
+        1,
+        "--replicas",
+        help="replica processes behind a router (serve --replicas), fed the trace over HTTP at its arrival times",
+    ),
+    router: Optional[str] = typer.Option(
+        None, "--router", help="with --replicas: which replica serves each request, as simulate --router"
+    ),
+    router_option: Optional[List[str]] = typer.Option(
+        None, "--router-option", help="router option key=value (repeatable)"
+    ),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
     import schedlab
@@ -107,6 +118,10 @@ def run_real(
     clients = schedlab.ClientOptions(
         max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
     )
+    if replicas != 1 or router is not None or router_option:
+        _cluster(locals())
+        if replicas > 1:
+            return
     run = schedlab.run_real(
         policy,
         trace,
@@ -138,6 +153,69 @@ def run_real(
                 )
             )
     report_problems(run)
+
+
+def _cluster(a: dict) -> None:
+    """``--replicas N`` (N > 1): the trace through a real cluster (``schedlab.commands._cluster``)."""
+    import schedlab
+
+    from ..errors import SchedlabError
+
+    cluster = schedlab.ClusterOptions(
+        replicas=a["replicas"], router=a["router"], router_options=parse_options(a["router_option"])
+    )
+    the_router = cluster.make_router()
+    if a["replicas"] == 1:
+        return
+    for key in ("max_concurrency", "request_rate", "burstiness", "think_time", "slo"):
+        if a[key] is not None:
+            raise SchedlabError(
+                f"--{key.replace('_', '-')} does not go with --replicas (yet): the requests are sent at the trace's "
+                f"arrival times",
+                2,
+            )
+    if a["residuals"]:
+        raise SchedlabError("--residuals does not go with --replicas (yet): see each replica's run directory", 2)
+    if a["out"] is not None and a["out"].exists() and not a["out"].is_dir():
+        raise SchedlabError(f"--out {a['out']} exists and is not a directory")
+    pol = schedlab.policy(a["policy"], **parse_options(a["option"]))
+    tr = schedlab.load_trace(a["trace"], seed=a["seed"], tokenizer=_Uncounted())  # (the replicas count)
+    args = ["--policy", a["policy"], "--model", a["model"], "--dtype", a["dtype"], "--block-size", str(a["block_size"])]
+    args += ["--sampling", a["sampling"], "--seed", str(a["seed"]), "--model-seed", str(a["model_seed"])]
+    args += [x for o in a["option"] or [] for x in ("-o", o)]
+    for flag, value in (("--profile", a["profile"]), ("--kv-tokens", a["kv_tokens"]), ("--noise", a["noise"])):
+        args += [flag, str(value)] if value is not None else []
+    args += ["--no-calibrate"] * a["no_calibrate"] + ["--prefix-caching"] * a["prefix_caching"]
+    from ._cluster import run_real_cluster
+
+    problems = run_real_cluster(
+        tr,
+        a["replicas"],
+        the_router,
+        dict(cluster.router_options or {}),
+        args,
+        out=a["out"],
+        policy_name=getattr(pol, "name", type(pol).__name__),
+        ignore_eos=a["ignore_eos"],
+        quiet=a["quiet"],
+        sequential=a["profile"] is None and not a["no_calibrate"],
+        log=log_to_stderr("run-real", a["quiet"]),
+    )
+    for line in problems:
+        print(f"run-real: error: {line}", file=sys.stderr)
+    if problems:
+        raise typer.Exit(1)
+
+
+class _Uncounted:
+    """A stand-in tokenizer for a trace sent to a cluster as text: the replicas count its prompts
+    with the model's tokenizer; the counts it gives (one per byte) are never used."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode()) or [0]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return [b for m in messages for b in (m["role"] + m["content"]).encode()] or [0]
 
 
 def _progress(quiet: bool):

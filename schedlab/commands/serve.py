@@ -16,6 +16,10 @@ once the engine has warmed up and the clock runs. Between the two:
   ``trace.json``, the requests as they arrived (text, token counts, arrival times): the traffic
   the server saw, for ``simulate``/``validate`` to replay under any policy.
 
+``--replicas N`` (N > 1) runs N such servers as processes behind a front that routes each
+request with the simulator's routers (``schedlab.commands._cluster``); each replica answers
+``GET /state`` (what a router reads) and ``POST /prepare/...`` (a request checked and counted).
+
 Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` with server-sent events, ``stream_options.include_usage``).
 Bad input is an OpenAI-style error (``{"error": {"message", "type", "param", "code"}}``) with
@@ -43,7 +47,7 @@ import typer
 
 from ..errors import SchedlabError
 from ._app import BLOCK_SIZE_HELP, NOISE_HELP, PREFIX_HELP, log_to_stderr, make_app, parse_options, run_app
-from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server
+from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server, listening
 
 # ---------------------------------------------------------------------------- the command
 
@@ -52,14 +56,6 @@ serve_app = make_app(
     "(/v1/completions, /v1/chat/completions, /v1/models); on SIGINT/SIGTERM finish the requests in "
     "flight, print the `vllm bench serve` summary of what was served and write it with --out."
 )
-
-
-def _listening(http_server) -> tuple[str, int] | None:
-    for s in getattr(http_server, "servers", None) or []:
-        for sock in getattr(s, "sockets", None) or []:
-            host, port = sock.getsockname()[:2]
-            return host, port
-    return None
 
 
 @serve_app.command()
@@ -108,6 +104,19 @@ def serve(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="print nothing but the listening line, errors and warnings"
     ),
+    replicas: int = typer.Option(
+        1,
+        "--replicas",
+        help="replica processes behind a front that routes each request, each a serve on its share of the cores",
+    ),
+    router: Optional[str] = typer.Option(
+        None,
+        "--router",
+        help="with --replicas: which replica serves each request, as simulate --router (default round-robin)",
+    ),
+    router_option: Optional[List[str]] = typer.Option(
+        None, "--router-option", help="router option key=value (repeatable)"
+    ),
 ) -> None:
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
@@ -121,7 +130,38 @@ def serve(
     engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
+    cluster = schedlab.ClusterOptions(replicas=replicas, router=router, router_options=parse_options(router_option))
+    the_router = cluster.make_router()  # and a bad router
     _check_address(host, port)  # and so does an address in use (loading a model takes seconds)
+    if replicas > 1:  # N single-replica serves behind a front (schedlab.commands._cluster)
+        from ._cluster import serve_cluster
+
+        args = ["--policy", policy, "--model", model, "--dtype", dtype, "--max-tokens", str(max_tokens)]
+        args += ["--block-size", str(block_size), "--sampling", sampling, "--seed", str(seed)]
+        args += ["--model-seed", str(model_seed)] + [x for o in option or [] for x in ("-o", o)]
+        for flag, value in (
+            ("--served-model-name", served_model_name),
+            ("--profile", profile),
+            ("--kv-tokens", kv_tokens),
+            ("--noise", noise),
+        ):
+            args += [flag, str(value)] if value is not None else []
+        args += ["--no-calibrate"] * no_calibrate + ["--prefix-caching"] * prefix_caching
+        serve_cluster(
+            replicas,
+            the_router,
+            dict(cluster.router_options or {}),
+            args,
+            host=host,
+            port=port,
+            out=out,
+            policy_name=getattr(pol, "name", type(pol).__name__),
+            served_name=served_model_name,
+            quiet=quiet,
+            sequential=profile is None and not no_calibrate,  # the first calibrates, the rest find its profile
+            log=log_to_stderr("serve", quiet),
+        )
+        return
     eng = schedlab.load_engine(
         engine,
         replica=replica,
@@ -184,7 +224,7 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
         while not hs.started and t.is_alive():
             time.sleep(0.01)
         http.update(server=hs, thread=t)
-        where = _listening(hs) if hs.started else None
+        where = listening(hs) if hs.started else None
         if where is None:
             http["error"] = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
             source.close()
