@@ -55,8 +55,14 @@ class _Served:
         self.trace = _read_json(path / "trace.json")
         self.n = int(self.cluster["replicas"])
         reqs, toks, self.summaries, self.metas = [], [], [], []
+        self.missing = []  # replicas that wrote no run directory (killed: a process that dies writes nothing)
         for i in range(self.n):
             d = path / f"replica-{i}"
+            if not d.is_dir() and i > 0:
+                self.missing.append(i)
+                self.summaries.append(None)
+                self.metas.append(None)
+                continue
             self.summaries.append(_read_json(d / "summary.json"))
             self.metas.append(_read_json(d / "meta.json"))
             try:
@@ -136,10 +142,10 @@ def validate_served(
     s = sim.summary
     name = f"{policy} x{first.n} behind {first.cluster['router']}"
     total = compare(s, [r.total() for r in runs], policy=name, trace=str(tr))
-    per = [
-        compare(s["replicas"][i], [r.summaries[i] for r in runs], policy=f"{policy} replica {i}", trace=str(tr))
-        for i in range(first.n)
-    ]
+    per = []
+    for i in range(first.n):
+        mine = [r.summaries[i] for r in runs if r.summaries[i] is not None]
+        per.append(compare(s["replicas"][i], mine, policy=f"{policy} replica {i}", trace=str(tr)) if mine else None)
     # routing: each replica's share, and agreement request by request (on the first run's trace)
     sim_of = dict(zip(sim.requests["id"].astype(str), sim.requests["replica"]))
     routing = []
@@ -161,6 +167,7 @@ def validate_served(
         "policy": policy,
         "profile": prof,
         "shifts_s": [r.shifts for r in runs],
+        "missing_replicas": {str(r.path): r.missing for r in runs if r.missing},
         "total": total,
         "per_replica": per,
         "routing": {
@@ -181,8 +188,8 @@ def format_served(v: dict[str, Any]) -> str:
     from schedlab.analysis.validation import format_table
 
     parts = [format_table(v["total"])]
-    for p in v["per_replica"]:
-        parts.append(format_table(p))
+    for i, p in enumerate(v["per_replica"]):
+        parts.append(format_table(p) if p is not None else f"replica {i}: no run directory in any run (killed?)")
     share = " / ".join(f"{x:.2f}" for x in v["routing"]["sim_share"])
     lines = [f"routing: simulated share per replica {share}"]
     for r in v["routing"]["runs"]:
