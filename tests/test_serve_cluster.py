@@ -19,9 +19,11 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -441,6 +443,32 @@ def test_run_real_replays_a_trace_through_the_cluster(smol, tmp_path):
     assert texts == {f"q{i}": ref(smol, question=q) for i, q in enumerate(ASKED)}
     info = json.loads((out / "cluster.json").read_text())
     assert info["router"] == "round-robin" and [p["requests"] for p in info["per_replica"]] == [2, 2]
+    # and validate --served: the simulation of what was served, on 2 replicas behind round-robin
+    v = subprocess.run([*command("validate"), "--served", str(out), "--out", str(tmp_path / "v")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert v.returncode == 0, v.stderr
+    got = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert got["replicas"] == 2 and got["router"] == "round-robin" and got["policy"] == "vllm"
+    assert got["routing"]["sim_share"] == [0.5, 0.5] and got["routing"]["runs"][0]["same_replica"] == 1.0
+    total = got["total"]["metrics"]
+    real = [json.loads((out / f"replica-{i}" / "summary.json").read_text()) for i in (0, 1)]
+    # the cluster's measured TTFTs are the replicas' own, pooled (their clocks do not matter to latencies)
+    assert total["ttft_ms.p50"]["real"] == pytest.approx(
+        float(np.percentile([r["ttft_ms"] for r in rows_of(out)], 50)), rel=1e-9
+    )
+    assert [p["metrics"]["makespan_s"]["real"] for p in got["per_replica"]] == [r["makespan_s"] for r in real]
+    assert "routing: simulated share per replica 0.50 / 0.50" in v.stdout
+
+
+def rows_of(out: Path) -> list[dict]:
+    """Every finished request of a cluster's replicas (their requests.csv rows, ttft_ms as a number)."""
+    import csv
+
+    rows = []
+    for i in (0, 1):
+        with open(out / f"replica-{i}" / "requests.csv", newline="") as f:
+            rows += [{**r, "ttft_ms": float(r["ttft_ms"])} for r in csv.DictReader(f) if r["status"] == "finished"]
+    return rows
 
 
 def test_bad_cluster_options_are_one_line_errors(tmp_path):
