@@ -106,12 +106,25 @@ def smol():
 
 @pytest.fixture(scope="module")
 def server(smol, tmp_path_factory):
-    s = Served(
-        ["--policy", "vllm", "--no-calibrate", "--kv-tokens", str(KV), "--max-tokens", "24"],
+    s = Served(  # (no --no-calibrate: serving never calibrates unless --calibrate asks)
+        ["--policy", "vllm", "--kv-tokens", str(KV), "--max-tokens", "24"],
         tmp_path_factory.mktemp("served"),
     )
     yield s
     s.stop()
+
+
+def test_it_listens_without_calibrating_and_names_the_profile_it_plans_with(server):
+    """Serving needs no calibration (predictions do): with or without a profile measured here,
+    the server plans with the best it has and says which on its listening line."""
+    said = "".join(server.stderr)
+    assert "calibrat" not in said.lower().replace("--calibrate", ""), said
+    line = next(ln for ln in server.stderr if "listening on" in ln)
+    m = re.search(r"profile (\S+?\.json)( \(bundled: not measured on this model and machine; --calibrate measures one\))?\)$",
+                  line.strip())  # fmt: skip
+    assert m, line
+    bundled = m.group(2) is not None
+    assert bundled == ("no cost profile for model" in said)
 
 
 def expected(info, *, messages=None, prompt=None, max_tokens: int) -> tuple[str, int, str]:

@@ -80,12 +80,17 @@ def serve(
     profile: Optional[str] = typer.Option(
         None,
         "--profile",
-        help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, else calibrate first)",
+        help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, "
+        "else the bundled one; the listening line names it)",
+    ),
+    calibrate: bool = typer.Option(
+        False,
+        "--calibrate",
+        help="without a profile measured on this model and machine, calibrate one first (minutes; cached for "
+        "the next start) instead of planning with the bundled one",
     ),
     no_calibrate: bool = typer.Option(
-        False,
-        "--no-calibrate",
-        help="without a matching profile, use the bundled default profile instead of calibrating first",
+        False, "--no-calibrate", help="the default: never calibrate before serving (kept for scripts)"
     ),
     kv_tokens: Optional[int] = typer.Option(
         None, "--kv-tokens", help="KV cache capacity in tokens (default: the profile's)"
@@ -125,6 +130,8 @@ def serve(
         raise SchedlabError(f"--port must be 0..65535, got {port}", 2)
     if max_tokens < 1:
         raise SchedlabError(f"--max-tokens must be >= 1, got {max_tokens}", 2)
+    if calibrate and (no_calibrate or profile is not None):
+        raise SchedlabError(f"--calibrate does not go with {'--no-calibrate' if no_calibrate else '--profile'}", 2)
     if out is not None and out.exists() and not out.is_dir():
         raise SchedlabError(f"--out {out} exists and is not a directory")
     engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
@@ -146,7 +153,7 @@ def serve(
             ("--noise", noise),
         ):
             args += [flag, str(value)] if value is not None else []
-        args += ["--no-calibrate"] * no_calibrate + ["--prefix-caching"] * prefix_caching
+        args += ["--calibrate"] * calibrate + ["--prefix-caching"] * prefix_caching
         serve_cluster(
             replicas,
             the_router,
@@ -158,7 +165,7 @@ def serve(
             policy_name=getattr(pol, "name", type(pol).__name__),
             served_name=served_model_name,
             quiet=quiet,
-            sequential=profile is None and not no_calibrate,  # the first calibrates, the rest find its profile
+            sequential=profile is None and calibrate,  # the first calibrates, the rest find its profile
             log=log_to_stderr("serve", quiet),
         )
         return
@@ -166,7 +173,7 @@ def serve(
         engine,
         replica=replica,
         profile=profile,
-        no_calibrate=no_calibrate,
+        no_calibrate=not calibrate,  # serving needs no calibration; predictions do (--calibrate)
         seed=seed,
         require_tokenizer=True,
         log=log_to_stderr("serve", quiet),
@@ -229,9 +236,12 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
             http["error"] = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
             source.close()
             return
+        prof = Path(str(eng.cost_model.source.get("profile"))).name
+        elsewhere = any(n.startswith("no cost profile for model") for n in eng.notes)
         print(
             f"serve: listening on http://{where[0]}:{where[1]} (policy {getattr(pol, 'name', type(pol).__name__)}, "
-            f"model {name}, KV {eng.kv_tokens} tokens)",
+            f"model {name}, KV {eng.kv_tokens} tokens, profile {prof}"
+            f"{' (bundled: not measured on this model and machine; --calibrate measures one)' if elsewhere else ''})",
             file=sys.stderr,
             flush=True,
         )
