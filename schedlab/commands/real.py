@@ -185,7 +185,9 @@ def _cluster(a: dict) -> None:
     args += [x for o in a["option"] or [] for x in ("-o", o)]
     for flag, value in (("--profile", a["profile"]), ("--kv-tokens", a["kv_tokens"]), ("--noise", a["noise"])):
         args += [flag, str(value)] if value is not None else []
-    args += ["--no-calibrate"] * a["no_calibrate"] + ["--prefix-caching"] * a["prefix_caching"]
+    # run-real calibrates first where no profile matches, as with one replica (serve only with --calibrate)
+    calibrate = a["profile"] is None and not a["no_calibrate"]
+    args += ["--calibrate"] * calibrate + ["--prefix-caching"] * a["prefix_caching"]
     from ._cluster import run_real_cluster
 
     problems = run_real_cluster(
@@ -198,7 +200,7 @@ def _cluster(a: dict) -> None:
         policy_name=getattr(pol, "name", type(pol).__name__),
         ignore_eos=a["ignore_eos"],
         quiet=a["quiet"],
-        sequential=a["profile"] is None and not a["no_calibrate"],
+        sequential=calibrate,  # (the first replica calibrates, the others find its profile)
         log=log_to_stderr("run-real", a["quiet"]),
     )
     for line in problems:
