@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=common.result_path("cluster_fidelity"))
+    ap.add_argument("--validate-only", action="store_true", help="the runs are in --work already: compare only")
     args = ap.parse_args()
     routers = args.routers.split(",")
     work = args.work or Path(tempfile.mkdtemp(prefix="cluster-fidelity-"))
@@ -44,6 +45,9 @@ def main() -> None:
     for k in range(args.rounds):
         for router in routers:
             d = work / f"{router}-{k + 1}"
+            if args.validate_only:
+                runs[router].append(d)
+                continue
             cmd = ["schedlab", "run-real", "--policy", args.policy, "--model", args.model, "--trace", args.trace,
                    "--replicas", "2", "--router", router, "--out", str(d), "-q"]  # fmt: skip
             t0 = time.perf_counter()
@@ -67,6 +71,7 @@ def main() -> None:
             "median_abs_error_pct": total["median_abs_error_pct"],
             "max_abs_error_pct": total["max_abs_error_pct"],
             "hold_one_out": total.get("hold_one_out"),
+            "per_run": total.get("per_run"),
             "metrics": total["metrics"],
             "per_replica": [
                 {
@@ -77,7 +82,7 @@ def main() -> None:
             ],
             "routing": v["routing"],
             "profile": v["profile"],
-            "run_wall_s": walls[router],
+            "run_wall_s": walls[router] or None,
         }
     out = {
         "bench": "cluster_fidelity",

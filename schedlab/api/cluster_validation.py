@@ -84,6 +84,19 @@ class _Served:
             diffs = [front[k] - a for k, a in zip(mine["id"], mine["arrival_s"]) if k in front]
             self.shifts[i] = statistics.median(diffs) if diffs else 0.0
 
+    def step_ratio(self) -> float | None:
+        """The median over every replica's steps of measured / predicted seconds: how fast the
+        machine ran against the profile during this run (1: as calibrated)."""
+        import pandas as pd
+
+        ratios = []
+        for i in range(self.n):
+            f = self.path / f"replica-{i}" / "steps.parquet"
+            if f.exists():
+                s = pd.read_parquet(f, columns=["predicted_s", "measured_s"]).dropna()
+                ratios += (s["measured_s"] / s["predicted_s"]).tolist()
+        return float(statistics.median(ratios)) if ratios else None
+
     def total(self) -> dict[str, Any]:
         from schedlab.analysis.validation import tables_summary
 
@@ -141,7 +154,17 @@ def validate_served(
     )
     s = sim.summary
     name = f"{policy} x{first.n} behind {first.cluster['router']}"
-    total = compare(s, [r.total() for r in runs], policy=name, trace=str(tr))
+    totals = [r.total() for r in runs]
+    total = compare(s, totals, policy=name, trace=str(tr))
+    # each run alone against the simulation, beside how fast its steps went
+    total["per_run"] = [
+        {
+            "dir": str(r.path),
+            "median_abs_error_pct": compare(s, [t], policy=name, trace=str(tr))["median_abs_error_pct"],
+            "step_ratio": r.step_ratio(),
+        }
+        for r, t in zip(runs, totals)
+    ]
     per = []
     for i in range(first.n):
         mine = [r.summaries[i] for r in runs if r.summaries[i] is not None]
@@ -156,6 +179,7 @@ def validate_served(
                 "dir": str(r.path),
                 "real_share": [sum(1 for _, j in both if j == i) / max(len(both), 1) for i in range(first.n)],
                 "same_replica": sum(1 for k, j in both if sim_of[k] == j) / max(len(both), 1),
+                "step_ratio": r.step_ratio(),
             }
         )
     result = {
@@ -193,9 +217,10 @@ def format_served(v: dict[str, Any]) -> str:
     share = " / ".join(f"{x:.2f}" for x in v["routing"]["sim_share"])
     lines = [f"routing: simulated share per replica {share}"]
     for r in v["routing"]["runs"]:
+        speed = f"; its steps took x{r['step_ratio']:.2f} their predicted time" if r.get("step_ratio") else ""
         lines.append(
             f"  {r['dir']}: real share {' / '.join(f'{x:.2f}' for x in r['real_share'])}, "
-            f"same replica as simulated for {100 * r['same_replica']:.0f} % of requests"
+            f"same replica as simulated for {100 * r['same_replica']:.0f} % of requests{speed}"
         )
     parts.append("\n".join(lines))
     return "\n\n".join(parts)
