@@ -3,7 +3,10 @@ keep calibrations made by the tests (run-real and validate calibrate a model wit
 profile first) in a cache of this test session, shared by the commands the tests start."""
 
 import os
+import subprocess
 import tempfile
+
+import pytest
 
 os.environ.setdefault("SCHEDLAB_CACHE_DIR", tempfile.mkdtemp(prefix="schedlab-test-cache-"))
 
@@ -11,3 +14,31 @@ try:
     from schedlab import engine  # noqa: F401
 except ImportError:  # pragma: no cover - the engine needs mlx; sim tests don't
     pass
+
+
+@pytest.fixture(scope="session")
+def micro_quick_calibration(tmp_path_factory):
+    """``schedlab calibrate --quick --model micro --out DIR/micro.json -q``, run once for the test
+    session (the same command in test_calibrate_validate and test_fidelity, ~15 s on 2 cores):
+    the completed process and the profile's path. Tests only read the profile."""
+    from simkit import command
+
+    out = tmp_path_factory.mktemp("micro-quick") / "micro.json"
+    proc = subprocess.run(
+        [*command("calibrate"), "--quick", "--model", "micro", "--out", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return proc, out
+
+
+@pytest.fixture(scope="session")
+def synthetic_build(tmp_path_factory):
+    """``python -m schedlab.traces.build --out DIR --synthetic-only`` (``traces.build.main``), run
+    once for the test session (~10 s: sonnet.json's prompts counted with SmolLM2's tokenizer):
+    its exit status and DIR. test_traces and test_datasets compare its files to the shipped ones."""
+    from schedlab.traces import build as tbuild
+
+    out = tmp_path_factory.mktemp("synthetic-build") / "data"
+    return tbuild.main(["--out", str(out), "--synthetic-only"]), out

@@ -219,9 +219,8 @@ def test_hold_one_out_puts_the_simulation_where_a_real_run_stands():
 
 
 @pytest.fixture(scope="module")
-def micro_profile(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cal") / "micro.json"
-    proc = cli("calibrate", "--quick", "--model", "micro", "--out", str(out), "-q")
+def micro_profile(micro_quick_calibration) -> Path:
+    proc, out = micro_quick_calibration  # calibrate --quick --model micro --out OUT -q (conftest: once a session)
     assert proc.returncode == 0, proc.stderr
     assert "held-out passes" in proc.stdout
     return out
@@ -453,11 +452,14 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
     from schedlab.analysis.validation import speed_line
 
     info = load_model("micro")
-    prof = calibrate_default(info, replay_s=2.0, keep=tmp_path / "replay")
+    # short: 1 s replays (~30 requests, ~300 steps each), and one round of the quick grid (a round
+    # always completes; a zero budget stops the next)
+    prof = calibrate_default(info, replay_s=1.0, grid_budget_s=0.0, keep=tmp_path / "replay")
+    assert prof["calibration"]["grid"]["rounds"] == 1
     assert prof["calibration"]["kind"] == "grid+replay"
     assert prof["allocator"] == {"malloc_keep": False, "mlx_cache": None}  # the grid's, kept by the joint fit
     # the grid's own fit draws the very trace the calibration replayed
-    again = replay_trace(LinearCostModel(grid_coefficients(prof)), 2.0, 0)
+    again = replay_trace(LinearCostModel(grid_coefficients(prof)), 1.0, 0)
     kept = pd.read_csv(tmp_path / "replay" / "mlx-default" / "requests.csv")
     assert [r.prompt_tokens for r in again] == kept["prompt_tokens"].tolist()
     assert [r.output_tokens for r in again] == kept["output_tokens"].tolist() and len(again) >= 4

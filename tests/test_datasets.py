@@ -321,7 +321,7 @@ def test_spec_parsing_and_options():
 
 
 @pytest.mark.slow
-def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
+def test_build_sonnet_json_from_the_dataset(synthetic_build, tmp_path, monkeypatch):
     from schedlab.traces import build as tbuild
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
@@ -337,8 +337,8 @@ def test_build_sonnet_json_from_the_dataset(tmp_path, monkeypatch):
     assert [(r.id, r.arrival_s) for r in tr.requests] == [(r.id, r.arrival_s) for r in shipped.requests]
     assert (out / "sonnet.txt").read_bytes() == SONNET_FILE.read_bytes()
     # without the tokenizer the bundled token-count sonnet.json is rebuilt as shipped
-    plain = tmp_path / "plain"
-    assert tbuild.main(["--out", str(plain), "--synthetic-only"]) == 0
+    rc, plain = synthetic_build  # main(["--out", PLAIN, "--synthetic-only"]) (conftest: once a session)
+    assert rc == 0
     assert (plain / "sonnet.json").read_bytes() == (SONNET_FILE.parent / "sonnet.json").read_bytes()
     assert tbuild.main(["--out", str(tmp_path / "x"), "--synthetic-only", "--sonnet-tokenizer", "nope"]) == 1
     assert (

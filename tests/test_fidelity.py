@@ -332,7 +332,9 @@ def test_run_real_writes_features_and_prints_the_running_bias(recorded):
 
 
 @pytest.mark.slow
-def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(recorded, tmp_path):
+def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(
+    recorded, micro_quick_calibration, tmp_path
+):
     from schedlab.analysis.runfit import load_runs, predict
     from schedlab.sim.features import read_features
 
@@ -378,8 +380,7 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(re
     t = read_features(d)
     assert np.allclose(predict(coef, t), t["predicted_s"], rtol=1e-9, atol=1e-12)
     # with the grid underneath: a joint fit with the grid's passes as rows, its samples kept for speed checks
-    grid = tmp_path / "grid.json"
-    proc = cli("calibrate", "--quick", "--model", "micro", "--out", str(grid), "-q")
+    proc, grid = micro_quick_calibration  # calibrate --quick --model micro --out GRID -q (conftest: once a session)
     assert proc.returncode == 0, proc.stderr
     both = tmp_path / "both.json"
     proc = cli("calibrate", "--from-runs", *map(str, dirs), "--grid", str(grid), "--out", str(both))

@@ -593,9 +593,9 @@ def test_build_regenerates_every_bundled_file_byte_identical(source, tmp_path):
 
 
 @pytest.mark.slow
-def test_build_synthetic_only_matches_and_mixed_rate_override(tmp_path):
-    same = tmp_path / "same"
-    assert tbuild.main(["--out", str(same), "--synthetic-only"]) == 0
+def test_build_synthetic_only_matches_and_mixed_rate_override(synthetic_build, tmp_path):
+    rc, same = synthetic_build  # main(["--out", SAME, "--synthetic-only"]) (conftest: once a session)
+    assert rc == 0
     for name in tbuild.SYNTHETIC:
         assert (same / name).read_bytes() == (DATA_DIR / name).read_bytes(), name
     fast = tmp_path / "fast"
