@@ -20,6 +20,7 @@ Any problem is a one-line :class:`~engine.errors.EngineError`.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -235,6 +236,20 @@ def render_chat_template(
 ) -> str:
     """Render a Hugging Face chat template (sandboxed Jinja, trim_blocks/lstrip_blocks)."""
     import jinja2
+
+    try:
+        return _compiled_template(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise EngineError(f"chat template failed: {_one_line(exc)}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str):
+    """A chat template compiled once (compiling is most of a render: a trace of chats renders
+    the same template thousands of times)."""
+    import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -249,12 +264,7 @@ def render_chat_template(
     )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
-        )
-    except jinja2.exceptions.TemplateError as exc:
-        raise EngineError(f"chat template failed: {_one_line(exc)}") from None
+    return env.from_string(template)
 
 
 # ---------------------------------------------------------------------- GGUF metadata
