@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from operator import add, itemgetter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
 from schedlab.policies.base import parse_option
@@ -158,6 +159,18 @@ class RouterBase:
 
     def route(self, view: ClusterView) -> int:
         raise NotImplementedError
+
+
+@dataclass
+class SeededRouter(RouterBase):
+    """A router that draws at random: ``seed`` (an option) seeds its own generator, ``_rng``;
+    the same seed, the same choices."""
+
+    seed: int = 0
+    _rng: random.Random = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
 
 
 def _coerce(router: str, key: str, raw: Any, default: Any) -> Any:

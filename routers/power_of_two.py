@@ -4,20 +4,14 @@ least-requests' balance for two looks instead of N."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .base import ClusterView, RouterBase
+from .base import ClusterView, SeededRouter
 
 
 @dataclass
-class PowerOfTwo(RouterBase):
+class PowerOfTwo(SeededRouter):
     name = "power-of-two"
-    seed: int = 0
-    _rng: random.Random = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
 
     def route(self, view: ClusterView) -> int:
         up = view.up()

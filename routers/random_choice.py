@@ -3,20 +3,14 @@
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .base import ClusterView, RouterBase
+from .base import ClusterView, SeededRouter
 
 
 @dataclass
-class Random(RouterBase):
+class Random(SeededRouter):
     name = "random"
-    seed: int = 0
-    _rng: random.Random = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
 
     def route(self, view: ClusterView) -> int:
         up = view.up()

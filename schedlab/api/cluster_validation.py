@@ -19,6 +19,7 @@ reports for one replica.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -84,6 +85,7 @@ class _Served:
             diffs = [front[k] - a for k, a in zip(mine["id"], mine["arrival_s"]) if k in front]
             self.shifts[i] = statistics.median(diffs) if diffs else 0.0
 
+    @functools.cached_property
     def step_ratio(self) -> float | None:
         """The median over every replica's steps of measured / predicted seconds: how fast the
         machine ran against the profile during this run (1: as calibrated)."""
@@ -161,7 +163,7 @@ def validate_served(
         {
             "dir": str(r.path),
             "median_abs_error_pct": compare(s, [t], policy=name, trace=str(tr))["median_abs_error_pct"],
-            "step_ratio": r.step_ratio(),
+            "step_ratio": r.step_ratio,
         }
         for r, t in zip(runs, totals)
     ]
@@ -179,7 +181,7 @@ def validate_served(
                 "dir": str(r.path),
                 "real_share": [sum(1 for _, j in both if j == i) / max(len(both), 1) for i in range(first.n)],
                 "same_replica": sum(1 for k, j in both if sim_of[k] == j) / max(len(both), 1),
-                "step_ratio": r.step_ratio(),
+                "step_ratio": r.step_ratio,
             }
         )
     result = {

@@ -41,7 +41,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest  # (module level: FastAPI resolves handler annotations here)
 
 from ..errors import SchedlabError
-from ._http import APIError, listening, openai_app
+from ._http import APIError, listening, models_body, openai_app
 
 POLL_S = 0.05  # how often the main thread looks at the replica processes
 PROBE_S = 0.5  # how often a replica down after a connection error (its process alive) is tried again
@@ -474,10 +474,7 @@ class Front:
 
         @app.get("/v1/models")
         async def models():
-            return {
-                "object": "list",
-                "data": [{"id": front.model_name, "object": "model", "created": 0, "owned_by": "schedlab"}],
-            }
+            return models_body(front.model_name)
 
         @app.get("/metrics")
         async def metrics():

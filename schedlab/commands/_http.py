@@ -38,6 +38,11 @@ def openai_app(title: str):
     return app, error
 
 
+def models_body(name: str) -> dict[str, Any]:
+    """``GET /v1/models``: the one model served, as OpenAI lists models."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "schedlab"}]}
+
+
 def listening(http_server) -> tuple[str, int] | None:
     """Where a started uvicorn server listens: (host, port), or None."""
     for s in getattr(http_server, "servers", None) or []:
@@ -547,10 +552,7 @@ class Server:
 
         @app.get("/v1/models")
         async def models():
-            return {
-                "object": "list",
-                "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "schedlab"}],
-            }
+            return models_body(server.model_name)
 
         async def handle(http: HTTPRequest, chat: bool):
             try:
