@@ -18,10 +18,18 @@ such terms). Neither touches the steps that run back to back. Its ``after_wake_s
 charged for the k-th step after such a step (k >= 1), when the model ``has_after_wake``: a
 machine that sat idle runs slower for a while. (``policies.base.CostModel`` declares them; any
 other object with ``pass_seconds`` and ``step_overhead_seconds`` runs as one without such terms.)
+
+A request whose client goes away (``Request.cancel_after_s`` after its arrival in a trace, or
+``ReplicaLoop.cancel`` from a live server) is ended before the first step that starts at or after
+that time, whatever its phase (``ReplicaState.cancel``: its KV freed, a partial prefill no longer
+planned); a run of bulk decode steps stops there as it does at an arrival.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from bisect import bisect_right
 from itertools import repeat as _repeat
@@ -267,6 +275,8 @@ def run(
         token_keys=token_keys,
         record_passes=record_passes,
     )
+    if hasattr(source, "replica_cancel"):  # a source that hears of clients going away (LiveSource)
+        source.replica_cancel = replica.cancel
     env = replica.env
     wall0 = time.perf_counter()
     replica.backend.start(replica.state, source.requests)  # warm-up happens before the clock starts
@@ -344,7 +354,7 @@ class ReplicaLoop:
             prefix_caching=prefix_caching,
             token_keys=token_keys,
         )
-        self.steps = StepLog()
+        self.steps = self.state.steps = StepLog()
         self.pass_log = PassLog()
         self.next_arrival = next_arrival
         self.finished = finished
@@ -360,6 +370,11 @@ class ReplicaLoop:
         self._wake = None  # the event the idle replica waits on, if it is waiting
         self.fail_at: float | None = None
         self.failed = False
+        # cancellations to come, a min-heap of (time, order, request id): a request's client goes
+        # away (``Request.cancel_after_s`` after it arrived, or ``cancel`` now); the replica ends
+        # it at the first step that starts at or after that time
+        self._cancels: list[tuple[float, int, str]] = []
+        self._cancel_order = itertools.count()
 
     def deliver(self, req: Request) -> RequestState | None:
         """``req`` arrives now: into the waiting queue (and the replica woken), or refused at
@@ -369,10 +384,32 @@ class ReplicaLoop:
         if r is None:
             self.finished(state.rejected[-1][0], self.env.now)
             return None
+        if req.cancel_after_s is not None:
+            heapq.heappush(self._cancels, (req.arrival_s + req.cancel_after_s, next(self._cancel_order), req.id))
         wake = self._wake
         if wake is not None and not wake.triggered:
             wake.succeed()
         return r
+
+    def cancel(self, rid: str) -> None:
+        """Request ``rid``'s client went away now: the replica ends it before its next step,
+        whatever its phase (nothing happens if it is unknown here or already finished)."""
+        heapq.heappush(self._cancels, (-math.inf, next(self._cancel_order), rid))
+        wake = self._wake
+        if wake is not None and not wake.triggered:
+            wake.succeed()
+
+    def _cancel_due(self, t: float) -> bool:
+        """End the requests whose cancellation is due by ``t``; whether any was ended."""
+        cancels, state = self._cancels, self.state
+        ended = False
+        while cancels and cancels[0][0] <= t:
+            r = state.cancel(heapq.heappop(cancels)[2], t)
+            if r is not None:
+                ended = True
+                self.backend.release(r)
+                self.finished(r, t)
+        return ended
 
     def close(self) -> None:
         """No more requests will come: the replica finishes what it has, then its process ends."""
@@ -434,12 +471,15 @@ class ReplicaLoop:
         # exactly once per step, as if the steps were planned one by one
         lookahead = cost_model.has_run_formula
         deadline = self.fail_at if self.fail_at is not None else float("inf")
+        cancels = self._cancels
 
         def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
             """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
             decode pass until a row is about to finish, a request arrives, or ``repeat`` runs out.
             Every step is recorded (and timed) as if it had been planned on its own."""
             nxt = next_arrival()
+            if cancels and (nxt is None or cancels[0][0] < nxt):
+                nxt = cancels[0][0]  # (a cancellation ends the run as an arrival does)
             k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)
             if k <= 0 or (nxt is not None and nxt <= t_end):
                 return t_end
@@ -485,6 +525,10 @@ class ReplicaLoop:
             if t0 >= deadline or self.failed:
                 self.failed = True
                 return
+            if cancels and cancels[0][0] <= t0 and self._cancel_due(t0):
+                if record is not None:
+                    record(t0)
+                continue  # (the queues changed: the policy sees them as they are now)
             view.now = t0
             view.step_index = state.step_index
             try:
@@ -506,12 +550,17 @@ class ReplicaLoop:
                     if t_end is not None:
                         idle_from = t_end
                     self._wake = wake = env.event()
-                    yield wake
+                    if cancels:  # ... or a cancellation's time
+                        yield env.any_of([wake, env.timeout(max(cancels[0][0] - env.now, 0.0))])
+                    else:
+                        yield wake
                     self._wake = None
                     if self.failed:
                         return
                     t_end = None
                     clock.woke()
+                    if not wake.triggered:  # woken by a cancellation's time, not an arrival
+                        continue
                     if after_wake is not None:
                         since_wake = 0  # the next step is the wake's own
                     arrived = env.now  # the arrival's time (the wall clock is a little later)

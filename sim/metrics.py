@@ -89,7 +89,13 @@ def _request_rows(result) -> list[tuple]:
     for r in result.requests:
         a = r.arrival_s
         sched = scheduled.get(r.id, a) if scheduled else a
-        if r.finish_s is not None:
+        if getattr(r, "cancelled_s", None) is not None:  # its client went away: no latency of its own counts
+            out.append(
+                (r.id, a, r.prompt_tokens, r.output_tokens, r.first_token_s, r.finish_s)
+                + (None,) * 4
+                + ("cancelled", r.preemptions, r.recomputed_tokens, r.cached_tokens, sched)
+            )
+        elif r.finish_s is not None:
             o = r.output_tokens
             f, e = r.first_token_s, r.finish_s
             span = e - f
@@ -219,6 +225,9 @@ def summarize(
         "wall_s": result.wall_s,
     }
     # what only some runs have: keys appear when there is something to report
+    cancelled = sum(1 for row in table if row[_STATUS] == "cancelled")
+    if cancelled:
+        summary["cancelled"] = cancelled
     preempted = [r for r in result.requests if r.preemptions]
     if preempted:
         summary["preemptions"] = sum(r.preemptions for r in preempted)
@@ -296,6 +305,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
     kv("Successful requests:", s["finished"])
     if s.get("rejected"):
         kv("Rejected requests:", s["rejected"])
+    if s.get("cancelled"):
+        kv("Cancelled requests:", s["cancelled"])
     clients = s.get("clients")
     if clients:
         if clients.get("max_concurrency") is not None:

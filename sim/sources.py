@@ -16,7 +16,7 @@ plug in the same way (``ClientSource``: closed-loop clients). The protocol:
   its warm-up and checks prompt lengths against the model with them.
 
 ``LiveSource``: requests handed in from other threads while the replica runs (an HTTP
-server's), on the wall clock.
+server's), on the wall clock, and cancellations (a client that went away).
 """
 
 from __future__ import annotations
@@ -205,7 +205,12 @@ class LiveSource:
         self.on_ready = on_ready
         self.on_finish = on_finish
         self.received: list[Request] = []
+        # request id -> when its client went away (the clock's time), as ``cancel`` heard it
+        self.cancelled: dict[str, float] = {}
+        # where cancellations go: the replica loop's ``cancel`` (``sim.loop.run`` sets it)
+        self.replica_cancel: Callable[[str], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # stamps and queues in one order
         self._running = False
         self._closed = False
@@ -221,6 +226,15 @@ class LiveSource:
             r = replace(request, arrival_s=self.clock.now())
             self._queue.put(r)
         return r
+
+    def cancel(self, rid: str) -> None:
+        """Request ``rid``'s client went away (any thread): the replica ends it at its next step,
+        wherever it is (waiting, prefilling, decoding); the time is kept in ``cancelled``."""
+        with self._lock:
+            if rid in self.cancelled:
+                return
+            self.cancelled[rid] = self.clock.now()
+            self._cancels.put(rid)
 
     def close(self) -> None:
         with self._lock:
@@ -240,6 +254,13 @@ class LiveSource:
                     break
                 self.received.append(r)
                 deliver(r)
+            while True:  # (after the arrivals: a request is delivered before its cancellation)
+                try:
+                    rid = self._cancels.get_nowait()
+                except queue.Empty:
+                    break
+                if self.replica_cancel is not None:
+                    self.replica_cancel(rid)
             with self._lock:
                 if self._closed and q.empty():
                     return

@@ -93,6 +93,7 @@ class RequestState:
         "cached_tokens",
         "_high",
         "_blk",
+        "cancelled_s",
     )
 
     def __init__(self, req: Request, index: int):
@@ -122,6 +123,7 @@ class RequestState:
         self.cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self._high = 0  # most KV tokens it ever held (set at preemption)
         self._blk: Blocks | None = None  # its blocks in the prefix cache, if there is one
+        self.cancelled_s: float | None = None  # when it was cancelled (its client went away)
 
     # read-only to policies; attrgetter keeps the getters in C (the simulator's hot path)
     phase = property(attrgetter("_phase"))
@@ -380,6 +382,7 @@ class ReplicaState:
         self.kv_reserved = 0
         self.finished = 0
         self.step_index = 0
+        self.steps = None  # the StepLog of the loop running it (sim.loop; serve's /metrics reads it live)
         # Work done, cumulative, by steps alone (arrivals never move them), so that what is
         # outstanding at any time is what arrived minus these (a cluster's router reads them):
         # prompt tokens put into the KV cache, less what preemptions gave back to compute again
@@ -464,6 +467,43 @@ class ReplicaState:
         else:
             r._left = 1
         self._shaped = self._shaped._replace(finishing=self._shaped.finishing + 1)  # (shape counted it as going on)
+
+    def cancel(self, rid: str, now: float) -> RequestState | None:
+        """Its client went away: end request ``rid`` now, between two steps, in whatever phase
+        (waiting, prefilling, decoding). Its KV is freed at once, its reservation given back; it
+        is finished (``finish_s``, ``cancelled_s``: ``now``) with the tokens it produced. Returns
+        it, or None when there is nothing to end (unknown here, refused, or already finished)."""
+        r = self.by_id.get(rid)
+        if r is None or r._phase is FINISHED:
+            return None
+        phase = r._phase
+        self._shaped = _UNCHECKED
+        self._last_decode = None
+        if phase is WAITING:
+            if rid not in self.waiting:  # (refused on arrival: never queued)
+                return None
+            del self.waiting[rid]
+        else:
+            if phase is PREFILLING:
+                del self.prefilling[rid]
+            else:
+                del self.decoding[rid]
+            del self.running[rid]
+            self._leave(r)  # (before its counters change)
+            kv = r.kv_tokens
+            self.kv_used -= kv
+            self._free(r, kv)
+            self.kv_reserved -= r._reserved
+            r._reserved = 0
+        # what it will never compute or produce is done, for what is outstanding
+        self.prompt_done += r._target - r._prefilled
+        self.output_done += r._left
+        r.output_tokens -= r._left
+        r._left = 0
+        r._phase = FINISHED
+        r.finish_s = r.cancelled_s = now
+        self.finished += 1
+        return r
 
     def _blocks_of(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

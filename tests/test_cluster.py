@@ -377,6 +377,9 @@ def test_every_request_is_answered_once_by_one_replica(d):
                 assert j in dies and f"replica {j} failed at" in why, why
                 had = sum(t <= dies[j] for t in r.token_times)
                 assert ("after" in why) == (had > 0) and (had > 0 or r.id in retried or "no replica is up" in why)
+        elif r.cancelled_s is not None:  # its client went away: ended early, on its replica
+            assert r.finish_s == r.cancelled_s and len(r.token_times) == r.output_tokens < want[r.id]
+            assert j not in dies or r.finish_s <= dies[j]
         else:
             assert r.finish_s is not None and len(r.token_times) == want[r.id] == r.output_tokens
             assert r.first_token_s >= r.arrival_s
@@ -401,7 +404,8 @@ def test_the_work_counters_are_what_is_outstanding_at_every_step(d):
         # (not remaining_prompt: a waiting request's cached prefix is not in its KV cache yet)
         left = sum(r.prefill_target - r.prefilled for r in live)
         assert sum(r.prompt_tokens for r in sent) - state.prompt_done == left
-        assert sum(r.output_tokens for r in sent) - state.output_done == sum(r.tokens_left for r in live)
+        # (as sent: a cancelled request's output_tokens are what it produced before its end)
+        assert sum(r.request.output_tokens for r in sent) - state.output_done == sum(r.tokens_left for r in live)
 
     res = run(
         d["reqs"],

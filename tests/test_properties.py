@@ -82,7 +82,9 @@ def traces_(draw, min_n=1, max_output=30):
             prompt = draw(st.integers(1, 120))
         out = draw(st.integers(1, max_output))
         rid = f"r{i}"
-        reqs.append(Request(rid, round(t, 6), prompt, out, pid))
+        # some clients go away: before their first step, mid-prefill, mid-decode, or after the end
+        cancel = draw(st.one_of(st.none(), st.none(), st.sampled_from([0.0, 0.001, 0.004, 0.02, 0.1, 0.5])))
+        reqs.append(Request(rid, round(t, 6), prompt, out, pid, cancel_after_s=cancel))
         # token ids for token-key hashing: a common stem, cut at a random point, then own ids
         stem = draw(st.integers(0, prompt))
         ids[rid] = list(range(1000, 1000 + stem)) + [i * 10_000 + k for k in range(prompt - stem)]
@@ -209,6 +211,14 @@ def check_run(d: Draw) -> None:
     for r in res.requests:
         if r.id in too_big:
             assert r.finish_s is None and not r.token_times
+            continue
+        if r.cancelled_s is not None:  # ended by its client, at a step's start, never early
+            event("some cancelled")
+            cancel = by_id[r.id].cancel_after_s
+            assert cancel is not None and r.cancelled_s >= r.arrival_s + cancel
+            assert r.phase.value == "finished" and r.finish_s == r.cancelled_s
+            assert r.generated == len(r.token_times) == r.output_tokens < by_id[r.id].output_tokens
+            assert all(t <= r.cancelled_s for t in r.token_times)
             continue
         # finished exactly once, with exactly its output tokens (preempted or not)
         assert r.phase.value == "finished" and r.finish_s == r.token_times[-1]

@@ -13,6 +13,8 @@ JSON form::
 
 ``id`` may be a string or an integer (kept as its string); ``prefix_ids`` is optional
 (Mooncake's 512-token prefix block hashes). ``output_tokens`` is the request's max_tokens.
+``cancel_after_s`` (optional): its client went away that many seconds after it arrived; the
+replica ends it at its next step (``serve`` records it for every request a client abandoned).
 
 A request's prompt is a token count (``prompt_tokens``), text (``prompt``: one string, or
 ``messages``: a chat, a list of ``{"role", "content"}`` objects), or both. A request with
@@ -49,6 +51,7 @@ class Request:
     prefix_ids: tuple[int, ...] | None = None
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
+    cancel_after_s: float | None = None
 
     @property
     def has_text(self) -> bool:
@@ -71,6 +74,8 @@ class Request:
             row["prompt"] = self.prompt
         if self.messages is not None:
             row["messages"] = self.chat()
+        if self.cancel_after_s is not None:
+            row["cancel_after_s"] = self.cancel_after_s
         return row
 
 
@@ -183,6 +188,11 @@ def request_from_json(row: Any, index: int, where: str) -> Request:
     if messages is not None:
         messages = messages_from_json(messages, at)
     counted = row.get("prompt_tokens") is not None or (prompt is None and messages is None)
+    cancel = row.get("cancel_after_s")
+    if cancel is not None and (
+        isinstance(cancel, bool) or not isinstance(cancel, (int, float)) or not (math.isfinite(cancel) and cancel >= 0)
+    ):
+        raise TraceError(f"{at}: 'cancel_after_s' must be a finite number >= 0, got {_short(cancel)}")
     return Request(
         id=str(rid),
         arrival_s=float(arrival),
@@ -191,6 +201,7 @@ def request_from_json(row: Any, index: int, where: str) -> Request:
         prefix_ids=prefix,
         prompt=prompt,
         messages=messages,
+        cancel_after_s=None if cancel is None else float(cancel),
     )
 
 
