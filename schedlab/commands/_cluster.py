@@ -402,7 +402,7 @@ class Front:
             data = await resp.aread()
             await resp.aclose()
             self._sent(r, rec, -1)  # (not submitted there)
-            raise _upstream_error(resp.status_code, data)
+            raise _upstream_error(resp.status_code, data, resp.headers.get("retry-after"))
         rec.replica = r.index
         rec.replicas.append(r.index)
         return r, resp
@@ -645,6 +645,7 @@ class Front:
         from fastapi.responses import JSONResponse, Response
 
         parts: list[str] = []
+        logprobs: list[dict] = []  # the chunks' logprobs, for a request that asked for them
         try:
             async for item in agen:
                 if http is not None and await http.is_disconnected():  # its client went away: end it
@@ -652,6 +653,7 @@ class Front:
                     return Response(status_code=499)
                 if item is _RESTART:
                     parts.clear()
+                    logprobs.clear()
                     continue
                 if "error" in item:
                     err = item.get("error") or {}
@@ -661,9 +663,12 @@ class Front:
                 text, _ = self._take(rec, item)
                 if text:
                     parts.append(text)
+                lp = ((item.get("choices") or [{}])[0] or {}).get("logprobs")
+                if lp:
+                    logprobs.append(lp)
         except APIError as e:
             self._fail(rec, e.message)
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         except _Lost as exc:  # (a retried request whose second replica went away too)
             self._fail(rec, str(exc))
             e = APIError(502, f"request {rec.id}: its replicas went away ({exc})", kind="server_error")
@@ -676,6 +681,10 @@ class Front:
             await _closed(agen)
         text = "".join(parts)
         choice: dict[str, Any] = {"index": 0, "finish_reason": rec.finish_reason, "logprobs": None}
+        if logprobs and rec.chat:
+            choice["logprobs"] = {"content": [e for lp in logprobs for e in lp.get("content") or []], "refusal": None}
+        elif logprobs:  # (completions: OpenAI's legacy format, four lists)
+            choice["logprobs"] = {k: [v for lp in logprobs for v in lp.get(k) or []] for k in logprobs[0]}
         if rec.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -725,12 +734,17 @@ async def _sse(resp):
             continue
 
 
-def _upstream_error(status: int, content: bytes) -> APIError:
-    """A replica's error response, as the front's own."""
+def _upstream_error(status: int, content: bytes, retry_after: str | None = None) -> APIError:
+    """A replica's error response, as the front's own (a 429's Retry-After with it)."""
     try:
         err = json.loads(content)["error"]
         return APIError(
-            status, str(err.get("message")), err.get("param"), err.get("code"), err.get("type") or "server_error"
+            status,
+            str(err.get("message")),
+            err.get("param"),
+            err.get("code"),
+            err.get("type") or "server_error",
+            headers={"Retry-After": retry_after} if retry_after is not None else None,
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return APIError(status, f"a replica answered {status}", kind="server_error")
@@ -779,7 +793,7 @@ class _Metrics:
             self.running.labels(*labels).set(st["running"] if st else 0)
             self.waiting.labels(*labels).set(st["waiting"] if st else 0)
             cap = st["kv_capacity"] if st else 0
-            self.kv.labels(*labels).set(st["kv_used"] / cap if st and cap else 0)
+            self.kv.labels(*labels).set(st.get("kv_usage", st["kv_used"] / cap if cap else 0) if st else 0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -21,14 +21,24 @@ request with the simulator's routers (``schedlab.commands._cluster``); each repl
 ``GET /state`` (what a router reads) and ``POST /prepare/...`` (a request checked and counted).
 
 Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (``stream`` with server-sent events, ``stream_options.include_usage``).
+``POST /v1/chat/completions`` (``stream`` with server-sent events, ``stream_options.include_usage``),
+``GET /metrics`` (Prometheus text with vLLM's names: requests running and waiting, KV cache usage,
+token, request, preemption and prefix-cache counters, TTFT, inter-token, end-to-end and queue-time
+histograms; schedlab's ``schedlab:cost_model_bias`` and ``schedlab:requests_rejected_total``).
 Bad input is an OpenAI-style error (``{"error": {"message", "type", "param", "code"}}``) with
 status 400 (404 for an unknown model, 503 while shutting down); no other request is affected.
-The server samples as ``--sampling`` says (greedy by default) for every request: a request
-asking for other sampling (``temperature``, ``top_p``, ``n``, ``logprobs``, penalties, ...) gets a
-400 saying so rather than a silently different answer (vLLM's extensions likewise: ``ignore_eos``
-is honoured, ``repetition_penalty``, ``top_k``, ``min_p``, ``min_tokens`` only at their neutral
-values, as ``vllm bench serve`` sends them). ``stop`` strings end a request at the
+``--max-waiting N`` is admission control: a request arriving while N requests wait to be admitted
+gets a 429 (type ``rate_limit_exceeded``, code ``queue_full``) with a ``Retry-After`` header;
+nothing admitted is touched.
+Each request samples as it asks, as mlx-lm's server does (``engine.sampling.Sampling``):
+``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
+vLLM's ``top_k``, ``min_p``, ``repetition_penalty``; what it does not give is ``--sampling``'s
+(greedy by default). Requests with different samplers share the same batched passes; greedy ones
+stay the model alone's answers, a seeded one gives the same text whichever requests share its
+passes. ``logprobs`` (completions: 0-20; chat: ``logprobs: true`` and ``top_logprobs`` 0-20) come
+in OpenAI's formats, whole or per streamed chunk. A value out of OpenAI's range, or what the
+server does not do (``n``/``best_of`` > 1, ``echo``, ``min_tokens``, tools, ``response_format``)
+is a 400 naming the parameter; vLLM's ``ignore_eos`` is honoured. ``stop`` strings end a request at the
 token that completes one (the text stops before it, finish reason ``stop``); a streaming client
 that goes away ends its request at its next token (``/health`` counts them as ``cancelled``).
 """
@@ -97,7 +107,12 @@ def serve(
     ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
-    sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1 (for every request)"),
+    sampling: str = typer.Option(
+        "greedy",
+        "--sampling",
+        help="greedy, or temperature=0.7,seed=1 (also top_p, top_k, min_p, penalties): what a request gets for "
+        "the sampling parameters it does not set",
+    ),
     seed: int = typer.Option(0, "--seed", help="seed of the engine's prompt ids and sampling"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     out: Optional[Path] = typer.Option(
@@ -122,6 +137,12 @@ def serve(
     router_option: Optional[List[str]] = typer.Option(
         None, "--router-option", help="router option key=value (repeatable)"
     ),
+    max_waiting: Optional[int] = typer.Option(
+        None,
+        "--max-waiting",
+        help="admission control: a request arriving while this many wait to be admitted gets a 429 with "
+        "Retry-After (default: no limit; with --replicas, each replica's)",
+    ),
 ) -> None:
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
@@ -130,6 +151,8 @@ def serve(
         raise SchedlabError(f"--port must be 0..65535, got {port}", 2)
     if max_tokens < 1:
         raise SchedlabError(f"--max-tokens must be >= 1, got {max_tokens}", 2)
+    if max_waiting is not None and max_waiting < 1:
+        raise SchedlabError(f"--max-waiting must be >= 1 (leave it out for no limit), got {max_waiting}", 2)
     if calibrate and (no_calibrate or profile is not None):
         raise SchedlabError(f"--calibrate does not go with {'--no-calibrate' if no_calibrate else '--profile'}", 2)
     if out is not None and out.exists() and not out.is_dir():
@@ -151,6 +174,7 @@ def serve(
             ("--profile", profile),
             ("--kv-tokens", kv_tokens),
             ("--noise", noise),
+            ("--max-waiting", max_waiting),
         ):
             args += [flag, str(value)] if value is not None else []
         args += ["--calibrate"] * calibrate + ["--prefix-caching"] * prefix_caching
@@ -179,7 +203,15 @@ def serve(
         log=log_to_stderr("serve", quiet),
     )
     run, error = _serve(
-        eng, pol, host, port, served_model_name or eng.info.name, max_tokens, out, log_to_stderr("serve", quiet)
+        eng,
+        pol,
+        host,
+        port,
+        served_model_name or eng.info.name,
+        max_tokens,
+        out,
+        log_to_stderr("serve", quiet),
+        max_waiting=max_waiting,
     )
     if run is not None and not quiet:
         print(run.report())
@@ -207,7 +239,9 @@ def _check_address(host: str, port: int) -> None:
             raise SchedlabError(message) from None
 
 
-def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path | None, log):
+def _serve(
+    eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path | None, log, max_waiting: int | None = None
+):
     """Serve ``pol`` on the loaded engine ``eng`` until SIGINT/SIGTERM: (the run, an error or None)."""
     import uvicorn
 
@@ -221,7 +255,7 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
     temperature = 0.0 if backend.sampling.greedy else backend.sampling.temperature
 
     def start_http() -> None:  # the clock runs: from now on arrivals are the run's
-        srv = Server(info, source, bridge, name, temperature, max_tokens)
+        srv = Server(info, source, bridge, name, temperature, max_tokens, max_waiting=max_waiting)
         config = uvicorn.Config(
             srv.app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
         )
@@ -247,6 +281,7 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
         )
 
     source = LiveSource(clock, on_ready=start_http, on_finish=bridge.on_finish)
+    bridge.on_cancel = source.cancel
     stopping = {"n": 0}
 
     def stop(signum, frame) -> None:
@@ -273,33 +308,40 @@ def _serve(eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path
         return None, http["error"]
     if out is not None:
         run.save(out)
-        _write_served_trace(Path(out) / "trace.json", run, source.received, pol, name)
+        _write_served_trace(Path(out) / "trace.json", run, source.received, pol, name, source.cancelled)
     return run, run.error
 
 
-def _write_served_trace(path: Path, run, received, pol, name: str) -> None:
+def _write_served_trace(path: Path, run, received, pol, name: str, cancelled_at: dict[str, float]) -> None:
     """trace.json: the requests as served, for simulate/validate to replay. A request that
     stopped at EOS has the tokens it generated as its output (what a replay must generate); one
-    refused keeps its max_tokens (refused again); times from the first arrival (a replay on the
+    refused keeps its max_tokens (refused again), as does one whose client went away, with its
+    ``cancel_after_s`` (cancelled again at that time); times from the first arrival (a replay on the
     real engine need not sit idle first)."""
     from dataclasses import replace
 
     from schedlab.traces.schema import Trace
 
     req = run.requests
-    done = req[req["finish_s"].notna()]
+    done = req[req["status"] == "finished"]
     made = {str(i): int(n) for i, n in zip(done["id"], done["output_tokens"])}
+    status = {str(i): s for i, s in zip(req["id"], req["status"])}
     t0 = received[0].arrival_s if received else 0.0
+
+    def served(r):
+        at = round(r.arrival_s - t0, 6)
+        if status.get(r.id) == "cancelled":  # keeps its max_tokens; its client left this long after
+            left = max(cancelled_at.get(r.id, r.arrival_s) - r.arrival_s, 0.0)
+            return replace(r, arrival_s=at, cancel_after_s=round(left, 6))
+        return replace(r, arrival_s=at, output_tokens=made.get(r.id, r.output_tokens))
+
     trace = Trace(
         name="served",
         description=f"requests served by schedlab serve (policy "
         f"{getattr(pol, 'name', type(pol).__name__)}, model {name}); "
         f"arrival_s from the first arrival ({t0:.3f} s into the run); "
         f"output_tokens: the tokens each generated",
-        requests=[
-            replace(r, arrival_s=round(r.arrival_s - t0, 6), output_tokens=made.get(r.id, r.output_tokens))
-            for r in received
-        ],
+        requests=[served(r) for r in received],
     )
     path.write_text(json.dumps(trace.to_json(), ensure_ascii=False, indent=1) + "\n")
 

@@ -1,0 +1,139 @@
+"""``serve``: a client that goes away ends its request at the replica's next step, whatever its
+phase (waiting, mid-prefill, mid-decode; streamed or whole): its KV is freed at once, no other
+request is disturbed, the served trace records when the client left and ``simulate`` replays
+the cancellation. A real server on 127.0.0.1, the real SmolLM2-135M, the ``openai`` SDK and raw
+sockets (a client that hangs up without reading the answer)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from simkit import command, read_table
+from test_server import MODEL, QUESTIONS, Served, chat, expected
+
+
+pytestmark = pytest.mark.slow  # a real server on a real model
+
+
+def _hang_up_later(url: str, body: dict) -> socket.socket:
+    """POST ``body`` (a whole, non-streamed request) on a socket of our own; closing the socket
+    is the client going away."""
+    u = urlparse(url)
+    sock = socket.create_connection((u.hostname, u.port))
+    data = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def _until(what, check, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_and_replays(smol, tmp_path):
+    opts = ["--policy", "chunked-prefill", "-o", "budget=16", "-o", "max_batch=2"]
+    s = Served([*opts, "--max-tokens", "24"], tmp_path / "run")
+    c = s.client()
+    state = lambda: httpx.get(s.url + "/state").json()  # noqa: E731
+    health = lambda: httpx.get(s.url + "/health").json()  # noqa: E731
+
+    # A: the request nothing may disturb, streamed from start to end
+    want = expected(smol, messages=chat(QUESTIONS[5]), max_tokens=48)[0]
+    got: list[str] = []
+
+    def a():
+        for ch in c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[5]), max_tokens=48, stream=True):
+            if ch.choices and ch.choices[0].delta.content:
+                got.append(ch.choices[0].delta.content)
+
+    ta = threading.Thread(target=a)
+    ta.start()
+    _until("A running", lambda: state()["running"] == 1)
+
+    # B: a long prompt, whole (not streamed), prefilled 16 tokens a step: hung up mid-prefill
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
+    b = _hang_up_later(s.url, {"model": MODEL, "messages": chat(long), "max_tokens": 8})
+    _until("B admitted", lambda: state()["running"] == 2)
+    start = state()["prompt_tokens"]
+    _until("B mid-prefill", lambda: 0 < state()["prompt_tokens"] < start - 16)
+
+    # C: waiting (max_batch 2 is full): streamed, the client closes before any token
+    cs = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=24, stream=True)
+    _until("C waiting", lambda: state()["waiting"] == 1)
+    cs.close()
+    _until("C cancelled", lambda: health()["cancelled"] == 1 and state()["waiting"] == 0)
+    assert state()["running"] == 2  # (A and B go on)
+
+    b.close()
+    st = _until(
+        "B cancelled, its KV freed", lambda: health()["cancelled"] == 2 and (x := state())["running"] == 1 and x
+    )
+    assert st["prompt_tokens"] == 0  # B's prompt no longer outstanding: its prefill stopped
+
+    # D: mid-decode, streamed: three pieces of its answer, then the client goes
+    if ta.is_alive():
+        ds = c.chat.completions.create(model=MODEL, messages=chat("Count from 1 to 100."), max_tokens=200, stream=True)
+        pieces = 0
+        for ch in ds:
+            pieces += bool(ch.choices and ch.choices[0].delta.content)
+            if pieces == 3:
+                break
+        ds.close()
+        _until("D cancelled", lambda: health()["cancelled"] == 3)
+    ta.join(timeout=120)
+    assert "".join(got) == want  # A, beside all of it, is exactly the model's answer
+    st = _until("all done", lambda: (x := state())["running"] == 0 and x)
+    assert st["kv_used"] == 0 and st["waiting"] == 0 and health()["in_flight"] == 0
+    n = health()["cancelled"]
+    rc, _ = s.stop()
+    assert rc == 0, "".join(s.stderr)
+
+    rows = {r["id"]: r for r in read_table(s.out / "requests.csv")}
+    cancelled = [r for r in rows.values() if r["status"] == "cancelled"]
+    assert len(cancelled) == n and len(rows) == n + 1
+    served = json.loads((s.out / "trace.json").read_text())["requests"]
+    gone = {r["id"]: r for r in served if "cancel_after_s" in r}
+    assert set(gone) == {r["id"] for r in cancelled}
+    by_len = sorted(gone.values(), key=lambda r: len(r["messages"][0]["content"]))
+    for r in gone.values():  # each keeps what it asked for (a replay must be able to run it)
+        assert r["cancel_after_s"] >= 0 and r["output_tokens"] in (8, 24, 200)
+    # B (the long one) and C had no token; D had its three pieces, then nothing
+    assert rows[by_len[-1]["id"]]["first_token_s"] in (None, "") and by_len[-1]["output_tokens"] == 8
+    for r in cancelled:
+        assert int(r["output_tokens"]) < {8: 8, 24: 24, 200: 200}[gone[r["id"]]["output_tokens"]]
+
+    # the traffic as served replays its cancellations in the simulator
+    sim = subprocess.run(
+        [*command("simulate"), *opts, "--trace", str(s.out / "trace.json"), "--out", str(tmp_path / "sim")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sim.returncode == 0, sim.stderr
+    sim_rows = {r["id"]: r for r in read_table(tmp_path / "sim" / "requests.csv")}
+    steps = [(float(r["start_s"]), float(r["end_s"])) for r in read_table(tmp_path / "sim" / "steps.parquet")]
+    for rid, r in gone.items():
+        at = r["arrival_s"] + r["cancel_after_s"]  # when its client left, on the replay's clock
+        row = sim_rows[rid]
+        end = float(row["finish_s"])
+        if row["status"] == "cancelled":  # at the first step's start at or after that (or then, idle)
+            assert end >= at - 1e-9 and not any(at <= a < end for a, _ in steps), rid
+            assert int(row["output_tokens"]) < r["output_tokens"]
+        else:  # finished by a step that had started before its client left
+            assert row["status"] == "finished" and any(a < at and e == end for a, e in steps), rid

@@ -1,0 +1,148 @@
+"""``serve``'s /metrics and admission control without a server: the pure helpers, ``Metrics``
+rendered and parsed back, ``Bridge.unadmitted`` and ``Server.check_queue`` on stand-ins (the
+real server: test_server_metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace as NS
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from schedlab.commands._http import APIError, Bridge, Metrics, Server, request_latencies, step_time_ratio
+
+
+def test_step_time_ratio_is_total_measured_over_total_predicted():
+    assert step_time_ratio([1.0, 2.0, 1.0], [1.5, 3.0, None]) == pytest.approx(4.5 / 3.0)
+    assert step_time_ratio([0.0, 1.0], [5.0, 0.5]) == 0.5  # (a step predicted at 0 s is left out)
+    assert step_time_ratio([], []) is None
+    assert step_time_ratio([1.0], [None]) is None  # a simulation measures nothing
+
+
+def test_request_latencies_as_vllm_observes_them():
+    r = NS(arrival_s=1.0, admitted_s=1.25, first_token_s=2.0, finish_s=3.5, token_times=[2.0, 2.5, 3.5])
+    assert request_latencies(r) == (0.25, 1.0, 2.5, [0.5, 1.0])
+    gone = NS(arrival_s=1.0, admitted_s=None, first_token_s=None, finish_s=1.5, token_times=[])
+    assert request_latencies(gone) == (None, None, 0.5, [])
+
+
+class _Bridge:
+    def __init__(self, prefix=None):
+        self.state = NS(prefix=prefix)
+
+    def signals(self):
+        return {"running": 2, "waiting": 3, "kv_usage": 0.25}
+
+    def cost_model_bias(self):
+        return None
+
+
+def _samples(m: Metrics) -> dict[str, float]:
+    body, kind = m.render()
+    assert kind.startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def _finished(**kw):
+    r = dict(
+        id="a",
+        arrival_s=0.0,
+        admitted_s=0.5,
+        first_token_s=1.0,
+        finish_s=2.0,
+        token_times=[1.0, 1.5, 2.0],
+        prompt_tokens=7,
+        generated=3,
+        preemptions=0,
+        cached_tokens=0,
+    )
+    r.update(kw)
+    return NS(**r)
+
+
+def test_metrics_count_finished_requests_and_read_gauges_live():
+    m = Metrics("m", _Bridge(prefix=object()))
+    m.finished(_finished(), "length")
+    m.finished(_finished(id="b", preemptions=2, cached_tokens=4, token_times=[1.0]), "stop")
+    m.finished(_finished(id="c", admitted_s=None, first_token_s=None, token_times=[], generated=0), "abort")
+    m.finished(NS(id="d", finish_s=None), "length")  # refused on arrival: larger than the KV cache
+    m.rejected("queue_full")
+    s = _samples(m)
+    assert s["vllm:prompt_tokens_total"] == 14  # (the aborted one never had its prompt processed)
+    assert s["vllm:generation_tokens_total"] == 6
+    assert [s[f"vllm:request_success_total{{finished_reason={x}}}"] for x in ("stop", "length", "abort")] == [1, 1, 1]
+    assert s["vllm:num_preemptions_total"] == 2
+    assert (s["vllm:prefix_cache_queries_total"], s["vllm:prefix_cache_hits_total"]) == (14, 4)
+    assert s["vllm:time_to_first_token_seconds_count"] == 2 and s["vllm:time_to_first_token_seconds_sum"] == 2.0
+    assert s["vllm:request_queue_time_seconds_count"] == 2 and s["vllm:request_queue_time_seconds_sum"] == 1.0
+    assert s["vllm:e2e_request_latency_seconds_count"] == 3 and s["vllm:e2e_request_latency_seconds_sum"] == 6.0
+    assert s["vllm:inter_token_latency_seconds_count"] == 2
+    assert s["vllm:inter_token_latency_seconds_bucket{le=0.5}"] == 2  # (vLLM's buckets)
+    assert s["schedlab:requests_rejected_total{reason=queue_full}"] == 1
+    assert s["schedlab:requests_rejected_total{reason=kv_capacity}"] == 1
+    assert (s["vllm:num_requests_running"], s["vllm:num_requests_waiting"], s["vllm:kv_cache_usage_perc"]) == (2, 3, 0.25)  # fmt: skip
+    assert "schedlab:cost_model_bias" not in s  # (none known yet: no sample)
+    assert m.retry_after() == 1  # the mean queue time, at least 1 s
+    assert "vllm:prompt_tokens_total" in _samples(Metrics("m", _Bridge()))  # a registry per server: no clash
+
+
+def _bridge():
+    backend = NS(
+        start=lambda state, requests=None: None, no_eos=set(), stopped=set(), request_sampling={}, on_token=None
+    )  # (MLXBackend's attributes the Bridge touches)
+    return Bridge(backend, 64)
+
+
+def test_unadmitted_counts_requests_sent_and_never_admitted():
+    b = _bridge()
+    loop = asyncio.new_event_loop()
+    try:
+        for rid in "abcd":
+            b.open(rid, loop)
+        assert b.unadmitted() == 4  # (no state yet: none admitted)
+        b.state = NS(by_id={"a": NS(admitted_s=0.1), "b": NS(admitted_s=None)})  # c, d: not delivered yet
+        assert b.unadmitted() == 3
+        b.state.by_id["b"].admitted_s = 0.2
+        b.drop("d")  # never submitted
+        assert b.unadmitted() == 1
+        b.on_finish(NS(id="c", finish_s=None, kv_footprint=99, prompt_tokens=50, output_tokens=50), 0.3)  # refused
+        assert b.unadmitted() == 0
+    finally:
+        loop.close()
+
+
+def test_check_queue_answers_429_with_retry_after_and_frees_the_id():
+    b = _bridge()
+    srv = Server(NS(tokenizer=None, eos_token_ids=()), None, b, "m", 0.0, max_waiting=2)
+    loop = asyncio.new_event_loop()
+    try:
+        srv.check_queue("x")  # none waiting
+        b.open("a", loop)
+        srv.check_queue("x")
+        b.open("b", loop)
+        rid = srv.claim_id(False, "given")
+        with pytest.raises(APIError) as e:
+            srv.check_queue(rid)
+        assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+        assert e.value.body()["error"]["type"] == "rate_limit_exceeded" and e.value.code == "queue_full"
+        assert "2 request(s) wait to be admitted (serve --max-waiting 2)" in e.value.message
+        assert srv.claim_id(False, "given") == "given"  # the client may send it again
+        assert _samples(srv.metrics)["schedlab:requests_rejected_total{reason=queue_full}"] == 1
+        Server(NS(tokenizer=None, eos_token_ids=()), None, _bridge(), "m", 0.0).check_queue("y")  # no limit
+    finally:
+        loop.close()
+
+
+def test_a_cluster_front_relays_a_replicas_429_with_its_retry_after():
+    from schedlab.commands._cluster import _upstream_error
+
+    body = b'{"error": {"message": "the server\'s queue is full", "type": "rate_limit_exceeded", "code": "queue_full"}}'
+    e = _upstream_error(429, body, "3")
+    assert (e.status, e.kind, e.code, e.headers) == (429, "rate_limit_exceeded", "queue_full", {"Retry-After": "3"})
+    assert _upstream_error(400, b'{"error": {"message": "bad"}}').headers is None
