@@ -119,7 +119,7 @@ def test_unadmitted_counts_requests_sent_and_never_admitted():
 
 def test_check_queue_answers_429_with_retry_after_and_frees_the_id():
     b = _bridge()
-    srv = Server(NS(tokenizer=None, eos_token_ids=()), None, b, "m", 0.0, max_waiting=2)
+    srv = Server(NS(tokenizer=None, eos_token_ids=()), None, b, "m", max_waiting=2)
     loop = asyncio.new_event_loop()
     try:
         srv.check_queue("x")  # none waiting
@@ -134,7 +134,7 @@ def test_check_queue_answers_429_with_retry_after_and_frees_the_id():
         assert "2 request(s) wait to be admitted (serve --max-waiting 2)" in e.value.message
         assert srv.claim_id(False, "given") == "given"  # the client may send it again
         assert _samples(srv.metrics)["schedlab:requests_rejected_total{reason=queue_full}"] == 1
-        Server(NS(tokenizer=None, eos_token_ids=()), None, _bridge(), "m", 0.0).check_queue("y")  # no limit
+        Server(NS(tokenizer=None, eos_token_ids=()), None, _bridge(), "m").check_queue("y")  # no limit
     finally:
         loop.close()
 

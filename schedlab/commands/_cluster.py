@@ -712,7 +712,7 @@ class Front:
 
 async def _closed(agen) -> None:
     """Close a request's upstream stream even while its handler is being cancelled (a client that
-    went away: the replica sees its connection close and ends the request at its next token)."""
+    went away: the replica sees its connection close and cancels the request at its next step)."""
     import anyio
 
     with anyio.CancelScope(shield=True):

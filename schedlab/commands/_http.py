@@ -87,7 +87,7 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.text = text  # a TextDelta with the request's stop strings, or None
-        self.cancelled = False  # its client went away: end it at its next token
+        self.cancelled = False  # its client went away: the replica ends it at its next step
         self.hit_stop = False
 
     def put(self, item: tuple) -> None:
@@ -790,7 +790,6 @@ class Server:
         source,
         bridge: Bridge,
         model_name: str,
-        temperature: float,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_waiting: int | None = None,
     ):
@@ -800,7 +799,6 @@ class Server:
         self.source = source
         self.bridge = bridge
         self.model_name = model_name
-        self.temperature = temperature
         self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
         self._used: set[str] = set()  # request ids given so far (the replica's state keeps them all)

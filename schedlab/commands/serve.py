@@ -39,8 +39,10 @@ passes. ``logprobs`` (completions: 0-20; chat: ``logprobs: true`` and ``top_logp
 in OpenAI's formats, whole or per streamed chunk. A value out of OpenAI's range, or what the
 server does not do (``n``/``best_of`` > 1, ``echo``, ``min_tokens``, tools, ``response_format``)
 is a 400 naming the parameter; vLLM's ``ignore_eos`` is honoured. ``stop`` strings end a request at the
-token that completes one (the text stops before it, finish reason ``stop``); a streaming client
-that goes away ends its request at its next token (``/health`` counts them as ``cancelled``).
+token that completes one (the text stops before it, finish reason ``stop``); a client that goes
+away (a stream closed, or a whole answer's connection) has its request cancelled at the replica's
+next step, waiting, prefilling or decoding (``/health`` counts them as ``cancelled``; ``trace.json``
+records when it left, ``cancel_after_s``, for ``simulate`` to replay).
 """
 
 from __future__ import annotations
@@ -252,10 +254,9 @@ def _serve(
     clock = WallClock()
     bridge = Bridge(backend, eng.kv_tokens, info.tokenizer, frozenset(info.eos_token_ids or ()))
     http: dict[str, Any] = {}
-    temperature = 0.0 if backend.sampling.greedy else backend.sampling.temperature
 
     def start_http() -> None:  # the clock runs: from now on arrivals are the run's
-        srv = Server(info, source, bridge, name, temperature, max_tokens, max_waiting=max_waiting)
+        srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting)
         config = uvicorn.Config(
             srv.app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
         )
