@@ -604,7 +604,12 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
             "best_gain_x": ok.get(best) if best else None,
             "met": bool(best) and ok[best] >= 1.5,
         }
+    ready = {}  # process start to its first answer (the model's load, warm-up, listening)
+    for s in servers:
+        got = [r["runs"][s]["ready_s"] for r in rounds if (r["runs"].get(s) or {}).get("ready_s") is not None]
+        ready[s] = statistics.median(got) if got else None
     return {
+        "ready_s": ready,
         "uniform": uniform,
         "mixed": mixed,
         "uniform_over_mlx_lm": vs,
