@@ -12,9 +12,10 @@ called)::
     schedlab.calibrate(model="tiny", quick=True)           # a Profile
     schedlab.validate("unified", "real-smoke")             # a Validation
     schedlab.sweep(["unified", "static"], "mixed", rates=[0.2, 0.4])   # a DataFrame
+    schedlab.capacity("unified,vllm", "mixed", slo="ttft_ms=2000", replicas=[1, 2])  # a DataFrame
 
 The commands (``schedlab COMMAND``: ``simulate``, ``run-real``, ``serve``, ``calibrate``,
-``validate``, ``plot``, ``sweep``, ``export-mlx``) are thin wrappers over it, one module each in
+``validate``, ``plot``, ``sweep``, ``capacity``, ``export-mlx``) are thin wrappers over it, one module each in
 ``schedlab.commands`` (with ``schedlab.cli``, the command layer: everything else in this package
 is the API, which never imports it). Bad input raises ``SchedlabError`` (a ``ValueError``) with
 a one-line message.
@@ -65,6 +66,7 @@ _API = (
     "compare",
     "sweep",
     "plot_sweep",
+    "capacity",
     "plot",
     "load_run",
 )

@@ -32,6 +32,11 @@ COMMANDS = {
         "main",
         "every policy at every request rate: latency against load, SLO capacity",
     ),
+    "capacity": (
+        "schedlab.commands.capacity",
+        "main",
+        "the highest request rate each configuration serves within its SLOs (bracket and bisect)",
+    ),
     "plot": ("schedlab.commands.plot", "main", "TTFT/ITL CDFs, decode rates and step timelines of run directories"),
     "export-mlx": ("schedlab.commands.export", "main", "write a GGUF model as an mlx-lm checkpoint directory"),
 }

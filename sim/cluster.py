@@ -260,7 +260,8 @@ def run_cluster(
     retried: dict[str, int] = {}  # request id -> the replica it was first sent to
     failures: list[dict[str, Any]] = []
 
-    def deliver(req: Request, retry: bool = False) -> None:
+    def deliver(req: Request, retry: bool = False) -> RequestState | None:
+        """Route ``req`` now; its state on the replica chosen (None: refused)."""
         now = env.now
         if faults and not any(up):  # no router can choose: refused (replica -1: none)
             r = RequestState(req, -1)
@@ -272,7 +273,7 @@ def run_cluster(
                 requests.append(r)
                 replica_of.append(-1)
             refuse(r, "no replica is up")
-            return
+            return None
         x = now - delay
         while dirty:
             refresh(dirty.pop(), x)
@@ -314,6 +315,7 @@ def run_cluster(
             rejected.append(st.rejected[-1])
         else:
             histories[j].sent_one(now, req)
+        return r
 
     def refuse(r: RequestState, why: str) -> None:
         rejected.append((r, why))

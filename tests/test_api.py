@@ -397,7 +397,7 @@ def _bad_cases(tmp):
         (lambda: S.simulate("static", [1, 2]), "traces.Request"),
         (lambda: S.simulate("static", "mixed", profile=tmp / "none.json"), "profile not found"),
         (lambda: S.simulate("static", "mixed", kv_tokens=0), "kv_tokens must be >= 1"),
-        (lambda: S.simulate("static", "mixed", slo={"ttft": 1}), "unknown SLO key 'ttft'"),
+        (lambda: S.simulate("static", "mixed", slo={"ttft_s": 1}), "unknown SLO key 'ttft_s'"),
         (lambda: S.simulate("static", "mixed", slo="ttft_ms=nan"), "finite number > 0"),
         (lambda: S.simulate("static", "mixed", hardware="m4-max"), "hardware and model_config go together"),
         (lambda: S.simulate("static", "mixed", quant=4), "quant goes with hardware and model_config"),

@@ -230,7 +230,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, profile):
         (["-p", "static"] + prof, ["Missing option"]),
         # --slo is checked alike by every command: a misspelt key or a NaN limit would
         # otherwise fail or pass every request silently
-        (["-p", "static", "-t", "mixed", "--slo", "ttft=1e9"] + prof, ["unknown SLO key 'ttft'"]),
+        (["-p", "static", "-t", "mixed", "--slo", "ttft_s=1e9"] + prof, ["unknown SLO key 'ttft_s'"]),
         (["-p", "static", "-t", "mixed", "--slo", "ttft_ms=nan"] + prof, ["ttft_ms", "finite number > 0"]),
         (["-p", "static", "-t", "mixed", "--slo", "tpot_ms=-5"] + prof, ["tpot_ms", "finite number > 0"]),
         (["-p", "static", "-t", "mixed", "--slo", "e2e_ms"] + prof, ["not key=value"]),
@@ -239,7 +239,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, profile):
         assert_one_line_error(cli("simulate", *args), *frags)
     # run-real and sweep read --slo with the same check, before any work
     assert_one_line_error(
-        cli("run-real", "-p", "static", "-t", "real-smoke", "--slo", "ttft=1"), "unknown SLO key 'ttft'"
+        cli("run-real", "-p", "static", "-t", "real-smoke", "--slo", "ttft_s=1"), "unknown SLO key 'ttft_s'"
     )
     assert_one_line_error(
         cli("sweep", "-p", "static", "-t", "mixed", "--rates", "1", "--slo", "ttft_ms=inf"), "finite number > 0"

@@ -229,7 +229,7 @@ def test_cli_prints_table_writes_csv_json_and_figures(tmp_path, profile, cost):
         (["--policy", "nope"], "unknown policy 'nope'"),
         (["--rates", "0,1"], "every rate must be a finite number > 0"),
         (["--rates", "fast"], "'fast' is not a number"),
-        (["--slo", "ttft=3"], "unknown SLO key 'ttft'"),
+        (["--slo", "ttft_s=3"], "unknown SLO key 'ttft_s'"),
         (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
         (["--trace", "/no/such/trace.json"], "trace not found"),
         (["--trace", "ONE"], "cannot set a rate"),

@@ -19,7 +19,7 @@ DataFrame with the trace columns (id, arrival_s, prompt_tokens, output_tokens). 
 
 One module per command: ``inputs`` (policies, traces), ``profiles`` (cost models),
 ``simulation``, ``real`` (the engine: ``run_real``, ``load_engine``), ``calibration``,
-``validation``, ``sweeps``, ``figures`` (``plot``), ``runs`` (``Run``, ``load_run``) and
+``validation``, ``sweeps``, ``capacities``, ``figures`` (``plot``), ``runs`` (``Run``, ``load_run``) and
 ``options``. Nothing here imports mlx until a real-engine function is called, nor the command
 layer (``schedlab.commands``, typer) ever.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from ..errors import SchedlabError, SchedlabWarning
 from .calibration import calibrate
+from .capacities import capacity
 from .cluster_validation import validate_served
 from .figures import Figures, plot
 from .inputs import bundled_policies, load_trace, policy, trace_stats
@@ -70,6 +71,7 @@ __all__ = [
     "compare",
     "sweep",
     "plot_sweep",
+    "capacity",
     "plot",
     "load_run",
 ]

@@ -86,17 +86,36 @@ def check_model(model: str, dtype: str) -> None:
     check_spec(str(model), dtype)
 
 
-def parse_slo(slo: str | Mapping[str, float] | None) -> dict[str, float]:
-    """``"ttft_ms=500,tpot_ms=50"`` or ``{"ttft_ms": 500}``: the same checks either way."""
+#: ``vllm bench serve --goodput``'s SLO names (values in ms) and schedlab's for them
+SLO_ALIASES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+
+
+def _slo_key(key: Any) -> str:
+    """An SLO's key as schedlab names it (``ttft`` -> ``ttft_ms``, ...); one line if unknown."""
     from schedlab.sim.metrics import SLO_KEYS
 
+    k = SLO_ALIASES.get(key, key) if isinstance(key, str) else key
+    if k not in SLO_KEYS:
+        fail(
+            f"unknown SLO key {key!r} (use {', '.join(SLO_KEYS)}, or vllm bench serve --goodput's "
+            f"{', '.join(SLO_ALIASES)})",
+            2,
+        )
+    return k
+
+
+def parse_slo(slo: str | Mapping[str, float] | None) -> dict[str, float]:
+    """``"ttft_ms=500,tpot_ms=50"`` or ``{"ttft_ms": 500}``: the same checks either way. The
+    names ``vllm bench serve --goodput`` gives them (``ttft``, ``tpot``, ``e2el``; values in ms)
+    are accepted too and become schedlab's (``ttft_ms``, ``tpot_ms``, ``e2e_ms``)."""
     if slo is None or slo == "" or slo == {}:
         return {}
     if isinstance(slo, Mapping):
         out = {}
         for k, v in slo.items():
-            if k not in SLO_KEYS:
-                fail(f"unknown SLO key {k!r} (use {', '.join(SLO_KEYS)})", 2)
+            k = _slo_key(k)
+            if k in out:
+                fail(f"SLO {k} is given twice", 2)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 if isinstance(v, str):
                     out.update(parse_slo(f"{k}={v}"))
@@ -111,13 +130,16 @@ def parse_slo(slo: str | Mapping[str, float] | None) -> dict[str, float]:
             f"slo is a mapping such as {{'ttft_ms': 2000}} or a string 'ttft_ms=2000,...', got {type(slo).__name__}", 2
         )
     out: dict[str, float] = {}
+    from schedlab.sim.metrics import SLO_KEYS
+
     for item in slo.split(","):
         item = item.strip()
         if "=" not in item:
             fail(f"SLO '{item}' is not key=value (keys: {', '.join(SLO_KEYS)})", 2)
         k, v = (x.strip() for x in item.split("=", 1))
-        if k not in SLO_KEYS:
-            fail(f"unknown SLO key {k!r} (use {', '.join(SLO_KEYS)})", 2)
+        k = _slo_key(k)
+        if k in out:
+            fail(f"SLO {k} is given twice", 2)
         try:
             limit = float(v)
         except ValueError:

@@ -1,0 +1,454 @@
+"""``capacity``: for every configuration (policy x router x replicas, and cluster files), the
+highest request rate at which the share of requests meeting every SLO stays at or above the
+attainment (``analysis.capacity``: the definition, the search and its early stop)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from ..errors import opt
+from ._base import PolicyLike, TraceLike, check_seed, fail, parse_formats, parse_slo, public
+from .inputs import as_policy, as_trace
+from .options import ClusterOptions, ReplicaOptions, merged
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+
+@dataclass(frozen=True)
+class _Config:
+    """One configuration of the search: what a worker needs to build its runs."""
+
+    label: str
+    policy: Any  # a name or file.py:Class (in this process: also a class or an object)
+    options: Mapping[str, Any]
+    router: Any  # None: one replica without a router (the plain loop)
+    router_options: Mapping[str, Any] | None
+    replicas: int
+    cluster: ClusterOptions | None  # a cluster file's (policy is then None)
+    cost: tuple  # pick_cost's arguments: (profile, kv_tokens, hardware, model_config, quant, cost)
+    start: float  # the first rate tried
+    policy_names: str  # the table's policy column (a cluster file's: its groups' policies)
+
+
+def _names(value: Any, what: str, example: str) -> list[Any]:
+    """A comma-separated string or a list: its items, each once, in order; none is an error."""
+    if isinstance(value, (str, Path)):
+        items = [x.strip() for x in str(value).split(",") if x.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = [x.strip() if isinstance(x, str) else x for x in value]
+        items = [x for x in items if not (isinstance(x, str) and not x)]
+    else:
+        items = [value]
+    out: list[Any] = []
+    for x in items:
+        if not any(x is y or (isinstance(x, (str, Path)) and x == y) for y in out):
+            out.append(x)
+    if not out:
+        fail(f"{opt(what)} needs at least one {example}", 2)
+    return out
+
+
+def parse_replicas(replicas: int | str | Sequence[int]) -> list[int]:
+    """Replica counts: ``"1,2,4"``, an integer or a list; each once, in order."""
+    items = (
+        replicas.split(",")
+        if isinstance(replicas, str)
+        else (list(replicas) if isinstance(replicas, (list, tuple)) else [replicas])
+    )
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, str):
+            item = item.strip()
+            if not item:
+                continue
+            if not (item.isascii() and item.isdigit()):
+                fail(f"{opt('replicas')}: every count must be an integer >= 1, got {item!r}", 2)
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            fail(f"{opt('replicas')}: every count must be an integer >= 1, got {item!r}", 2)
+        if item not in out:
+            out.append(item)
+    if not out:
+        fail(f"{opt('replicas')} needs at least one count, e.g. 1,2,4", 2)
+    return out
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        fail(f"{opt(name)} must be a number, got {value!r}", 2)
+    return float(value)
+
+
+def _router_name(router: Any) -> str:
+    """A router as the table names it (None: the default, round-robin)."""
+    if router is None:
+        return "round-robin"
+    if isinstance(router, (str, Path)):
+        return str(router)
+    return str(getattr(router, "name", None) or getattr(router, "__name__", None) or type(router).__name__)
+
+
+def _label(policy: str, router: Any, n: int) -> str:
+    if router is None and n == 1:
+        return policy
+    return f"{policy} x{n} {_router_name(router)}"
+
+
+@public
+def capacity(
+    policies: str | Sequence[PolicyLike] | None,
+    trace: TraceLike,
+    *,
+    slo: str | Mapping[str, float],
+    attainment: float = 0.99,
+    tolerance: float = 0.02,
+    routers: str | Sequence[Any] | None = None,
+    replicas: int | str | Sequence[int] = 1,
+    clusters: str | Path | ClusterOptions | Sequence[str | Path | ClusterOptions] | None = None,
+    options: Mapping[str, Any] | None = None,
+    router_options: Mapping[str, Any] | None = None,
+    profile: Any = None,
+    hardware: str | None = None,
+    model_config: str | Path | None = None,
+    quant: int | None = None,
+    cost: Any = None,
+    kv_tokens: int | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = False,
+    replica: ReplicaOptions | None = None,
+    start_rps: float | None = None,
+    early_stop: bool = True,
+    seed: int = 0,
+    workers: int | None = None,
+    out: str | Path | None = None,
+    formats: str | Sequence[str] = ("png", "svg"),
+    on_start: Callable[[int, int], None] | None = None,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
+) -> "pd.DataFrame":
+    """The SLO capacity of every configuration (the ``capacity`` command): the highest request
+    rate (the trace's arrivals time-scaled to it, as ``sweep`` does) at which at least
+    ``attainment`` of **all** requests finish and meet every SLO (``slo``: ``"ttft_ms=..,tpot_ms=.."``
+    or a mapping; ``vllm bench serve --goodput``'s ``ttft``, ``tpot``, ``e2el`` too, in ms).
+
+    Configurations: every ``policies`` x ``routers`` x ``replicas`` (a list or ``"a,b"``; no
+    router and one replica: the plain single-replica loop; more replicas without a router:
+    round-robin), and every cluster file in ``clusters`` (``ClusterOptions.from_file``; each with
+    every router of ``routers`` when given, else its own). ``options``: every policy's;
+    ``router_options``: every router's; ``profile`` or ``hardware`` + ``model_config``
+    [+ ``quant``] or ``cost`` (a cost model object, as ``simulate`` takes), ``kv_tokens``,
+    ``block_size``, ``prefix_caching`` (or ``replica``): the replicas of the policy
+    configurations (a cluster file names its own).
+
+    The search (``schedlab.analysis.capacity``): from ``start_rps`` (default: the trace's mean
+    rate) times the number of replicas, double or halve until one rate passes and one fails,
+    then bisect geometrically until (hi - lo) / lo <= ``tolerance``; the passing bound is the
+    capacity. A run that can no longer reach the attainment stops early (exact: it never changes
+    a run's pass or fail; ``early_stop=False`` runs every run to its end). Configurations run in
+    ``workers`` processes (default: min(CPU count, configurations)), each its search in order.
+
+    Returns one row per configuration: ``configuration``, ``policy``, ``router``, ``replicas``,
+    ``capacity_rps``, ``capacity_per_replica_rps``, ``limited`` (no failing rate found up to
+    2^10 x the start: the capacity is at least that), ``first_failing_rps``, ``binding`` (the
+    SLO most requests missed at the failing bound; ``unfinished``: requests never finished),
+    ``attainment_at_capacity``, ``runs``, ``early_stops``, ``simulated_s`` (simulated seconds
+    of all its runs), ``saved_s_min`` (simulated seconds the early stops saved, at least),
+    ``error``. ``df.attrs["points"]``: each configuration's search points (rate, attainment,
+    passed, stopped early, ...); ``df.attrs["info"]``: what capacity.json holds besides.
+    ``out``: also write capacity.csv, capacity.json and the figures (capacity.png,
+    attainment_vs_rate.png) there. A configuration for which no rate meets the SLOs has
+    ``error`` "no rate meets the SLOs even at X req/s (the lowest tried): ..."; when every
+    configuration has an error, that is raised instead (``SchedlabError``)."""
+    import pandas as pd
+
+    from schedlab import traces
+    from schedlab.analysis.capacity import TABLE_FIELDS, run_jobs, write_results
+    from schedlab.analysis.sweep import default_workers, rescale
+
+    slos = parse_slo(slo)
+    if not slos:
+        fail(f"give {opt('slo')}, e.g. ttft_ms=2000,tpot_ms=100 (the SLOs whose capacity is searched)", 2)
+    att = _number(attainment, "attainment")
+    if not 0 < att <= 1:
+        fail(f"{opt('attainment')} must be in (0, 1], got {att:g}", 2)
+    tol = _number(tolerance, "tolerance")
+    if not (tol > 0 and math.isfinite(tol)):
+        fail(f"{opt('tolerance')} must be a finite number > 0 (the search's relative precision), got {tol:g}", 2)
+    if start_rps is not None:
+        s0 = _number(start_rps, "start_rps")
+        if not (s0 > 0 and math.isfinite(s0)):
+            fail(f"{opt('start_rps')} must be a finite number > 0 (req/s), got {s0:g}", 2)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
+    seed = check_seed(seed)
+    fmts = parse_formats(formats)
+    rep = merged(
+        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
+    )
+    if policies is None and clusters is None:
+        fail(f"give {opt('policy')} and/or {opt('cluster')} (the configurations to search)", 2)
+    pols = _names(policies, "policy", "policy") if policies is not None else []
+    rts = _names(routers, "router", "router") if routers is not None else [None]
+    counts = parse_replicas(replicas)
+    files = _names(clusters, "cluster", "cluster file") if clusters is not None else []
+    if not pols and any(x is not None for x in (profile, hardware, model_config, quant, cost, kv_tokens, options)):
+        fail(
+            f"a cluster file names each group's policy, options, cost model and kv_tokens: {opt('profile')}, "
+            f"{opt('hardware')}, {opt('kv_tokens')} and {opt('option')} go with {opt('policy')}",
+            2,
+        )
+    if router_options and routers is None:
+        fail(f"{opt('router_option')} goes with {opt('router')}: name the router too", 2)
+    opts = dict(options or {})
+    r_opts = dict(router_options or {}) or None
+
+    from .profiles import pick_cost
+    from .simulation import _build_groups
+
+    cost_spec = (profile, rep.kv_tokens, hardware, model_config, quant, cost)
+    cost_meta: dict[str, Any] = {}
+    if pols:  # (a bad profile or preset fails here, once)
+        _, kv_capacity, cost_meta = pick_cost(*cost_spec)
+        cost_meta = {**cost_meta, "kv_tokens": kv_capacity}
+    tr = as_trace(trace, seed=seed)
+    rescale(tr, 1.0)  # a trace whose rate cannot be set fails here
+    base = start_rps if start_rps is not None else traces.mean_rate(tr)
+
+    configs: list[_Config] = []
+    for p in pols:
+        pol = as_policy(p, opts if isinstance(p, (str, Path, type)) else None)  # bad names, options: here
+        name = str(p) if isinstance(p, (str, Path)) else str(getattr(pol, "name", type(pol).__name__))
+        for rt in rts:
+            for n in counts:
+                if rt is not None or n > 1:
+                    ClusterOptions(replicas=n, router=rt, router_options=r_opts).make_router()
+                configs.append(_Config(_label(name, rt, n), p, opts, rt, r_opts, n, None, cost_spec, base * n, name))
+    for f in files:
+        cu = f if isinstance(f, ClusterOptions) else ClusterOptions.from_file(f)
+        stem = Path(cu.file).stem if cu.file else "cluster"
+        for rt in rts:
+            c = cu if rt is None else dataclasses.replace(cu, router=rt, router_options=r_opts)
+            c.make_router()
+            groups = _build_groups(c)
+            names = "+".join(dict.fromkeys(groups.names()))
+            label = stem if rt is None else f"{stem} {_router_name(rt)}"
+            configs.append(
+                _Config(
+                    label,
+                    None,
+                    {},
+                    c.router or "round-robin",
+                    c.router_options,
+                    c.replicas,
+                    c,
+                    (),
+                    base * c.replicas,
+                    names,
+                )
+            )
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        dup = next(x for x in labels if labels.count(x) > 1)
+        fail(f"the configuration {dup!r} is given twice", 2)
+    in_process = any(not isinstance(c.policy, (str, Path, type(None))) for c in configs)
+    if in_process and workers not in (None, 1):
+        fail("classes and policy objects run in this process: give workers=1 (or a 'file.py:Class' spec)", 2)
+    n_workers = 1 if in_process else (workers or default_workers(len(configs)))
+    out = Path(out) if out is not None else None
+    if out is not None and out.exists() and not out.is_dir():
+        fail(f"{opt('out')} {out} exists and is not a directory")
+
+    shared = {
+        "trace": tr,
+        "slo": slos,
+        "attainment": att,
+        "tolerance": tol,
+        "early_stop": bool(early_stop),
+        "block_size": rep.block_size,
+        "prefix_caching": rep.prefix_caching,
+    }
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        rows = run_jobs(_search_config, configs, shared, n_workers, on_done=on_done, on_start=on_start)
+    except BrokenProcessPool:
+        fail(f"a worker process died (killed, or out of memory); try fewer {opt('workers')}")
+    if all(r.get("error") for r in rows):  # nothing to report: the (first) reason, in one line
+        first, rest = rows[0], [r["configuration"] for r in rows[1:]]
+        more = f" (no capacity either: {', '.join(rest)})" if rest else ""
+        fail(first["error"] if not rest else f"{first['configuration']}: {first['error']}{more}")
+    info: dict[str, Any] = {
+        "trace": tr.name,
+        "trace_requests": len(tr),
+        "trace_rate_rps": traces.mean_rate(tr),
+        "rate_definition": "(requests - 1) / (last arrival - first arrival); arrivals rescaled with traces.to_rate",
+        "slo": slos,
+        "attainment": att,
+        "tolerance": tol,
+        "capacity_definition": (
+            f"highest rate found at which at least {att:g} of all requests finished and met every SLO "
+            f"(vllm bench serve --goodput rule); the passing bound of a bracket [capacity, first failing) "
+            f"narrowed by geometric bisection until (hi - lo) / lo <= {tol:g}"
+        ),
+        "early_stop": bool(early_stop),
+        "early_stop_rule": (
+            "a run stops once (N - certain misses) / N < attainment: a request is a certain miss when it "
+            "finished or was refused and missed an SLO, has no first token more than the TTFT SLO after "
+            "its arrival, or is unfinished more than the E2E SLO after it"
+        ),
+        "start_rps_per_replica": base,
+        "cost": cost_meta or None,  # the policy configurations' (a cluster file names its own)
+        "clusters": [str(c.cluster.file) for c in configs if c.cluster is not None and c.cluster.file] or None,
+        "block_size": rep.block_size,
+        "prefix_caching": rep.prefix_caching,
+        "seed": seed,
+    }
+    table = pd.DataFrame([{k: r.get(k) for k in TABLE_FIELDS} for r in rows], columns=list(TABLE_FIELDS))
+    for c in ("capacity_rps", "capacity_per_replica_rps", "first_failing_rps", "attainment_at_capacity"):
+        table[c] = pd.to_numeric(table[c], errors="coerce")
+    table.attrs["info"] = info
+    table.attrs["points"] = {r["configuration"]: r["points"] for r in rows}
+    written: list[Path] = []
+    if out is not None:
+        from schedlab.analysis.capacity import plot_capacity
+
+        try:
+            written = write_results(out, rows, info)
+            slo_title = f"{tr.name}: {len(tr)} requests"
+            written += plot_capacity(rows, out, attainment=att, slo=slos, title=slo_title, formats=fmts)["files"]
+        except OSError as exc:
+            fail(f"cannot write to {out}: {exc.strerror or exc}")
+    table.attrs["files"] = written
+    return table
+
+
+# ------------------------------------------------------------------------ in a worker
+
+
+def _runner(cfg: _Config, block_size: int, prefix_caching: bool):
+    """``run_fn(arrivals, name)``: one simulation of the configuration (fresh policy objects and
+    router every run: they keep state)."""
+    from schedlab.sim import run, run_cluster
+
+    from .profiles import pick_cost
+    from .simulation import _build_groups
+
+    def policy():
+        p = cfg.policy
+        if isinstance(p, (str, Path, type)):
+            return as_policy(p, cfg.options)
+        return as_policy(copy.deepcopy(p))
+
+    if cfg.cluster is not None:
+        cu = cfg.cluster
+
+        def run_file(arrivals, name):
+            groups = _build_groups(cu)
+            rt = cu.make_router()
+            get = getattr(rt, "options", None)
+            return run_cluster(
+                arrivals,
+                groups.policies,
+                groups.costs,
+                rt,
+                kv_capacity=groups.capacities,
+                router_delay=cu.router_delay,
+                trace_name=name,
+                block_size=block_size,
+                prefix_caching=prefix_caching,
+                record_passes=False,
+                router_options=get() if callable(get) else dict(cu.router_options or {}),
+            )
+
+        return run_file
+
+    model, kv, _ = pick_cost(*cfg.cost)
+    if cfg.router is None and cfg.replicas == 1:
+
+        def run_one(arrivals, name):
+            return run(
+                arrivals,
+                policy(),
+                model,
+                kv_capacity=kv,
+                trace_name=name,
+                record_steps=False,
+                block_size=block_size,
+                prefix_caching=prefix_caching,
+                record_passes=False,
+            )
+
+        return run_one
+    cu = ClusterOptions(replicas=cfg.replicas, router=cfg.router, router_options=cfg.router_options)
+
+    def run_many(arrivals, name):
+        rt = cu.make_router()
+        get = getattr(rt, "options", None)
+        return run_cluster(
+            arrivals,
+            [policy() for _ in range(cfg.replicas)],
+            model,
+            rt,
+            kv_capacity=kv,
+            trace_name=name,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            record_passes=False,
+            router_options=get() if callable(get) else dict(cu.router_options or {}),
+        )
+
+    return run_many
+
+
+def _search_config(cfg: _Config, shared: Mapping[str, Any]) -> dict[str, Any]:
+    """One configuration's search, start to end (in a worker process, or here)."""
+    from schedlab.analysis.capacity import evaluate, search
+
+    trace, slo, att = shared["trace"], shared["slo"], shared["attainment"]
+    row: dict[str, Any] = {
+        "configuration": cfg.label,
+        "policy": cfg.policy_names,
+        "router": _router_name(cfg.router) if cfg.router is not None or cfg.replicas > 1 else None,
+        "replicas": cfg.replicas,
+        "start_rps": cfg.start,
+    }
+    try:
+        run_fn = _runner(cfg, shared["block_size"], shared["prefix_caching"])
+        found = search(
+            lambda rate: evaluate(trace, rate, run_fn, slo, att, shared["early_stop"]), cfg.start, shared["tolerance"]
+        )
+    except Exception as exc:  # a user's policy or router: this configuration's error, the others go on
+        row.update({k: None for k in ("capacity_rps", "first_failing_rps", "binding", "attainment_at_capacity")})
+        row.update(
+            limited=False,
+            points=[],
+            runs=0,
+            early_stops=0,
+            simulated_s=0.0,
+            saved_s_min=0.0,
+            capacity_per_replica_rps=None,
+            error=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
+        )
+        return row
+    pts = found["points"]
+    cap = found["capacity_rps"]
+    row.update(
+        capacity_rps=cap,
+        capacity_per_replica_rps=cap / cfg.replicas if cap is not None else None,
+        limited=found["limited"],
+        first_failing_rps=found["first_failing_rps"],
+        binding=found["binding"],
+        attainment_at_capacity=found["attainment_at_capacity"],
+        runs=len(pts),
+        early_stops=sum(1 for p in pts if p["stopped_early"]),
+        simulated_s=sum(p["simulated_s"] or 0.0 for p in pts),
+        saved_s_min=sum(p["saved_s_min"] or 0.0 for p in pts),
+        error=found["error"],
+        points=pts,
+    )
+    return row

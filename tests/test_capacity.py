@@ -1,0 +1,178 @@
+"""capacity: the highest rate each configuration serves within its SLOs, by bracketing and
+bisection, with runs that can no longer pass stopped early.
+
+A planted capacity is found within the tolerance (one request at a time at a fixed cost per
+request: the queue is stable iff rate <= 1 / cost, the capacity known in closed form);
+capacities grow with the replica count; early stopping never changes a run's pass or fail (the
+same searches with it off, every run to its end); bad input is one line. Cost coefficients
+are made up for the tests and mean nothing about any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from simkit import command, cost_model
+
+import schedlab
+from schedlab import traces
+from schedlab.sim.cost import LinearCostModel
+
+SERVICE_S = 0.05  # seconds per request: one prefill pass of a one-token request, nothing else
+
+
+def even_trace(n: int = 60) -> traces.Trace:
+    """``n`` one-token requests, one a second (rescaled to each rate tried)."""
+    return traces.Trace("even", "", [traces.Request(f"e{i}", float(i), 10, 1) for i in range(n)])
+
+
+def mixed_trace(n: int = 60) -> traces.Trace:
+    """Small requests of varied lengths in uneven gaps (deterministic)."""
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += 0.2 + (i * 7 % 5) * 0.15
+        reqs.append(traces.Request(f"m{i}", t, 40 + (i * 37) % 300, 4 + (i * 13) % 40))
+    return traces.Trace("small-mix", "", reqs)
+
+
+def test_finds_the_planted_capacity_within_the_tolerance():
+    # slots with one slot serves one request at a time; a one-token request costs one prefill
+    # pass of SERVICE_S. Arrivals every g = 1/rate seconds: with g >= S no request waits (TTFT =
+    # S); with g < S request i waits i (S - g). The TTFT SLO allows S (1 + d): request i is good
+    # iff i (S - g) <= d S, so at least 54 of 60 (attainment 0.9) are good iff 53 (S - g) <= d S,
+    # i.e. rate <= 1 / (S (1 - d / 53)).
+    n, att, tol, d = 60, 0.9, 0.02, 1e-3
+    planted = 1 / (SERVICE_S * (1 - d / (att * n - 1)))
+    table = schedlab.capacity(
+        "slots",
+        even_trace(n),
+        options={"n_slots": 1},
+        cost=LinearCostModel({"p_pass": SERVICE_S}),
+        slo={"ttft": SERVICE_S * 1e3 * (1 + d)},  # (vllm bench serve --goodput's name)
+        attainment=att,
+        tolerance=tol,
+        workers=1,
+    )
+    row = table.iloc[0]
+    assert row["error"] is None and not row["limited"]
+    cap, hi = row["capacity_rps"], row["first_failing_rps"]
+    assert planted / (1 + tol) <= cap <= planted < hi <= cap * (1 + tol)
+    assert row["binding"] == "ttft_ms" and row["capacity_per_replica_rps"] == cap
+    points = table.attrs["points"]["slots"]
+    assert row["runs"] == len(points) and row["early_stops"] == sum(p["stopped_early"] for p in points) > 0
+    # the attainment at the capacity is summarize's slo_attainment of that run
+    run = schedlab.simulate(
+        "slots",
+        traces.to_rate(even_trace(n), cap),
+        options={"n_slots": 1},
+        cost=LinearCostModel({"p_pass": SERVICE_S}),
+        slo={"ttft_ms": SERVICE_S * 1e3 * (1 + d)},
+    )
+    assert run.summary["slo_attainment"] == row["attainment_at_capacity"] >= att
+
+
+def test_capacity_grows_with_the_replica_count(tmp_path):
+    table = schedlab.capacity(
+        "chunked-prefill",
+        mixed_trace(),
+        cost=cost_model(),
+        slo="ttft_ms=300,tpot_ms=40",
+        attainment=0.9,
+        tolerance=0.05,
+        replicas="1,2,4",
+        workers=2,
+        out=tmp_path / "out",
+    )
+    assert list(table["configuration"]) == [
+        "chunked-prefill",
+        "chunked-prefill x2 round-robin",
+        "chunked-prefill x4 round-robin",
+    ]
+    caps = list(table["capacity_rps"])
+    assert table["error"].isna().all() and not table["limited"].any()
+    assert caps[0] <= caps[1] <= caps[2] and caps[2] > caps[0]
+    assert list(table["capacity_per_replica_rps"]) == [c / n for c, n in zip(caps, (1, 2, 4))]
+    out = tmp_path / "out"
+    assert {f.name for f in out.iterdir()} == {
+        "capacity.csv",
+        "capacity.json",
+        "capacity.png",
+        "capacity.svg",
+        "attainment_vs_rate.png",
+        "attainment_vs_rate.svg",
+    }
+    data = json.loads((out / "capacity.json").read_text())
+    assert data["slo"] == {"ttft_ms": 300.0, "tpot_ms": 40.0} and data["attainment"] == 0.9
+    for conf, row in zip(data["configurations"], table.itertuples()):
+        assert conf["capacity_rps"] == row.capacity_rps
+        assert len(conf["points"]) == conf["runs"]
+        assert {"rate_rps", "attainment", "passed", "stopped_early"} <= set(conf["points"][0])
+
+
+def test_early_stop_never_changes_the_answer():
+    # every SLO kind, one replica (the plain loop) and two (the cluster): the searches with the
+    # early stop and with every run to its end try the same rates and agree on every one
+    args = dict(
+        cost=cost_model(),
+        slo="ttft=250,tpot=30,e2el=2500",
+        attainment=0.95,
+        tolerance=0.05,
+        replicas=[1, 2],
+        workers=1,
+    )
+    fast = schedlab.capacity("chunked-prefill", mixed_trace(), **args)
+    full = schedlab.capacity("chunked-prefill", mixed_trace(), early_stop=False, **args)
+    assert list(fast["capacity_rps"]) == list(full["capacity_rps"])
+    assert list(fast["binding"].notna()) == list(full["binding"].notna())
+    stopped = 0
+    for conf, points in fast.attrs["points"].items():
+        whole = full.attrs["points"][conf]
+        assert [(p["rate_rps"], p["passed"]) for p in points] == [(p["rate_rps"], p["passed"]) for p in whole]
+        for p, q in zip(points, whole):
+            assert not q["stopped_early"]
+            if p["stopped_early"]:
+                stopped += 1
+                assert p["attainment"] is None and q["attainment"] <= p["attainment_max"] < 0.95
+                assert p["simulated_s"] < q["simulated_s"]
+            else:
+                assert p["attainment"] == q["attainment"]
+    assert stopped > 0 and list(full["early_stops"]) == [0, 0]
+    assert list(fast["early_stops"]) == [sum(p["stopped_early"] for p in v) for v in fast.attrs["points"].values()]
+
+
+def capacity_cmd(*args):
+    return subprocess.run([*command("capacity"), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--slo", "ttft_s=300"], "unknown SLO key 'ttft_s'"),
+        (["--slo", "ttft=300,ttft_ms=200"], "SLO ttft_ms is given twice"),
+        (["--policy", " , "], "--policy needs at least one policy"),
+        (["--replicas", ","], "--replicas needs at least one count"),
+        (["--router", ","], "--router needs at least one router"),
+        (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
+        (["--tolerance", "0"], "--tolerance must be a finite number > 0"),
+        (["--slo", "ttft_ms=0.01"], "no rate meets the SLOs even at"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, expect):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(mixed_trace(20).to_json()))
+    prof = tmp_path / "prof.json"
+    prof.write_text(
+        json.dumps({"schema": "schedlab-profile/1", "model": "test", "coefficients": dict(cost_model().coefficients)})
+    )
+    base = {"--policy": "chunked-prefill", "--trace": str(trace), "--slo": "ttft_ms=300", "--profile": str(prof)}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    p = capacity_cmd(*[x for kv in base.items() for x in kv], "--out", tmp_path / "o", "-j", "1")
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("schedlab capacity: error:"), p.stderr
+    assert expect in lines[0]
+    assert not (tmp_path / "o").exists()
