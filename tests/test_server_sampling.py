@@ -21,23 +21,15 @@ from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
 from schedlab import traces
 from schedlab.engine.models import load_model
 from schedlab.traces.schema import Request
-from test_server import MODEL, Served, chat, expected
+from test_server import MODEL, chat, expected
 
 pytestmark = pytest.mark.slow  # a real server on a real model
 
-KV = 2048
-N = 8  # tokens per answer: short, the checks hold on 8
+N = 8  # tokens per answer: short, the checks hold on 8 (the session's server: conftest ``server``)
 SEEDED = dict(temperature=0.8, top_p=0.9)  # OpenAI's fields, sampled
 STORY = "Once upon a time, in a small village,"
 QS = ["What is the capital of France?", "Name three colours."]
 _expected: dict = {}
-
-
-@pytest.fixture(scope="module")
-def server(smol, tmp_path_factory):
-    s = Served(["--policy", "vllm", "--kv-tokens", str(KV), "--max-tokens", str(N)], tmp_path_factory.mktemp("sampled"))
-    yield s
-    s.stop()
 
 
 def greedy(smol, q: str | None = None, prompt: str | None = None) -> str:
