@@ -111,6 +111,21 @@ def test_it_listens_without_calibrating_and_names_the_profile_it_plans_with(serv
     assert bundled == ("no cost profile for model" in said)
 
 
+def test_without_a_profile_of_its_own_it_plans_with_one_of_its_model_not_another_models(smol, tmp_path):
+    """The nearest profile when none was measured on this model and machine: one of the same
+    model measured elsewhere, not the default (another model's, whose steps are 20x shorter)."""
+    from schedlab.api.real import nearest_profile
+    from schedlab.sim.profiles import PROFILE_DIR
+
+    bundled = [PROFILE_DIR / "tiny-cpu.json", PROFILE_DIR / "smollm2-135m-cpu.json"]
+    near = nearest_profile(smol, bundled)
+    assert near is not None and near[0].name == "smollm2-135m-cpu.json" and near[1]
+    assert nearest_profile(smol, bundled[:1]) is None  # only another model's: the caller's default
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    assert nearest_profile(smol, [broken, *bundled])[0].name == "smollm2-135m-cpu.json"
+
+
 def expected(info, *, messages=None, prompt=None, max_tokens: int) -> tuple[str, int, str]:
     """(text, completion tokens, finish reason) of the model alone, greedy, stopping at EOS."""
     req = Request(

@@ -8,6 +8,7 @@ OpenBLAS is loaded before MLX."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ._base import Log, PolicyLike, TraceLike, check_model, check_seed, fail, logger, parse_slo, policy_options, public
@@ -63,6 +64,33 @@ def _blas_mismatch(profile_blas, engine_blas) -> str | None:
     return None
 
 
+def nearest_profile(info, candidates) -> tuple[Path, str] | None:
+    """Of profiles none of which was measured on this model and machine, the nearest: one of this
+    model (its name, dtype and size), measured on this machine's CPU (under other BLAS settings)
+    before one measured on another machine; with why it does not match. None when none is of
+    this model (the caller falls back to the default profile: another model's)."""
+    from schedlab.engine.calibrate import profile_mismatch
+    from schedlab.sim.cost import read_profile
+
+    here = info.metadata()
+    best = None
+    for p in candidates:
+        try:
+            meta = read_profile(p)
+        except Exception:  # a broken cache file is no candidate
+            continue
+        if (meta.get("model"), meta.get("dtype"), meta.get("parameters")) != (
+            here["model"],
+            here["dtype"],
+            here["parameters"],
+        ):
+            continue
+        rank = 0 if (meta.get("machine") or {}).get("cpu_model") == here["machine"].get("cpu_model") else 1
+        if best is None or rank < best[0]:
+            best = (rank, Path(p), profile_mismatch(meta, info) or "measured elsewhere")
+    return None if best is None else (best[1], best[2])
+
+
 def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, info, log: Log, notes: list[str]):
     """(cost model, KV capacity, profile path) the policy sees and steps are predicted with.
 
@@ -89,12 +117,15 @@ def _real_cost(profile: ProfileLike, kv_tokens: int | None, no_calibrate: bool, 
                     matching.append(p)
             except Exception:  # a broken cache file is no match
                 continue
-        path = matching[0] if matching else resolve_profile(None)
-        if not matching:
+        if matching:
+            path = matching[0]
+        else:
+            near = nearest_profile(info, candidate_profiles(info))
+            path, why = near if near is not None else (resolve_profile(None), "another model's")
             note(
                 "warning",
                 f"no cost profile for model {info.name} on this machine: the policy plans and "
-                f"steps.parquet's predicted_s come from the bundled {path.name} (measured elsewhere)",
+                f"steps.parquet's predicted_s come from {path.name}, measured elsewhere ({why})",
             )
     else:
         given = None if profile is None else str(profile_path(profile))
