@@ -554,21 +554,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 def write_results(out_dir, rows: Sequence[Mapping[str, Any]], info: Mapping[str, Any]) -> list:
     """capacity.csv (the table) and capacity.json (``info``, and every configuration with its
     search's points)."""
-    import csv
-    import json
-    from pathlib import Path
+    from schedlab.analysis.sweep import write_table
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "capacity.csv", "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(TABLE_FIELDS)
-        for r in rows:
-            w.writerow(
-                ["" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k]) for k in TABLE_FIELDS]
-            )
-    (out / "capacity.json").write_text(json.dumps({**info, "configurations": list(rows)}, indent=2) + "\n")
-    return [out / "capacity.csv", out / "capacity.json"]
+    return write_table(out_dir, "capacity", TABLE_FIELDS, rows, info, "configurations")
 
 
 def plot_capacity(

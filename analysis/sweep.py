@@ -373,21 +373,25 @@ def format_table(rows: Sequence[Mapping[str, Any]], slo: bool = False) -> str:
 
 
 def write_results(out_dir, rows, info: Mapping[str, Any]) -> list:
+    return write_table(out_dir, "sweep", ROW_FIELDS, rows, info, "rows")
+
+
+def write_table(out_dir, name: str, fields, rows, info: Mapping[str, Any], key: str) -> list:
+    """NAME.csv (``fields`` of every row; floats as repr, None empty) and NAME.json (``info`` and
+    the rows under ``key``) in ``out_dir``: a sweep's or a capacity search's files."""
     import csv
     import json
     from pathlib import Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "sweep.csv", "w", newline="") as f:
+    with open(out / f"{name}.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(ROW_FIELDS)
+        w.writerow(fields)
         for r in rows:
-            w.writerow(
-                ["" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k]) for k in ROW_FIELDS]
-            )
-    (out / "sweep.json").write_text(json.dumps({**info, "rows": list(rows)}, indent=2) + "\n")
-    return [out / "sweep.csv", out / "sweep.json"]
+            w.writerow(["" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k]) for k in fields])
+    (out / f"{name}.json").write_text(json.dumps({**info, key: list(rows)}, indent=2) + "\n")
+    return [out / f"{name}.csv", out / f"{name}.json"]
 
 
 # ------------------------------------------------------------------------ figure
