@@ -344,26 +344,30 @@ def _runner(cfg: _Config, block_size: int, prefix_caching: bool):
             return as_policy(p, cfg.options)
         return as_policy(copy.deepcopy(p))
 
+    def cluster(arrivals, name, cu, policies, costs, capacities):
+        """One simulation of the cluster ``cu`` (a fresh router: routers keep state)."""
+        rt = cu.make_router()
+        get = getattr(rt, "options", None)
+        return run_cluster(
+            arrivals,
+            policies,
+            costs,
+            rt,
+            kv_capacity=capacities,
+            router_delay=cu.router_delay,
+            trace_name=name,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            record_passes=False,
+            router_options=get() if callable(get) else dict(cu.router_options or {}),
+        )
+
     if cfg.cluster is not None:
         cu = cfg.cluster
 
         def run_file(arrivals, name):
             groups = _build_groups(cu)
-            rt = cu.make_router()
-            get = getattr(rt, "options", None)
-            return run_cluster(
-                arrivals,
-                groups.policies,
-                groups.costs,
-                rt,
-                kv_capacity=groups.capacities,
-                router_delay=cu.router_delay,
-                trace_name=name,
-                block_size=block_size,
-                prefix_caching=prefix_caching,
-                record_passes=False,
-                router_options=get() if callable(get) else dict(cu.router_options or {}),
-            )
+            return cluster(arrivals, name, cu, groups.policies, groups.costs, groups.capacities)
 
         return run_file
 
@@ -387,20 +391,7 @@ def _runner(cfg: _Config, block_size: int, prefix_caching: bool):
     cu = ClusterOptions(replicas=cfg.replicas, router=cfg.router, router_options=cfg.router_options)
 
     def run_many(arrivals, name):
-        rt = cu.make_router()
-        get = getattr(rt, "options", None)
-        return run_cluster(
-            arrivals,
-            [policy() for _ in range(cfg.replicas)],
-            model,
-            rt,
-            kv_capacity=kv,
-            trace_name=name,
-            block_size=block_size,
-            prefix_caching=prefix_caching,
-            record_passes=False,
-            router_options=get() if callable(get) else dict(cu.router_options or {}),
-        )
+        return cluster(arrivals, name, cu, [policy() for _ in range(cfg.replicas)], model, kv)
 
     return run_many
 
