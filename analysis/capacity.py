@@ -39,8 +39,6 @@ source of its own, given only to the capacity search's runs.
 from __future__ import annotations
 
 import math
-import signal
-import threading
 from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
@@ -424,87 +422,6 @@ def no_rate_message(point: Mapping[str, Any]) -> str:
     return f"no rate meets the SLOs even at {rate:.4g} req/s (the lowest tried): {seen}" + (
         f"; {detail}" if detail else ""
     )
-
-
-# ------------------------------------------------------------------------ worker processes
-
-
-_SHARED: tuple = ()
-
-
-def _init_worker(fn, shared) -> None:
-    global _SHARED
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _SHARED = (fn, shared)
-
-
-def _call(job):
-    fn, shared = _SHARED
-    return fn(job, shared)
-
-
-def run_jobs(
-    fn: Callable[[Any, Any], dict[str, Any]],
-    jobs: Sequence[Any],
-    shared: Any,
-    workers: int,
-    on_done: Callable[[dict[str, Any]], None] | None = None,
-    on_start: Callable[[int, int], None] | None = None,
-) -> list[dict[str, Any]]:
-    """``fn(job, shared)`` for every job, in ``workers`` processes (spawned; ``shared`` sent to
-    each once; ``fn`` a module-level function) or here when ``workers`` is 1; results in job order.
-    Ctrl-C or an error stops the workers at once (as ``analysis.sweep``'s pool)."""
-    n = max(1, min(workers, len(jobs)))
-    if n == 1:
-        if on_start:
-            on_start(len(jobs), 1)
-        out = []
-        for job in jobs:
-            row = fn(job, shared)
-            out.append(row)
-            if on_done:
-                on_done(row)
-        return out
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    from .sweep import _main_not_reimported
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
-    restored = not main_thread
-    pool = None
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        with _main_not_reimported():
-            pool = ProcessPoolExecutor(
-                max_workers=n,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(fn, shared),
-            )
-            futures = {pool.submit(_call, job): k for k, job in enumerate(jobs)}
-        if not restored:
-            signal.signal(signal.SIGINT, previous)
-            restored = True
-        if on_start:
-            on_start(len(jobs), n)
-        for fut in as_completed(futures):
-            row = fut.result()
-            results[futures[fut]] = row
-            if on_done:
-                on_done(row)
-    except BaseException:
-        if not restored:
-            signal.signal(signal.SIGINT, previous)
-        if pool is not None:
-            for p in list((getattr(pool, "_processes", None) or {}).values()):
-                if p.is_alive():
-                    p.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
-    return [results[k] for k in range(len(jobs))]
 
 
 # ------------------------------------------------------------------------ table, files, figures

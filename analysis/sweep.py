@@ -25,12 +25,10 @@ higher: ``limited_by_sweep`` says so.
 from __future__ import annotations
 
 import math
-import os
-import signal
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
+
+from .executors import default_workers, run_jobs
 
 ROW_FIELDS = (
     "policy",
@@ -163,22 +161,8 @@ def run_job(
     return row
 
 
-_SHARED: tuple = ()  # in a worker process: (trace, cost model, KV capacity, SLOs, settings)
-
-
-def _init_worker(trace, cost_model, kv_capacity, slo, settings=None) -> None:
-    """Each worker gets the trace once (jobs stay tiny); Ctrl-C is left to the parent."""
-    global _SHARED
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _SHARED = (trace, cost_model, kv_capacity, slo, settings)
-
-
-def _worker(job: Job) -> dict[str, Any]:
-    return run_job(job, *_SHARED)
-
-
-def default_workers(n_jobs: int) -> int:
-    return max(1, min(os.cpu_count() or 1, n_jobs))
+def _sweep_job(job: Job, shared: tuple) -> dict[str, Any]:
+    return run_job(job, *shared)
 
 
 def sweep(
@@ -195,10 +179,13 @@ def sweep(
     on_start: Callable[[int, int], None] | None = None,
     concurrency: Sequence[int | None] | None = None,
     settings: Mapping[str, Any] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every (policy, rate, concurrency), rows in that order. ``rates`` None: the trace's own
     times; ``concurrency`` None: no client limit. ``settings``: block size, prefix caching and
-    the clients' schedule (``DEFAULT_SETTINGS``). ``workers`` 1 runs in-process.
+    the clients' schedule (``DEFAULT_SETTINGS``). ``workers`` 1 runs in-process; ``executor``
+    and ``ray_address``: where the jobs run (``analysis.executors``).
 
     ``on_start(jobs, workers)`` is called once the jobs are queued (and the worker processes
     started); ``on_done(row)`` after each job. Ctrl-C (KeyboardInterrupt) cancels jobs not
@@ -210,97 +197,12 @@ def sweep(
         Job(i, p, dict(options or {}), r, c)
         for i, (p, r, c) in enumerate((p, r, c) for p in policies for r in rate_list for c in conc_list)
     ]
-    n = workers if workers is not None else default_workers(len(jobs))
-    rows: list[dict[str, Any]] = []
-    if n <= 1 or len(jobs) <= 1:
-        if on_start:
-            on_start(len(jobs), 1)
-        for job in jobs:
-            row = run_job(job, trace, cost_model, kv_capacity, slo, settings)
-            rows.append(row)
-            if on_done:
-                on_done(row)
-    else:
-        rows = _parallel(jobs, trace, cost_model, kv_capacity, slo, min(n, len(jobs)), on_done, on_start, settings)
+    n = workers if workers is not None or executor == "ray" else default_workers(len(jobs))
+    shared = (trace, cost_model, kv_capacity, slo, settings)
+    rows = run_jobs(_sweep_job, jobs, shared, n, on_done, on_start, executor, ray_address)
     rows.sort(key=lambda r: r["index"])
     for r in rows:
         r.pop("index", None)
-    return rows
-
-
-@contextmanager
-def _main_not_reimported():
-    """Spawned workers import nothing of the parent's ``__main__``. They need nothing from it
-    (jobs name their policies; the trace and cost model are library objects), and a spawned
-    process otherwise runs the parent's script again: a script that calls the sweep at its top
-    level (no ``if __name__ == "__main__":`` guard, as in a quick script using the API) would
-    start a sweep in every worker, which fails there and leaves the pool waiting forever."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None  # multiprocessing.spawn reads both to re-run the main module
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-def _parallel(jobs, trace, cost_model, kv_capacity, slo, n, on_done, on_start=None, settings=None):
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    # spawn (as on macOS): no fork of a process that has threads. A terminal's Ctrl-C goes
-    # to the whole process group, workers included. SIGINT is ignored while the workers are
-    # created: they inherit "ignore" through exec (a blocked mask would not survive it), so a
-    # Ctrl-C during their start-up prints no traceback there; the parent's handler is back
-    # (a Ctrl-C in those few milliseconds is lost) before any result is awaited, and the
-    # parent then stops them.
-    import threading
-
-    main_thread = threading.current_thread() is threading.main_thread()  # signals: main thread only
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
-    restored = not main_thread
-    pool = None
-    futures = []
-    rows = []
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with _main_not_reimported():  # the workers start during the submits
-            pool = ProcessPoolExecutor(
-                max_workers=n,
-                mp_context=ctx,
-                initializer=_init_worker,
-                initargs=(trace, cost_model, kv_capacity, slo, settings),
-            )
-            futures = [pool.submit(_worker, job) for job in jobs]
-        if not restored:
-            signal.signal(signal.SIGINT, previous)
-            restored = True
-        if on_start:
-            on_start(len(jobs), n)
-        for fut in as_completed(futures):
-            row = fut.result()
-            rows.append(row)
-            if on_done:
-                on_done(row)
-    except BaseException:
-        if not restored:
-            signal.signal(signal.SIGINT, previous)
-        if pool is not None:
-            # Stop the running jobs now, not when they finish, then let the pool's own thread
-            # fail or cancel the rest and wind down: futures are not cancelled from here (that
-            # races with it), and it is joined before we return (so nothing of it is left to
-            # race with interpreter exit). Jobs are small, so its queue never blocks.
-            for p in list((getattr(pool, "_processes", None) or {}).values()):  # private: the only handle
-                if p.is_alive():
-                    p.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
     return rows
 
 

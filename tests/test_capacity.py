@@ -157,6 +157,8 @@ def capacity_cmd(*args):
         (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
         (["--tolerance", "0"], "--tolerance must be a finite number > 0"),
         (["--slo", "ttft_ms=0.01"], "no rate meets the SLOs even at"),
+        (["--executor", "dask"], "unknown executor 'dask': choose local or ray"),
+        (["--executor", "ray", "--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, expect):

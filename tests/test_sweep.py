@@ -235,6 +235,9 @@ def test_cli_prints_table_writes_csv_json_and_figures(tmp_path, profile, cost):
         (["--trace", "ONE"], "cannot set a rate"),
         (["-o", "budget=abc"], "budget='abc' is not a valid int"),
         (["--profile", "/no/profile.json"], "profile not found"),
+        (["--executor", "dask"], "unknown executor 'dask': choose local or ray"),
+        (["--ray-address", "127.0.0.1:6379"], "--ray-address goes with the ray executor"),
+        (["--executor", "ray", "--ray-address", "nowhere"], "'nowhere' is not host:port or ray://host:port"),
     ],
 )
 def test_cli_bad_input_is_one_line(tmp_path, profile, args, expect):

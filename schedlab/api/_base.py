@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -59,6 +60,29 @@ def logger(log: Log | None) -> Log:
             warnings.warn(message, SchedlabWarning, stacklevel=4)
 
     return default
+
+
+def executor_name(executor: Any, ray_address: Any) -> str:
+    """``sweep``'s and ``capacity``'s ``executor`` ("local" or "ray") and ``ray_address``, checked."""
+    from schedlab.analysis.executors import check_executor
+
+    try:
+        return check_executor(executor, ray_address)
+    except ValueError as exc:
+        fail(str(exc).replace("executor ray", f"{opt('executor')} ray").replace("a Ray address", opt("ray_address")), 2)
+
+
+@contextlib.contextmanager
+def executor_errors():
+    """A worker that died, or an executor that cannot start: one line, no traceback."""
+    from schedlab.analysis.executors import ExecutorUnavailable, WorkerLost
+
+    try:
+        yield
+    except WorkerLost as exc:
+        fail(f"a worker process died (killed, or out of memory; {exc}); try fewer {opt('workers')}")
+    except ExecutorUnavailable as exc:
+        fail(str(exc))
 
 
 def check_seed(seed: Any, what: str = "seed") -> int:

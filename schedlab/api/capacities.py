@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import opt
-from ._base import PolicyLike, TraceLike, check_seed, fail, parse_formats, parse_slo, public
+from ._base import (
+    PolicyLike,
+    TraceLike,
+    check_seed,
+    executor_errors,
+    executor_name,
+    fail,
+    parse_formats,
+    parse_slo,
+    public,
+)
 from .inputs import as_policy, as_trace
 from .options import ClusterOptions, ReplicaOptions, merged
 
@@ -126,6 +136,8 @@ def capacity(
     early_stop: bool = True,
     seed: int = 0,
     workers: int | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
     out: str | Path | None = None,
     formats: str | Sequence[str] = ("png", "svg"),
     on_start: Callable[[int, int], None] | None = None,
@@ -167,8 +179,9 @@ def capacity(
     import pandas as pd
 
     from schedlab import traces
-    from schedlab.analysis.capacity import TABLE_FIELDS, run_jobs, write_results
-    from schedlab.analysis.sweep import default_workers, rescale
+    from schedlab.analysis.capacity import TABLE_FIELDS, write_results
+    from schedlab.analysis.executors import default_workers, run_jobs
+    from schedlab.analysis.sweep import rescale
 
     slos = parse_slo(slo)
     if not slos:
@@ -185,6 +198,7 @@ def capacity(
             fail(f"{opt('start_rps')} must be a finite number > 0 (req/s), got {s0:g}", 2)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
+    executor = executor_name(executor, ray_address)
     seed = check_seed(seed)
     fmts = parse_formats(formats)
     rep = merged(
@@ -256,9 +270,13 @@ def capacity(
         dup = next(x for x in labels if labels.count(x) > 1)
         fail(f"the configuration {dup!r} is given twice", 2)
     in_process = any(not isinstance(c.policy, (str, Path, type(None))) for c in configs)
-    if in_process and workers not in (None, 1):
-        fail("classes and policy objects run in this process: give workers=1 (or a 'file.py:Class' spec)", 2)
-    n_workers = 1 if in_process else (workers or default_workers(len(configs)))
+    if in_process and (workers not in (None, 1) or executor != "local"):
+        fail(
+            "classes and policy objects run in this process: give workers=1 and the local executor "
+            "(or a 'file.py:Class' spec)",
+            2,
+        )
+    n_workers = 1 if in_process else (workers or (None if executor == "ray" else default_workers(len(configs))))
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not out.is_dir():
         fail(f"{opt('out')} {out} exists and is not a directory")
@@ -272,12 +290,8 @@ def capacity(
         "block_size": rep.block_size,
         "prefix_caching": rep.prefix_caching,
     }
-    from concurrent.futures.process import BrokenProcessPool
-
-    try:
-        rows = run_jobs(_search_config, configs, shared, n_workers, on_done=on_done, on_start=on_start)
-    except BrokenProcessPool:
-        fail(f"a worker process died (killed, or out of memory); try fewer {opt('workers')}")
+    with executor_errors():
+        rows = run_jobs(_search_config, configs, shared, n_workers, on_done, on_start, executor, ray_address)
     if all(r.get("error") for r in rows):  # nothing to report: the (first) reason, in one line
         first, rest = rows[0], [r["configuration"] for r in rows[1:]]
         more = f" (no capacity either: {', '.join(rest)})" if rest else ""

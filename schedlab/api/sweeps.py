@@ -8,7 +8,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import opt
-from ._base import PolicyLike, TraceLike, check_seed, fail, is_frame, parse_formats, parse_slo, public
+from ._base import (
+    PolicyLike,
+    TraceLike,
+    check_seed,
+    executor_errors,
+    executor_name,
+    fail,
+    is_frame,
+    parse_formats,
+    parse_slo,
+    public,
+)
 from .inputs import as_policy, as_trace
 from .options import ClientOptions, ReplicaOptions, merged, parse_rate
 from .profiles import ProfileLike, linear_model
@@ -130,6 +141,8 @@ def sweep(
     attainment: float = 0.9,
     seed: int = 0,
     workers: int | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
     out: str | Path | None = None,
     formats: str | Sequence[str] = ("png", "svg"),
     on_start: Callable[[int, int], None] | None = None,
@@ -156,7 +169,8 @@ def sweep(
     import pandas as pd
 
     from schedlab import traces
-    from schedlab.analysis.sweep import ROW_FIELDS, default_workers, max_sustained_rate, rescale, write_results
+    from schedlab.analysis.executors import default_workers
+    from schedlab.analysis.sweep import ROW_FIELDS, max_sustained_rate, rescale, write_results
     from schedlab.analysis.sweep import sweep as run_sweep
 
     if isinstance(policies, str):
@@ -204,10 +218,15 @@ def sweep(
         )
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         fail(f"{opt('workers')} must be >= 1, got {workers}", 2)
+    executor = executor_name(executor, ray_address)
     seed = check_seed(seed)
     in_process = any(not isinstance(p, str) for p in pols)
-    if in_process and workers not in (None, 1):
-        fail("classes and policy objects run in this process: give workers=1 (or a 'file.py:Class' spec)", 2)
+    if in_process and (workers not in (None, 1) or executor != "local"):
+        fail(
+            "classes and policy objects run in this process: give workers=1 and the local executor "
+            "(or a 'file.py:Class' spec)",
+            2,
+        )
     labels = []
     for p in pols:  # bad names and options fail here, once, not in every worker
         pol = as_policy(p, opts if isinstance(p, (str, type)) else None)
@@ -227,7 +246,7 @@ def sweep(
         n_workers = 1
     else:
         jobs_pols = pols
-        n_workers = workers or default_workers(n_jobs)
+        n_workers = workers or (None if executor == "ray" else default_workers(n_jobs))
     settings = {
         "block_size": rep.block_size,
         "prefix_caching": rep.prefix_caching,
@@ -236,9 +255,7 @@ def sweep(
         "think_s": clients.think_time or 0.0,
         "seed": seed,
     }
-    from concurrent.futures.process import BrokenProcessPool
-
-    try:
+    with executor_errors():
         rows = run_sweep(
             tr,
             jobs_pols,
@@ -252,9 +269,9 @@ def sweep(
             on_start=on_start,
             concurrency=conc_list,
             settings=settings,
+            executor=executor,
+            ray_address=ray_address,
         )
-    except BrokenProcessPool:
-        fail(f"a worker process died (killed, or out of memory); try fewer {opt('workers')}")
     sustained = max_sustained_rate(rows, attainment) if slos and rate_list and not conc_list else None
     info: dict[str, Any] = {
         "trace": tr.name,

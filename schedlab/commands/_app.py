@@ -14,6 +14,11 @@ from ..errors import _CLI, SchedlabError, one_line, user_error_types
 
 # the help of options several commands share
 BLOCK_SIZE_HELP = "KV block size in tokens: KV is allocated in blocks (a request holds ceil(tokens / block))"
+EXECUTOR_HELP = "where the simulations run: local (worker processes) or ray (Ray tasks; pip install 'schedlab[ray]')"
+RAY_ADDRESS_HELP = (
+    "with --executor ray: an existing Ray cluster (host:6379 or ray://host:10001); "
+    "default: a local Ray started for this command"
+)
 PREFIX_HELP = "block-level prefix caching (vLLM's automatic prefix caching): cached prefixes are not computed again"
 CONCURRENCY_HELP = (
     "closed-loop clients: at most C requests in flight, the next one sent when one finishes "

@@ -10,7 +10,17 @@ from typing import List, Optional
 
 import typer
 
-from ._app import BLOCK_SIZE_HELP, PREFIX_HELP, Interrupted, fail, make_app, parse_options, run_app
+from ._app import (
+    BLOCK_SIZE_HELP,
+    EXECUTOR_HELP,
+    RAY_ADDRESS_HELP,
+    PREFIX_HELP,
+    Interrupted,
+    fail,
+    make_app,
+    parse_options,
+    run_app,
+)
 
 capacity_app = make_app(
     "For every configuration (policies x routers x replica counts, and cluster files), find the highest "
@@ -79,8 +89,14 @@ def capacity(
         help="first rate tried, per replica (default: the trace's own mean rate; n replicas start at n times it)",
     ),
     workers: Optional[int] = typer.Option(
-        None, "--workers", "-j", help="worker processes (default: min(CPU count, configurations))"
+        None,
+        "--workers",
+        "-j",
+        help="worker processes (default: min(CPU count, configurations)); with --executor ray: searches in "
+        "flight at once (default: all; a local Ray gets this many CPUs)",
     ),
+    executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for trace loading (Mooncake tick jitter)"),
     out: Optional[Path] = typer.Option(
         None, "--out", "-O", help="write capacity.csv, capacity.json and the figures into this directory"
@@ -136,6 +152,8 @@ def capacity(
             start_rps=start_rps,
             seed=seed,
             workers=workers,
+            executor=executor,
+            ray_address=ray_address,
             out=out,
             formats=fmt,
             on_start=started,

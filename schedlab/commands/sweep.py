@@ -9,7 +9,16 @@ from typing import List, Optional
 
 import typer
 
-from ._app import BLOCK_SIZE_HELP, PREFIX_HELP, Interrupted, make_app, parse_options, run_app
+from ._app import (
+    BLOCK_SIZE_HELP,
+    EXECUTOR_HELP,
+    RAY_ADDRESS_HELP,
+    PREFIX_HELP,
+    Interrupted,
+    make_app,
+    parse_options,
+    run_app,
+)
 
 sweep_app = make_app(
     "Simulate policies over one trace rescaled to several request rates and/or behind several "
@@ -45,8 +54,14 @@ def sweep(
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
     workers: Optional[int] = typer.Option(
-        None, "--workers", "-j", help="worker processes (default: min(CPU count, jobs))"
+        None,
+        "--workers",
+        "-j",
+        help="worker processes (default: min(CPU count, jobs)); with --executor ray: jobs in flight at once "
+        "(default: all; a local Ray gets this many CPUs)",
     ),
+    executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
     profile: Optional[str] = typer.Option(
         None, "--profile", help="cost-model profile JSON (default: the bundled measured profile)"
     ),
@@ -85,7 +100,7 @@ def sweep(
         + (f" x {n_conc} concurrencies" if n_conc else "")
     )
 
-    def started(jobs: int, used: int) -> None:  # after the workers exist (see analysis.sweep._parallel)
+    def started(jobs: int, used: int) -> None:  # after the workers exist (see analysis.executors)
         if not quiet:
             print(
                 f"sweep: {dims} = {jobs} simulations of {tr.name} ({len(tr)} requests) on {used} worker(s)",
@@ -116,6 +131,8 @@ def sweep(
             attainment=attainment,
             seed=seed,
             workers=workers,
+            executor=executor,
+            ray_address=ray_address,
             out=out,
             formats=fmt,
             on_start=started,
