@@ -7,9 +7,16 @@ capacities, the search's points and its early stops come from the run's ``capaci
 Medians over ``--repeat`` runs. Goal (issue 40): under 2 minutes of wall time on this 2-core
 machine with the local executor.
 
-    python bench/capacity.py [--repeat 3] [--out bench/results/capacity.json]
+``--executor ray --compare-workers 1,2`` runs the same search on a local Ray (started by each
+command: its start-up counts) with 1 and with 2 workers, alternating (rounds of [1, 2]), and
+reports each one's median and the speed-up (goal: at least 1.7x with 2). It also measures Ray's
+per-task overhead in this process: ``--tasks`` one-request simulations as Ray tasks on one
+worker, against the same jobs run here, (Ray - here) / tasks, medians over ``--repeat``.
 
-Results: ``bench/results/capacity.json`` (``docs/capacity.md``).
+    python bench/capacity.py [--repeat 3] [--out bench/results/capacity.json]
+    python bench/capacity.py --executor ray --compare-workers 1,2 [--repeat 2]   # -> capacity_ray.json
+
+Results: ``bench/results/capacity.json``, ``bench/results/capacity_ray.json`` (``docs/capacity.md``).
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from pathlib import Path
 import common
 
 GOAL_WALL_S = 120.0
+GOAL_RAY_SPEEDUP = 1.7
 BIN = Path(sys.executable).parent
 
 
-def one(args, out: Path) -> tuple[float, dict]:
+def one(args, out: Path, workers: int | None = None) -> tuple[float, dict]:
     cmd = [
         str(BIN / "schedlab"),
         "capacity",
@@ -52,7 +60,9 @@ def one(args, out: Path) -> tuple[float, dict]:
         "--tolerance",
         str(args.tolerance),
         "-j",
-        str(args.workers),
+        str(workers or args.workers),
+        "--executor",
+        args.executor,
         "--out",
         str(out),
         "-f",
@@ -80,8 +90,14 @@ def main() -> None:
     ap.add_argument("--attainment", type=float, default=0.99)
     ap.add_argument("--tolerance", type=float, default=0.02)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=common.result_path("capacity"))
+    ap.add_argument("--executor", choices=("local", "ray"), default="local")
+    ap.add_argument("--compare-workers", default=None, help="e.g. 1,2: alternate these worker counts")
+    ap.add_argument("--tasks", type=int, default=200, help="tasks of the per-task overhead measurement")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.compare_workers:
+        return compare_workers(args)
+    args.out = args.out or common.result_path("capacity")
     walls: list[float] = []
     result = None
     for k in range(args.repeat):
@@ -98,7 +114,8 @@ def main() -> None:
     rows = result["configurations"]
     out = {
         "bench": "capacity",
-        "what": "schedlab capacity as a command (fresh process, launch to exit), local process pool; medians over runs",
+        "what": f"schedlab capacity as a command (fresh process, launch to exit), {args.executor} executor; "
+        "medians over runs",
         "command": {
             "policies": args.policies,
             "replicas": args.replicas,
@@ -110,6 +127,7 @@ def main() -> None:
             "attainment": args.attainment,
             "tolerance": args.tolerance,
             "workers": args.workers,
+            "executor": args.executor,
         },
         "goal_wall_s": GOAL_WALL_S,
         "wall_s": wall,
@@ -127,6 +145,91 @@ def main() -> None:
           f"{out['early_stops']} stopped early")  # fmt: skip
     for r in rows:
         print(f"  {r['configuration']:<40} {r['capacity_rps']:8.2f} req/s  binding {r['binding']}")
+
+
+def task_overhead(n_tasks: int, repeat: int) -> dict:
+    """Ray's cost per task: ``n_tasks`` tiny jobs (one one-request simulation each) on a local
+    Ray with one worker, against the same jobs run in this process."""
+    from schedlab import traces
+    from schedlab.analysis.executors import run_jobs
+    from schedlab.analysis.sweep import Job, _sweep_job
+    from schedlab.api.profiles import linear_model
+
+    cost, kv, _ = linear_model(None, None)
+    tr = traces.Trace("one", "", [traces.Request("r", 0.0, 16, 4)])
+    jobs = [Job(i, "vllm", {}, None, None) for i in range(n_tasks)]
+    shared = (tr, cost, kv, None, None)
+    t0 = time.perf_counter()
+    run_jobs(_sweep_job, jobs[:1], shared, 1, executor="ray")  # start Ray, warm its worker
+    start_s = time.perf_counter() - t0
+    here, ray = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        want = run_jobs(_sweep_job, jobs, shared, 1)
+        here.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got = run_jobs(_sweep_job, jobs, shared, 1, executor="ray")
+        ray.append(time.perf_counter() - t0)
+        assert got == want
+    return {
+        "tasks": n_tasks,
+        "ray_start_s": start_s,
+        "in_process_s": statistics.median(here),
+        "ray_s": statistics.median(ray),
+        "per_task_overhead_ms": (statistics.median(ray) - statistics.median(here)) / n_tasks * 1e3,
+        "what": "a local Ray with one worker, each task one one-request simulation: (Ray - in process) / tasks; "
+        "ray_start_s: ray.init plus the first task (a worker process started)",
+    }
+
+
+def compare_workers(args) -> None:
+    counts = [int(x) for x in args.compare_workers.split(",")]
+    walls: dict[int, list[float]] = {n: [] for n in counts}
+    result = None
+    for k in range(args.repeat):
+        for n in counts:
+            with tempfile.TemporaryDirectory() as d:
+                wall, res = one(args, Path(d) / "out", workers=n)
+            walls[n].append(wall)
+            print(f"round {k + 1}, {n} worker(s): {wall:.1f} s", file=sys.stderr, flush=True)
+            if result is not None:
+                assert res["configurations"] == result["configurations"]
+            result = res
+    med = {n: statistics.median(w) for n, w in walls.items()}
+    speedup = med[counts[0]] / med[counts[-1]]
+    overhead = task_overhead(args.tasks, args.repeat) if args.executor == "ray" else None
+    out = {
+        "bench": "capacity_workers",
+        "what": f"schedlab capacity as a command (fresh process, launch to exit), {args.executor} executor with "
+        f"{' and '.join(map(str, counts))} workers, alternating; medians over rounds",
+        "command": {
+            "policies": args.policies,
+            "replicas": args.replicas,
+            "router": args.router,
+            "hardware": args.hardware,
+            "model_config": args.model_config,
+            "trace": args.trace,
+            "slo": args.slo,
+            "attainment": args.attainment,
+            "tolerance": args.tolerance,
+            "executor": args.executor,
+        },
+        "wall_s": {str(n): med[n] for n in counts},
+        "wall_s_runs": {str(n): walls[n] for n in counts},
+        "speedup": speedup,
+        "goal_speedup": GOAL_RAY_SPEEDUP,
+        "meets_goal": speedup >= GOAL_RAY_SPEEDUP,
+        "task_overhead": overhead,
+        "configurations": result["configurations"],
+        "repeat": args.repeat,
+        "revision": common.git_rev(),
+        "machine": common.machine(),
+    }
+    common.write_json(out, args.out or common.result_path(f"capacity_{args.executor}"))
+    print(f"capacity on {args.executor}: " + ", ".join(f"{n} worker(s) {med[n]:.1f} s" for n in counts)
+          + f"; {speedup:.2f}x (goal >= {GOAL_RAY_SPEEDUP}x)")  # fmt: skip
+    if overhead:
+        print(f"per-task overhead {overhead['per_task_overhead_ms']:.2f} ms; Ray start {overhead['ray_start_s']:.1f} s")
 
 
 if __name__ == "__main__":

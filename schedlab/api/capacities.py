@@ -290,8 +290,13 @@ def capacity(
         "block_size": rep.block_size,
         "prefix_caching": rep.prefix_caching,
     }
+    # the largest deployments first (their runs are the longest): the workers finish together
+    order = sorted(range(len(configs)), key=lambda i: -configs[i].replicas)
     with executor_errors():
-        rows = run_jobs(_search_config, configs, shared, n_workers, on_done, on_start, executor, ray_address)
+        ran = run_jobs(
+            _search_config, [configs[i] for i in order], shared, n_workers, on_done, on_start, executor, ray_address
+        )
+    rows = [row for _, row in sorted(zip(order, ran))]
     if all(r.get("error") for r in rows):  # nothing to report: the (first) reason, in one line
         first, rest = rows[0], [r["configuration"] for r in rows[1:]]
         more = f" (no capacity either: {', '.join(rest)})" if rest else ""
