@@ -20,6 +20,16 @@ long as their answers agree, and with a predicate monotone in the rate the resul
 passing rate of the grid r0 x 2^(j / 2^m) fixed by the tolerance. The passing bound ``lo`` is
 reported; the true capacity lies in [lo, hi) when attainment falls monotonically with load.
 
+Per dollar
+----------
+A configuration's *price* (``price_usd_per_hour``) is the hourly price of ONE replica: the one
+given (``--price-per-hour``), else its ``--hardware`` preset's ``price_usd_per_hour`` (one
+provider's on-demand price of one GPU; most presets have none), else none; a cluster file's
+configurations have one only when given. Its *requests per dollar* is
+``capacity_rps * 3600 / (replicas * price)`` (``requests_per_usd``, :func:`requests_per_usd`):
+requests served within the SLOs per dollar of replica time at the capacity; none without a price
+or a capacity, and a lower bound where the capacity is one (``limited``).
+
 Early stop
 ----------
 A run that can no longer reach the target stops as soon as that is certain (``SLOWatch``): the
@@ -54,6 +64,8 @@ TABLE_FIELDS = (
     "replicas",
     "capacity_rps",
     "capacity_per_replica_rps",
+    "price_usd_per_hour",
+    "requests_per_usd",
     "limited",
     "first_failing_rps",
     "binding",
@@ -427,6 +439,20 @@ def no_rate_message(point: Mapping[str, Any]) -> str:
 # ------------------------------------------------------------------------ table, files, figures
 
 
+def requests_per_usd(capacity_rps: float | None, replicas: int, price_usd_per_hour: float | None) -> float | None:
+    """Requests served per dollar at the capacity: capacity_rps x 3600 / (replicas x price of one
+    replica per hour); None without a capacity or a price."""
+    if capacity_rps is None or price_usd_per_hour is None or not replicas:
+        return None
+    return capacity_rps * 3600.0 / (replicas * price_usd_per_hour)
+
+
+def _per_usd(v: Any) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
+
+
 def _num(v: Any, fmt: str) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
@@ -434,8 +460,11 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def table_cells(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """The printed table: its header and one line of cells per configuration."""
-    head = ["configuration", "capacity req/s", "per replica", "binds", "runs", "early stops"]
+    """The printed table: its header and one line of cells per configuration (a ``req/$`` column,
+    requests per dollar, only when some configuration has a price)."""
+    priced = any(r.get("price_usd_per_hour") is not None for r in rows)
+    head = ["configuration", "capacity req/s", "per replica", *(["req/$"] if priced else [])]
+    head += ["binds", "runs", "early stops"]
     lines = []
     for r in rows:
         cap = r.get("capacity_rps")
@@ -443,11 +472,15 @@ def table_cells(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list
             cap_text = "none"
         else:
             cap_text = (">= " if r.get("limited") else "") + _num(cap, "{:.4g}")
+        per_usd = _per_usd(r.get("requests_per_usd"))
+        if r.get("limited") and per_usd != "-":
+            per_usd = ">= " + per_usd
         lines.append(
             [
                 str(r["configuration"]),
                 cap_text,
                 _num(r.get("capacity_per_replica_rps"), "{:.4g}"),
+                *([per_usd] if priced else []),
                 str(r.get("binding") or "-"),
                 str(r.get("runs", 0)),
                 str(r.get("early_stops", 0)),

@@ -4,13 +4,16 @@ bisection, with runs that can no longer pass stopped early.
 A planted capacity is found within the tolerance (one request at a time at a fixed cost per
 request: the queue is stable iff rate <= 1 / cost, the capacity known in closed form);
 capacities grow with the replica count; early stopping never changes a run's pass or fail (the
-same searches with it off, every run to its end); bad input is one line. Cost coefficients
-are made up for the tests and mean nothing about any machine.
+same searches with it off, every run to its end); requests per dollar follow the hardware
+preset's price (read back from hardware.json) or a given one; bad input is one line. Cost
+coefficients are made up for the tests and mean nothing about any machine.
 """
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import subprocess
 
 import pytest
@@ -18,6 +21,8 @@ from simkit import command, cost_model
 
 import schedlab
 from schedlab import traces
+from schedlab.analysis.analytic.hardware import HARDWARE_FILE, load_hardware, preset_price
+from schedlab.analysis.capacity import format_table
 from schedlab.sim.cost import LinearCostModel
 
 SERVICE_S = 0.05  # seconds per request: one prefill pass of a one-token request, nothing else
@@ -142,6 +147,99 @@ def test_early_stop_never_changes_the_answer():
     assert list(fast["early_stops"]) == [sum(p["stopped_early"] for p in v) for v in fast.attrs["points"].values()]
 
 
+# ---------------------------------------------------------------------- per dollar
+
+PRICED = dict(hardware="h100-sxm", model_config="llama-3.1-8b")  # an analytic H100: tiny runs
+PRICED_SLO = dict(slo="ttft_ms=40,tpot_ms=10", attainment=0.9, tolerance=0.1)
+
+
+def test_the_preset_prices_have_sources():
+    data = json.loads(HARDWARE_FILE.read_text())
+    priced = {name for name, p in data["presets"].items() if "price_usd_per_hour" in p}
+    assert {"h100-sxm", "a100-80gb-sxm", "a100-40gb-sxm"} <= priced
+    assert not any(data["presets"][n]["kind"] == "apple-gpu" for n in priced)  # bought, not rented
+    for name in priced:
+        fig = data["presets"][name]["price_usd_per_hour"]
+        assert math.isfinite(fig["value"]) and fig["value"] > 0 and fig["sources"] and fig["note"], name
+        assert all(sid in data["sources"] for sid in fig["sources"]), name
+        got = preset_price(name)
+        assert got["value"] == fig["value"] == load_hardware(name).price_usd_per_hour
+        assert [s["url"] for s in got["sources"]] == [data["sources"][sid]["url"] for sid in fig["sources"]]
+    assert preset_price("m4-max") is None and load_hardware("m4-max").price_usd_per_hour is None
+
+
+def test_requests_per_usd_from_the_preset_price(tmp_path):
+    data = json.loads(HARDWARE_FILE.read_text())
+    fig = data["presets"]["h100-sxm"]["price_usd_per_hour"]
+    price = fig["value"]
+    table = schedlab.capacity(
+        "chunked-prefill", mixed_trace(30), replicas="1,2", workers=1, out=tmp_path / "o", **PRICED, **PRICED_SLO
+    )
+    assert table["error"].isna().all() and table["capacity_rps"].notna().all()
+    for row in table.itertuples():
+        assert row.price_usd_per_hour == price
+        assert row.requests_per_usd == pytest.approx(row.capacity_rps * 3600 / (row.replicas * price), rel=1e-12)
+    urls = ", ".join(data["sources"][sid]["url"] for sid in fig["sources"])
+    info = table.attrs["info"]
+    assert info["price_source"] == f"preset h100-sxm ({urls})" and info["price_usd_per_hour"] == price
+    saved = json.loads((tmp_path / "o" / "capacity.json").read_text())
+    assert saved["price_source"] == info["price_source"]
+    assert [c["requests_per_usd"] for c in saved["configurations"]] == list(table["requests_per_usd"])
+    with open(tmp_path / "o" / "capacity.csv") as f:
+        header = next(csv.reader(f))
+    assert {"price_usd_per_hour", "requests_per_usd"} <= set(header)
+    rows = table.astype(object).where(table.notna(), None).to_dict("records")
+    assert "req/$" in format_table(rows).splitlines()[0]
+
+
+def test_a_given_price_overrides_the_preset_and_prices_cluster_files(tmp_path):
+    p = capacity_cmd(
+        "--policy", "chunked-prefill", "--trace", _trace_file(tmp_path, 30), "--cluster", "h100-a100",
+        "--hardware", "h100-sxm", "--model-config", "llama-3.1-8b", "--slo", "ttft_ms=40,tpot_ms=10",
+        "--attainment", "0.9", "--tolerance", "0.1", "--price-per-hour", "1.5", "-j", "1", "--out", tmp_path / "o",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "req/$" in p.stdout
+    saved = json.loads((tmp_path / "o" / "capacity.json").read_text())
+    assert saved["price_source"] == "given" and saved["price_usd_per_hour"] == 1.5
+    confs = saved["configurations"]
+    assert [c["configuration"] for c in confs] == ["chunked-prefill", "h100-a100"] and confs[1]["replicas"] > 1
+    for c in confs:  # the cluster file too: the price is per replica
+        assert c["capacity_rps"] and c["price_usd_per_hour"] == 1.5
+        assert c["requests_per_usd"] == pytest.approx(c["capacity_rps"] * 3600 / (c["replicas"] * 1.5), rel=1e-12)
+
+
+def test_a_profile_run_has_no_price(tmp_path):
+    table = schedlab.capacity(
+        "chunked-prefill",
+        mixed_trace(20),
+        profile=_profile_file(tmp_path),
+        slo="ttft_ms=300",
+        attainment=0.9,
+        tolerance=0.1,
+        workers=1,
+    )
+    assert table["capacity_rps"].notna().all()
+    assert table["price_usd_per_hour"].isna().all() and table["requests_per_usd"].isna().all()
+    assert table.attrs["info"]["price_source"] is None and table.attrs["info"]["price_usd_per_hour"] is None
+    rows = table.astype(object).where(table.notna(), None).to_dict("records")
+    assert rows[0]["requests_per_usd"] is None and "req/$" not in format_table(rows)
+
+
+def _trace_file(tmp_path, n: int = 20):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(mixed_trace(n).to_json()))
+    return trace
+
+
+def _profile_file(tmp_path):
+    prof = tmp_path / "prof.json"
+    prof.write_text(
+        json.dumps({"schema": "schedlab-profile/1", "model": "test", "coefficients": dict(cost_model().coefficients)})
+    )
+    return prof
+
+
 def capacity_cmd(*args):
     return subprocess.run([*command("capacity"), *map(str, args)], capture_output=True, text=True, timeout=120)
 
@@ -158,16 +256,15 @@ def capacity_cmd(*args):
         (["--tolerance", "0"], "--tolerance must be a finite number > 0"),
         (["--slo", "ttft_ms=0.01"], "no rate meets the SLOs even at"),
         (["--executor", "dask"], "unknown executor 'dask': choose local or ray"),
+        (["--price-per-hour", "0"], "--price-per-hour must be a finite number > 0 (USD per hour of one replica)"),
+        (["--price-per-hour", "-1"], "--price-per-hour must be a finite number > 0"),
+        (["--price-per-hour", "nan"], "--price-per-hour must be a finite number > 0"),
+        (["--price-per-hour", "abc"], "Invalid value for '--price-per-hour': 'abc' is not a valid float"),
         (["--executor", "ray", "--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, expect):
-    trace = tmp_path / "t.json"
-    trace.write_text(json.dumps(mixed_trace(20).to_json()))
-    prof = tmp_path / "prof.json"
-    prof.write_text(
-        json.dumps({"schema": "schedlab-profile/1", "model": "test", "coefficients": dict(cost_model().coefficients)})
-    )
+    trace, prof = _trace_file(tmp_path), _profile_file(tmp_path)
     base = {"--policy": "chunked-prefill", "--trace": str(trace), "--slo": "ttft_ms=300", "--profile": str(prof)}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value

@@ -3,6 +3,9 @@
 A preset gives memory (GB), memory bandwidth (GB/s) and peak TFLOP/s by dtype, each with the
 ids of its sources, plus an ``efficiency`` block (see :class:`Efficiency`) written by
 ``python -m schedlab.analysis.analytic refit`` from published single-request benchmarks.
+Some presets also give ``price_usd_per_hour`` (same form: value, sources, note): one provider's
+on-demand price of one GPU, where a public source exists (``capacity``'s requests per dollar;
+quotes vary widely, so users give their own there). See :func:`preset_price`.
 
 ``cpu-local`` is measured on first use: numpy float32 GEMM GFLOP/s (numpy's own BLAS) and a
 large-array copy for bandwidth (bytes read + written per second). The result is cached in the
@@ -13,6 +16,7 @@ user cache dir (``$SCHEDLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/schedlab``, else
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -87,6 +91,8 @@ class Hardware:
     engine: str = ""
     #: the ``vllm`` engine's factors (a ServingEfficiency) when ``engine == "vllm"``
     serving: Any = field(default=None, compare=False, repr=False)
+    #: on-demand USD per hour of one GPU, where the preset has a sourced price (else None)
+    price_usd_per_hour: float | None = None
 
     def peak(self, dtype: str | None = None) -> float:
         d = _DTYPE_ALIASES.get((dtype or self.default_compute).lower(), (dtype or self.default_compute).lower())
@@ -140,6 +146,42 @@ def _value(preset: Mapping[str, Any], key: str, name: str) -> float:
     if not isinstance(v, (int, float)) or v <= 0:
         raise AnalyticError(f"hardware preset {name}: {key} must be a positive number")
     return float(v)
+
+
+def _price_value(preset: Mapping[str, Any], name: str) -> float | None:
+    """A preset's USD per hour of one GPU (None: no price; not a finite number > 0: an error)."""
+    if preset.get("price_usd_per_hour") is None:
+        return None
+    v = _value(preset, "price_usd_per_hour", name)
+    if not math.isfinite(v):
+        raise AnalyticError(f"hardware preset {name}: price_usd_per_hour must be a finite positive number")
+    return v
+
+
+def preset_price(name: str, preset: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """A preset's ``price_usd_per_hour`` (None when it has none): ``{"value", "sources": [{"id",
+    "url", "title"}], "note"}``, its source ids resolved in the file's ``sources``. ``preset``:
+    the preset's block (default: read from hardware.json by ``name``, case-insensitive)."""
+    data = None
+    if preset is None:
+        data = read_hardware_file()
+        key = str(name).strip().lower()
+        if key not in data["presets"]:
+            raise AnalyticError(f"unknown hardware '{name}' (presets: {', '.join(sorted(data['presets']))})")
+        name, preset = key, data["presets"][key]
+    value = _price_value(preset, name)
+    if value is None:
+        return None
+    fig = preset["price_usd_per_hour"]
+    ids = list(fig.get("sources") or []) if isinstance(fig, Mapping) else []
+    known = (data or read_hardware_file())["sources"] if ids else {}
+    sources = []
+    for sid in ids:
+        if sid not in known:
+            raise AnalyticError(f"hardware preset {name}: price_usd_per_hour cites unknown source '{sid}'")
+        sources.append({"id": sid, "url": known[sid].get("url", ""), "title": known[sid].get("title", "")})
+    note = str(fig.get("note", "")) if isinstance(fig, Mapping) else ""
+    return {"value": value, "sources": sources, "note": note}
 
 
 def _published_engine(preset: Mapping[str, Any]) -> str:
@@ -205,6 +247,7 @@ def hardware_from_preset(name: str, preset: Mapping[str, Any], engine: str | Non
         info=dict(preset),
         engine=chosen,
         serving=serving,
+        price_usd_per_hour=_price_value(preset, name),
     )
 
 

@@ -95,6 +95,17 @@ def _number(value: Any, name: str) -> float:
     return float(value)
 
 
+def _as_float(value: Any) -> Any:
+    """A string (``price_per_hour="2.5"``) as a float where it reads as one, else stripped (for
+    the error message); anything else as it is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value.strip()
+    return value
+
+
 def _router_name(router: Any) -> str:
     """A router as the table names it (None: the default, round-robin)."""
     if router is None:
@@ -133,6 +144,7 @@ def capacity(
     prefix_caching: bool = False,
     replica: ReplicaOptions | None = None,
     start_rps: float | None = None,
+    price_per_hour: float | None = None,
     early_stop: bool = True,
     seed: int = 0,
     workers: int | None = None,
@@ -164,14 +176,22 @@ def capacity(
     a run's pass or fail; ``early_stop=False`` runs every run to its end). Configurations run in
     ``workers`` processes (default: min(CPU count, configurations)), each its search in order.
 
+    Per dollar: ``price_per_hour`` is the hourly price in USD of ONE replica (a finite number
+    > 0); it overrides the ``hardware`` preset's ``price_usd_per_hour`` (h100-sxm, a100-80gb-sxm
+    and a100-40gb-sxm have one: one provider's on-demand price of one GPU; quotes vary widely, so
+    give yours) and is the only price a cluster file's configurations get.
+
     Returns one row per configuration: ``configuration``, ``policy``, ``router``, ``replicas``,
-    ``capacity_rps``, ``capacity_per_replica_rps``, ``limited`` (no failing rate found up to
-    2^10 x the start: the capacity is at least that), ``first_failing_rps``, ``binding`` (the
-    SLO most requests missed at the failing bound; ``unfinished``: requests never finished),
-    ``attainment_at_capacity``, ``runs``, ``early_stops``, ``simulated_s`` (simulated seconds
+    ``capacity_rps``, ``capacity_per_replica_rps``, ``price_usd_per_hour`` (of one replica:
+    given, else the preset's, else None), ``requests_per_usd`` (capacity_rps x 3600 / (replicas
+    x price): requests within the SLOs per dollar; None without a price or a capacity), ``limited``
+    (no failing rate found up to 2^10 x the start: the capacity is at least that, and so are its
+    requests per dollar), ``first_failing_rps``, ``binding`` (the SLO most requests missed at
+    the failing bound; ``unfinished``: requests never finished), ``attainment_at_capacity``, ``runs``, ``early_stops``, ``simulated_s`` (simulated seconds
     of all its runs), ``saved_s_min`` (simulated seconds the early stops saved, at least),
     ``error``. ``df.attrs["points"]``: each configuration's search points (rate, attainment,
-    passed, stopped early, ...); ``df.attrs["info"]``: what capacity.json holds besides.
+    passed, stopped early, ...); ``df.attrs["info"]``: what capacity.json holds besides
+    (``price_source``: "preset NAME (URL)", "given" or None).
     ``out``: also write capacity.csv, capacity.json and the figures (capacity.png,
     attainment_vs_rate.png) there. A configuration for which no rate meets the SLOs has
     ``error`` "no rate meets the SLOs even at X req/s (the lowest tried): ..."; when every
@@ -179,7 +199,7 @@ def capacity(
     import pandas as pd
 
     from schedlab import traces
-    from schedlab.analysis.capacity import TABLE_FIELDS, write_results
+    from schedlab.analysis.capacity import TABLE_FIELDS, requests_per_usd, write_results
     from schedlab.analysis.executors import default_workers, run_jobs
     from schedlab.analysis.sweep import rescale
 
@@ -196,6 +216,17 @@ def capacity(
         s0 = _number(start_rps, "start_rps")
         if not (s0 > 0 and math.isfinite(s0)):
             fail(f"{opt('start_rps')} must be a finite number > 0 (req/s), got {s0:g}", 2)
+    price = None
+    if price_per_hour is not None:
+        price = _as_float(price_per_hour)
+        if isinstance(price, bool) or not isinstance(price, (int, float)):
+            fail(f"{opt('price_per_hour')} must be a number (USD per hour of one replica), got {price!r}", 2)
+        price = float(price)
+        if not (price > 0 and math.isfinite(price)):
+            fail(
+                f"{opt('price_per_hour')} must be a finite number > 0 (USD per hour of one replica), got {price:g}",
+                2,
+            )
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
     executor = executor_name(executor, ray_address)
@@ -229,6 +260,15 @@ def capacity(
     if pols:  # (a bad profile or preset fails here, once)
         _, kv_capacity, cost_meta = pick_cost(*cost_spec)
         cost_meta = {**cost_meta, "kv_tokens": kv_capacity}
+    preset_price = None  # the policy configurations' price from the --hardware preset
+    if pols and price is None and hardware is not None:
+        from schedlab.analysis.analytic.hardware import preset_price as read_price
+
+        preset_price = read_price(hardware)
+    price_source = "given" if price is not None else None  # (capacity.json's info)
+    if preset_price:
+        urls = ", ".join(x["url"] for x in preset_price["sources"])
+        price_source = f"preset {str(hardware).strip().lower()}" + (f" ({urls})" if urls else "")
     tr = as_trace(trace, seed=seed)
     rescale(tr, 1.0)  # a trace whose rate cannot be set fails here
     base = start_rps if start_rps is not None else traces.mean_rate(tr)
@@ -297,6 +337,10 @@ def capacity(
             _search_config, [configs[i] for i in order], shared, n_workers, on_done, on_start, executor, ray_address
         )
     rows = [row for _, row in sorted(zip(order, ran))]
+    for cfg, row in zip(configs, rows):
+        p = price if price is not None else (preset_price["value"] if preset_price and cfg.cluster is None else None)
+        row["price_usd_per_hour"] = p
+        row["requests_per_usd"] = requests_per_usd(row.get("capacity_rps"), cfg.replicas, p)
     if all(r.get("error") for r in rows):  # nothing to report: the (first) reason, in one line
         first, rest = rows[0], [r["configuration"] for r in rows[1:]]
         more = f" (no capacity either: {', '.join(rest)})" if rest else ""
@@ -321,6 +365,13 @@ def capacity(
             "its arrival, or is unfinished more than the E2E SLO after it"
         ),
         "start_rps_per_replica": base,
+        "price_usd_per_hour": price if price is not None else (preset_price or {}).get("value"),
+        "price_source": price_source,
+        "price_note": (preset_price or {}).get("note") or None,
+        "requests_per_usd_definition": (
+            "capacity_rps * 3600 / (replicas * price_usd_per_hour), price_usd_per_hour being one replica's "
+            "(--price-per-hour, else the --hardware preset's; a cluster file's configurations: only a given one)"
+        ),
         "cost": cost_meta or None,  # the policy configurations' (a cluster file names its own)
         "clusters": [str(c.cluster.file) for c in configs if c.cluster is not None and c.cluster.file] or None,
         "block_size": rep.block_size,
@@ -328,7 +379,14 @@ def capacity(
         "seed": seed,
     }
     table = pd.DataFrame([{k: r.get(k) for k in TABLE_FIELDS} for r in rows], columns=list(TABLE_FIELDS))
-    for c in ("capacity_rps", "capacity_per_replica_rps", "first_failing_rps", "attainment_at_capacity"):
+    for c in (
+        "capacity_rps",
+        "capacity_per_replica_rps",
+        "price_usd_per_hour",
+        "requests_per_usd",
+        "first_failing_rps",
+        "attainment_at_capacity",
+    ):
         table[c] = pd.to_numeric(table[c], errors="coerce")
     table.attrs["info"] = info
     table.attrs["points"] = {r["configuration"]: r["points"] for r in rows}

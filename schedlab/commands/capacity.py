@@ -88,6 +88,14 @@ def capacity(
         "--start-rps",
         help="first rate tried, per replica (default: the trace's own mean rate; n replicas start at n times it)",
     ),
+    price_per_hour: Optional[float] = typer.Option(
+        None,
+        "--price-per-hour",
+        metavar="USD",
+        help="hourly price of ONE replica, for the requests-per-dollar column (req/$); overrides the "
+        "--hardware preset's (h100-sxm, a100-*: one provider's on-demand price) and applies to --cluster "
+        "configurations too",
+    ),
     workers: Optional[int] = typer.Option(
         None,
         "--workers",
@@ -150,6 +158,7 @@ def capacity(
             block_size=block_size,
             prefix_caching=prefix_caching,
             start_rps=start_rps,
+            price_per_hour=price_per_hour,
             seed=seed,
             workers=workers,
             executor=executor,
