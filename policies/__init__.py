@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -78,9 +80,18 @@ def load_class(spec: str, kind: str = "policy", method: str = "plan", error: typ
             path = Path(where)
             if not path.is_file():
                 raise error(f"{kind} file not found: {where}")
-            mod_spec = importlib.util.spec_from_file_location(f"_user_{kind}_{path.stem}", path)
+            tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+            name = f"_user_{kind}_{path.stem}_{tag}"
+            mod_spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
+            # registered before it runs, as an import would: @dataclass (with postponed
+            # annotations), pickle and typing look the module up by name while it executes
+            sys.modules[name] = module
+            try:
+                mod_spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(name, None)
+                raise
         else:
             module = importlib.import_module(where)
     except error:

@@ -233,6 +233,20 @@ def test_unknown_policy_and_user_policy_files(tmp_path):
         make_policy(f"{f}:Missing")
     with pytest.raises(PolicyNotFound, match="not found"):
         make_policy(f"{tmp_path}/absent.py:X")
+    # a dataclass under postponed annotations looks its module up while the file runs
+    dc = tmp_path / "dc.py"
+    dc.write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n"
+        "from schedlab.policies.base import Plan\n"
+        "@dataclass\n"
+        "class Cap:\n"
+        "    k: int = 1\n"
+        "    name: str = 'cap'\n"
+        "    def plan(self, view) -> Plan:\n"
+        "        return Plan()\n"
+    )
+    assert make_policy(f"{dc}:Cap").k == 1
     bad = tmp_path / "broken.py"
     bad.write_text("def oops(:\n")
     with pytest.raises(PolicyNotFound, match="SyntaxError"):
