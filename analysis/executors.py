@@ -40,20 +40,6 @@ class ExecutorUnavailable(RuntimeError):
     """The executor cannot run here: Ray is not installed, or its cluster cannot be reached."""
 
 
-def check_executor(executor: Any, ray_address: Any) -> str:
-    """The executor's name, or ``ValueError`` with one line saying what is wrong."""
-    if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}: choose {' or '.join(EXECUTORS)}")
-    if ray_address is not None:
-        if executor != "ray":
-            raise ValueError("a Ray address goes with the ray executor: give executor ray too")
-        if not isinstance(ray_address, str) or not ray_address.strip():
-            raise ValueError(
-                f"the Ray address must be a non-empty string (host:port or ray://host:port), got {ray_address!r}"
-            )
-    return executor
-
-
 def run_jobs(
     fn: Callable[[Any, Any], dict[str, Any]],
     jobs: Sequence[Any],

@@ -77,6 +77,12 @@ def one(args, out: Path, workers: int | None = None) -> tuple[float, dict]:
     return wall, json.loads((out / "capacity.json").read_text())
 
 
+def command(args) -> dict:
+    """The searched command's options, as the results file records them."""
+    keys = ("policies", "replicas", "router", "hardware", "model_config", "trace", "slo", "attainment", "tolerance")
+    return {**{k: getattr(args, k) for k in keys}, "executor": args.executor}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -116,19 +122,7 @@ def main() -> None:
         "bench": "capacity",
         "what": f"schedlab capacity as a command (fresh process, launch to exit), {args.executor} executor; "
         "medians over runs",
-        "command": {
-            "policies": args.policies,
-            "replicas": args.replicas,
-            "router": args.router,
-            "hardware": args.hardware,
-            "model_config": args.model_config,
-            "trace": args.trace,
-            "slo": args.slo,
-            "attainment": args.attainment,
-            "tolerance": args.tolerance,
-            "workers": args.workers,
-            "executor": args.executor,
-        },
+        "command": {**command(args), "workers": args.workers},
         "goal_wall_s": GOAL_WALL_S,
         "wall_s": wall,
         "wall_s_runs": walls,
@@ -202,18 +196,7 @@ def compare_workers(args) -> None:
         "bench": "capacity_workers",
         "what": f"schedlab capacity as a command (fresh process, launch to exit), {args.executor} executor with "
         f"{' and '.join(map(str, counts))} workers, alternating; medians over rounds",
-        "command": {
-            "policies": args.policies,
-            "replicas": args.replicas,
-            "router": args.router,
-            "hardware": args.hardware,
-            "model_config": args.model_config,
-            "trace": args.trace,
-            "slo": args.slo,
-            "attainment": args.attainment,
-            "tolerance": args.tolerance,
-            "executor": args.executor,
-        },
+        "command": command(args),
         "wall_s": {str(n): med[n] for n in counts},
         "wall_s_runs": {str(n): walls[n] for n in counts},
         "speedup": speedup,

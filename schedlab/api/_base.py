@@ -64,12 +64,19 @@ def logger(log: Log | None) -> Log:
 
 def executor_name(executor: Any, ray_address: Any) -> str:
     """``sweep``'s and ``capacity``'s ``executor`` ("local" or "ray") and ``ray_address``, checked."""
-    from schedlab.analysis.executors import check_executor
+    from schedlab.analysis.executors import EXECUTORS
 
-    try:
-        return check_executor(executor, ray_address)
-    except ValueError as exc:
-        fail(str(exc).replace("executor ray", f"{opt('executor')} ray").replace("a Ray address", opt("ray_address")), 2)
+    if executor not in EXECUTORS:
+        fail(f"unknown executor {executor!r}: choose {' or '.join(EXECUTORS)}", 2)
+    if ray_address is not None:
+        if executor != "ray":
+            fail(f"{opt('ray_address')} goes with the ray executor: give {opt('executor')} ray too", 2)
+        if not isinstance(ray_address, str) or not ray_address.strip():
+            fail(
+                f"{opt('ray_address')} must be a non-empty string (host:port or ray://host:port), got {ray_address!r}",
+                2,
+            )
+    return executor
 
 
 @contextlib.contextmanager
