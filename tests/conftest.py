@@ -2,9 +2,11 @@
 keep calibrations made by the tests (run-real and validate calibrate a model with no matching
 profile first) in a cache of this test session, shared by the commands the tests start."""
 
+import importlib.util
 import os
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,54 @@ try:
     from schedlab import engine  # noqa: F401
 except ImportError:  # pragma: no cover - the engine needs mlx; sim tests don't
     pass
+
+# ``pytest -n 2`` (.ci/run; pytest-xdist): the tests that run the real model, the engine, the server
+# or calibrations go to one worker, one after another, as they would run alone (they share session
+# fixtures: the model, the session's server, the calibration cache); every other file is a unit of
+# its own on either worker (its module fixtures built once). The engine's unit goes first: it is
+# the longest. (xdist's own ``--dist loadgroup`` marks do not reach its scheduler under pytest 9:
+# the scheduler below groups by file instead.)
+ENGINE_FILES = {
+    "test_analytic_local",
+    "test_api",
+    "test_calibrate_validate",
+    "test_engine",
+    "test_engine_cli",
+    "test_engine_models",
+    "test_engine_serve",
+    "test_fidelity",
+    "test_gguf",
+    "test_notebooks",
+    "test_policies",
+    "test_serve_cluster",
+    "test_server",
+    "test_server_cancel",
+    "test_server_metrics",
+    "test_server_sampling",
+}
+SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
+
+
+def run_unit(nodeid: str) -> str:
+    """The unit a test runs in under ``pytest -n``: "engine", or its file's own."""
+    stem = Path(nodeid.split("::", 1)[0]).stem
+    return "engine" if stem in ENGINE_FILES else SHARED_GROUPS.get(stem, stem)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: run_unit(item.nodeid) != "engine")  # (stable: each file keeps its order)
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByGroup(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return run_unit(nodeid)
+
+        return ByGroup(config, log)
 
 
 @pytest.fixture(scope="session")
