@@ -218,6 +218,25 @@ def test_decode_run_seconds_is_pass_seconds_of_each_following_step():
             assert list(CostModel.decode_run_seconds(cm, shape, 39)) == want
 
 
+def test_the_serving_models_decode_run_is_pass_seconds_of_each_following_step():
+    """The analytic GPU model's run formula (the capacity search's hot path) gives float for float
+    what asking pass_seconds pass by pass gives, at batch sizes across its efficiency knots, on a
+    dense and a mixture-of-experts model."""
+    from schedlab.analysis.analytic import ServingCostModel, make_analytic_cost_model
+    from schedlab.policies.base import CostModel, PassShape
+
+    for hw, model in (("h100-sxm", "llama-3.1-8b"), ("a100-80gb-sxm", "qwen3-30b-a3b")):
+        cm = make_analytic_cost_model(hw, model, None)[0]
+        assert isinstance(cm, ServingCostModel) and cm.has_run_formula
+        for ctx in [(5,), (100, 37, 2048), (1, 1), tuple(range(1, 4000, 37)), (8191,) * 300]:
+            shape = PassShape(ctx, (), False, len(ctx), 0, 0)
+            want = list(CostModel.decode_run_seconds(cm, shape, 57))
+            assert want == [
+                cm.pass_seconds(PassShape(tuple(c + j for c in ctx), (), False, len(ctx))) for j in range(1, 58)
+            ]
+            assert list(cm.decode_run_seconds(shape, 57)) == want
+
+
 def test_a_real_backends_warm_up_is_not_part_of_the_run(monkeypatch):
     """A wall-clock run starts its clock after the backend's start() (the engine's warm-up):
     a request arriving at 0 is served at once, not after the warm-up's seconds. The wall is a

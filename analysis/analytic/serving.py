@@ -210,6 +210,26 @@ class ServingCostModel(AnalyticCostModel):
         c = hr * self._flops_per_head_row * self._head_inv_rate
         return t + (c if c > self._head_mem else self._head_mem)
 
+    has_run_formula = True
+
+    def decode_run_seconds(self, shape: PassShape, k: int) -> Iterator[float]:
+        """``pass_seconds`` of the ``k`` decode passes that follow ``shape`` over the same rows, each
+        context one longer each time: only the KV read grows (by ``rows`` tokens a pass), the same
+        terms added in the same order as ``pass_seconds`` adds them, so a run costs float for float
+        what its passes one by one would. Lazy; a pure formula (``has_run_formula``)."""
+        ctx = shape.decode_contexts
+        rows = len(ctx)
+        if not rows or shape.prefill:
+            return super().decode_run_seconds(shape, k)
+        fixed, per_token = self._dec_cache.get(rows) or self._decode_coef(rows)
+        lin = self._lin_cache.get(rows)
+        if lin is None:
+            lin = self.linear_seconds(rows)
+        c = rows * self._flops_per_head_row * self._head_inv_rate
+        head = c if c > self._head_mem else self._head_mem
+        total = sum(ctx)
+        return ((fixed + per_token * (total + j * rows)) + lin + head for j in range(1, k + 1))
+
     def parts(self, shape: PassShape) -> dict[str, float]:
         """The pass's seconds by part: linear (GEMMs etc.), decode/prefill attention, head."""
         ctx = shape.decode_contexts
