@@ -70,6 +70,7 @@ import common
 from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.policies.base import Pass, Plan
+from schedlab.policies.vllm import Vllm
 from schedlab.sim import run, summarize
 from schedlab.traces.schema import Request, Trace
 
@@ -131,6 +132,7 @@ class SarathiVidur:
     batch_size_cap: int = BATCH_CAP
     block_size: int = BLOCK
     watermark_fraction: float = WATERMARK
+    repeats: bool = True  # Plan.repeat on decode-only steps (False: every step planned; the same run)
     alloc: dict = field(default_factory=dict)  # request id -> blocks held
     used: int = 0
     preemptions: int = 0
@@ -147,6 +149,12 @@ class SarathiVidur:
         preempt: list[str] = []
         decode: list[str] = []
         running = sorted(list(view.decoding), key=lambda r: r.arrival_s)
+        alloc = self.alloc
+        for r in running:  # after repeats: the blocks those steps took (as they took them) are held
+            have = alloc.get(r.id, 0)
+            if r.kv_tokens > have * bs:
+                alloc[r.id] = full = -(-r.kv_tokens // bs)
+                self.used += full - have
         i = 0
         while i < len(running):
             if len(decode) >= self.batch_size_cap:
@@ -193,7 +201,14 @@ class SarathiVidur:
             chunks.append((r.id, n))
             budget -= n
         passes = (Pass(decode=tuple(decode), prefill=tuple(chunks)),) if decode or chunks else ()
-        return Plan(admit=tuple(admit), preempt=tuple(preempt), passes=passes)
+        repeat = 0
+        if self.repeats and decode and not chunks and not preempt:
+            # the same rows decode again while their new blocks fit (the head of the waiting
+            # queue, refused now for the batch cap or the watermark, stays refused: blocks only
+            # shrink), counted as vLLM's policy counts them; plan() catches the blocks up after
+            offsets = [(r.kv_tokens + 1) % bs for r in running[: len(decode)]]
+            repeat = Vllm._repeat(offsets, self.num_blocks - self.used, bs)
+        return Plan(admit=tuple(admit), preempt=tuple(preempt), passes=passes, repeat=repeat)
 
 
 # ---------------------------------------------------------------------- Vidur's predictor conventions (a diagnostic)
