@@ -513,7 +513,7 @@ def _per_policy(rows: list[dict]) -> dict:
         if any(r.get("step_bias") for r in rows)
         else None,
     }
-    adj = [r["drift_adjusted"] for r in rows if r.get("drift_adjusted")]
+    adj = [a for r in rows if (a := _applied_adjustment(r))]
     if adj:
         out["drift_adjusted"] = {
             "median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in adj),
@@ -529,6 +529,13 @@ def _per_policy(rows: list[dict]) -> dict:
             "speed_max": max(speeds),
         }
     return out
+
+
+def _applied_adjustment(row: dict) -> dict | None:
+    """A row's drift-adjusted comparison where validate applied one (the machine's speed explained
+    the steps' bias in direction); None where it did not."""
+    a = row.get("drift_adjusted")
+    return a if a and a.get("median_abs_error_pct") is not None else None
 
 
 def overall(rows: list[dict]) -> dict:
@@ -549,7 +556,7 @@ def overall(rows: list[dict]) -> dict:
         }
 
     out = {"plain": agg(lambda r: r)}
-    da = agg(lambda r: r.get("drift_adjusted"))
+    da = agg(_applied_adjustment)
     if da:  # the simulation at the speed timed before and after the runs: a prediction, unlike the next
         out["drift_adjusted"] = da
     sm = agg(lambda r: r.get("speed_matched"))

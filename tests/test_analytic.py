@@ -513,3 +513,16 @@ def test_the_simulator_runs_on_an_analytic_model_and_faster_hardware_is_faster()
             makespans[hw, pol] = max(r.finish_s for r in res.requests)
     for pol in ("mlx-default", "chunked-prefill"):
         assert makespans["h100-sxm", pol] < makespans["m1", pol] / 3
+
+
+def test_presets_md_is_what_refit_writes_from_hardware_json_prices_included():
+    from schedlab.analysis.analytic.fit import HARDWARE_DIR, presets_report
+
+    data = json.loads((HARDWARE_DIR / "hardware.json").read_text())
+    text = (HARDWARE_DIR / "PRESETS.md").read_text()
+    assert text == presets_report(data), "PRESETS.md is stale: python -m schedlab.analysis.analytic refit"
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    col = rows["preset"].index("$/h")
+    for name, p in data["presets"].items():
+        price = p.get("price_usd_per_hour")
+        assert rows[name][col] == (format(price["value"], "g") if price else "-"), name

@@ -716,16 +716,19 @@ def presets_report(data: Mapping[str, Any]) -> str:
         "Efficiencies belong to an engine: *default engine* is the one `--hardware` uses (`vllm`: a GPU serving",
         "engine, factors fitted to serving kernels, `SERVING.md`); *published fit* is the `mlx-lm` / `llama.cpp`",
         'fit to single-request figures (`EFFICIENCY.md`), available as `engine="llama.cpp"` / `"mlx-lm"`.',
-        "One GPU per replica: tensor parallelism is not modelled.",
+        "One GPU per replica: tensor parallelism is not modelled. *$/h* is one provider's on-demand price of",
+        "one GPU (`capacity`'s requests per dollar; give your own with `--price-per-hour`), where one is sourced.",
         "",
-        "| preset | name | memory GB | bandwidth GB/s | peak TFLOP/s (compute dtype) | default engine | published fit (engine, basis) |",
-        "|---|---|---:|---:|---:|---|---|",
+        "| preset | name | memory GB | bandwidth GB/s | peak TFLOP/s (compute dtype) | $/h | default engine | published fit (engine, basis) |",
+        "|---|---|---:|---:|---:|---:|---|---|",
     ]
     presets = data["presets"]
     for name in sorted(presets):
         p = presets[name]
         if name == "cpu-local":
-            L.append(f"| {name} | {p['name']} | measured | measured | measured (fp32) | mlx (CPU) | prior: fit yours |")
+            L.append(
+                f"| {name} | {p['name']} | measured | measured | measured (fp32) | - | mlx (CPU) | prior: fit yours |"
+            )
             continue
         dt = p["default_compute"]
         peak = p["peak_tflops"][dt]
@@ -743,10 +746,11 @@ def presets_report(data: Mapping[str, Any]) -> str:
             default = f"{default} ({blk.get('basis', '')}{' from ' + blk['from'] if blk.get('from') else ''})"
         else:
             default = f"{pub} (published fit)"
+        price = p.get("price_usd_per_hour")
         L.append(
             f"| {name} | {p['name']} | {p['memory_gb']['value']:g}{mark(p['memory_gb'])} | "
             f"{p['bandwidth_gbs']['value']:g}{mark(p['bandwidth_gbs'])} | {peak['value']:g}{mark(peak)} ({dt}) | "
-            f"{default} | {pub}, {basis} |"
+            f"{format(price['value'], 'g') if price else '-'} | {default} | {pub}, {basis} |"
         )
     L += ["", "## Sources of each figure", ""]
     for name in sorted(presets):
@@ -759,6 +763,8 @@ def presets_report(data: Mapping[str, Any]) -> str:
         ]
         for dt, fig in p["peak_tflops"].items():
             parts.append(f"{dt} {', '.join(fig['sources'])}")
+        if p.get("price_usd_per_hour"):
+            parts.append(f"price {', '.join(p['price_usd_per_hour']['sources'])}")
         L.append(f"- **{name}**: " + "; ".join(parts))
     L += ["", "## Sources", ""]
     for sid, s in data["sources"].items():

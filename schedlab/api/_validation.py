@@ -133,11 +133,21 @@ def validate_many(
     return out
 
 
+def drift_explains(speed_factor: float, step_ratio: float | None) -> bool:
+    """Whether the machine's measured speed (its reference work's time over the time the profile
+    gives it: above 1, slower than at calibration) explains the real steps' bias (their measured
+    over predicted seconds) in direction: both above 1 or both below. When the machine ran faster
+    while the steps ran slower than predicted (or the reverse), the bias is a cost the model does
+    not see, and scaling the simulation by the machine's speed would only widen it."""
+    return step_ratio is not None and (speed_factor - 1.0) * (step_ratio - 1.0) > 0
+
+
 def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: list) -> dict | None:
     """The simulation again with every pass scaled by the machine's measured speed during the
     real runs (the mean of the before/after ratios), compared with the same real runs: how far
-    the model is once the machine's drift is taken out. Reported beside the plain comparison,
-    never instead of it."""
+    the model is once the machine's drift is taken out; only where that speed explains the real
+    steps' bias in direction (``drift_explains``; else ``applied`` False, with both ratios).
+    Reported beside the plain comparison, never instead of it."""
     from schedlab.analysis.validation import compare as compare_runs
     from schedlab.sim import run as run_loop
     from schedlab.sim.cost import ScaledCostModel
@@ -147,11 +157,17 @@ def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: lis
     if not ratios:
         return None
     factor = sum(ratios) / len(ratios)
+    timed = [(s.predicted_s, s.measured_s) for s in steps if s.predicted_s and s.measured_s and s.measured_s > 0]
+    step_ratio = sum(m for _, m in timed) / sum(p for p, _ in timed) if timed else None
+    if not drift_explains(factor, step_ratio):
+        return {"speed_factor": factor, "step_ratio": step_ratio, "applied": False}
     res = run_loop(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
     scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
     c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
     return {
         "speed_factor": factor,
+        "step_ratio": step_ratio,
+        "applied": True,
         "median_abs_error_pct": c["median_abs_error_pct"],
         "max_abs_error_pct": c["max_abs_error_pct"],
         "step_error_pct": c["step_error_pct"],
