@@ -11,7 +11,7 @@ A configuration's *capacity* is the highest passing rate the search finds.
 
 Search
 ------
-From a start rate r0 (the trace's own mean rate times the number of replicas, unless given):
+From a start rate r0 (twice the trace's own mean rate times the number of replicas, unless given):
 bracket by doubling (r0 passes) or halving (r0 fails) until one rate passes and one fails (at
 most ``MAX_STEPS`` times each way), then bisect the bracket **geometrically** (the midpoint of
 lo and hi is sqrt(lo x hi)) until (hi - lo) / lo <= tolerance. Every rate tried is r0 x 2^e for

@@ -147,6 +147,29 @@ def test_early_stop_never_changes_the_answer():
     assert list(fast["early_stops"]) == [sum(p["stopped_early"] for p in v) for v in fast.attrs["points"].values()]
 
 
+def test_the_default_start_finds_what_a_start_at_the_traces_own_rate_finds():
+    """The default first rate is twice the trace's own (per replica): the same grid as starting at
+    the trace's rate, so the same capacities. Where twice the trace's rate passes, the run at its
+    own rate is never made; where it fails, the search tries the same rates in another order."""
+    tr = traces.to_rate(mixed_trace(), 25.0)  # one replica holds ~35 req/s here, two ~77, four far more
+    args = dict(cost=cost_model(), slo="ttft_ms=300,tpot_ms=40", attainment=0.9, tolerance=0.05, workers=1)
+    own = traces.mean_rate(tr)
+    default = schedlab.capacity("chunked-prefill", tr, replicas=[1, 2, 4], **args)
+    at_own = schedlab.capacity("chunked-prefill", tr, replicas=[1, 2, 4], start_rps=own, **args)
+    assert list(default["capacity_rps"]) == list(at_own["capacity_rps"])
+    assert list(default["first_failing_rps"]) == list(at_own["first_failing_rps"])
+    first = []
+    for (conf, pts), n in zip(default.attrs["points"].items(), (1, 2, 4)):
+        others = at_own.attrs["points"][conf]
+        assert pts[0]["rate_rps"] == pytest.approx(2 * own * n)
+        first.append(pts[0]["passed"])
+        if pts[0]["passed"]:  # the trace's own rate was not needed: one run fewer
+            assert not any(p["rate_rps"] == pytest.approx(own * n) for p in pts) and len(pts) == len(others) - 1
+        else:  # the same rates, the failing one first
+            assert sorted(p["rate_rps"] for p in pts) == pytest.approx(sorted(p["rate_rps"] for p in others))
+    assert first == [False, False, True]  # both ways, on this trace
+
+
 # ---------------------------------------------------------------------- per dollar
 
 PRICED = dict(hardware="h100-sxm", model_config="llama-3.1-8b")  # an analytic H100: tiny runs

@@ -29,6 +29,8 @@ from .options import ClusterOptions, ReplicaOptions, merged
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+START_FACTOR = 2.0  # the default first rate per replica: this times the trace's own mean rate
+
 
 @dataclass(frozen=True)
 class _Config:
@@ -169,8 +171,8 @@ def capacity(
     ``block_size``, ``prefix_caching`` (or ``replica``): the replicas of the policy
     configurations (a cluster file names its own).
 
-    The search (``schedlab.analysis.capacity``): from ``start_rps`` (default: the trace's mean
-    rate) times the number of replicas, double or halve until one rate passes and one fails,
+    The search (``schedlab.analysis.capacity``): from ``start_rps`` (default: twice the trace's
+    mean rate) times the number of replicas, double or halve until one rate passes and one fails,
     then bisect geometrically until (hi - lo) / lo <= ``tolerance``; the passing bound is the
     capacity. A run that can no longer reach the attainment stops early (exact: it never changes
     a run's pass or fail; ``early_stop=False`` runs every run to its end). Configurations run in
@@ -271,7 +273,9 @@ def capacity(
         price_source = f"preset {str(hardware).strip().lower()}" + (f" ({urls})" if urls else "")
     tr = as_trace(trace, seed=seed)
     rescale(tr, 1.0)  # a trace whose rate cannot be set fails here
-    base = start_rps if start_rps is not None else traces.mean_rate(tr)
+    # (default: one doubling above the trace's own rate: a passing run simulates the whole trace and
+    # costs most at low rates, where batches are small; a failing one stops early)
+    base = start_rps if start_rps is not None else START_FACTOR * traces.mean_rate(tr)
 
     configs: list[_Config] = []
     for p in pols:

@@ -86,7 +86,7 @@ def capacity(
     start_rps: Optional[float] = typer.Option(
         None,
         "--start-rps",
-        help="first rate tried, per replica (default: the trace's own mean rate; n replicas start at n times it)",
+        help="first rate tried, per replica (default: twice the trace's own mean rate; n replicas start at n times it)",
     ),
     price_per_hour: Optional[float] = typer.Option(
         None,
