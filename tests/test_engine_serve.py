@@ -168,6 +168,7 @@ def test_closed_loop_clients_on_the_real_engine(micro, references):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # (two real runs' TTFTs compared: run alone)
 def test_run_real_cli_with_prefix_caching_lowers_ttft(tmp_path):
     """run-real on a shared-prefix trace: prefix caching lowers TTFT, every token checked by the
     engine; the summary reports the hit rate."""
