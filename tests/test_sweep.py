@@ -257,7 +257,6 @@ def test_cli_bad_input_is_one_line(tmp_path, profile, args, expect):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.serial  # (a Ctrl-C timed against the workers' start-up: run alone)
 def test_ctrl_c_cancels_cleanly(tmp_path, profile):
     # a sweep long enough to be interrupted: 6 jobs over a 4000-request trace
     reqs = [traces.Request(f"r{i}", i * 0.25, 200 + (i * 37) % 500, 40 + (i * 13) % 120) for i in range(4000)]
@@ -283,6 +282,9 @@ def test_ctrl_c_cancels_cleanly(tmp_path, profile):
             stderr=err,
             text=True,
             start_new_session=True,
+            # Ctrl-C as in a terminal: a test run started in the background of a script inherits
+            # SIGINT ignored, and the sweep would too (rightly ignoring it)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 60
         while err_path.stat().st_size == 0 and time.monotonic() < deadline and p.poll() is None:
