@@ -221,12 +221,8 @@ class ServingCostModel(AnalyticCostModel):
         rows = len(ctx)
         if not rows or shape.prefill:
             return super().decode_run_seconds(shape, k)
-        fixed, per_token = self._dec_cache.get(rows) or self._decode_coef(rows)
-        lin = self._lin_cache.get(rows)
-        if lin is None:
-            lin = self.linear_seconds(rows)
-        c = rows * self._flops_per_head_row * self._head_inv_rate
-        head = c if c > self._head_mem else self._head_mem
+        fixed, per_token = self._decode_coef(rows)  # (once per run: the parts' own cached methods)
+        lin, head = self.linear_seconds(rows), self.head_seconds(rows)
         total = sum(ctx)
         return ((fixed + per_token * (total + j * rows)) + lin + head for j in range(1, k + 1))
 
