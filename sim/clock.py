@@ -19,8 +19,12 @@ Both run a SimPy environment (arrivals are SimPy processes) and offer the same c
 happen, so the replica runs ahead of ``env.now`` and hands control to SimPy only when an
 arrival is due (same events, far fewer hops). ``WallClock`` is real time: a
 ``simpy.rt.RealtimeEnvironment`` fires arrivals at their wall-clock times, the backend's
-seconds have already passed when it returns, and after every step SimPy's clock is moved
-up to the wall clock so the scheduler's own overhead counts as it does for a user.
+seconds have already passed when it returns, and after a step that ends past an arrival's
+time (or where the next arrival is not known ahead: a live source) SimPy's clock is moved up
+to the wall clock, so that the arrivals due come first and the scheduler's own overhead counts
+as it does for a user. A step that ends before the next arrival hands SimPy nothing: a hop per
+step (a timeout scheduled, popped and the loop resumed) would be work on every step that
+changes no outcome.
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class WallClock:
 
     def sync(self, next_arrival_s: float | None):
         t = self.now()
+        if next_arrival_s is not None and next_arrival_s > t:
+            return None  # nothing is due: no hop (SimPy catches up at the next arrival or wait)
         env = self.env
         return env.timeout(t - env.now) if t > env.now else None
 

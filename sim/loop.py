@@ -648,9 +648,10 @@ class ReplicaLoop:
                 # (no row finished and none was handed off from prefilling: the queues are
                 # as the policy saw them)
                 t_end = run_repeats(plan.repeat, passes[0], shape, t_end)
-            ev = clock.sync(next_arrival())
-            if ev is not None:
-                yield ev
+            if state.open:  # (once the source is done nothing can arrive: no hop to make)
+                ev = clock.sync(next_arrival())
+                if ev is not None:
+                    yield ev
 
     def result(self, source: Any, trace_name: str, wall0: float, error: str | None) -> RunResult:
         """The run's result, once its process has ended (or stopped on ``error``)."""

@@ -321,3 +321,38 @@ def test_full_logits_fallback_gives_the_same_tokens(micro, references):
     )
     _, backend = run_real(full, make_policy("static", {"batch_size": "3"}))
     assert_reference_tokens(backend, references)
+
+
+def test_a_steady_step_hands_simpy_nothing_and_checks_nothing(micro):
+    """What a real step does beyond its passes, counted (not timed): a step that ends before the
+    next arrival schedules no SimPy event (no hop to move SimPy's clock up), and the engine's
+    state check runs only on passes where rows join, leave or prefill. Tokens stay exact."""
+    from schedlab.sim.clock import WallClock
+
+    reqs = [Request("a", 0.0, 50, 60), Request("b", 0.12, 30, 50), Request("c", 0.3, 70, 40)]
+    backend = MLXBackend(micro)
+    clock = WallClock()
+    env = clock.env
+    scheduled = []
+    schedule = env.schedule
+
+    def counting_schedule(event, priority=1, delay=0):
+        scheduled.append(type(event).__name__)
+        return schedule(event, priority, delay)
+
+    env.schedule = counting_schedule
+    checks = []
+    check = backend._check
+    backend._check = lambda p, state: (checks.append(p), check(p, state))[1]
+    res = run(reqs, make_policy("unified"), NO_COST, kv_capacity=100_000, backend=backend, clock=clock)
+    assert res.error is None, res.error
+    for r in reqs:
+        ref = reference_tokens(micro, prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size), r.output_tokens)
+        assert backend.tokens[r.id] == ref, r.id
+    steps = len(res.steps)
+    assert steps >= 100
+    # per arrival: its timeout and the replica's wake (and the processes' own start and end);
+    # a hop per step would be >= 100 more
+    assert len(scheduled) <= 4 * len(reqs) + 2 * len(res.wakes) + 6, (steps, scheduled)
+    changing = [s for s in res.shapes if s.prefill or s.joins or s.leaves]
+    assert len(checks) == len(changing) and len(changing) < steps // 4
