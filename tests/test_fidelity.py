@@ -240,6 +240,25 @@ def test_a_fit_from_runs_recovers_a_planted_cost_on_the_steps_after_a_wake():
     assert fit.coefficients["i_step"] == pytest.approx(0.004, rel=0.25)
 
 
+def test_a_fit_from_runs_recovers_a_planted_per_step_cost():
+    """A cost every real step pays whatever its passes (the loop's own work: plan, state updates,
+    hand-over), here 4x the known one and per row on top, is found by the fit from the steps,
+    and with it each held-out step's measured/predicted median is 1."""
+    from schedlab.analysis.runfit import _concat, fit_runs, predict
+
+    truth = {**KNOWN, "s_step": 0.002, "s_row": 0.0002}
+    runs = synthetic_runs(truth, noise=0.02, seed=11)
+    fit = fit_runs(runs)
+    assert fit.coefficients["s_step"] == pytest.approx(0.002, rel=0.15)
+    assert "s_row" in fit.report["chosen"]["terms"], fit.report["tries"]
+    assert fit.coefficients["s_row"] == pytest.approx(0.0002, rel=0.25)
+    cols = _concat(runs)
+    ratio = cols["measured_s"] / predict(fit.coefficients, cols)
+    assert abs(np.median(ratio) - 1) < 0.01
+    # the known model, without the planted cost, is short on every step
+    assert np.median(cols["measured_s"] / predict(KNOWN, cols)) > 1.05
+
+
 def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_steps():
     from schedlab.analysis.runfit import _concat, fit_runs, predict
 
