@@ -22,7 +22,7 @@ from .efficiency import ENGINES, Efficiency, ServingEfficiency, engine_kind
 from .errors import AnalyticError
 from .fit import FitResult, fit_efficiency, refit
 from .local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local, shape_from_sample
-from .hardware import Hardware, list_hardware, load_hardware, measure_cpu
+from .hardware import Hardware, link_preset, list_hardware, list_links, load_hardware, measure_cpu
 from .modelspec import ModelSpec, bundled_model_configs, check_quant, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward, kv_capacity_tokens
 from .serving import ServingCostModel
@@ -39,7 +39,10 @@ __all__ = [
     "bundled_model_configs",
     "fit_efficiency",
     "kv_capacity_tokens",
+    "kv_transfer",
+    "link_preset",
     "list_hardware",
+    "list_links",
     "load_hardware",
     "load_model_config",
     "make_analytic_cost_model",
@@ -167,3 +170,19 @@ def predict_pass(
         )
     cm = analytic_from_config(hardware, cfg, quant, name=name, engine=engine)
     return cm.pass_seconds(shape)
+
+
+def kv_transfer(
+    model: str | Path, link: str, mode: str = "layerwise", *, kv_bits: int = 16, latency_s: float | None = None
+):
+    """What moving a request's KV between two replicas costs (``sim.transfer.KVTransfer``): the
+    model's KV bytes per token (a bundled config name or a config.json path; ``kv_bits`` per
+    value) over a link preset or a hardware preset's own link (``link_preset``)."""
+    from schedlab.sim.transfer import KVTransfer, TransferError
+
+    name, cfg = load_model_config(model)
+    spec = model_spec(cfg, name)
+    try:
+        return KVTransfer(spec.kv_bytes_per_token(kv_bits), spec.layers, link_preset(link, latency_s), mode)
+    except TransferError as exc:
+        raise AnalyticError(str(exc)) from None

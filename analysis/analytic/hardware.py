@@ -184,6 +184,37 @@ def preset_price(name: str, preset: Mapping[str, Any] | None = None) -> dict[str
     return {"value": value, "sources": sources, "note": note}
 
 
+def list_links() -> list[str]:
+    """The interconnect presets (``links`` in hardware.json): what a KV transfer between
+    replicas runs over (``sim.transfer``)."""
+    return sorted(read_hardware_file().get("links") or {})
+
+
+def link_preset(name: str, latency_s: float | None = None):
+    """A ``sim.transfer.Link`` from a link preset (``nvlink4``, ``pcie5-x16``, ...) or a hardware
+    preset's own link (``h100-sxm`` -> ``nvlink4``), case-insensitive; ``latency_s`` overrides
+    the preset's (published figures give none)."""
+    from schedlab.sim.transfer import Link, TransferError
+
+    data = read_hardware_file()
+    links = data.get("links") or {}
+    key = str(name).strip().lower()
+    if key not in links and key in data["presets"]:
+        own = data["presets"][key].get("link")
+        if own is None:
+            raise AnalyticError(f"hardware preset {key} names no link (links: {', '.join(sorted(links))})")
+        key = own
+    if key not in links:
+        raise AnalyticError(f"unknown link '{name}' (links: {', '.join(sorted(links))}; or a hardware preset with one)")
+    entry = links[key]
+    bw = _value(entry, "bandwidth_gbs", f"link {key}")
+    lat = latency_s if latency_s is not None else (entry.get("latency_s") or {}).get("value", 0.0)
+    try:
+        return Link(bw, lat, key)
+    except TransferError as exc:
+        raise AnalyticError(str(exc)) from None
+
+
 def _published_engine(preset: Mapping[str, Any]) -> str:
     """The engine kind of a preset's published-figure ``efficiency`` block ('' when unknown)."""
     eff = preset.get("efficiency") or {}
