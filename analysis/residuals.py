@@ -11,6 +11,10 @@ change, passes per step) and gives, per bin, the median of measured / predicted 
 10th-90th percentiles, the bin's share of the measured time and its total error. A bin far
 from 1 where the others are near it is an effect the cost model misses.
 
+``step_split`` splits each step into its passes' own time (``execute``) and the rest (the loop's
+work: planning, state updates, logs, SimPy's hops), each against its own prediction (the pass and
+after-idle terms; the per-step terms), per step kind: where a step's excess lives.
+
 ``bias`` is the one-line version ``run-real`` prints: the median of measured / predicted over
 the run's steps (back to back and right after idle), and the total predicted vs measured
 step time: a profile that no longer fits the machine shows at once.
@@ -23,6 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from schedlab.analysis.runfit import step_predictions
+from schedlab.sim.cost import IDLE_STEP_FEATURES, PASS_FEATURES, STEP_FEATURES
 
 # (name, column, bins as (label, lo, hi) with lo <= x < hi); None column: computed below
 BINS: tuple[tuple[str, str, tuple[tuple[str, float, float], ...]], ...] = (
@@ -99,6 +104,98 @@ def residual_table(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | N
                 }
             )
     return rows
+
+
+STEP_KINDS = ("decode 1", "decode n", "prefill", "mixed")
+
+
+def step_kinds(cols: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Each step's kind: ``decode 1`` (one row), ``decode n``, ``prefill``, ``mixed`` (decode rows
+    and prefill chunks), prefixed ``after idle, `` (the replica waited for an arrival just before)
+    or else ``batch change, `` (rows join or leave)."""
+    rows = np.asarray(cols["decode_rows"], dtype=float)
+    chunks = np.asarray(cols["prefill_chunks"], dtype=float)
+    kind = np.where(chunks > 0, np.where(rows > 0, "mixed", "prefill"), np.where(rows == 1, "decode 1", "decode n"))
+    idle = np.asarray(cols["after_idle"], dtype=float) > 0
+    changed = np.asarray(cols["batch_changed"], dtype=float) > 0
+    return np.where(
+        idle, np.char.add("after idle, ", kind), np.where(changed, np.char.add("batch change, ", kind), kind)
+    )
+
+
+def step_split(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """Per step kind (``step_kinds``): steps, the median measured step (ms), and its two parts,
+    each the median over the kind's steps of measured and of predicted (ms) and of their ratio:
+    ``passes`` (the passes' own time against the pass terms and the after-idle ones: a machine
+    that sat idle runs its passes slower) and ``loop`` (the rest against the per-step terms). ``coef``: the linear cost model's coefficients the run planned
+    with; without them (an analytic model) the predicted parts are None (only the whole step's
+    prediction is known)."""
+    if not cols or not len(cols.get("measured_s", ())):
+        return []
+    meas = np.asarray(cols["measured_s"], dtype=float)
+    passes = np.asarray(cols["passes_s"], dtype=float)
+    loop = np.asarray(cols["overhead_s"], dtype=float)
+    pred = step_predictions(cols, None)
+    p_pass = p_loop = None
+    if coef is not None:
+
+        def terms(names):
+            out = np.zeros(len(meas))
+            for k in names:
+                if coef.get(k) and k in cols:
+                    out += coef[k] * np.asarray(cols[k], dtype=float)
+            return out
+
+        p_pass = terms(PASS_FEATURES + IDLE_STEP_FEATURES + ("i_after",))
+        p_loop = terms(STEP_FEATURES)
+    kinds = step_kinds(cols)
+    order = [k for base in STEP_KINDS for k in (base, f"batch change, {base}", f"after idle, {base}")]
+    rows = []
+
+    def part(m, x, px):
+        out = {"measured_ms": float(np.median(x[m])) * 1e3, "predicted_ms": None, "ratio": None}
+        if px is not None:
+            ok = m & (px > 0)
+            out["predicted_ms"] = float(np.median(px[m])) * 1e3
+            out["ratio"] = float(np.median(x[ok] / px[ok])) if ok.any() else None
+        return out
+
+    for kind in order:
+        m = kinds == kind
+        if not m.any():
+            continue
+        ok = m & (pred > 0)
+        rows.append(
+            {
+                "kind": kind,
+                "n": int(m.sum()),
+                "measured_ms": float(np.median(meas[m])) * 1e3,
+                "predicted_ms": float(np.median(pred[m])) * 1e3,
+                "ratio": float(np.median(meas[ok] / pred[ok])) if ok.any() else None,
+                "passes": part(m, passes, p_pass),
+                "loop": part(m, loop, p_loop),
+            }
+        )
+    return rows
+
+
+def format_step_split(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
+    def f(v, spec):
+        return format(v, spec) if v is not None else "-".rjust(len(format(0.0, spec)))
+
+    lines = [title] if title else []
+    lines.append(
+        f"{'step kind':<24}{'steps':>7}{'ms':>9}{'meas/pred':>10}   "
+        f"{'passes ms':>9}{'pred':>9}{'m/p':>7}   {'loop ms':>8}{'pred':>8}{'m/p':>7}"
+    )
+    for r in rows:
+        p, q = r["passes"], r["loop"]
+        lines.append(
+            f"{r['kind']:<24}{r['n']:>7}{r['measured_ms']:>9.3f}{f(r['ratio'], '10.3f')}   "
+            f"{p['measured_ms']:>9.3f}{f(p['predicted_ms'], '9.3f')}{f(p['ratio'], '7.3f')}   "
+            f"{q['measured_ms']:>8.3f}{f(q['predicted_ms'], '8.3f')}{f(q['ratio'], '7.3f')}"
+        )
+    return "\n".join(lines)
 
 
 def format_residuals(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:

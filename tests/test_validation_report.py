@@ -5,6 +5,8 @@ machine slower or faster than the cost model, their steps' measured seconds plan
   others' median, beside a real run's own error there (the machine's repeat error).
 - The drift adjustment is applied only where the machine's measured speed explains the real
   steps' bias in direction; otherwise it says so and simulates nothing.
+- Each step kind's time is split into its passes and the loop's own work, each against its
+  prediction: a cost planted in one part shows in that part only.
 """
 
 from __future__ import annotations
@@ -85,3 +87,44 @@ def test_the_headline_is_the_held_out_prediction_beside_the_machines_repeat_erro
     # one real run: no held-out line, the table comes first
     one = format_table(compare(summary, [summary], policy="unified", trace=tr.name)).splitlines()
     assert one[1].startswith("metric")
+
+
+def test_a_planted_loop_cost_shows_in_the_loop_part_and_only_there():
+    import numpy as np
+    from simkit import KNOWN
+    from test_fidelity import synthetic_runs
+
+    from schedlab.analysis.residuals import format_step_split, step_kinds, step_split
+    from schedlab.analysis.runfit import predict
+
+    # the real steps' loop costs 4x what the profile says (s_step); their passes are as predicted
+    cols = synthetic_runs({**KNOWN, "s_step": 0.002}, n_runs=1, noise=0.0)[0].cols
+    cols["prefill_chunks"] = (cols["prefill_tokens"] > 0).astype(float)
+    cols["predicted_s"] = predict(KNOWN, cols)  # what the run planned with
+    rows = step_split(cols, KNOWN)
+    kinds = {r["kind"]: r for r in rows}
+    assert {"decode n", "batch change, decode n", "prefill", "after idle, prefill"} <= set(kinds)
+    assert sum(r["n"] for r in rows) == len(cols["measured_s"])
+    for r in rows:
+        assert r["passes"]["ratio"] == pytest.approx(1.0), r
+        assert r["loop"]["ratio"] > 3.0, r  # (0.002 + s_row x rows) / (0.0005 + s_row x rows)
+        loop_pred = KNOWN["s_step"] + KNOWN["s_row"] * (cols["decode_rows"] + cols["prefill_chunks"])
+        assert r["loop"]["predicted_ms"] == pytest.approx(1e3 * np.median(loop_pred[step_kinds(cols) == r["kind"]]))
+        assert 1.0 < r["ratio"] < r["loop"]["ratio"]
+    # a prefill step's loop share is small: its whole-step ratio stays near 1
+    assert kinds["after idle, prefill"]["ratio"] < kinds["decode n"]["ratio"]
+    # a cold machine's after-idle cost is the passes': predicted there, both parts match
+    truth = {**KNOWN, "i_step": 0.004, "i_gap": 0.003}
+    cold = synthetic_runs(truth, n_runs=1, noise=0.0)[0].cols
+    cold["prefill_chunks"] = (cold["prefill_tokens"] > 0).astype(float)
+    cold["predicted_s"] = predict(truth, cold)
+    split = {r["kind"]: r for r in step_split(cold, truth)}
+    idle = split["after idle, prefill"]
+    assert idle["passes"]["ratio"] == pytest.approx(1.0) and idle["loop"]["ratio"] == pytest.approx(1.0)
+    assert idle["passes"]["predicted_ms"] > split["prefill"]["passes"]["predicted_ms"]
+    # without the coefficients (an analytic model) only the measured parts are known
+    bare = step_split(cols)
+    assert all(r["passes"]["predicted_ms"] is None and r["loop"]["ratio"] is None for r in bare)
+    text = format_step_split(rows, "title")
+    assert text.splitlines()[0] == "title" and len(text.splitlines()) == len(rows) + 2
+    assert "-" in format_step_split(bare).splitlines()[-1]

@@ -47,7 +47,7 @@ def validate_many(
     is that model's, analytic with ``hardware``."""
     import json
 
-    from schedlab.analysis.residuals import bias, concat, residual_table
+    from schedlab.analysis.residuals import bias, concat, residual_table, step_split
     from schedlab.analysis.validation import compare as compare_runs
     from schedlab.engine.backend import MLXBackend
     from schedlab.engine.calibrate import has_replay, replay_speed_check, speed_check
@@ -115,6 +115,7 @@ def validate_many(
         feats = concat(tables)
         v["step_bias"] = bias(feats)
         v["residuals"] = residual_table(feats)
+        v["step_split"] = step_split(feats, getattr(cost, "coefficients", None))
         if speed_ref is not None:
             v["machine_speed"] = speed
             adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps)

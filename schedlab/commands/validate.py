@@ -65,7 +65,8 @@ def validate(
         False,
         "--residuals",
         help="print the per-step residual table (measured/predicted "
-        "by rows, tokens, context, joins/leaves, idle gap, batch change)",
+        "by rows, tokens, context, joins/leaves, idle gap, batch change) and each step kind "
+        "split into its passes and the loop's own time, each against its prediction",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only the tables"),
 ) -> None:
@@ -90,12 +91,15 @@ def validate(
     out = out or Path(f"validate-{tr.name}")
 
     def done(name: str, v: dict) -> None:  # each policy's table as soon as it is done
-        from schedlab.analysis.residuals import format_residuals
+        from schedlab.analysis.residuals import format_residuals, format_step_split
         from schedlab.analysis.validation import format_table
 
         print(format_table(v))
         if residuals and v.get("residuals"):
             print(format_residuals(v["residuals"], "per-step residuals over the real runs (measured / predicted):"))
+        if residuals and v.get("step_split"):
+            title = "where the real steps' time went (medians per step kind; loop: the step outside its passes):"
+            print(format_step_split(v["step_split"], title))
         print()
 
     val = schedlab.validate(
