@@ -140,12 +140,15 @@ class Vllm(PolicyBase):
                 if budget <= 0 or active >= self.max_num_seqs:
                     break
                 hit, taken = view.prefix_hit(r)
-                new = r.prefill_target - hit
+                # a prompt whose KV came with it (a disaggregated decode replica's) computes only
+                # the rest, in blocks allocated at admission as the transfer fills them
+                held = r.prefilled
+                new = r.prefill_target - hit - held
                 if 0 < threshold < new:
                     new = threshold
                 if new > budget:
                     new = budget
-                need = -(-(hit + new) // bs) - hit // bs + taken
+                need = -(-(hit + held + new) // bs) - hit // bs + taken
                 if need > free:
                     head_short = True
                     break

@@ -1,6 +1,7 @@
 """The simulator core: the replica loop, clocks, arrival sources, the request state machine,
 the backend protocol and ``SimBackend``, the cost model, metrics and run outputs; several
-replicas behind a router (``run_cluster``).
+replicas behind a router (``run_cluster``); prefill and decode on different replicas, the KV moved
+between them (``run_disaggregated``, ``KVTransfer``).
 
 Never imports mlx: a simulation runs where MLX is absent.
 """
@@ -8,11 +9,13 @@ Never imports mlx: a simulation runs where MLX is absent.
 from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
 from .cluster import run_cluster
+from .disagg import DisaggError, Pool, run_disaggregated
 from .cost import LinearCostModel, ProfileError
 from .loop import PolicyError, RunResult, run
 from .sources import ArrivalSource, ClientSource, LiveSource, SourceClosed, TraceSource
 from .metrics import format_summary, summarize
 from .state import PlanError, ReplicaState, RequestState
+from .transfer import KVTransfer, Link, TransferError
 
 __all__ = [
     "ArrivalSource",
@@ -23,6 +26,11 @@ __all__ = [
     "TraceSource",
     "WallClock",
     "Backend",
+    "DisaggError",
+    "KVTransfer",
+    "Link",
+    "Pool",
+    "TransferError",
     "LinearCostModel",
     "PlanError",
     "PolicyError",
@@ -34,5 +42,6 @@ __all__ = [
     "format_summary",
     "run",
     "run_cluster",
+    "run_disaggregated",
     "summarize",
 ]

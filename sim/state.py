@@ -105,7 +105,9 @@ class RequestState:
         self.index = index
         self.request = req  # the trace row as it came (its text, for a backend that tokenizes)
         self._phase = WAITING
-        self._prefilled = 0  # tokens of the (re)prefill target now in the KV cache
+        # tokens of the (re)prefill target now in the KV cache: 0, but for a request whose
+        # prompt's KV came with it (a disaggregated decode replica's: ``sim.disagg``)
+        self._prefilled = getattr(req, "kv_transferred", 0)
         self._target = req.prompt_tokens  # prompt, or prompt + generated after preemption
         self._left = req.output_tokens  # output tokens still to produce
         self._ctx = 1  # what a decode row of it would attend to: its KV + the new token
@@ -583,6 +585,12 @@ class ReplicaState:
             bs = self.block_size
             r._reserved = -(-r.kv_footprint // bs) * bs
             self.kv_reserved += r._reserved
+            if r._prefilled and first:  # its prompt's KV came with it: held from now on
+                n = r._prefilled
+                r._ctx = n + 1
+                self.kv_used += n
+                self.prompt_done += n
+                self.blocks_used += -(-n // bs)
             if pc is not None:
                 k = hits.get(rid)
                 if k is None:  # preempted by this very plan

@@ -1,0 +1,120 @@
+"""Prefill and decode on different replicas, simulated (``sim.disagg``): a request is prefilled
+(its first token) in the prefill pool, its KV moved (``sim.transfer``), and decoded in the decode
+pool. Hand-computed timings on a trace with no overlap; every policy on both sides; KV pressure
+on the decode side; one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedlab.policies import POLICIES, make_policy
+from schedlab.routers import make_router
+from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.disagg import DisaggError, Pool, run_disaggregated
+from schedlab.sim.metrics import summarize
+from schedlab.sim.sources import ClientSource
+from schedlab.sim.transfer import KVTransfer, Link
+from schedlab.traces.schema import Request
+
+S, PP, PT, DP = 0.0005, 0.004, 5e-5, 0.003  # per step, per prefill pass, per prefill token, per decode pass
+COST = LinearCostModel({"s_step": S, "p_pass": PP, "p_tokens": PT, "d_pass": DP})
+LINK = Link(1.0, 0.001)  # 1 GB/s, 1 ms
+BYTES = 1000.0  # KV bytes per token
+TRACE = [Request(f"r{i}", 10.0 * i, 100 + 50 * i, 5) for i in range(3)]  # 10 s apart: no overlap
+
+
+def pools(policy: str, n_p: int = 1, n_d: int = 1, kv: int = 100_000, **options):
+    mk = lambda: make_policy(policy, options)  # noqa: E731
+    return (
+        Pool([mk() for _ in range(n_p)], COST, make_router("round-robin"), kv),
+        Pool([mk() for _ in range(n_d)], COST, make_router("round-robin"), kv),
+    )
+
+
+@pytest.mark.parametrize("policy", ["unified", "mlx-default"])
+def test_one_to_one_equals_prefill_then_transfer_then_decode_by_hand(policy):
+    transfer = KVTransfer(BYTES, 4, LINK, "whole")
+    res = run_disaggregated(TRACE, *pools(policy), transfer)
+    assert res.error is None and not res.rejected
+    for req, r in zip(TRACE, res.requests):
+        p = req.prompt_tokens
+        moved = LINK.latency_s + BYTES * p / 1e9
+        if policy == "unified":
+            # the prefill pool's step: the whole prompt, its last chunk yields the first token
+            first = req.arrival_s + S + PP + PT * p
+            # the decode pool computes the first token's KV (a one-token chunk): the second token
+            second = first + moved + S + PP + PT * 1
+        else:
+            # mlx-lm: the prompt less its last token, then that token decoded (the hand-off);
+            # on the decode side the one token left goes straight into the decode batch
+            first = req.arrival_s + (S + PP + PT * (p - 1)) + (S + DP)
+            second = first + moved + S + DP
+        want = [first, second] + [second + k * (S + DP) for k in range(1, req.output_tokens - 1)]
+        assert r.token_times == pytest.approx(want, abs=1e-12), req.id
+        assert r.first_token_s == pytest.approx(first) and r.finish_s == pytest.approx(want[-1])
+        assert res.cluster["transfer_s"][req.id] == pytest.approx(moved)
+    s = summarize(res)
+    assert s["finished"] == len(TRACE) and s["ttft_ms"]["p50"] == pytest.approx(
+        1e3 * sorted(r.first_token_s - q.arrival_s for r, q in zip(res.requests, TRACE))[1]
+    )
+    # the decode replica computed one token of each prompt (none under mlx-lm's hand-off)
+    d = res.replicas[1]
+    chunks = [n for p in d.passes.columns[4] for _, n in p.prefill]
+    assert chunks == ([1] * len(TRACE) if policy == "unified" else [])
+    assert res.replica == [1, 1, 1]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_serves_every_request_once_on_both_sides(policy):
+    trace = [Request(f"q{i}", 0.02 * i, 30 + (i * 37) % 300, 1 + (i * 7) % 20) for i in range(40)]
+    transfer = KVTransfer(BYTES, 8, LINK, "layerwise")
+    res = run_disaggregated(trace, *pools(policy, n_p=2, n_d=3), transfer, block_size=16)
+    assert res.error is None and not res.rejected
+    assert [r.id for r in res.requests] == [q.id for q in trace]
+    for q, r in zip(trace, res.requests):
+        times = r.token_times
+        assert len(times) == q.output_tokens and times == sorted(times), q.id
+        assert r.first_token_s == times[0] >= q.arrival_s
+        if q.output_tokens > 1:  # its second token came after its KV did
+            assert times[1] >= times[0] + res.cluster["transfer_s"][q.id]
+            assert 2 <= res.replica[trace.index(q)] <= 4
+        else:
+            assert q.id not in res.cluster["transfer_s"] and res.replica[trace.index(q)] in (0, 1)
+    assert len(res.replicas) == 5
+
+
+def test_layerwise_hides_what_the_prefill_covers_and_ttft_is_the_prefills():
+    slow = Link(0.001, 0.0)  # 1 MB/s: 0.1 s per 100 tokens, longer than a prefill
+    whole = run_disaggregated(TRACE, *pools("unified"), KVTransfer(BYTES, 10, slow, "whole"))
+    layer = run_disaggregated(TRACE, *pools("unified"), KVTransfer(BYTES, 10, slow, "layerwise"))
+    for a, b in zip(whole.requests, layer.requests):
+        assert a.first_token_s == b.first_token_s  # TTFT: the prefill's first token either way
+        assert b.token_times[1] < a.token_times[1]
+        gap_a = a.token_times[1] - a.token_times[0]
+        gap_b = b.token_times[1] - b.token_times[0]
+        assert gap_a - gap_b == pytest.approx(whole.cluster["transfer_s"][a.id] - layer.cluster["transfer_s"][a.id])
+
+
+def test_decode_side_kv_pressure_preempts_and_recomputes_to_the_end():
+    trace = [Request(f"q{i}", 0.0, 200, 40) for i in range(6)]
+    p, d = pools("vllm", kv=100_000)
+    d.kv_capacity = 700  # three of the six fit at once
+    res = run_disaggregated(trace, p, d, None, block_size=16)
+    assert res.error is None and not res.rejected
+    assert all(len(r.token_times) == 40 for r in res.requests)
+    assert sum(r.preemptions for r in res.requests) > 0
+
+
+def test_bad_disaggregated_runs_are_one_line_errors():
+    p, d = pools("unified")
+    cases = [
+        (lambda: run_disaggregated(TRACE, Pool([], COST, make_router("round-robin"), 1000), d, None), "prefill pool"),
+        (lambda: run_disaggregated(TRACE, p, Pool([], COST, make_router("round-robin"), 1000), None), "decode pool"),
+        (lambda: run_disaggregated(ClientSource(TRACE, max_concurrency=2), p, d, None), "closed-loop"),
+        (lambda: run_disaggregated([Request("c", 0.0, 10, 5, cancel_after_s=1.0)], p, d, None), "cancel"),
+        (lambda: run_disaggregated(TRACE, p, d, "nvlink4"), "KVTransfer"),
+    ]
+    for call, words in cases:
+        with pytest.raises(DisaggError) as exc:
+            call()
+        assert words in str(exc.value) and "\n" not in str(exc.value)
