@@ -176,6 +176,8 @@ def run_disaggregated(
         replica=replica,
         replicas=parts,
         cluster={
+            "replicas": len(parts),
+            "router": (first.cluster or {}).get("router"),
             "disaggregated": True,
             "prefill": {"replicas": n_p, "router": (first.cluster or {}).get("router")},
             "decode": {

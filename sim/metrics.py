@@ -298,8 +298,14 @@ def format_summary(s: Mapping[str, Any]) -> str:
     kv("Trace:", s["trace"])
     cluster = s.get("cluster")
     if cluster:
-        kv("Replicas:", cluster["replicas"])
+        if cluster.get("disaggregated"):
+            kv("Replicas (prefill + decode):", f"{cluster['prefill']['replicas']} + {cluster['decode']['replicas']}")
+        else:
+            kv("Replicas:", cluster["replicas"])
         kv("Router:", cluster["router"])
+        if cluster.get("transfer"):
+            t = cluster["transfer"]
+            kv("KV transfer:", f"{t['mode']} over {t['link']} ({t['bandwidth_gbs']:g} GB/s)")
         if cluster.get("router_delay"):
             kv("Router delay (s):", cluster["router_delay"], "{:g}")
     kv("Successful requests:", s["finished"])

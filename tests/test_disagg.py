@@ -5,6 +5,8 @@ on the decode side; one-line errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from schedlab.policies import POLICIES, make_policy
@@ -118,3 +120,139 @@ def test_bad_disaggregated_runs_are_one_line_errors():
         with pytest.raises(DisaggError) as exc:
             call()
         assert words in str(exc.value) and "\n" not in str(exc.value)
+
+
+# ---------------------------------------------------------------------------- the cluster file
+
+DISAGG_TOML = """
+router = "least-requests"
+
+[transfer]
+mode = "layerwise"
+{transfer}
+
+[[group]]
+count = 1
+policy = "vllm"
+pool = "prefill"
+hardware = "h100-sxm"
+model_config = "llama-3.1-8b"
+
+[[group]]
+count = 2
+policy = "vllm"
+pool = "decode"
+hardware = "h100-sxm"
+model_config = "llama-3.1-8b"
+"""
+
+
+def test_a_cluster_file_with_pools_is_the_python_run(tmp_path):
+    import subprocess
+
+    import schedlab
+    from schedlab import ClusterOptions
+    from schedlab.analysis.analytic import kv_transfer, make_analytic_cost_model
+    from simkit import command
+
+    f = tmp_path / "pd.toml"
+    f.write_text(DISAGG_TOML.format(transfer=""))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [*command("simulate"), "--cluster", str(f), "--trace", "mixed", "--block-size", "16", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Replicas (prefill + decode):             1 + 2" in proc.stdout
+    assert "KV transfer:                             layerwise over nvlink4 (450 GB/s)" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["cluster"]["disaggregated"] and [g["replicas"] for g in meta["cluster"]["groups"]] == [[0, 0], [1, 2]]
+    # the same run from Python, by hand: the file's pools, link and model
+    cost, kv, _ = make_analytic_cost_model("h100-sxm", "llama-3.1-8b", None)
+    pool = lambda n: Pool([make_policy("vllm") for _ in range(n)], cost, make_router("least-requests"), kv)  # noqa: E731
+    by_hand = run_disaggregated(
+        schedlab.load_trace("mixed").requests,
+        pool(1),
+        pool(2),
+        kv_transfer("llama-3.1-8b", "h100-sxm", "layerwise"),
+        block_size=16,
+    )
+    ref = summarize(by_hand)
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        assert summary[key]["p50"] == pytest.approx(ref[key]["p50"]), key
+    run = schedlab.simulate(None, "mixed", block_size=16, cluster=ClusterOptions.from_file(f))
+    assert run.summary["ttft_ms"]["p99"] == pytest.approx(ref["ttft_ms"]["p99"])
+
+
+BAD_POOLS = [
+    ('pool = "prefill"', 'pool = "both"', "group 1: pool must be 'prefill' or 'decode'"),
+    ('pool = "decode"', 'pool = "prefill"', "no decode group"),
+    ('pool = "prefill"', "", "group 1: no pool"),
+    ('mode = "layerwise"', 'mode = "teleport"', "transfer: mode must be one of whole, layerwise"),
+    ('mode = "layerwise"', 'mode = "whole"\nspeed = 3', "transfer: unknown key 'speed'"),
+    ('mode = "layerwise"', 'link = "nvlink4"\nbandwidth_gbs = 10', "give either link (a preset) or bandwidth_gbs"),
+    ('mode = "layerwise"', 'link = "warp"', "transfer: unknown link 'warp'"),
+    ('mode = "layerwise"', "latency_s = -1", "transfer: latency_s must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("old,new,message", BAD_POOLS, ids=[m for *_, m in BAD_POOLS])
+def test_bad_pool_definitions_are_one_line_errors(tmp_path, old, new, message):
+    import subprocess
+
+    from simkit import command
+
+    text = DISAGG_TOML.format(transfer="")
+    assert old in text
+    f = tmp_path / "pd.toml"
+    f.write_text(text.replace(old, new, 1))
+    proc = subprocess.run(
+        [*command("simulate"), "--cluster", str(f), "--trace", "mixed"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_pool_rules_that_span_groups_are_one_line_errors(tmp_path):
+    import subprocess
+
+    from simkit import command
+
+    def run(text, *args):
+        f = tmp_path / "pd.toml"
+        f.write_text(text)
+        return subprocess.run(
+            [*command("simulate"), "--cluster", str(f), "--trace", "mixed", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    text = DISAGG_TOML.format(transfer="")
+    swapped = text.replace('pool = "prefill"', "POOL").replace('pool = "decode"', 'pool = "prefill"')
+    swapped = swapped.replace("POOL", 'pool = "decode"')
+    cases = [
+        (run(swapped), "the prefill groups come before the decode groups"),
+        (run(text, "--prefix-caching"), "no prefix cache yet"),
+        (run(text, "--max-concurrency", "4"), "closed-loop clients are not supported yet"),
+        (run(text.replace('pool = "prefill"\n', "").replace('pool = "decode"\n', "")), "transfer goes with prefill"),
+        (
+            run(text.replace('hardware = "h100-sxm"\nmodel_config = "llama-3.1-8b"', 'profile = "tiny-cpu"')),
+            "transfer: give link",
+        ),
+        (
+            run(
+                text.replace('hardware = "h100-sxm"\nmodel_config = "llama-3.1-8b"', 'profile = "tiny-cpu"').replace(
+                    'mode = "layerwise"', 'mode = "layerwise"\nlink = "nvlink4"'
+                )
+            ),
+            "transfer: give model_config",
+        ),
+    ]
+    for proc, message in cases:
+        err = proc.stderr.strip()
+        assert proc.returncode != 0 and message in err and len(err.splitlines()) == 1, err

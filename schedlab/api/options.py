@@ -145,7 +145,9 @@ class ClientOptions:
         return clients(requests, self.max_concurrency, self.request_rate, self.burstiness, self.think_time or 0.0, seed)
 
 
-_GROUP_KEYS = ("count", "policy", "options", "profile", "hardware", "model_config", "quant", "kv_tokens")
+_GROUP_KEYS = ("count", "policy", "options", "profile", "hardware", "model_config", "quant", "kv_tokens", "pool")
+POOLS = ("prefill", "decode")
+_TRANSFER_KEYS = ("link", "bandwidth_gbs", "latency_s", "mode", "model_config", "kv_bits")
 
 
 def _checked_group(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -193,6 +195,8 @@ def _checked_group(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
     kv = out["kv_tokens"]
     if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
         bad(f"kv_tokens must be an integer >= 1, got {kv!r}")
+    if out["pool"] is not None and out["pool"] not in POOLS:
+        bad(f"pool must be 'prefill' or 'decode' (leave it out for replicas that do both), got {out['pool']!r}")
     hw, mc = out["hardware"] is not None, out["model_config"] is not None
     if out["cost"] is not None and (prof is not None or hw or mc or q is not None):
         bad("give one cost source: profile, hardware + model_config, or cost")
@@ -225,6 +229,7 @@ class ReplicaGroup:
     quant: int | None = None
     kv_tokens: int | None = None
     cost: Any = None
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -238,7 +243,7 @@ class ReplicaGroup:
             v = getattr(self, key)
             if v is not None:
                 out[key] = str(v) if isinstance(v, (str, Path)) else getattr(v, "name", None) or type(v).__name__
-        for key in ("hardware", "model_config", "quant", "kv_tokens"):
+        for key in ("hardware", "model_config", "quant", "kv_tokens", "pool"):
             v = getattr(self, key)
             if v is not None:
                 out[key] = str(v) if isinstance(v, Path) else v
@@ -282,6 +287,13 @@ def _near(value: Any, base: Path, spec: bool = False) -> Any:
     return f"{base / path}{sep}{cls}"
 
 
+def _near_transfer(t: Any, base: Path) -> Any:
+    """A cluster file's ``transfer`` table with its model_config relative to the file's folder."""
+    if isinstance(t, dict) and "model_config" in t:
+        return {**t, "model_config": _near(t["model_config"], base)}
+    return t
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     """Several replicas behind a router. ``replicas``: how many (each its own copy of the policy,
@@ -312,10 +324,12 @@ class ClusterOptions:
     groups: Any = None
     file: str | None = None
     fail: Any = ()
+    transfer: Any = None
 
     def __post_init__(self) -> None:
         if self.groups is not None:
             self._check_groups()
+        self._check_pools()
         n = self.replicas
         if isinstance(n, bool) or not isinstance(n, int):
             fail(f"{opt('replicas')} must be an integer, got {n!r}", 2)
@@ -357,6 +371,63 @@ class ClusterOptions:
         object.__setattr__(self, "groups", tuple(out))
         object.__setattr__(self, "replicas", total)
 
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode on different replicas (the groups' ``pool``)."""
+        return bool(self.groups) and any(g.pool is not None for g in self.groups)
+
+    def _check_pools(self) -> None:
+        where = f"{self.file}: " if self.file else ""
+        t = self.transfer
+        if not self.disaggregated:
+            if t is not None:
+                fail(f"{where}transfer goes with prefill and decode pools (a group's pool)", 2)
+            return
+        pools = [g.pool for g in self.groups]
+        for k, pool in enumerate(pools, 1):
+            if pool is None:
+                fail(
+                    f"{where}group {k}: no pool: in a cluster of prefill and decode pools every group names its pool", 2
+                )
+        if "prefill" not in pools or "decode" not in pools:
+            missing = "decode" if "decode" not in pools else "prefill"
+            fail(f"{where}no {missing} group: a disaggregated cluster has a prefill pool and a decode pool", 2)
+        if pools != sorted(pools, key=lambda x: x == "decode"):
+            fail(f"{where}the prefill groups come before the decode groups (replicas are numbered pool by pool)", 2)
+        if self.fail:
+            fail(f"{where}failures (fail) are not supported in a disaggregated cluster yet", 2)
+        if t is None:
+            return
+        if not isinstance(t, Mapping):
+            fail(f'{where}transfer must be a table such as {{ link = "nvlink4", mode = "layerwise" }}, got {t!r}', 2)
+        unknown = [k for k in t if k not in _TRANSFER_KEYS]
+        if unknown:
+            fail(f"{where}transfer: unknown key {unknown[0]!r} (keys: {', '.join(_TRANSFER_KEYS)})", 2)
+        from schedlab.sim.transfer import MODES
+
+        if t.get("mode", "layerwise") not in MODES:
+            fail(f"{where}transfer: mode must be one of {', '.join(MODES)}, got {t.get('mode')!r}", 2)
+        if t.get("link") is not None and t.get("bandwidth_gbs") is not None:
+            fail(f"{where}transfer: give either link (a preset) or bandwidth_gbs, not both", 2)
+        for key in ("link", "model_config"):
+            v = t.get(key)
+            if v is not None and not (isinstance(v, str) and v.strip()):
+                fail(f"{where}transfer: {key} must be a non-empty string, got {v!r}", 2)
+        for key, zero in (("bandwidth_gbs", False), ("latency_s", True)):
+            v = t.get(key)
+            if v is not None and (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (v == 0 and not zero)
+            ):
+                fail(f"{where}transfer: {key} must be a finite number {'>= 0' if zero else '> 0'}, got {v!r}", 2)
+        kb = t.get("kv_bits", 16)
+        if isinstance(kb, bool) or not isinstance(kb, int) or kb < 1:
+            fail(f"{where}transfer: kv_bits must be the KV values' bits (16, 8), got {kb!r}", 2)
+        object.__setattr__(self, "transfer", dict(t))
+
     @classmethod
     def from_file(cls, path: str | Path) -> "ClusterOptions":
         """A cluster file (TOML; ``simulate --cluster FILE``): ``router``, ``router_options`` (a
@@ -392,10 +463,13 @@ class ClusterOptions:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             fail(f"{where}: invalid TOML: {exc}", 2)
-        top = ("router", "router_options", "router_delay", "group")
+        top = ("router", "router_options", "router_delay", "transfer", "group")
         unknown = [k for k in data if k not in top]
         if unknown:
-            fail(f"{where}: unknown key {unknown[0]!r} (keys: router, router_options, router_delay, [[group]])", 2)
+            fail(
+                f"{where}: unknown key {unknown[0]!r} (keys: router, router_options, router_delay, [transfer], [[group]])",
+                2,
+            )
         tables = data.get("group")
         if tables is None:
             fail(f"{where}: no [[group]] table: the file has one [[group]] per kind of replica", 2)
@@ -429,6 +503,7 @@ class ClusterOptions:
                 router_delay=delay,
                 groups=tuple(ReplicaGroup(**g) for g in groups),
                 file=where,
+                transfer=_near_transfer(data.get("transfer"), base),
             )
         except SchedlabError as exc:
             msg = str(exc)

@@ -112,7 +112,10 @@ def simulate(
         groups = None
         model, capacity, cost_meta = pick_cost(profile, rep.kv_tokens, hardware, model_config, quant, cost)
     extra: dict[str, Any] = {}
-    if rt is None:
+    if grouped and cu.disaggregated:
+        result = _disaggregated(cu, groups, arrivals, tr.name, rep)
+        extra["cluster"] = {**dict(result.cluster), **groups.meta(cu.file)}
+    elif rt is None:
         result = run_loop(
             arrivals,
             pol,
@@ -171,6 +174,76 @@ def simulate(
             **extra,
         },
     )
+
+
+def _disaggregated(cu: ClusterOptions, groups: "_Groups", arrivals, trace_name: str, rep: ReplicaOptions):
+    """A cluster of a prefill pool and a decode pool (the groups' ``pool``), the KV moved between
+    them as its ``transfer`` table says (``sim.disagg.run_disaggregated``)."""
+    from schedlab.sim.disagg import DisaggError, Pool, run_disaggregated
+
+    where = f"{cu.file}: " if cu.file else ""
+    if rep.prefix_caching:
+        fail(f"{where}a disaggregated cluster has no prefix cache yet: drop prefix caching", 2)
+    n_p = sum(g.count for g in cu.groups if g.pool == "prefill")
+    transfer = _transfer(cu, where)
+
+    def pool(lo: int, hi: int | None) -> Pool:
+        rt = cu.make_router()
+        get = getattr(rt, "options", None)
+        r_opts = get() if callable(get) else dict(cu.router_options or {})
+        return Pool(groups.policies[lo:hi], groups.costs[lo:hi], rt, groups.capacities[lo:hi], r_opts)
+
+    try:
+        return run_disaggregated(
+            arrivals,
+            pool(0, n_p),
+            pool(n_p, None),
+            transfer,
+            trace_name=trace_name,
+            block_size=rep.block_size,
+            router_delay=cu.router_delay,
+        )
+    except DisaggError as exc:
+        fail(f"{where}{exc}", 2)
+
+
+def _transfer(cu: ClusterOptions, where: str):
+    """The ``KVTransfer`` of a disaggregated cluster's ``transfer`` table: its link (a preset, the
+    groups' one hardware preset's own, or a bandwidth and latency) and the KV bytes of its model
+    config (given, or the groups' one model config)."""
+    from schedlab.analysis.analytic import AnalyticError, link_preset, load_model_config, model_spec
+    from schedlab.sim.transfer import KVTransfer, Link, TransferError
+
+    t = dict(cu.transfer or {})
+    link = t.get("link")
+    if link is None and t.get("bandwidth_gbs") is None:
+        hws = {str(g.hardware) for g in cu.groups if g.hardware is not None}
+        if len(hws) != 1:
+            fail(
+                f"{where}transfer: give link (a preset: nvlink4, pcie5-x16, ib-ndr-400, ...) or bandwidth_gbs; "
+                f"the groups name no one hardware preset whose link it would be",
+                2,
+            )
+        link = hws.pop()
+    mc = t.get("model_config")
+    if mc is None:
+        mcs = {str(g.model_config) for g in cu.groups if g.model_config is not None}
+        if len(mcs) != 1:
+            fail(
+                f"{where}transfer: give model_config (the model whose KV moves): the groups name no one model config", 2
+            )
+        mc = mcs.pop()
+    try:
+        lk = (
+            link_preset(link, t.get("latency_s"))
+            if link
+            else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
+        )
+        name, cfg = load_model_config(mc)
+        spec = model_spec(cfg, name)
+        return KVTransfer(spec.kv_bytes_per_token(t.get("kv_bits", 16)), spec.layers, lk, t.get("mode", "layerwise"))
+    except (AnalyticError, TransferError) as exc:
+        fail(f"{where}transfer: {exc}", 2)
 
 
 def _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica) -> None:
