@@ -256,3 +256,28 @@ def test_pool_rules_that_span_groups_are_one_line_errors(tmp_path):
     for proc, message in cases:
         err = proc.stderr.strip()
         assert proc.returncode != 0 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_capacity_searches_disaggregated_cluster_files_beside_co_located_ones(tmp_path):
+    """Equal GPU count (3): one co-located file, one of 1 prefill + 2 decode replicas; both are
+    searched, each row's capacity meets the SLO, and per replica (a GPU each) it is the capacity / 3."""
+    import schedlab
+
+    pd = tmp_path / "pd-1-2.toml"
+    pd.write_text(DISAGG_TOML.format(transfer=""))
+    co = tmp_path / "co-3.toml"
+    co.write_text(
+        'router = "least-requests"\n\n[[group]]\ncount = 3\npolicy = "vllm"\n'
+        'hardware = "h100-sxm"\nmodel_config = "llama-3.1-8b"\n'
+    )
+    table = schedlab.capacity(None, "mixed", slo="ttft_ms=500,tpot_ms=50", clusters=[str(co), str(pd)], workers=1)
+    rows = {r["configuration"]: r for r in table.to_dict("records")}
+    assert set(rows) == {"co-3", "pd-1-2"}
+    for name, r in rows.items():
+        assert r["capacity_rps"] > 0 and r["replicas"] == 3, r
+        assert r["attainment_at_capacity"] >= 0.99
+        assert r["capacity_per_replica_rps"] == pytest.approx(r["capacity_rps"] / 3)
+        points = table.attrs["points"][name]
+        assert any(p["passed"] for p in points) and not any(p["error"] for p in points)
+    # the disaggregated configuration ran whole (its pools run in turn: no early stop)
+    assert not any(p["stopped_early"] for p in table.attrs["points"]["pd-1-2"])

@@ -417,7 +417,7 @@ def _runner(cfg: _Config, block_size: int, prefix_caching: bool):
     from schedlab.sim import run, run_cluster
 
     from .profiles import pick_cost
-    from .simulation import _build_groups
+    from .simulation import _build_groups, _disaggregated
 
     def policy():
         p = cfg.policy
@@ -448,6 +448,9 @@ def _runner(cfg: _Config, block_size: int, prefix_caching: bool):
 
         def run_file(arrivals, name):
             groups = _build_groups(cu)
+            if cu.disaggregated:  # (the pools run in turn: on the whole trace, no early stop)
+                reqs = arrivals.requests if hasattr(arrivals, "process") else arrivals
+                return _disaggregated(cu, groups, reqs, name, block_size, prefix_caching)
             return cluster(arrivals, name, cu, groups.policies, groups.costs, groups.capacities)
 
         return run_file

@@ -113,7 +113,7 @@ def simulate(
         model, capacity, cost_meta = pick_cost(profile, rep.kv_tokens, hardware, model_config, quant, cost)
     extra: dict[str, Any] = {}
     if grouped and cu.disaggregated:
-        result = _disaggregated(cu, groups, arrivals, tr.name, rep)
+        result = _disaggregated(cu, groups, arrivals, tr.name, rep.block_size, rep.prefix_caching)
         extra["cluster"] = {**dict(result.cluster), **groups.meta(cu.file)}
     elif rt is None:
         result = run_loop(
@@ -176,13 +176,15 @@ def simulate(
     )
 
 
-def _disaggregated(cu: ClusterOptions, groups: "_Groups", arrivals, trace_name: str, rep: ReplicaOptions):
+def _disaggregated(
+    cu: ClusterOptions, groups: "_Groups", arrivals, trace_name: str, block_size: int, prefix_caching: bool
+):
     """A cluster of a prefill pool and a decode pool (the groups' ``pool``), the KV moved between
     them as its ``transfer`` table says (``sim.disagg.run_disaggregated``)."""
     from schedlab.sim.disagg import DisaggError, Pool, run_disaggregated
 
     where = f"{cu.file}: " if cu.file else ""
-    if rep.prefix_caching:
+    if prefix_caching:
         fail(f"{where}a disaggregated cluster has no prefix cache yet: drop prefix caching", 2)
     n_p = sum(g.count for g in cu.groups if g.pool == "prefill")
     transfer = _transfer(cu, where)
@@ -200,7 +202,7 @@ def _disaggregated(cu: ClusterOptions, groups: "_Groups", arrivals, trace_name: 
             pool(n_p, None),
             transfer,
             trace_name=trace_name,
-            block_size=rep.block_size,
+            block_size=block_size,
             router_delay=cu.router_delay,
         )
     except DisaggError as exc:
