@@ -148,6 +148,7 @@ def capacity(
     start_rps: float | None = None,
     price_per_hour: float | None = None,
     early_stop: bool = True,
+    pd_splits: bool = False,
     seed: int = 0,
     workers: int | None = None,
     executor: str = "local",
@@ -169,7 +170,9 @@ def capacity(
     ``router_options``: every router's; ``profile`` or ``hardware`` + ``model_config``
     [+ ``quant``] or ``cost`` (a cost model object, as ``simulate`` takes), ``kv_tokens``,
     ``block_size``, ``prefix_caching`` (or ``replica``): the replicas of the policy
-    configurations (a cluster file names its own).
+    configurations (a cluster file names its own). ``pd_splits``: every cluster file of one
+    prefill group and one decode group stands for all of its prefill:decode splits of the same
+    replicas (1:N-1 ... N-1:1; labelled ``STEM P:D``), the disaggregated configurations of N GPUs.
 
     The search (``schedlab.analysis.capacity``): from ``start_rps`` (default: twice the trace's
     mean rate) times the number of replicas, double or halve until one rate passes and one fails,
@@ -286,9 +289,14 @@ def capacity(
                 if rt is not None or n > 1:
                     ClusterOptions(replicas=n, router=rt, router_options=r_opts).make_router()
                 configs.append(_Config(_label(name, rt, n), p, opts, rt, r_opts, n, None, cost_spec, base * n, name))
+    splits = []
     for f in files:
         cu = f if isinstance(f, ClusterOptions) else ClusterOptions.from_file(f)
         stem = Path(cu.file).stem if cu.file else "cluster"
+        splits += [(s, f"{stem} {label}" if label else stem) for s, label in _pd_splits(cu, pd_splits, stem)]
+    if pd_splits and not any(cu.disaggregated for cu, _ in splits):
+        fail(f"{opt('pd_splits')} goes with a {opt('cluster')} file of prefill and decode pools", 2)
+    for cu, stem in splits:
         for rt in rts:
             c = cu if rt is None else dataclasses.replace(cu, router=rt, router_options=r_opts)
             c.make_router()
@@ -409,6 +417,32 @@ def capacity(
 
 
 # ------------------------------------------------------------------------ in a worker
+
+
+def _pd_splits(cu: ClusterOptions, wanted: bool, stem: str) -> list[tuple[ClusterOptions, str]]:
+    """The cluster file as it is (``wanted`` False, or a file without pools), or every
+    prefill:decode split of its replicas: (options, label ``P:D``)."""
+    if not wanted or not cu.disaggregated:
+        return [(cu, "")]
+    if len(cu.groups) != 2:
+        fail(
+            f"{cu.file or stem}: --pd-splits takes a file of one prefill group and one decode group, "
+            f"got {len(cu.groups)} groups",
+            2,
+        )
+    pre, dec = cu.groups
+    n = pre.count + dec.count
+    if n < 2:  # pragma: no cover - a pooled file has a group of each
+        return [(cu, "")]
+    return [
+        (
+            dataclasses.replace(
+                cu, groups=(dataclasses.replace(pre, count=p), dataclasses.replace(dec, count=n - p)), replicas=n
+            ),
+            f"{p}:{n - p}",
+        )
+        for p in range(1, n)
+    ]
 
 
 def _runner(cfg: _Config, block_size: int, prefix_caching: bool):

@@ -65,6 +65,12 @@ def capacity(
         "--cluster",
         help="a cluster file (TOML, see docs/cluster.md; or a bundled one's name), its own configuration (repeatable)",
     ),
+    pd_splits: bool = typer.Option(
+        False,
+        "--pd-splits",
+        help="a --cluster file of one prefill and one decode group stands for every prefill:decode split "
+        "of its replicas (1:N-1 ... N-1:1)",
+    ),
     option: Optional[List[str]] = typer.Option(
         None, "--option", "-o", help="policy option key=value, applied to every policy (repeatable)"
     ),
@@ -149,6 +155,7 @@ def capacity(
             router_options=parse_options(router_option) or None,
             replicas=replicas,
             clusters=cluster or None,
+            pd_splits=pd_splits,
             options=parse_options(option) or None,
             profile=profile,
             hardware=hardware,
