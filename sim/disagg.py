@@ -79,6 +79,17 @@ def _merged(req: Request, index: int, p: RequestState, d: RequestState | None) -
     return r
 
 
+def _partial(req: Request, index: int, p: RequestState) -> RequestState:
+    """A request that did not finish: as its client saw it, its first token at most."""
+    r = RequestState(req, index)
+    if p.first_token_s is not None:
+        r.admitted_s = p.admitted_s
+        r.first_token_s = p.first_token_s
+        r._tt = [p.first_token_s]
+        r._left = req.output_tokens - 1
+    return r
+
+
 def run_disaggregated(
     arrivals: Sequence[Request],
     prefill: Pool,
@@ -145,19 +156,20 @@ def run_disaggregated(
     by_d = {r.id: r for r in second.requests} if second is not None else {}
     d_replica = dict(zip((r.id for r in second.requests), second.replica)) if second is not None else {}
     n_p = len(prefill.policies)
-    requests, replica = [], []
-    rejected = [(by_p[r.id], why) for r, why in first.rejected]
-    refused = {r.id for r, _ in first.rejected}
+    why = {r.id: w for r, w in first.rejected}
     if second is not None:
-        rejected += [(r, why) for r, why in second.rejected]
-        refused |= {r.id for r, _ in second.rejected}
+        why.update({r.id: w for r, w in second.rejected})
+    requests, replica, rejected = [], [], []
     for i, r in enumerate(reqs):
         p, d = by_p[r.id], by_d.get(r.id)
-        if r.id in refused or p.first_token_s is None or (r.output_tokens > 1 and (d is None or d.finish_s is None)):
-            requests.append(d if d is not None and p.first_token_s is not None else p)
-            replica.append(n_p + d_replica[r.id] if d is not None else p_replica[r.id])
-            continue
-        requests.append(_merged(r, i, p, d))
+        done = p.first_token_s is not None and (r.output_tokens <= 1 or (d is not None and d.finish_s is not None))
+        if done and r.id not in why:
+            requests.append(_merged(r, i, p, d))
+        else:  # refused by either pool, or left unfinished by an error: what its client got
+            st = _partial(r, i, p)
+            requests.append(st)
+            if r.id in why:
+                rejected.append((st, why[r.id]))
         replica.append(n_p + d_replica[r.id] if d is not None else p_replica[r.id])
     parts = list(first.replicas or [first]) + (list(second.replicas or [second]) if second is not None else [])
     return RunResult(

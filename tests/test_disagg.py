@@ -341,3 +341,20 @@ def test_capacity_pd_splits_searches_every_split_of_the_files_replicas(tmp_path)
         )
         err = bad.stderr.strip()
         assert bad.returncode != 0 and words in err and len(err.splitlines()) == 1, err
+
+
+def test_a_request_either_pool_refuses_is_rejected_with_its_own_lengths():
+    trace = [Request("small", 0.0, 50, 5), Request("huge", 1.0, 5000, 5), Request("long", 2.0, 900, 400)]
+    p, d = pools("unified")
+    p.kv_capacity = 2000  # the huge prompt does not fit the prefill replica
+    d.kv_capacity = 1000  # the long one's prompt and output do not fit the decode replica
+    res = run_disaggregated(trace, p, d, None)
+    assert res.error is None
+    s = summarize(res)
+    assert s["finished"] == 1 and s["rejected"] == 2
+    by_id = {r.id: r for r in res.requests}
+    assert {r.id for r, _ in res.rejected} == {"huge", "long"}
+    assert by_id["huge"].output_tokens == 5 and by_id["huge"].first_token_s is None
+    # the long one got its first token from the prefill pool before the decode pool refused it
+    assert by_id["long"].output_tokens == 400 and by_id["long"].token_times == [by_id["long"].first_token_s]
+    assert len(by_id["small"].token_times) == 5
