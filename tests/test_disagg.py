@@ -286,6 +286,8 @@ def test_capacity_searches_disaggregated_cluster_files_beside_co_located_ones(tm
 def test_capacity_pd_splits_searches_every_split_of_the_files_replicas(tmp_path):
     import subprocess
 
+    import schedlab
+    from schedlab import SchedlabError
     from simkit import command
 
     pd = tmp_path / "pd.toml"
@@ -293,54 +295,30 @@ def test_capacity_pd_splits_searches_every_split_of_the_files_replicas(tmp_path)
     out = tmp_path / "cap"
     args = ["--cluster", str(pd), "--trace", "mixed", "--slo", "ttft_ms=500,tpot_ms=50", "--workers", "1"]
     proc = subprocess.run(
-        [*command("capacity"), *args, "--pd-splits", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [*command("capacity"), *args, "--pd-splits", "--out", str(out)], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((out / "capacity.json").read_text())["configurations"]
     assert [r["configuration"] for r in rows] == ["pd 1:3", "pd 2:2", "pd 3:1"]
     assert all(r["replicas"] == 4 and r["capacity_rps"] > 0 for r in rows)
     # 1:3 is the file itself: the same capacity as searching the file alone
-    alone = subprocess.run(
-        [*command("capacity"), *args, "--out", str(tmp_path / "alone")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert alone.returncode == 0, alone.stderr
-    (one,) = json.loads((tmp_path / "alone" / "capacity.json").read_text())["configurations"]
-    assert one["configuration"] == "pd" and one["capacity_rps"] == rows[0]["capacity_rps"]
+    alone = schedlab.capacity(None, "mixed", slo="ttft_ms=500,tpot_ms=50", clusters=[str(pd)], workers=1)
+    assert list(alone["configuration"]) == ["pd"] and alone["capacity_rps"][0] == rows[0]["capacity_rps"]
     # without a pooled file, or with more than one group per pool: one line
     co = tmp_path / "co.toml"
     co.write_text('[[group]]\ncount = 2\npolicy = "vllm"\nhardware = "h100-sxm"\nmodel_config = "llama-3.1-8b"\n')
     three = tmp_path / "three.toml"
     three.write_text(
-        DISAGG_TOML.format(transfer="") + '\n[[group]]\npool = "decode"\npolicy = "unified"\n'
-        'hardware = "h100-sxm"\nmodel_config = "llama-3.1-8b"\n'
+        DISAGG_TOML.format(transfer="")
+        + '\n[[group]]\npool = "decode"\npolicy = "unified"\nhardware = "h100-sxm"\nmodel_config = "llama-3.1-8b"\n'
     )
     for f, words in (
-        (co, "--pd-splits goes with a --cluster file of prefill and decode pools"),
-        (three, "--pd-splits takes a file of one prefill group and one decode group, got 3 groups"),
+        (co, "pd_splits goes with a cluster file of prefill and decode pools"),
+        (three, "takes a file of one prefill group and one decode group, got 3 groups"),
     ):
-        bad = subprocess.run(
-            [
-                *command("capacity"),
-                "--cluster",
-                str(f),
-                "--trace",
-                "mixed",
-                "--slo",
-                "ttft_ms=500",
-                "--pd-splits",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        err = bad.stderr.strip()
-        assert bad.returncode != 0 and words in err and len(err.splitlines()) == 1, err
+        with pytest.raises(SchedlabError) as exc:
+            schedlab.capacity(None, "mixed", slo="ttft_ms=500", clusters=[str(f)], pd_splits=True)
+        assert words in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
 
 
 def test_a_request_either_pool_refuses_is_rejected_with_its_own_lengths():

@@ -426,7 +426,7 @@ def _pd_splits(cu: ClusterOptions, wanted: bool, stem: str) -> list[tuple[Cluste
         return [(cu, "")]
     if len(cu.groups) != 2:
         fail(
-            f"{cu.file or stem}: --pd-splits takes a file of one prefill group and one decode group, "
+            f"{cu.file or stem}: {opt('pd_splits')} takes a file of one prefill group and one decode group, "
             f"got {len(cu.groups)} groups",
             2,
         )
