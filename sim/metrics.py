@@ -359,10 +359,17 @@ def format_summary(s: Mapping[str, Any]) -> str:
         groups = len({part.get("group") for part in s["replicas"]}) > 1  # a heterogeneous cluster's
         for part in s["replicas"]:
             i = part["replica"]
+            pool = part.get("pool")
             if groups:
-                kv(f"Replica {i} group:", f"{part['group']}: {part['policy']}, {part['cost']}")
+                kv(
+                    f"Replica {i} group:",
+                    f"{part['group']}: {pool + ', ' if pool else ''}{part['policy']}, {part['cost']}",
+                )
             kv(f"Replica {i} successful requests:", part["finished"])
-            kv(f"Replica {i} median TTFT (ms):", part["ttft_ms"]["p50"])
+            if pool == "decode":  # its requests arrive with their KV: their first token here is the second
+                kv(f"Replica {i} median KV to token (ms):", part["ttft_ms"]["p50"])
+            else:
+                kv(f"Replica {i} median TTFT (ms):", part["ttft_ms"]["p50"])
             kv(f"Replica {i} output throughput (tok/s):", part["output_throughput_tok_s"])
         for f in (s.get("cluster") or {}).get("failures") or ():
             kv(f"Replica {f['replica']} failed at (s):", f["at_s"])

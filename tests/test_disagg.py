@@ -168,6 +168,9 @@ def test_a_cluster_file_with_pools_is_the_python_run(tmp_path):
     assert "Replicas (prefill + decode):             1 + 2" in proc.stdout
     assert "KV transfer:                             layerwise over nvlink4 (450 GB/s)" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
+    assert [p["pool"] for p in summary["replicas"]] == ["prefill", "decode", "decode"]
+    assert "Replica 0 group:                         1: prefill, vllm" in proc.stdout
+    assert "Replica 1 median KV to token (ms):" in proc.stdout  # (its requests' first token here is their second)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["cluster"]["disaggregated"] and [g["replicas"] for g in meta["cluster"]["groups"]] == [[0, 0], [1, 2]]
     # the same run from Python, by hand: the file's pools, link and model

@@ -159,7 +159,11 @@ def simulate(
     @gc_paused()
     def summary():  # when first needed (saving writes the large tables meanwhile)
         s = summarize(result, slo=slos or None)
-        return groups.label(s, result) if groups is not None else s
+        s = groups.label(s, result) if groups is not None else s
+        pools = (result.cluster or {}).get("prefill") if (result.cluster or {}).get("disaggregated") else None
+        for part in s.get("replicas") or () if pools else ():
+            part["pool"] = "prefill" if part["replica"] < pools["replicas"] else "decode"
+        return s
 
     return Run(
         result,
