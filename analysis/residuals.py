@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from schedlab.analysis.runfit import step_predictions
+from schedlab.analysis.runfit import predict, step_predictions
 from schedlab.sim.cost import IDLE_STEP_FEATURES, PASS_FEATURES, STEP_FEATURES
 
 # (name, column, bins as (label, lo, hi) with lo <= x < hi); None column: computed below
@@ -137,17 +137,9 @@ def step_split(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None 
     loop = np.asarray(cols["overhead_s"], dtype=float)
     pred = step_predictions(cols, None)
     p_pass = p_loop = None
-    if coef is not None:
-
-        def terms(names):
-            out = np.zeros(len(meas))
-            for k in names:
-                if coef.get(k) and k in cols:
-                    out += coef[k] * np.asarray(cols[k], dtype=float)
-            return out
-
-        p_pass = terms(PASS_FEATURES + IDLE_STEP_FEATURES + ("i_after",))
-        p_loop = terms(STEP_FEATURES)
+    if coef is not None:  # (the loop's own prediction, term group by term group)
+        p_pass = predict({k: coef[k] for k in PASS_FEATURES + IDLE_STEP_FEATURES + ("i_after",) if k in coef}, cols)
+        p_loop = predict({k: coef[k] for k in STEP_FEATURES if k in coef}, cols)
     kinds = step_kinds(cols)
     order = [k for base in STEP_KINDS for k in (base, f"batch change, {base}", f"after idle, {base}")]
     rows = []

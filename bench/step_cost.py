@@ -43,6 +43,7 @@ from pathlib import Path
 import common
 from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
 from schedlab import traces
+from schedlab.analysis.residuals import step_kinds
 from schedlab.engine import backend as backend_mod
 from schedlab.engine.backend import MLXBackend
 from schedlab.engine.calibrate import Rig, calibrate_default, write_profile
@@ -158,18 +159,6 @@ def isolated(rig: Rig, reqs, res) -> list[float]:
     return out
 
 
-def kind_of(row: dict) -> str:
-    if row["prefill_chunks"]:
-        k = "mixed" if row["decode_rows"] else "prefill"
-    else:
-        k = "decode 1" if row["decode_rows"] == 1 else "decode n"
-    if row["after_idle"]:
-        return "after idle, " + k
-    if row["batch_changed"]:
-        return "batch change, " + k
-    return k
-
-
 def _med(xs):
     return round(statistics.median(xs), 4) if xs else None
 
@@ -202,20 +191,10 @@ def run_model(model: str, policies: list[str], rounds: int, profile: str | None,
                 loop_pass[st].append(b - a)
                 iso_pass[st].append(iso[j])
                 pred_pass[st].append(cost.pass_seconds(res.shapes[j]))
+            kinds = step_kinds(cols)  # (validate --residuals' kinds)
             for i in range(len(cols["step"])):
                 st = int(cols["step"][i])
-                row = {
-                    k: float(cols[k][i])
-                    for k in (
-                        "measured_s",
-                        "predicted_s",
-                        "passes_s",
-                        "prefill_chunks",
-                        "decode_rows",
-                        "after_idle",
-                        "batch_changed",
-                    )
-                }
+                row = {k: float(cols[k][i]) for k in ("measured_s", "predicted_s", "passes_s")}
                 part = parts.by_step[st]
                 named = sum(part[k] for k in PARTS if k != "rest")
                 part["rest"] = row["measured_s"] - named
@@ -224,7 +203,7 @@ def run_model(model: str, policies: list[str], rounds: int, profile: str | None,
                 row["iso_pass_s"] = sum(iso_pass[st])
                 row["pred_pass_s"] = sum(pred_pass[st])
                 row["round"] = rnd
-                rows[f"{name}|{kind_of(row)}"].append(row)
+                rows[f"{name}|{kinds[i]}"].append(row)
     out: dict = {"trace": f"{spec}@{seed}", "profile": profile, "policies": {}}
     for key in sorted(rows):
         name, kind = key.split("|")

@@ -63,22 +63,6 @@ class Pool:
             raise DisaggError(f"the {what} pool has no replica")
 
 
-def _merged(req: Request, index: int, p: RequestState, d: RequestState | None) -> RequestState:
-    """One request as its client saw it: admitted and first token from the prefill pool, every
-    later token from the decode pool."""
-    r = RequestState(req, index)
-    r._phase = FINISHED
-    r._prefilled = req.prompt_tokens
-    r._left = 0
-    r.admitted_s = p.admitted_s
-    r.first_token_s = p.first_token_s
-    r._tt = [p.first_token_s] + (list(d.token_times) if d is not None else [])
-    r.finish_s = d.finish_s if d is not None else p.finish_s
-    r.preemptions = p.preemptions + (d.preemptions if d is not None else 0)
-    r.recomputed_tokens = p.recomputed_tokens + (d.recomputed_tokens if d is not None else 0)
-    return r
-
-
 def _partial(req: Request, index: int, p: RequestState) -> RequestState:
     """A request that did not finish: as its client saw it, its first token at most."""
     r = RequestState(req, index)
@@ -87,6 +71,21 @@ def _partial(req: Request, index: int, p: RequestState) -> RequestState:
         r.first_token_s = p.first_token_s
         r._tt = [p.first_token_s]
         r._left = req.output_tokens - 1
+    return r
+
+
+def _merged(req: Request, index: int, p: RequestState, d: RequestState | None) -> RequestState:
+    """One request as its client saw it: admitted and first token from the prefill pool, every
+    later token from the decode pool."""
+    r = _partial(req, index, p)
+    r._phase = FINISHED
+    r._prefilled = req.prompt_tokens
+    r._left = 0
+    if d is not None:
+        r._tt += d.token_times
+    r.finish_s = d.finish_s if d is not None else p.finish_s
+    r.preemptions = p.preemptions + (d.preemptions if d is not None else 0)
+    r.recomputed_tokens = p.recomputed_tokens + (d.recomputed_tokens if d is not None else 0)
     return r
 
 

@@ -173,16 +173,18 @@ def predict_pass(
 
 
 def kv_transfer(
-    model: str | Path, link: str, mode: str = "layerwise", *, kv_bits: int = 16, latency_s: float | None = None
+    model: str | Path, link: Any, mode: str = "layerwise", *, kv_bits: int = 16, latency_s: float | None = None
 ):
     """What moving a request's KV between two replicas costs (``sim.transfer.KVTransfer``): the
     model's KV bytes per token (a bundled config name or a config.json path; ``kv_bits`` per
-    value) over a link preset or a hardware preset's own link (``link_preset``)."""
-    from schedlab.sim.transfer import KVTransfer, TransferError
+    value) over ``link``: a link preset or a hardware preset's own link (``link_preset``;
+    ``latency_s`` overrides the preset's), or a ``sim.transfer.Link``."""
+    from schedlab.sim.transfer import KVTransfer, Link, TransferError
 
     name, cfg = load_model_config(model)
     spec = model_spec(cfg, name)
     try:
-        return KVTransfer(spec.kv_bytes_per_token(kv_bits), spec.layers, link_preset(link, latency_s), mode)
+        lk = link if isinstance(link, Link) else link_preset(link, latency_s)
+        return KVTransfer(spec.kv_bytes_per_token(kv_bits), spec.layers, lk, mode)
     except TransferError as exc:
         raise AnalyticError(str(exc)) from None

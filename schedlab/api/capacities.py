@@ -431,9 +431,7 @@ def _pd_splits(cu: ClusterOptions, wanted: bool, stem: str) -> list[tuple[Cluste
             2,
         )
     pre, dec = cu.groups
-    n = pre.count + dec.count
-    if n < 2:  # pragma: no cover - a pooled file has a group of each
-        return [(cu, "")]
+    n = pre.count + dec.count  # (>= 2: a pooled file has a group of each)
     return [
         (
             dataclasses.replace(

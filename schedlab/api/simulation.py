@@ -217,8 +217,8 @@ def _transfer(cu: ClusterOptions, where: str):
     """The ``KVTransfer`` of a disaggregated cluster's ``transfer`` table: its link (a preset, the
     groups' one hardware preset's own, or a bandwidth and latency) and the KV bytes of its model
     config (given, or the groups' one model config)."""
-    from schedlab.analysis.analytic import AnalyticError, link_preset, load_model_config, model_spec
-    from schedlab.sim.transfer import KVTransfer, Link, TransferError
+    from schedlab.analysis.analytic import AnalyticError, kv_transfer
+    from schedlab.sim.transfer import Link, TransferError
 
     t = dict(cu.transfer or {})
     link = t.get("link")
@@ -240,14 +240,10 @@ def _transfer(cu: ClusterOptions, where: str):
             )
         mc = mcs.pop()
     try:
-        lk = (
-            link_preset(link, t.get("latency_s"))
-            if link
-            else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
+        lk = link if link else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
+        return kv_transfer(
+            mc, lk, t.get("mode", "layerwise"), kv_bits=t.get("kv_bits", 16), latency_s=t.get("latency_s")
         )
-        name, cfg = load_model_config(mc)
-        spec = model_spec(cfg, name)
-        return KVTransfer(spec.kv_bytes_per_token(t.get("kv_bits", 16)), spec.layers, lk, t.get("mode", "layerwise"))
     except (AnalyticError, TransferError) as exc:
         fail(f"{where}transfer: {exc}", 2)
 
