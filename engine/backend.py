@@ -233,6 +233,14 @@ class MLXBackend:
         # KV left by finished or preempted requests that still own cached blocks:
         # rid -> (per layer (keys, values) of its first n tokens, n, their token ids)
         self._retained: dict[str, tuple[list[tuple[Any, Any]], int, list[int]]] = {}
+        # prefill and decode apart (``serve --prefill P --decode D``): a request named in
+        # ``export_kv`` writes its prompt's KV to the file named there when it finishes (a prefill
+        # replica's request: one token), ``exported`` says what was written; a request given to
+        # ``expect_kv`` starts from the KV of such a file (it arrives with that KV: its state's
+        # ``kv_transferred``), copied into its own cache at its first pass
+        self.export_kv: dict[str, str] = {}
+        self.exported: dict[str, dict[str, Any]] = {}
+        self._imports: dict[str, np.ndarray] = {}
         self.stats = {
             "passes": 0,
             "forwards": 0,
@@ -247,6 +255,10 @@ class MLXBackend:
             "warmup_s": 0.0,
             "preemptions": 0,
             "cached_tokens_loaded": 0,
+            "kv_exported_tokens": 0,
+            "kv_export_s": 0.0,
+            "kv_imported_tokens": 0,
+            "kv_import_s": 0.0,
         }
 
     # ------------------------------------------------------------------ protocol
@@ -274,7 +286,7 @@ class MLXBackend:
     def execute(self, p: Pass, shape: PassShape, state) -> float:
         t0 = time.perf_counter()
         by_id = state.by_id
-        if self._prefix is not None:
+        if self._prefix is not None or self._imports:
             self._load_cached(p, state)
         if self.check and (p.prefill or shape.joins or shape.leaves or len(p.decode) != len(self._rows)):
             # (a steady decode pass, the last pass's rows each one token further, cannot change
@@ -320,8 +332,13 @@ class MLXBackend:
         self.stats["prefill_tokens"] += shape.prefill_tokens
         self.stats["padded_prefill_tokens"] += shape.padded_prefill_tokens
         if finishing:
-            # with a prefix cache their KV may be copied later: keep it (release decides)
-            self._leave(finishing, park=self._prefix is not None)
+            # with a prefix cache their KV may be copied later, and one to export is written at
+            # release: keep it (release decides)
+            kept = [rid for rid in finishing if self._prefix is not None or rid in self.export_kv]
+            if kept:
+                self._leave(kept, park=True)
+            if len(kept) < len(finishing):
+                self._leave([rid for rid in finishing if rid not in kept])
         # own caches of requests finishing in a prefill chunk (output_tokens == 1) go in release
         self.stats["passes"] += 1
         dt = time.perf_counter() - t0
@@ -333,6 +350,10 @@ class MLXBackend:
         rid = r.id
         if self._prefix is not None:
             self._retain(rid)
+        path = self.export_kv.pop(rid, None)
+        if path is not None and r.phase is Phase.FINISHED:
+            self._export(r, path)
+        self._imports.pop(rid, None)
         self._cache.pop(rid, None)
         if rid in self._rows:
             self._leave([rid])
@@ -347,6 +368,10 @@ class MLXBackend:
             self.noise.leave(self._noise_saved)
             self._noise_saved = None
         meta = self.info.metadata()
+        layers, kv_heads, head_dim, dtype = self.kv_layout()
+        meta["kv_bytes_per_token"] = (
+            layers * 2 * kv_heads * head_dim * np.dtype(dtype.replace("bfloat16", "float16")).itemsize
+        )
         meta["noise"] = self.noise.describe()
         meta["engine"] = {
             "sampling": self.sampling.describe(),
@@ -374,11 +399,8 @@ class MLXBackend:
         caches = self._own_cache(r.id)
         if self._kv[r.id]:
             raise ValueError(f"request {r.id} already holds KV")
-        cfg = self.info.config
-        heads = cfg.get("num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        dtype = getattr(mx, self.info.activation_dtype)
+        _, kv_heads, head_dim, dtype = self.kv_layout()
+        dtype = getattr(mx, dtype)
         slots = -(-n // KVCache.step) * KVCache.step
         shape = (1, kv_heads, slots, head_dim)
         arrays = []
@@ -450,7 +472,10 @@ class MLXBackend:
             r = by_id[rid]
             if r.phase is not Phase.PREFILLING or not r.prefilled or self._kv.get(rid, 0) or rid in self._cache:
                 continue
-            self._load(r, state)
+            if rid in self._imports:
+                self._import(r, state)
+            else:
+                self._load(r, state)
 
     def _load(self, r, state) -> None:
         bs = self._bs
@@ -489,6 +514,71 @@ class MLXBackend:
         self._cache[r.id] = caches
         self._kv[r.id] = n
         self.stats["cached_tokens_loaded"] += n
+
+    # ------------------------------------------------------------------ KV hand-off
+    def kv_layout(self) -> tuple[int, int, int, str]:
+        """(layers, KV heads, head dim, dtype) of this model's KV: what a KV file must match."""
+        cfg = self.info.config
+        heads = cfg.get("num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return self.n_layers, int(kv_heads), int(head_dim), self.info.activation_dtype
+
+    def expect_kv(self, rid: str, head: dict[str, Any], kv: np.ndarray) -> None:
+        """Request ``rid`` will arrive with the KV of a file (``engine.kvfile.read``): its token ids
+        are the header's (the prompt's and its first token), its prompt's KV these arrays. An
+        ``EngineError`` if they do not fit this model (checked before it is submitted)."""
+        layers, kv_heads, head_dim, dtype = self.kv_layout()
+        want = (layers, 2, kv_heads, kv.shape[3], head_dim)
+        if tuple(kv.shape) != want or head["dtype"] != dtype:
+            raise EngineError(
+                f"the KV given is {head['dtype']} of shape {tuple(kv.shape)}, but this model's is {dtype} of "
+                f"shape {want} (prefill and decode replicas must run the same model and dtype)"
+            )
+        self._seq[rid] = [int(i) for i in head["ids"]]
+        self.tokens[rid] = []
+        self._imports[rid] = kv
+
+    def _export(self, r, path: str) -> None:
+        """Write finished request ``r``'s prompt KV and its ids to ``path`` (``engine.kvfile``)."""
+        from . import kvfile
+
+        t0 = time.perf_counter()
+        n = self._kv.get(r.id, 0)
+        if n != r.prompt_tokens:
+            raise EngineStateError(f"request {r.id} holds {n} KV tokens at its end, its prompt is {r.prompt_tokens}")
+        _, _, _, dtype = self.kv_layout()
+        kv = mx.stack([mx.stack([k[0], v[0]]) for k, v in self.kv_arrays(r.id)])
+        if dtype in kvfile.SIXTEEN_BIT:
+            kv = kv.view(mx.uint16)
+        size = kvfile.write(path, self._seq[r.id][: n + 1], np.asarray(kv), dtype)
+        dt = time.perf_counter() - t0
+        self.exported[r.id] = {"path": path, "tokens": n, "bytes": size, "export_s": round(dt, 6)}
+        self.stats["kv_exported_tokens"] += n
+        self.stats["kv_export_s"] += dt
+
+    def _import(self, r, state) -> None:
+        """Copy the KV ``expect_kv`` was given into ``r``'s own cache (before its first pass)."""
+        t0 = time.perf_counter()
+        kv = self._imports.pop(r.id)
+        n = kv.shape[3]
+        if n != r.prefilled:
+            raise EngineStateError(
+                f"step {state.step_index}: request {r.id} arrived with {r.prefilled} KV tokens in the state, "
+                f"{n} in its file"
+            )
+        _, _, _, dtype = self.kv_layout()
+        a = mx.array(kv)
+        if a.dtype == mx.uint16:
+            a = a.view(getattr(mx, dtype))
+        caches = [KVCache() for _ in range(self.n_layers)]
+        for layer, c in enumerate(caches):
+            c.update_and_fetch(a[layer, 0][None], a[layer, 1][None])
+        self._timed_copy(_cache_arrays(caches))
+        self._cache[r.id] = caches
+        self._kv[r.id] = n
+        self.stats["kv_imported_tokens"] += n
+        self.stats["kv_import_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, rid: str, token: int, state=None) -> None:

@@ -36,6 +36,7 @@ ENGINE_FILES = {
     "test_notebooks",
     "test_policies",
     "test_serve_cluster",
+    "test_serve_disagg",
     "test_server",
     "test_server_cancel",
     "test_server_metrics",

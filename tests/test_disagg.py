@@ -199,6 +199,13 @@ BAD_POOLS = [
     ('mode = "layerwise"', 'link = "nvlink4"\nbandwidth_gbs = 10', "give either link (a preset) or bandwidth_gbs"),
     ('mode = "layerwise"', 'link = "warp"', "transfer: unknown link 'warp'"),
     ('mode = "layerwise"', "latency_s = -1", "transfer: latency_s must be a finite number >= 0"),
+    ('mode = "layerwise"', 'mode = "layerwise"\nkv_bytes_per_token = 4096', "needs the model's layers"),
+    ('mode = "layerwise"', "kv_bytes_per_token = 0", "transfer: kv_bytes_per_token must be an integer >= 1"),
+    (
+        'mode = "layerwise"',
+        'model_config = "llama-3.1-8b"\nkv_bytes_per_token = 4096\nlayers = 2',
+        "give either model_config or kv_bytes_per_token",
+    ),
 ]
 
 
@@ -339,3 +346,22 @@ def test_a_request_either_pool_refuses_is_rejected_with_its_own_lengths():
     # the long one got its first token from the prefill pool before the decode pool refused it
     assert by_id["long"].output_tokens == 400 and by_id["long"].token_times == [by_id["long"].first_token_s]
     assert len(by_id["small"].token_times) == 5
+
+
+def test_a_models_kv_size_given_instead_of_its_config_is_the_python_run():
+    """A measured profile's model has no bundled config: the transfer table gives its KV bytes per
+    token (validate --served of a real disaggregated run does so with the engine's)."""
+    import schedlab
+    from schedlab import ClusterOptions
+
+    group = {"policy": "unified", "profile": "tiny-cpu"}
+    cu = ClusterOptions(
+        groups=[{**group, "pool": "prefill"}, {**group, "pool": "decode", "count": 2}],
+        transfer={"mode": "whole", "bandwidth_gbs": 0.5, "latency_s": 0.002, "kv_bytes_per_token": 50_000},
+    )
+    run = schedlab.simulate(None, "mixed", cluster=cu)
+    moved = run.meta["cluster"]["transfer_s"]
+    trace = {r.id: r for r in schedlab.load_trace("mixed").requests}
+    assert moved and all(
+        t == pytest.approx(0.002 + 50_000 * trace[rid].prompt_tokens / 0.5e9) for rid, t in moved.items()
+    )

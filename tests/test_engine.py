@@ -356,3 +356,48 @@ def test_a_steady_step_hands_simpy_nothing_and_checks_nothing(micro):
     assert len(scheduled) <= 4 * len(reqs) + 2 * len(res.wakes) + 6, (steps, scheduled)
     changing = [s for s in res.shapes if s.prefill or s.joins or s.leaves]
     assert len(checks) == len(changing) and len(changing) < steps // 4
+
+
+@pytest.mark.parametrize("name,options", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_kv_handed_from_a_prefill_engine_to_a_decode_engine_gives_the_reference_tokens(
+    micro, references, name, options, tmp_path
+):
+    """Prefill and decode apart: one engine makes each request's first token and writes its
+    prompt's KV to a file; a second engine reads it and makes the rest without computing any
+    prompt token again (a one-token chunk or mlx-lm's hand-off: only the first token's KV)."""
+    from schedlab.engine import kvfile
+    from schedlab.sim.disagg import TransferredRequest
+
+    requests = trace()
+    pre = [dataclasses.replace(r, output_tokens=1) for r in requests]
+    prefill = MLXBackend(micro)
+    prefill.export_kv = {r.id: str(tmp_path / f"{r.id}.kv") for r in requests}
+    first = run(pre, make_policy(name, options), NO_COST, kv_capacity=100_000, backend=prefill)
+    assert first.error is None, first.error
+    for r in pre:
+        assert prefill.tokens[r.id] == references[r.id][:1]
+    onward = [r for r in requests if r.output_tokens > 1]
+    decode = MLXBackend(micro)
+    moved = []
+    for r in onward:
+        assert r.id in prefill.exported and prefill.exported[r.id]["tokens"] == r.prompt_tokens
+        head, kv = kvfile.read(prefill.exported[r.id]["path"])
+        assert head["ids"][-1] == references[r.id][0]
+        decode.expect_kv(r.id, head, kv)
+        moved.append(
+            TransferredRequest(
+                r.id, r.arrival_s, r.prompt_tokens + 1, r.output_tokens - 1, kv_transferred=r.prompt_tokens
+            )
+        )
+    # (exports were asked for every request: the one-token request too)
+    assert set(prefill.exported) == {r.id for r in requests}
+    result = run(moved, make_policy(name, options), NO_COST, kv_capacity=100_000, backend=decode)
+    assert result.error is None, result.error
+    for r in onward:
+        assert prefill.tokens[r.id] + decode.tokens[r.id] == references[r.id], r.id
+    s = decode.stats
+    assert s["kv_imported_tokens"] == sum(r.prompt_tokens for r in onward)
+    assert s["prefill_tokens"] <= len(onward)  # at most each request's first token, never its prompt
+    if name == "mlx-default":
+        assert s["prefill_tokens"] == 0  # mlx-lm's hand-off: the first token is a decode row's input
+    assert decode.batch_rows == [] and not any(decode.holds(r.id) for r in moved)

@@ -77,6 +77,8 @@ class _Served:
             toks.append(t)
         self.requests = pd.concat(reqs, ignore_index=True)
         self.tokens = pd.concat(toks, ignore_index=True)
+        # prefill and decode apart (serve --prefill P --decode D): each replica's pool
+        self.pools = [r.get("pool") for r in self.cluster.get("per_replica", [])] if "link" in self.cluster else []
         front = {row["id"]: float(row["arrival_s"]) for row in self.trace["requests"]}
         self.front_replica = {row["id"]: row.get("replica") for row in self.trace["requests"]}
         self.shifts = {}
@@ -142,6 +144,8 @@ def validate_served(
     policy = first.summaries[0]["policy"]
     prof = profile if profile is not None else meta0.get("profile")
     tr = trace if trace is not None else str(first.path / "trace.json")
+    if first.pools:
+        return _validate_pools(runs, tr, prof, out)
     sim = simulate(
         policy,
         tr,
@@ -201,6 +205,11 @@ def validate_served(
             "runs": routing,
         },
     }
+    return _written(result, sim, out)
+
+
+def _written(result: dict[str, Any], sim, out) -> dict[str, Any]:
+    """``result``, written with the simulated run to ``out`` (validation.json, sim/) when given."""
     if out is not None:
         o = Path(out)
         o.mkdir(parents=True, exist_ok=True)
@@ -209,13 +218,96 @@ def validate_served(
     return result
 
 
+def _validate_pools(runs: list[_Served], tr, prof, out) -> dict[str, Any]:
+    """``validate_served`` of prefill and decode apart: the simulation of the same pools
+    (``sim.disagg``), the KV moved over the link the front measured before serving (``cluster.json``'s
+    ``link``: bandwidth of the shared-memory file, latency of the HTTP hand-off), whole, its bytes
+    per token the model's (``meta.json``). Compared: the cluster as its clients saw it (the front's
+    summary), each replica (its own summary.json), and each request's exposed transfer."""
+    from schedlab.analysis.validation import compare
+
+    from .options import ClusterOptions
+    from .simulation import simulate
+
+    first = runs[0]
+    meta0 = first.metas[0]
+    policy = first.summaries[0]["policy"]
+    group = {
+        "policy": policy,
+        "options": meta0.get("policy_options") or {},
+        "profile": str(prof),
+        **({"kv_tokens": meta0["kv_tokens"]} if meta0.get("kv_tokens") else {}),
+    }
+    link = first.cluster["link"]
+    cu = ClusterOptions(
+        router=first.cluster["router"],
+        router_options=first.cluster.get("router_options") or {},
+        groups=[
+            {**group, "pool": "prefill", "count": first.pools.count("prefill")},
+            {**group, "pool": "decode", "count": first.pools.count("decode")},
+        ],
+        transfer={
+            "mode": "whole",  # (the prefill replica writes the file once its request has ended)
+            "bandwidth_gbs": link["bandwidth_gbs"],
+            "latency_s": link["latency_s"],
+            "kv_bytes_per_token": int(meta0["kv_bytes_per_token"]),
+        },
+    )
+    sim = simulate(None, tr, cluster=cu, block_size=meta0.get("block_size", 16))
+    s = sim.summary
+    name = f"{policy} {first.pools.count('prefill')} prefill + {first.pools.count('decode')} decode"
+    total = compare(s, [r.cluster["summary"] for r in runs], policy=name, trace=str(tr))
+    per = []
+    for i in range(first.n):
+        mine = [r.summaries[i] for r in runs if r.summaries[i] is not None]
+        label = f"{policy} replica {i} ({first.pools[i]})"
+        per.append(compare(s["replicas"][i], mine, policy=label, trace=str(tr)) if mine else None)
+    predicted = sim.meta["cluster"]["transfer_s"]
+    pairs = [
+        (float(row["kv"]["exposed_s"]), float(predicted[row["id"]]))
+        for r in runs
+        for row in r.trace["requests"]
+        if "exposed_s" in (row.get("kv") or {}) and row["id"] in predicted
+    ]
+    transfer = {
+        "link": link,
+        "requests": len(pairs),
+        "measured_median_s": statistics.median([m for m, _ in pairs]) if pairs else None,
+        "predicted_median_s": statistics.median([p for _, p in pairs]) if pairs else None,
+        "ratio_median": statistics.median([m / p for m, p in pairs]) if pairs else None,
+    }
+    result = {
+        "served": [str(r.path) for r in runs],
+        "trace": str(tr),
+        "replicas": first.n,
+        "pools": first.pools,
+        "router": first.cluster["router"],
+        "policy": policy,
+        "profile": str(prof),
+        "total": total,
+        "per_replica": per,
+        "transfer": transfer,
+    }
+    return _written(result, sim, out)
+
+
 def format_served(v: dict[str, Any]) -> str:
-    """What ``validate --served`` prints: the cluster's table, each replica's, the routing."""
+    """What ``validate --served`` prints: the cluster's table, each replica's, the routing (or,
+    for prefill and decode apart, the KV transfer)."""
     from schedlab.analysis.validation import format_table
 
     parts = [format_table(v["total"])]
     for i, p in enumerate(v["per_replica"]):
         parts.append(format_table(p) if p is not None else f"replica {i}: no run directory in any run (killed?)")
+    t = v.get("transfer")
+    if t is not None:
+        if t["requests"]:
+            parts.append(
+                f"KV transfer ({t['requests']} requests, link measured at {t['link']['bandwidth_gbs']:.2f} GB/s + "
+                f"{1e3 * t['link']['latency_s']:.1f} ms): measured median {1e3 * t['measured_median_s']:.1f} ms, "
+                f"predicted {1e3 * t['predicted_median_s']:.1f} ms, measured / predicted x{t['ratio_median']:.2f}"
+            )
+        return "\n\n".join(parts)
     share = " / ".join(f"{x:.2f}" for x in v["routing"]["sim_share"])
     lines = [f"routing: simulated share per replica {share}"]
     for r in v["routing"]["runs"]:

@@ -147,7 +147,16 @@ class ClientOptions:
 
 _GROUP_KEYS = ("count", "policy", "options", "profile", "hardware", "model_config", "quant", "kv_tokens", "pool")
 POOLS = ("prefill", "decode")
-_TRANSFER_KEYS = ("link", "bandwidth_gbs", "latency_s", "mode", "model_config", "kv_bits")
+_TRANSFER_KEYS = (
+    "link",
+    "bandwidth_gbs",
+    "latency_s",
+    "mode",
+    "model_config",
+    "kv_bits",
+    "kv_bytes_per_token",
+    "layers",
+)
 
 
 def _checked_group(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -426,6 +435,15 @@ class ClusterOptions:
         kb = t.get("kv_bits", 16)
         if isinstance(kb, bool) or not isinstance(kb, int) or kb < 1:
             fail(f"{where}transfer: kv_bits must be the KV values' bits (16, 8), got {kb!r}", 2)
+        for key in ("kv_bytes_per_token", "layers"):
+            v = t.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                fail(f"{where}transfer: {key} must be an integer >= 1, got {v!r}", 2)
+        if t.get("kv_bytes_per_token") is not None:
+            if t.get("model_config") is not None:
+                fail(f"{where}transfer: give either model_config or kv_bytes_per_token, not both", 2)
+            if t.get("mode", "layerwise") == "layerwise" and t.get("layers") is None:
+                fail(f"{where}transfer: a layerwise transfer of kv_bytes_per_token needs the model's layers", 2)
         object.__setattr__(self, "transfer", dict(t))
 
     @classmethod

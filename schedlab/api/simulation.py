@@ -217,8 +217,8 @@ def _transfer(cu: ClusterOptions, where: str):
     """The ``KVTransfer`` of a disaggregated cluster's ``transfer`` table: its link (a preset, the
     groups' one hardware preset's own, or a bandwidth and latency) and the KV bytes of its model
     config (given, or the groups' one model config)."""
-    from schedlab.analysis.analytic import AnalyticError, kv_transfer
-    from schedlab.sim.transfer import Link, TransferError
+    from schedlab.analysis.analytic import AnalyticError, kv_transfer, link_preset
+    from schedlab.sim.transfer import KVTransfer, Link, TransferError
 
     t = dict(cu.transfer or {})
     link = t.get("link")
@@ -231,19 +231,27 @@ def _transfer(cu: ClusterOptions, where: str):
                 2,
             )
         link = hws.pop()
-    mc = t.get("model_config")
-    if mc is None:
-        mcs = {str(g.model_config) for g in cu.groups if g.model_config is not None}
-        if len(mcs) != 1:
-            fail(
-                f"{where}transfer: give model_config (the model whose KV moves): the groups name no one model config", 2
-            )
-        mc = mcs.pop()
+    mode = t.get("mode", "layerwise")
     try:
+        if t.get("kv_bytes_per_token") is not None:  # (a model with no config: its KV's size given)
+            lk = (
+                link_preset(link, t.get("latency_s"))
+                if link
+                else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
+            )
+            return KVTransfer(t["kv_bytes_per_token"], t.get("layers", 1), lk, mode)
+        mc = t.get("model_config")
+        if mc is None:
+            mcs = {str(g.model_config) for g in cu.groups if g.model_config is not None}
+            if len(mcs) != 1:
+                fail(
+                    f"{where}transfer: give model_config (the model whose KV moves) or kv_bytes_per_token: the groups "
+                    "name no one model config",
+                    2,
+                )
+            mc = mcs.pop()
         lk = link if link else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
-        return kv_transfer(
-            mc, lk, t.get("mode", "layerwise"), kv_bits=t.get("kv_bits", 16), latency_s=t.get("latency_s")
-        )
+        return kv_transfer(mc, lk, mode, kv_bits=t.get("kv_bits", 16), latency_s=t.get("latency_s"))
     except (AnalyticError, TransferError) as exc:
         fail(f"{where}transfer: {exc}", 2)
 

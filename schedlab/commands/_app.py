@@ -30,6 +30,28 @@ RATE_HELP = (
 )
 BURST_HELP = "with --request-rate: gamma shape of the gaps (1: Poisson, the default; vllm bench serve --burstiness)"
 THINK_HELP = "with --max-concurrency: seconds a client waits after a response before its slot is free again"
+PREFILL_HELP = (
+    "with --decode: prefill and decode apart, this many prefill replicas (each request's first token; its "
+    "prompt's KV then goes to a decode replica through shared memory)"
+)
+DECODE_HELP = "with --prefill: this many decode replicas (each request's other tokens)"
+
+
+def pools(prefill: int, decode: int, replicas: int, prefix_caching: bool) -> tuple[int, int] | None:
+    """``--prefill P --decode D``: (P, D), or None when neither is given; one-line errors."""
+    if not (prefill or decode):
+        return None
+    if prefill < 1 or decode < 1:
+        raise SchedlabError(
+            f"--prefill and --decode go together, each >= 1 (got --prefill {prefill} --decode {decode})", 2
+        )
+    if replicas != 1:
+        raise SchedlabError("--replicas does not go with --prefill/--decode (the replicas are their sum)", 2)
+    if prefix_caching:
+        raise SchedlabError("--prefix-caching does not go with --prefill/--decode yet", 2)
+    return prefill, decode
+
+
 NOISE_HELP = (
     "settings that may lower the real runs' spread, to compare: gc-off, pin=CPUS (0-1), warmup=N, "
     "malloc-keep, mlx-cache=SIZE (comma-separated; see engine/noise.py; also $SCHEDLAB_NOISE)"

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -80,8 +81,9 @@ _PRCTL = _death_signal()
 class Replica:
     """One replica process as the front knows it."""
 
-    def __init__(self, index: int, argv: list[str], cpus: list[int]):
+    def __init__(self, index: int, argv: list[str], cpus: list[int], pool: str | None = None):
         self.index = index
+        self.pool = pool  # "prefill" or "decode" when prefill and decode run apart, else None
         self.argv = argv
         self.cpus = cpus
         self.proc: subprocess.Popen | None = None
@@ -163,6 +165,7 @@ class Replica:
             "url": self.url,
             "pid": self.pid,
             "cpus": self.cpus,
+            **({"pool": self.pool} if self.pool else {}),
             "up": self.up,
             "routed": self.routed,
             "in_flight": self.in_flight,
@@ -193,13 +196,24 @@ class Record:
     finish: float | None = None
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    # prefill and decode apart: the KV handed from its prefill replica to its decode replica (tokens,
+    # bytes, export_s: the prefill engine writing it; at_s: when the front heard of it; exposed_s: from
+    # its first token to the decode replica taking it, KV read, as the simulator's exposed transfer)
+    kv: dict[str, Any] | None = None
 
-    def request(self, arrival_s: float):
+    def request(self, arrival_s: float, stage: str | None = None):
+        """As a router sees it (``stage``: its part in a pool: "prefill" one token; "decode" the rest,
+        from a prompt with its first token whose KV it brings)."""
+        from schedlab.sim.disagg import TransferredRequest
         from schedlab.traces.schema import Request
 
-        return Request(
-            self.id, arrival_s, self.prompt_tokens, self.max_tokens, prompt=self.prompt, messages=self.messages
-        )
+        text = {"prompt": self.prompt, "messages": self.messages}
+        if stage == "prefill":
+            return Request(self.id, arrival_s, self.prompt_tokens, 1, **text)
+        if stage == "decode":
+            n = self.prompt_tokens
+            return TransferredRequest(self.id, arrival_s, n + 1, self.max_tokens - 1, **text, kv_transferred=n)
+        return Request(self.id, arrival_s, self.prompt_tokens, self.max_tokens, **text)
 
 
 class _Lost(Exception):
@@ -209,9 +223,21 @@ class _Lost(Exception):
 class Front:
     """The front's HTTP side: the OpenAI API over the replicas, ``/health`` and ``/metrics``."""
 
-    def __init__(self, replicas: list[Replica], router, router_options: dict, model_name: str, policy: str, log):
+    def __init__(
+        self,
+        replicas: list[Replica],
+        router,
+        router_options: dict,
+        model_name: str,
+        policy: str,
+        log,
+        decode_router=None,
+    ):
         self.replicas = replicas
         self.router = router
+        # prefill and decode apart (replicas with a pool): a router per pool, each keeps its own state
+        self.pools = any(r.pool for r in replicas)
+        self.routers = {"prefill": router, "decode": decode_router} if self.pools else {None: router}
         self.router_name = getattr(router, "name", type(router).__name__)
         self.router_options = router_options
         self.model_name = model_name
@@ -273,26 +299,29 @@ class Front:
 
     # ---------------------------------------------------------------- routing
 
-    async def route(self, rec: Record):
+    async def route(self, rec: Record, pool: str | None = None):
         """The replica the router picks for ``rec`` among those up (an APIError if none, or if the
-        router's answer is not a replica that is up)."""
+        router's answer is not a replica that is up); ``pool``: among that pool's replicas (the
+        router sees them numbered from 0, and the request as that pool gets it)."""
         import operator
 
         from schedlab.routers import ClusterView, ReplicaSignals
 
         if self._lock is None:
             self._lock = asyncio.Lock()
+        members = [r for r in self.replicas if r.pool == pool]
+        where = f"in the {pool} pool " if pool else ""
         async with self._lock:  # one decision at a time, in arrival order (routers keep state)
-            ups = [r for r in self.replicas if r.up]
+            ups = [r for r in members if r.up]
             if not ups:
-                raise APIError(503, "no replica is up", kind="server_error", code="no_replica")
+                raise APIError(503, f"no replica {where}is up", kind="server_error", code="no_replica")
             states = dict(zip((r.index for r in ups), await asyncio.gather(*(self._state(r) for r in ups))))
             signals = []
-            for r in self.replicas:
+            for k, r in enumerate(members):
                 st = states.get(r.index)
                 if st is None or not r.up:
                     last = r.last_state or {}
-                    signals.append(ReplicaSignals(r.index, kv_capacity=last.get("kv_capacity", 1), up=False))
+                    signals.append(ReplicaSignals(k, kv_capacity=last.get("kv_capacity", 1), up=False))
                     continue
                 got = st.get("received", {})
                 # forwarded by the front, not yet received by the replica: in transit, waiting there
@@ -301,7 +330,7 @@ class Front:
                 to = max(r.sent[2] - got.get("output_tokens", 0), 0)
                 signals.append(
                     ReplicaSignals(
-                        r.index,
+                        k,
                         waiting=st["waiting"] + tn,
                         running=st["running"],
                         prompt_tokens=st["prompt_tokens"] + tp,
@@ -313,25 +342,26 @@ class Front:
                     )
                 )
             if not any(s.up for s in signals):
-                raise APIError(503, "no replica is up", kind="server_error", code="no_replica")
+                raise APIError(503, f"no replica {where}is up", kind="server_error", code="no_replica")
             if rec.arrival_index is None:
                 rec.arrival_index = self._arrivals
                 self._arrivals += 1
             now = self.now()
-            view = ClusterView(now, rec.request(now), rec.arrival_index, tuple(signals))
-            n = len(self.replicas)
+            request = rec.request(now, pool)
+            view = ClusterView(now, request, rec.arrival_index, tuple(signals))
+            n = len(members)
 
             def illegal(what: str) -> APIError:
                 self.route_errors += 1
                 return APIError(
                     500,
-                    f"router '{self.router_name}' request {rec.id}: {what}",
+                    f"router '{self.router_name}' {where}request {rec.id}: {what}",
                     kind="server_error",
                     code="router_error",
                 )
 
             try:
-                j = self.router.route(view)
+                j = self.routers[pool].route(view)
             except Exception as exc:  # the user's router code
                 raise illegal(f"route() raised {type(exc).__name__}: {exc}") from None
             if isinstance(j, bool):
@@ -344,17 +374,17 @@ class Front:
                 raise illegal(f"returned replica {j}, but the cluster has replicas 0 to {n - 1}")
             if not signals[j].up:
                 raise illegal(f"returned replica {j}, which is down")
-            r = self.replicas[j]
+            r = members[j]
             r.routed += 1
-            self._sent(r, rec, 1)
-            self._metrics.routed(j)
-            return r
+            self._sent(r, request, 1)
+            self._metrics.routed(r.index)
+            return r, request
 
     @staticmethod
-    def _sent(r: Replica, rec: Record, sign: int) -> None:
+    def _sent(r: Replica, request, sign: int) -> None:
         r.sent[0] += sign
-        r.sent[1] += sign * rec.prompt_tokens
-        r.sent[2] += sign * rec.max_tokens
+        r.sent[1] += sign * request.prompt_tokens
+        r.sent[2] += sign * request.output_tokens
 
     async def prepare(self, raw: bytes, chat: bool) -> dict[str, Any]:
         """A replica checks the request and counts its prompt (the replicas take turns)."""
@@ -379,35 +409,37 @@ class Front:
 
     # ---------------------------------------------------------------- relaying
 
-    async def _open(self, rec: Record, body: bytes):
-        """Route ``rec`` and open its stream at the replica chosen: (replica, response)."""
+    async def _open(self, rec: Record, body: bytes, pool: str | None = None, headers: dict | None = None):
+        """Route ``rec`` (in ``pool``) and open its stream at the replica chosen: (replica, response)."""
         import httpx
 
-        r = await self.route(rec)
+        r, request = await self.route(rec, pool)
         path = "/v1/chat/completions" if rec.chat else "/v1/completions"
         client = self.client()
         req = client.build_request(
             "POST",
             r.url + path,
             content=body,
-            headers={"content-type": "application/json", "x-schedlab-request-id": rec.id},
+            headers={"content-type": "application/json", "x-schedlab-request-id": rec.id, **(headers or {})},
         )
         try:
             resp = await client.send(req, stream=True)
         except httpx.TransportError as exc:
-            self._sent(r, rec, -1)
+            self._sent(r, request, -1)
             self.mark_down(r, f"a connection to it failed ({type(exc).__name__})")
             raise _Lost(str(exc)) from None
         if resp.status_code != 200:
             data = await resp.aread()
             await resp.aclose()
-            self._sent(r, rec, -1)  # (not submitted there)
+            self._sent(r, request, -1)  # (not submitted there)
             raise _upstream_error(resp.status_code, data, resp.headers.get("retry-after"))
+        if pool == "decode" and rec.kv is not None:  # (the decode replica has read its KV and taken it)
+            rec.kv["exposed_s"] = self.now() - (rec.times[0] if rec.times else rec.kv["at_s"])
         rec.replica = r.index
         rec.replicas.append(r.index)
         return r, resp
 
-    async def events(self, rec: Record, body: bytes):
+    async def events(self, rec: Record, body: bytes, pool: str | None = None, headers: dict | None = None):
         """The request's upstream chunks (dicts) until its replica's ``[DONE]``, with ``_RESTART``
         where it starts again on another replica. Raises ``APIError`` when it cannot be served (before anything was
         relayed), ``_Lost`` when its replica went away after its client had text."""
@@ -417,7 +449,7 @@ class Front:
         while True:
             attempts += 1
             try:
-                r, resp = await self._open(rec, body)
+                r, resp = await self._open(rec, body, pool, headers)
             except _Lost as exc:
                 if attempts > 1:
                     raise APIError(502, f"request {rec.id}: its replicas went away ({exc})", kind="server_error")
@@ -448,6 +480,47 @@ class Front:
                 raise _Lost(lost)
             self._retry(rec)
             yield _RESTART
+
+    async def pd_events(self, rec: Record, body: dict):
+        """``events`` when prefill and decode run apart: a prefill replica makes the first token and
+        writes the prompt's KV (its stream then says where: ``schedlab_kv``); a decode replica reads
+        it and makes the rest. The client sees one stream: the first token's text from the first,
+        the rest (and the finish, and usage counting every token) from the second. A request that
+        ends at its first token (EOS, a stop string, max_tokens 1) ends at the prefill replica.
+        Once its first token is out, a decode replica lost is an error, as for any replica."""
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if rec.max_tokens == 1:
+            async for item in self.events(rec, json.dumps(body).encode(), "prefill"):
+                yield item
+            return
+        first = json.dumps({**body, key: 1}).encode()
+        held: list = []  # the prefill replica's finish and usage: its client's only if it ends there
+        kv = None
+        async for item in self.events(rec, first, "prefill", {"x-schedlab-kv-export": "1"}):
+            if item is _RESTART:
+                held.clear()
+                yield item
+            elif isinstance(item, dict) and "schedlab_kv" in item:
+                kv = item["schedlab_kv"]
+                kv["at_s"] = self.now()
+            elif held or item.get("usage") is not None or (item.get("choices") or [{}])[0].get("finish_reason"):
+                held.append(item)
+            else:
+                yield item
+        if kv is None:  # it ended at its first token
+            for item in held:
+                yield item
+            return
+        rec.kv = kv
+        rec.saw_tokens = True  # (its KV was read by the decode replica it went to: no second try)
+        rest = json.dumps({**body, key: rec.max_tokens - 1}).encode()
+        async for item in self.events(rec, rest, "decode", {"x-schedlab-kv-import": kv["path"]}):
+            usage = item.get("usage") if isinstance(item, dict) else None
+            if usage is not None:  # every token, the prompt as the client sent it
+                done = int(usage.get("completion_tokens") or 0) + 1
+                item = {**item, "usage": {**usage, "prompt_tokens": rec.prompt_tokens, "completion_tokens": done}}
+                item["usage"]["total_tokens"] = rec.prompt_tokens + done
+            yield item
 
     def _retry(self, rec: Record) -> None:
         self.retries += 1
@@ -511,7 +584,7 @@ class Front:
                 body["max_tokens" if "max_completion_tokens" not in body else "max_completion_tokens"] = rec.max_tokens
                 up = json.dumps(body).encode()
                 front.records.append(rec)
-                agen = front.events(rec, up)
+                agen = front.pd_events(rec, body) if front.pools else front.events(rec, up)
                 created = int(time.time())
                 if rec.stream:
                     try:
@@ -829,14 +902,26 @@ class Cluster:
         served_name: str | None,
         log,
         prog: str = "serve",
+        pools: tuple[int, int] | None = None,
+        decode_router=None,
     ):
         shares = cpu_shares(n)
         self.replicas = []
+        self.kv_dir = None  # prefill and decode apart: where the prefill replicas write the KV they hand on
+        if pools is not None:
+            from schedlab.engine import kvfile
+
+            self.kv_dir = kvfile.shared_dir()
         for i in range(n):
             argv = [*replica_command(), *replica_args, "--host", "127.0.0.1", "--port", "0", "-q"]
             if out is not None:
                 argv += ["--out", str(Path(out) / f"replica-{i}")]
-            self.replicas.append(Replica(i, argv, shares[i]))
+            pool = None if pools is None else "prefill" if i < pools[0] else "decode"
+            if pool == "prefill":
+                argv += ["--kv-dir", str(self.kv_dir)]
+            self.replicas.append(Replica(i, argv, shares[i], pool))
+        self.decode_router = decode_router
+        self.link: dict[str, Any] | None = None  # prefill and decode apart: probe_link's measure
         self.router, self.router_options = router, router_options
         self.host, self.port, self.out = host, port, out
         self.policy_name, self.served_name = policy_name, served_name
@@ -864,8 +949,12 @@ class Cluster:
         _wait_listening(replicas, replicas)
         for r in replicas:
             r.up = True
+        if self.kv_dir is not None:
+            self.link = probe_link(self.kv_dir, next(r.url for r in replicas if r.pool == "decode"))
         model_name = self.served_name or _model_name(replicas[0])
-        front = Front(replicas, self.router, self.router_options, model_name, self.policy_name, self.log)
+        front = Front(
+            replicas, self.router, self.router_options, model_name, self.policy_name, self.log, self.decode_router
+        )
         config = uvicorn.Config(
             front.app,
             host=self.host,
@@ -890,7 +979,10 @@ class Cluster:
         self.log(
             "progress",
             f"{len(replicas)} replicas up in {time.perf_counter() - t_start:.1f} s: "
-            + ", ".join(f"{r.index} {r.url} (pid {r.pid}, cpus {_cpus(r.cpus)})" for r in replicas),
+            + ", ".join(
+                f"{r.index}{f' {r.pool}' if r.pool else ''} {r.url} (pid {r.pid}, cpus {_cpus(r.cpus)})"
+                for r in replicas
+            ),
         )
         return self.url
 
@@ -935,6 +1027,10 @@ class Cluster:
         for r in self.replicas:
             r.signal(signal.SIGTERM)
         _reap(self.replicas, 30)
+        if self.kv_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.kv_dir, ignore_errors=True)
 
     def finish(self, quiet: bool) -> dict[str, Any]:
         """Write ``OUT/trace.json`` and ``OUT/cluster.json``; print the summary; the summary."""
@@ -944,7 +1040,10 @@ class Cluster:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)
             write_served_trace(out / "trace.json", front)
-            (out / "cluster.json").write_text(json.dumps(cluster_json(front, summary), indent=1) + "\n")
+            data = cluster_json(front, summary)
+            if self.link is not None:
+                data["link"] = self.link
+            (out / "cluster.json").write_text(json.dumps(data, indent=1) + "\n")
         if not quiet:
             from schedlab.sim.metrics import format_summary
 
@@ -970,8 +1069,12 @@ def serve_cluster(
     quiet: bool,
     sequential: bool,
     log,
+    pools: tuple[int, int] | None = None,
+    decode_router=None,
 ) -> None:
-    """``serve --replicas N``: run the cluster until SIGINT/SIGTERM; print its summary."""
+    """``serve --replicas N``: run the cluster until SIGINT/SIGTERM; print its summary. ``pools``:
+    (P, D), ``serve --prefill P --decode D``: the first P replicas prefill, the other D decode
+    (``decode_router`` routes among those)."""
     cluster = Cluster(
         n,
         router,
@@ -983,6 +1086,8 @@ def serve_cluster(
         policy_name=policy_name,
         served_name=served_name,
         log=log,
+        pools=pools,
+        decode_router=decode_router,
     )
     state = {"signals": 0, "serving": False}
 
@@ -996,8 +1101,9 @@ def serve_cluster(
         url = cluster.start(sequential)
         state["serving"] = True
         front = cluster.front
+        what = f"{pools[0]} prefill + {pools[1]} decode replicas" if pools else f"{n} replicas"
         print(
-            f"serve: listening on {url} ({n} replicas, router {front.router_name}, "
+            f"serve: listening on {url} ({what}, router {front.router_name}, "
             f"policy {policy_name}, model {front.model_name})",
             file=sys.stderr,
             flush=True,
@@ -1031,6 +1137,8 @@ def run_real_cluster(
     quiet: bool,
     sequential: bool,
     log,
+    pools: tuple[int, int] | None = None,
+    decode_router=None,
 ) -> list[str]:
     """``run-real --replicas N``: the cluster of ``serve --replicas N`` on 127.0.0.1, fed ``trace``
     at its arrival times by an HTTP client (each request's text, ``max_tokens`` its output tokens,
@@ -1055,6 +1163,8 @@ def run_real_cluster(
         served_name=None,
         log=log,
         prog="run-real",
+        pools=pools,
+        decode_router=decode_router,
     )
     errors: dict[str, str] = {}
     try:
@@ -1116,6 +1226,44 @@ async def _replay(url: str, model: str, trace, ignore_eos: bool) -> dict[str, st
 
         await asyncio.gather(*(one(r) for r in reqs))
     return errors
+
+
+PROBE_BYTES = 32 << 20  # the KV file the link probe writes and reads
+
+
+def probe_link(kv_dir: Path, url: str, rounds: int = 5) -> dict[str, Any]:
+    """What moving a request's KV from a prefill replica to a decode replica costs on this machine,
+    measured before serving (``cluster.json``'s ``link``: what ``validate --served`` simulates the
+    transfer with): ``bandwidth_gbs``, of writing a KV file in the shared folder and reading it
+    back (``engine.kvfile``, the replicas' own code; median of ``rounds``), and ``latency_s``, two
+    HTTP round trips to the decode replica (the front asks it for its state to route, then hands
+    the request over)."""
+    import httpx
+    import numpy as np
+
+    from schedlab.engine import kvfile
+
+    kv = np.ones((32, 2, 8, PROBE_BYTES // (32 * 2 * 8 * 64 * 4), 64), dtype=np.float32)  # (64 tokens of a 7B's)
+    path = kv_dir / "probe.kv"
+    times, rtts = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        kvfile.write(path, [0] * (kv.shape[3] + 1), kv, "float32")
+        kvfile.read(path)
+        times.append(time.perf_counter() - t0)
+        path.unlink()
+    with httpx.Client(timeout=10) as client:
+        client.get(url + "/state")  # (the connection opened)
+        for _ in range(4 * rounds):
+            t0 = time.perf_counter()
+            client.get(url + "/state")
+            rtts.append(time.perf_counter() - t0)
+    return {
+        "bandwidth_gbs": kv.nbytes / statistics.median(times) / 1e9,
+        "latency_s": 2 * statistics.median(rtts),
+        "measured": f"a {kv.nbytes >> 20} MiB KV file written and read in {kv_dir.parent} (median of {rounds}); "
+        f"two HTTP round trips to the decode replica (median of {4 * rounds})",
+    }
 
 
 def _cpus(cpus: list[int]) -> str:
@@ -1197,6 +1345,14 @@ def _model_name(r: Replica) -> str:
 # ---------------------------------------------------------------------------- what it writes
 
 
+def _served_by(rec: Record, r: Replica) -> bool:
+    """Whether replica ``r`` served ``rec`` (the last replica it went to; a prefill replica, the one
+    that made its first token)."""
+    if r.pool == "prefill":
+        return len(rec.replicas) > (rec.kv is not None) and rec.replicas[-2 if rec.kv is not None else -1] == r.index
+    return rec.replica == r.index
+
+
 def _finished(rec: Record) -> bool:
     return rec.finish is not None and rec.failed is None
 
@@ -1273,7 +1429,12 @@ def cluster_summary(front: Front) -> dict[str, Any]:
             **({"failures": failures} if failures else {}),
         },
         "replicas": [
-            {"replica": r.index, **part([x for x in records if x.replica == r.index], start)} for r in front.replicas
+            {
+                "replica": r.index,
+                **({"pool": r.pool} if r.pool else {}),
+                **part([x for x in records if _served_by(x, r)], start),
+            }
+            for r in front.replicas
         ],
     }
     failed = sum(1 for r in records if r.failed)
@@ -1301,7 +1462,8 @@ def cluster_json(front: Front, summary: dict[str, Any]) -> dict[str, Any]:
                 "pid": r.pid,
                 "url": r.url,
                 "cpus": r.cpus,
-                "requests": sum(1 for x in recs if x.replica == r.index),
+                **({"pool": r.pool} if r.pool else {}),
+                "requests": sum(1 for x in recs if _served_by(x, r)),
                 "routed": r.routed,
                 "failed_requests": sum(1 for x in recs if x.replica == r.index and x.failed),
                 "exit_status": r.exit_status,
@@ -1343,6 +1505,9 @@ def write_served_trace(path: Path, front: Front) -> None:
             e["failed"] = r.failed
         if r.cancelled:
             e["cancelled"] = True
+        if r.kv is not None:  # prefill and decode apart: its two replicas, the KV handed between them
+            e["replicas"] = list(r.replicas)
+            e["kv"] = {k: r.kv[k] for k in ("tokens", "bytes", "export_s", "exposed_s") if k in r.kv}
         extra[r.id] = e
     trace = Trace(
         name="served",

@@ -77,6 +77,15 @@ class APIError(Exception):
 # ---------------------------------------------------------------------------- engine <-> HTTP
 
 
+def _unlink(path: str) -> None:
+    import os
+
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 class _Stream:
     """One request's way back to its handler: events on an asyncio queue of the server's loop;
     with stop strings, its text as the engine makes it (to end the request at one)."""
@@ -140,10 +149,14 @@ class Bridge:
         ignore_eos: bool = False,
         sizes: tuple[int, int] | None = None,
         sampling=None,
+        seen: tuple[int, ...] = (),
     ) -> _Stream:
         """A stream for request ``rid`` (``sizes``: its prompt and output tokens, counted as sent;
-        ``sampling``: its own ``engine.sampling.Sampling``, else it samples as the server does)."""
+        ``sampling``: its own ``engine.sampling.Sampling``, else it samples as the server does;
+        ``seen``: tokens its client already has from another replica, which a stop string may span)."""
         st = _Stream(loop, TextDelta(self.tokenizer, self.eos, stop) if stop else None)
+        if st.text is not None and seen:
+            st.text.feed(list(seen))
         with self._lock:
             self._streams[rid] = st
             if sampling is not None and sampling != self.backend.sampling:
@@ -217,8 +230,14 @@ class Bridge:
         if self.metrics is not None:
             gone = getattr(r, "cancelled_s", None) is not None or (st is not None and st.cancelled)
             self.metrics.finished(r, "abort" if gone else reason)
+        kv = self.backend.exported.pop(r.id, None)  # (a prefill replica's request: its KV written)
+        if kv is not None and (st is None or reason != "length"):
+            _unlink(kv["path"])  # it ended here (EOS, a stop string, its client gone): nobody reads it
+            kv = None
         if st is None:
             return
+        if kv is not None:
+            st.put(("kv", kv))
         if r.finish_s is None:  # refused on arrival: it can never fit this replica's KV cache
             st.put(
                 (
@@ -792,8 +811,11 @@ class Server:
         model_name: str,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_waiting: int | None = None,
+        kv_dir=None,
     ):
         self.info = info
+        self.kv_dir = kv_dir  # where this replica writes the KV it hands to a decode replica (serve --kv-dir)
+        self._kv_files = itertools.count()
         self.tokenizer = info.tokenizer
         self.eos = frozenset(info.eos_token_ids or ())
         self.source = source
@@ -915,9 +937,18 @@ class Server:
             try:
                 params = Params(await _json(http), server, chat)
                 rid = server.claim_id(chat, http.headers.get("x-schedlab-request-id"))
-                req = server.request(params, chat, rid)
-                server.check_queue(rid)
             except APIError as e:
+                return error(e)
+            seen: tuple[int, ...] = ()
+            try:
+                req = server.request(params, chat, rid)
+                if http.headers.get("x-schedlab-kv-import"):  # a decode replica's: it comes with its KV
+                    req, seen = await server.take_kv(req, http.headers["x-schedlab-kv-import"])
+                server.check_queue(rid)
+                if http.headers.get("x-schedlab-kv-export"):  # a prefill replica's: it leaves its KV
+                    server.export_kv(rid)
+            except APIError as e:
+                server.forget(rid)
                 return error(e)
             st = server.bridge.open(
                 req.id,
@@ -926,15 +957,19 @@ class Server:
                 params.ignore_eos,
                 (req.prompt_tokens, req.output_tokens),
                 sampling=params.sampling,
+                seen=seen,
             )
             try:
                 server.source.submit(req)
             except SourceClosed as exc:
                 server.bridge.drop(req.id)
+                server.forget(req.id)
                 return error(APIError(503, str(exc), kind="server_error"))
             created = int(time.time())
             if params.stream:  # (Starlette ends the stream's generator when its client goes away)
-                return StreamingResponse(server._events(req, st, params, chat, created), media_type="text/event-stream")
+                return StreamingResponse(
+                    server._events(req, st, params, chat, created, seen), media_type="text/event-stream"
+                )
             return await server._whole_unless_gone(http, req, st, params, chat, created)
 
         @app.post("/v1/completions")
@@ -971,6 +1006,45 @@ class Server:
         self.bridge.cancel(req.id)
         answer.cancel()
         return Response(status_code=499)  # (nobody reads it: nginx's "client closed request")
+
+    async def take_kv(self, req, path: str):
+        """A decode replica's request (header ``X-Schedlab-KV-Import``: a KV file a prefill replica
+        wrote): the request as it arrives here, its prompt plus its first token with the prompt's KV
+        given (``sim.disagg.TransferredRequest``), and that first token (its client has it)."""
+        from schedlab.engine import kvfile
+        from schedlab.engine.errors import EngineError
+        from schedlab.sim.disagg import TransferredRequest
+
+        try:
+            head, kv = await asyncio.to_thread(kvfile.read, path)
+            n = kv.shape[3]
+            if n != req.prompt_tokens:
+                raise EngineError(f"the KV given holds {n} prompt tokens, but the prompt is {req.prompt_tokens}")
+            moved = TransferredRequest(
+                req.id, 0.0, n + 1, req.output_tokens, prompt=req.prompt, messages=req.messages, kv_transferred=n
+            )
+            self.info.check_trace([moved])
+            self.bridge.backend.expect_kv(req.id, head, kv)
+        except EngineError as exc:
+            raise APIError(400, str(exc), code="kv_transfer") from None
+        _unlink(path)  # (read: the KV is this replica's now)
+        return moved, (int(head["ids"][-1]),)
+
+    def export_kv(self, rid: str) -> None:
+        """A prefill replica's request (header ``X-Schedlab-KV-Export``): when it ends at its one
+        token its prompt's KV is written to a file in ``kv_dir`` (its stream says where)."""
+        if self.kv_dir is None:
+            raise APIError(400, "this replica hands no KV on: it was started without --kv-dir", code="kv_transfer")
+        self.bridge.backend.export_kv[rid] = str(self.kv_dir / f"{next(self._kv_files)}.kv")
+
+    def forget(self, rid: str) -> None:
+        """A request refused before it was submitted: its id is free again, nothing kept for it."""
+        self._used.discard(rid)
+        backend = self.bridge.backend
+        backend.export_kv.pop(rid, None)
+        if backend._imports.pop(rid, None) is not None:
+            backend._seq.pop(rid, None)
+            backend.tokens.pop(rid, None)
 
     def check_queue(self, rid: str) -> None:
         """The 429 of a request arriving while ``max_waiting`` requests wait to be admitted (its id
@@ -1026,7 +1100,7 @@ class Server:
                         lps.add(value, item[2] if len(item) > 2 else None)
                 elif kind == "error":
                     return JSONResponse(value.body(), status_code=value.status)
-                else:
+                elif kind == "done":
                     break
         except asyncio.CancelledError:  # the client went away: the replica ends it at its next step
             self.bridge.cancel(req.id)
@@ -1053,7 +1127,7 @@ class Server:
             }
         )
 
-    async def _events(self, req, st: _Stream, params: Params, chat: bool, created: int):
+    async def _events(self, req, st: _Stream, params: Params, chat: bool, created: int, seen: tuple[int, ...] = ()):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         lps = TokenLogprobs(self.tokenizer, self.eos) if params.logprobs is not None else None
@@ -1082,8 +1156,10 @@ class Server:
             return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
 
         text = TextDelta(self.tokenizer, self.eos, params.stop)
+        text.feed(list(seen))  # (text its client has from the replica that made those tokens)
         n = 0
         ended = False
+        handed_on = False  # its KV went to a file: another replica goes on from its last token
         try:
             if chat:
                 yield chunk("", role=True)
@@ -1097,13 +1173,18 @@ class Server:
                         lps.add(value, item[2] if len(item) > 2 else None)
                     if delta:
                         yield chunk(delta, lp=lps.take(len(text.text)) if lps is not None else None)
+                elif kind == "kv":  # (for the cluster's front: not an OpenAI event)
+                    handed_on = True
+                    yield f"data: {json.dumps({'schedlab_kv': value})}\n\n"
                 elif kind == "error":
                     ended = True
                     yield f"data: {json.dumps(value.body())}\n\n"
                     break
                 else:
                     ended = True
-                    rest = text.feed([], final=True)
+                    # (text held back, an unfinished character or a stop string's start, is the
+                    # next replica's to send when the request goes on there)
+                    rest = "" if handed_on else text.feed([], final=True)
                     last = lps.take(len(text.text), final=True) if lps is not None else None
                     if rest or last:
                         yield chunk(rest, lp=last)

@@ -20,13 +20,16 @@ from ._app import (
     BLOCK_SIZE_HELP,
     BURST_HELP,
     CONCURRENCY_HELP,
+    DECODE_HELP,
     NOISE_HELP,
+    PREFILL_HELP,
     PREFIX_HELP,
     RATE_HELP,
     THINK_HELP,
     log_to_stderr,
     make_app,
     parse_options,
+    pools,
     report_problems,
     run_app,
 )
@@ -107,6 +110,8 @@ def run_real(
     router_option: Optional[List[str]] = typer.Option(
         None, "--router-option", help="router option key=value (repeatable)"
     ),
+    prefill: int = typer.Option(0, "--prefill", help=PREFILL_HELP),
+    decode: int = typer.Option(0, "--decode", help=DECODE_HELP),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
     import schedlab
@@ -118,9 +123,9 @@ def run_real(
     clients = schedlab.ClientOptions(
         max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
     )
-    if replicas != 1 or router is not None or router_option:
+    if replicas != 1 or router is not None or router_option or prefill or decode:
         _cluster(locals())
-        if replicas > 1:
+        if replicas > 1 or prefill or decode:
             return
     run = schedlab.run_real(
         policy,
@@ -165,7 +170,8 @@ def _cluster(a: dict) -> None:
         replicas=a["replicas"], router=a["router"], router_options=parse_options(a["router_option"])
     )
     the_router = cluster.make_router()
-    if a["replicas"] == 1:
+    split = pools(a["prefill"], a["decode"], a["replicas"], a["prefix_caching"])
+    if a["replicas"] == 1 and split is None:
         return
     for key in ("max_concurrency", "request_rate", "burstiness", "think_time", "slo"):
         if a[key] is not None:
@@ -192,7 +198,7 @@ def _cluster(a: dict) -> None:
 
     problems = run_real_cluster(
         tr,
-        a["replicas"],
+        sum(split) if split else a["replicas"],
         the_router,
         dict(cluster.router_options or {}),
         args,
@@ -202,6 +208,8 @@ def _cluster(a: dict) -> None:
         quiet=a["quiet"],
         sequential=calibrate,  # (the first replica calibrates, the others find its profile)
         log=log_to_stderr("run-real", a["quiet"]),
+        pools=split,
+        decode_router=cluster.make_router() if split else None,
     )
     for line in problems:
         print(f"run-real: error: {line}", file=sys.stderr)

@@ -58,7 +58,18 @@ from typing import Any, List, Optional
 import typer
 
 from ..errors import SchedlabError
-from ._app import BLOCK_SIZE_HELP, NOISE_HELP, PREFIX_HELP, log_to_stderr, make_app, parse_options, run_app
+from ._app import (
+    BLOCK_SIZE_HELP,
+    DECODE_HELP,
+    NOISE_HELP,
+    PREFILL_HELP,
+    PREFIX_HELP,
+    log_to_stderr,
+    make_app,
+    parse_options,
+    pools,
+    run_app,
+)
 from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server, listening
 
 # ---------------------------------------------------------------------------- the command
@@ -145,6 +156,11 @@ def serve(
         help="admission control: a request arriving while this many wait to be admitted gets a 429 with "
         "Retry-After (default: no limit; with --replicas, each replica's)",
     ),
+    prefill: int = typer.Option(0, "--prefill", help=PREFILL_HELP),
+    decode: int = typer.Option(0, "--decode", help=DECODE_HELP),
+    kv_dir: Optional[Path] = typer.Option(
+        None, "--kv-dir", hidden=True, help="a prefill replica's folder for the KV it hands on (set by the front)"
+    ),
 ) -> None:
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
@@ -159,12 +175,17 @@ def serve(
         raise SchedlabError(f"--calibrate does not go with {'--no-calibrate' if no_calibrate else '--profile'}", 2)
     if out is not None and out.exists() and not out.is_dir():
         raise SchedlabError(f"--out {out} exists and is not a directory")
+    split = pools(prefill, decode, replicas, prefix_caching)
+    if split is not None:
+        replicas = sum(split)
     engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
     replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
     cluster = schedlab.ClusterOptions(replicas=replicas, router=router, router_options=parse_options(router_option))
     the_router = cluster.make_router()  # and a bad router
     _check_address(host, port)  # and so does an address in use (loading a model takes seconds)
+    if kv_dir is not None and not kv_dir.is_dir():
+        raise SchedlabError(f"--kv-dir {kv_dir}: no such directory")
     if replicas > 1:  # N single-replica serves behind a front (schedlab.commands._cluster)
         from ._cluster import serve_cluster
 
@@ -193,6 +214,8 @@ def serve(
             quiet=quiet,
             sequential=profile is None and calibrate,  # the first calibrates, the rest find its profile
             log=log_to_stderr("serve", quiet),
+            pools=split,
+            decode_router=cluster.make_router() if split else None,
         )
         return
     eng = schedlab.load_engine(
@@ -214,6 +237,7 @@ def serve(
         out,
         log_to_stderr("serve", quiet),
         max_waiting=max_waiting,
+        kv_dir=kv_dir,
     )
     if run is not None and not quiet:
         print(run.report())
@@ -242,7 +266,16 @@ def _check_address(host: str, port: int) -> None:
 
 
 def _serve(
-    eng, pol, host: str, port: int, name: str, max_tokens: int, out: Path | None, log, max_waiting: int | None = None
+    eng,
+    pol,
+    host: str,
+    port: int,
+    name: str,
+    max_tokens: int,
+    out: Path | None,
+    log,
+    max_waiting: int | None = None,
+    kv_dir: Path | None = None,
 ):
     """Serve ``pol`` on the loaded engine ``eng`` until SIGINT/SIGTERM: (the run, an error or None)."""
     import uvicorn
@@ -256,7 +289,7 @@ def _serve(
     http: dict[str, Any] = {}
 
     def start_http() -> None:  # the clock runs: from now on arrivals are the run's
-        srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting)
+        srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting, kv_dir=kv_dir)
         config = uvicorn.Config(
             srv.app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
         )

@@ -1,0 +1,75 @@
+"""A request's KV as one file: how a prefill replica hands a prompt's keys and values to a
+decode replica (``serve --prefill P --decode D``). No mlx here: the HTTP side reads the file.
+
+The file is a one-line JSON header, then the raw arrays: every layer's keys and values of the
+prompt's ``tokens`` positions, shape ``(layers, 2, kv_heads, tokens, head_dim)`` in the model's
+activation dtype (16-bit dtypes stored as their bits, ``uint16``: numpy has no bfloat16). The
+header carries the token ids the KV was computed from plus the first generated token, so the
+decode replica continues exactly where the prefill stopped. Where the machine has ``/dev/shm``
+(a tmpfs: memory, not disk) the files go there; else the system's temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import EngineError
+
+MAGIC = "schedlab-kv"
+VERSION = 1
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def shared_dir() -> Path:
+    """A fresh folder for KV files: under ``/dev/shm`` when there is one (memory), else the system's
+    temporary folder."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="schedlab-kv-", dir=base))
+
+
+def write(path: str | Path, ids: Sequence[int], kv: np.ndarray, dtype: str) -> int:
+    """Write ``kv`` (``(layers, 2, kv_heads, tokens, head_dim)``; ``uint16`` bits for a 16-bit
+    ``dtype``) with ``ids`` (the prompt's ids and the first generated one): the file's size."""
+    if kv.ndim != 5 or kv.shape[1] != 2:
+        raise ValueError(f"KV of shape {kv.shape}: expected (layers, 2, kv_heads, tokens, head_dim)")
+    if len(ids) != kv.shape[3] + 1:
+        raise ValueError(f"{len(ids)} token ids for KV of {kv.shape[3]} tokens (expected tokens + 1)")
+    head = {"magic": MAGIC, "version": VERSION, "dtype": dtype, "shape": list(kv.shape), "ids": [int(i) for i in ids]}
+    line = (json.dumps(head) + "\n").encode()
+    tmp = Path(str(path) + ".part")
+    with open(tmp, "wb") as f:  # (renamed when whole: a reader never sees half a file)
+        f.write(line)
+        f.write(np.ascontiguousarray(kv).data)
+    os.replace(tmp, path)
+    return len(line) + kv.nbytes
+
+
+def read(path: str | Path) -> tuple[dict[str, Any], np.ndarray]:
+    """(header, KV array) of a file ``write`` wrote; an ``EngineError`` naming what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()
+            try:
+                head = json.loads(line)
+            except ValueError:
+                head = None
+            if not isinstance(head, dict) or head.get("magic") != MAGIC:
+                raise EngineError(f"{path}: not a schedlab KV file")
+            if head.get("version") != VERSION:
+                raise EngineError(f"{path}: KV file version {head.get('version')}, this engine reads {VERSION}")
+            shape = tuple(int(x) for x in head["shape"])
+            kind = np.uint16 if head["dtype"] in SIXTEEN_BIT else np.dtype(head["dtype"])
+            kv = np.fromfile(f, dtype=kind)
+    except FileNotFoundError:
+        raise EngineError(f"{path}: no such KV file (its prefill replica's folder is gone?)") from None
+    except (OSError, KeyError, TypeError) as exc:
+        raise EngineError(f"{path}: cannot read the KV file ({exc})") from None
+    if kv.size != int(np.prod(shape)) or len(shape) != 5 or len(head["ids"]) != shape[3] + 1:
+        raise EngineError(f"{path}: KV file is cut short or its header does not match its data")
+    return head, kv.reshape(shape)
