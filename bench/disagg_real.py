@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,12 @@ def one_run(d: Path) -> dict:
         "prefill_exported_tokens": pre["kv_exported_tokens"],
         "decode_imported_tokens": dec["kv_imported_tokens"],
         "decode_prefill_tokens": dec["prefill_tokens"],
-        "export_s_median": sorted(r["kv"]["export_s"] for r in moved)[len(moved) // 2] if moved else None,
+        # medians over the requests handed on: the prefill engine writing the file; from the first token
+        # to the front hearing of it; from then to the decode replica taking it; their sum
+        **{
+            f"{key}_median": statistics.median(r["kv"][key] for r in moved) if moved else None
+            for key in ("export_s", "notice_s", "handoff_s", "exposed_s")
+        },
         "link": cluster.get("link"),
     }
 

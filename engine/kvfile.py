@@ -33,21 +33,28 @@ def shared_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="schedlab-kv-", dir=base))
 
 
-def write(path: str | Path, ids: Sequence[int], kv: np.ndarray, dtype: str) -> int:
-    """Write ``kv`` (``(layers, 2, kv_heads, tokens, head_dim)``; ``uint16`` bits for a 16-bit
-    ``dtype``) with ``ids`` (the prompt's ids and the first generated one): the file's size."""
-    if kv.ndim != 5 or kv.shape[1] != 2:
-        raise ValueError(f"KV of shape {kv.shape}: expected (layers, 2, kv_heads, tokens, head_dim)")
-    if len(ids) != kv.shape[3] + 1:
-        raise ValueError(f"{len(ids)} token ids for KV of {kv.shape[3]} tokens (expected tokens + 1)")
-    head = {"magic": MAGIC, "version": VERSION, "dtype": dtype, "shape": list(kv.shape), "ids": [int(i) for i in ids]}
+def write(path: str | Path, ids: Sequence[int], layers: Sequence[tuple[np.ndarray, np.ndarray]], dtype: str) -> int:
+    """Write every layer's ``(keys, values)``, each ``(kv_heads, tokens, head_dim)`` (``uint16`` bits
+    for a 16-bit ``dtype``; any strides: each is copied once, straight into the file), with ``ids``
+    (the prompt's ids and the first generated one): the file's size."""
+    shape = (len(layers), 2, *layers[0][0].shape)
+    if len(shape) != 5 or any(a.shape != shape[2:] for kv in layers for a in kv):
+        raise ValueError(f"every layer's keys and values must be (kv_heads, tokens, head_dim) alike, got {shape}")
+    if len(ids) != shape[3] + 1:
+        raise ValueError(f"{len(ids)} token ids for KV of {shape[3]} tokens (expected tokens + 1)")
+    head = {"magic": MAGIC, "version": VERSION, "dtype": dtype, "shape": list(shape), "ids": [int(i) for i in ids]}
     line = (json.dumps(head) + "\n").encode()
     tmp = Path(str(path) + ".part")
+    size = len(line)
     with open(tmp, "wb") as f:  # (renamed when whole: a reader never sees half a file)
         f.write(line)
-        f.write(np.ascontiguousarray(kv).data)
+        for kv in layers:
+            for a in kv:
+                a = np.ascontiguousarray(a)
+                f.write(a.data)
+                size += a.nbytes
     os.replace(tmp, path)
-    return len(line) + kv.nbytes
+    return size
 
 
 def read(path: str | Path) -> tuple[dict[str, Any], np.ndarray]:

@@ -401,3 +401,33 @@ def test_kv_handed_from_a_prefill_engine_to_a_decode_engine_gives_the_reference_
     if name == "mlx-default":
         assert s["prefill_tokens"] == 0  # mlx-lm's hand-off: the first token is a decode row's input
     assert decode.batch_rows == [] and not any(decode.holds(r.id) for r in moved)
+
+
+def test_a_bfloat16_kv_goes_through_its_file_bit_for_bit(tmp_path):
+    """numpy has no bfloat16: the file carries the bits, and the decode engine's cache gets them back."""
+    from schedlab.engine import kvfile
+    from schedlab.sim.disagg import TransferredRequest
+
+    model = load_model("micro", dtype="bfloat16")
+    requests = [Request("a", 0.0, 50, 8), Request("b", 0.0, 20, 6)]
+    prefill = MLXBackend(model)
+    prefill.export_kv = {r.id: str(tmp_path / f"{r.id}.kv") for r in requests}
+    policy = make_policy("unified", {})
+    first = [dataclasses.replace(r, output_tokens=1) for r in requests]
+    assert run(first, policy, NO_COST, kv_capacity=10_000, backend=prefill).error is None
+    decode = MLXBackend(model)
+    for r in requests:
+        head, kv = kvfile.read(prefill.exported[r.id]["path"])
+        assert head["dtype"] == "bfloat16" and kv.dtype.name == "uint16" and kv.shape[3] == r.prompt_tokens
+        decode.expect_kv(r.id, head, kv)
+    moved = [
+        TransferredRequest(r.id, 0.0, r.prompt_tokens + 1, r.output_tokens - 1, kv_transferred=r.prompt_tokens)
+        for r in requests
+    ]
+    assert run(moved, make_policy("unified", {}), NO_COST, kv_capacity=10_000, backend=decode).error is None
+    for r in requests:
+        ref = reference_tokens(model, prompt_ids(0, r.id, r.prompt_tokens, model.vocab_size), r.output_tokens)
+        assert prefill.tokens[r.id] + decode.tokens[r.id] == ref
+    wrong = MLXBackend(load_model("micro"))  # (float32: the file does not fit it)
+    with pytest.raises(Exception, match="must run the same model and dtype"):
+        wrong.expect_kv("a", *kvfile.read(prefill.exported["a"]["path"]))

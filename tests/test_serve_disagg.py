@@ -78,14 +78,27 @@ def test_a_bad_kv_hand_off_is_a_400_at_the_replica(pd):
 
 
 def test_bad_pool_options_are_one_line_errors(tmp_path):
+    from schedlab.commands._app import pools
+    from schedlab.errors import SchedlabError
+
+    assert pools(0, 0, 1, False) is None and pools(2, 3, 1, False) == (2, 3)
     for args, said in [
-        (["--prefill", "1"], "--prefill and --decode go together"),
-        (["--prefill", "2", "--decode", "0"], "--prefill and --decode go together"),
-        (["--prefill", "1", "--decode", "1", "--replicas", "3"], "--replicas does not go with"),
-        (["--prefill", "1", "--decode", "1", "--prefix-caching"], "--prefix-caching does not go with"),
+        ((1, 0, 1, False), "--prefill and --decode go together"),
+        ((2, -1, 1, False), "--prefill and --decode go together"),
+        ((1, 1, 3, False), "--replicas does not go with"),
+        ((1, 1, 1, True), "--prefix-caching does not go with"),
     ]:
-        p = subprocess.run([*command("serve"), "--policy", "vllm", *args], capture_output=True, text=True, timeout=60)
-        assert p.returncode != 0 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        with pytest.raises(SchedlabError, match=said):
+            pools(*args)
+    for args in (["serve"], ["run-real", "--trace", "mixed"]):  # (both commands, one line each)
+        p = subprocess.run(
+            [*command(args[0]), *args[1:], "--policy", "vllm", "--prefill", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        err = p.stderr.strip()
+        assert p.returncode != 0 and "--prefill and --decode go together" in err and len(err.splitlines()) == 1, err
 
 
 def test_shut_down_every_request_once_and_the_decode_replica_ran_no_prompt(pd):
@@ -99,6 +112,7 @@ def test_shut_down_every_request_once_and_the_decode_replica_ran_no_prompt(pd):
     assert [r for r in served if "kv" not in r] == [next(r for r in served if r["output_tokens"] == 1)]
     assert all(r["replicas"] == [0, 1] and r["kv"]["tokens"] == r["prompt_tokens"] for r in on)
     assert all(r["kv"]["exposed_s"] > 0 and r["kv"]["bytes"] > r["kv"]["tokens"] for r in on)
+    assert all(r["kv"]["exposed_s"] == pytest.approx(r["kv"]["notice_s"] + r["kv"]["handoff_s"]) for r in on)
     pre, dec = (json.loads((out / f"replica-{i}" / "meta.json").read_text())["engine"] for i in (0, 1))
     moved = sum(r["prompt_tokens"] for r in on)
     assert pre["kv_exported_tokens"] == dec["kv_imported_tokens"] == moved

@@ -197,8 +197,9 @@ class Record:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     # prefill and decode apart: the KV handed from its prefill replica to its decode replica (tokens,
-    # bytes, export_s: the prefill engine writing it; at_s: when the front heard of it; exposed_s: from
-    # its first token to the decode replica taking it, KV read, as the simulator's exposed transfer)
+    # bytes, export_s: the prefill engine writing it; at_s: when the front heard of it; notice_s: from
+    # its first token to then; handoff_s: from then to the decode replica taking it, KV read;
+    # exposed_s: their sum, as the simulator's exposed transfer)
     kv: dict[str, Any] | None = None
 
     def request(self, arrival_s: float, stage: str | None = None):
@@ -434,7 +435,8 @@ class Front:
             self._sent(r, request, -1)  # (not submitted there)
             raise _upstream_error(resp.status_code, data, resp.headers.get("retry-after"))
         if pool == "decode" and rec.kv is not None:  # (the decode replica has read its KV and taken it)
-            rec.kv["exposed_s"] = self.now() - (rec.times[0] if rec.times else rec.kv["at_s"])
+            rec.kv["handoff_s"] = self.now() - rec.kv["at_s"]
+            rec.kv["exposed_s"] = rec.kv["notice_s"] + rec.kv["handoff_s"]
         rec.replica = r.index
         rec.replicas.append(r.index)
         return r, resp
@@ -503,6 +505,7 @@ class Front:
             elif isinstance(item, dict) and "schedlab_kv" in item:
                 kv = item["schedlab_kv"]
                 kv["at_s"] = self.now()
+                kv["notice_s"] = kv["at_s"] - (rec.times[0] if rec.times else kv["at_s"])
             elif held or item.get("usage") is not None or (item.get("choices") or [{}])[0].get("finish_reason"):
                 held.append(item)
             else:
@@ -1248,7 +1251,7 @@ def probe_link(kv_dir: Path, url: str, rounds: int = 5) -> dict[str, Any]:
     times, rtts = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        kvfile.write(path, [0] * (kv.shape[3] + 1), kv, "float32")
+        kvfile.write(path, [0] * (kv.shape[3] + 1), [(layer[0], layer[1]) for layer in kv], "float32")
         kvfile.read(path)
         times.append(time.perf_counter() - t0)
         path.unlink()
@@ -1507,7 +1510,9 @@ def write_served_trace(path: Path, front: Front) -> None:
             e["cancelled"] = True
         if r.kv is not None:  # prefill and decode apart: its two replicas, the KV handed between them
             e["replicas"] = list(r.replicas)
-            e["kv"] = {k: r.kv[k] for k in ("tokens", "bytes", "export_s", "exposed_s") if k in r.kv}
+            e["kv"] = {
+                k: r.kv[k] for k in ("tokens", "bytes", "export_s", "notice_s", "handoff_s", "exposed_s") if k in r.kv
+            }
         extra[r.id] = e
     trace = Trace(
         name="served",

@@ -1157,6 +1157,8 @@ class Server:
 
         text = TextDelta(self.tokenizer, self.eos, params.stop)
         text.feed(list(seen))  # (text its client has from the replica that made those tokens)
+        if lps is not None and seen:  # (and their logprobs: this answer's offsets start after them)
+            lps.offset = len(lps.pieces.feed(list(seen)))
         n = 0
         ended = False
         handed_on = False  # its KV went to a file: another replica goes on from its last token
