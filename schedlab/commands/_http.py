@@ -230,7 +230,8 @@ class Bridge:
         if self.metrics is not None:
             gone = getattr(r, "cancelled_s", None) is not None or (st is not None and st.cancelled)
             self.metrics.finished(r, "abort" if gone else reason)
-        kv = self.backend.exported.pop(r.id, None)  # (a prefill replica's request: its KV written)
+        exported = getattr(self.backend, "exported", None)  # (a prefill replica's requests: their KV written)
+        kv = exported.pop(r.id, None) if exported else None
         if kv is not None and (st is None or reason != "length"):
             _unlink(kv["path"])  # it ended here (EOS, a stop string, its client gone): nobody reads it
             kv = None
@@ -1041,10 +1042,11 @@ class Server:
         """A request refused before it was submitted: its id is free again, nothing kept for it."""
         self._used.discard(rid)
         backend = self.bridge.backend
-        backend.export_kv.pop(rid, None)
-        if backend._imports.pop(rid, None) is not None:
-            backend._seq.pop(rid, None)
-            backend.tokens.pop(rid, None)
+        if hasattr(backend, "export_kv"):  # (the MLX engine's; any other backend hands no KV on)
+            backend.export_kv.pop(rid, None)
+            if backend._imports.pop(rid, None) is not None:
+                backend._seq.pop(rid, None)
+                backend.tokens.pop(rid, None)
 
     def check_queue(self, rid: str) -> None:
         """The 429 of a request arriving while ``max_waiting`` requests wait to be admitted (its id
