@@ -539,6 +539,13 @@ class MLXBackend:
         self.tokens[rid] = []
         self._imports[rid] = kv
 
+    def drop_kv(self, rid: str) -> None:
+        """Forget what ``export_kv`` and ``expect_kv`` were told of ``rid``: it was never submitted."""
+        self.export_kv.pop(rid, None)
+        if self._imports.pop(rid, None) is not None:
+            self._seq.pop(rid, None)
+            self.tokens.pop(rid, None)
+
     def _export(self, r, path: str) -> None:
         """Write finished request ``r``'s prompt KV and its ids to ``path`` (``engine.kvfile``)."""
         from . import kvfile

@@ -1041,12 +1041,9 @@ class Server:
     def forget(self, rid: str) -> None:
         """A request refused before it was submitted: its id is free again, nothing kept for it."""
         self._used.discard(rid)
-        backend = self.bridge.backend
-        if hasattr(backend, "export_kv"):  # (the MLX engine's; any other backend hands no KV on)
-            backend.export_kv.pop(rid, None)
-            if backend._imports.pop(rid, None) is not None:
-                backend._seq.pop(rid, None)
-                backend.tokens.pop(rid, None)
+        drop = getattr(self.bridge.backend, "drop_kv", None)  # (the MLX engine's: any other hands no KV on)
+        if drop is not None:
+            drop(rid)
 
     def check_queue(self, rid: str) -> None:
         """The 429 of a request arriving while ``max_waiting`` requests wait to be admitted (its id
