@@ -358,7 +358,10 @@ def test_a_steady_step_hands_simpy_nothing_and_checks_nothing(micro):
     assert len(checks) == len(changing) and len(changing) < steps // 4
 
 
-@pytest.mark.parametrize("name,options", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+HANDED = [CASES[i] for i in (0, 3, 6, 7)]  # mlx-lm's hand-off; padded whole prompts; chunks; decode + chunks
+
+
+@pytest.mark.parametrize("name,options", HANDED, ids=[n for n, _ in HANDED])
 def test_kv_handed_from_a_prefill_engine_to_a_decode_engine_gives_the_reference_tokens(
     micro, references, name, options, tmp_path
 ):
