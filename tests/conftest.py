@@ -33,18 +33,17 @@ ENGINE_FILES = {
     "test_engine_serve",
     "test_fidelity",
     "test_gguf",
-    "test_notebooks",
     "test_policies",
     "test_serve_cluster",
+    "test_serve_disagg",
     "test_server",
     "test_server_cancel",
     "test_server_metrics",
     "test_server_sampling",
 }
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
-# (test_serve_disagg runs the real model too, but in replica processes of its own whose answers it
-# compares with the model alone's, nothing timed: it runs beside the engine's unit, which is the
-# suite's longest, on the other worker)
+# (test_notebooks runs the real engine too, in a kernel process of its own, and asserts nothing of
+# its timings: it runs beside the engine's unit, the suite's longest, on the other worker)
 
 
 def run_unit(nodeid: str) -> str:
