@@ -12,6 +12,12 @@ simulator's routers (``schedlab.routers``), on the replicas' live state.
   sent that a replica has not received yet, shows the router a ``ClusterView`` and forwards the
   request to the replica it names, always streamed (with usage), relaying the stream to a
   streaming client or gathering it into one answer.
+- **Prefill and decode apart** (``serve --prefill P --decode D``): the first P replicas are the
+  prefill pool, the others the decode pool, a router object each. A request goes to a prefill
+  replica for its first token (``X-Schedlab-KV-Export``: the replica writes the prompt's KV to a
+  file in a shared-memory folder the front made, ``engine.kvfile``, and its stream says where),
+  then to a decode replica with that file (``X-Schedlab-KV-Import``) for the rest; the client sees
+  one answer (``Front.pd_events``). Before serving the front measures the link (``probe_link``).
 - **Faults.** A replica whose process exits, or that a connection to fails, is down at once (the
   process is polled every ``POLL_S``); the router is shown it with ``up=False``. A request it held
   that had sent its client no token yet (every non-streamed one) is routed again, once, among the
