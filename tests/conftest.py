@@ -33,6 +33,7 @@ ENGINE_FILES = {
     "test_engine_serve",
     "test_fidelity",
     "test_gguf",
+    "test_notebooks",
     "test_policies",
     "test_serve_cluster",
     "test_serve_disagg",
@@ -42,8 +43,6 @@ ENGINE_FILES = {
     "test_server_sampling",
 }
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
-# (test_notebooks runs the real engine too, in a kernel process of its own, and asserts nothing of
-# its timings: it runs beside the engine's unit, the suite's longest, on the other worker)
 
 
 def run_unit(nodeid: str) -> str:
