@@ -497,6 +497,9 @@ class Front:
         ends at its first token (EOS, a stop string, max_tokens 1) ends at the prefill replica.
         Once its first token is out, a decode replica lost is an error, as for any replica."""
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if rec.max_tokens > 1 and not any(r.up for r in self.replicas if r.pool == "decode"):
+            # (not prefilled for nothing: its first token would be all it got)
+            raise APIError(503, "no replica in the decode pool is up", kind="server_error", code="no_replica")
         if rec.max_tokens == 1:
             async for item in self.events(rec, json.dumps(body).encode(), "prefill"):
                 yield item
