@@ -410,7 +410,10 @@ def test_run_real_replays_a_trace_through_the_cluster(smol, tmp_path):
     two each), its ids kept, every answer the model alone's, the OUT layout of serve --replicas."""
     trace = tmp_path / "asked.json"
     rows = [
-        {"id": f"q{i}", "arrival_s": 0.1 * i, "output_tokens": 16, "messages": chat(q)} for i, q in enumerate(ASKED)
+        # (0.4 s apart: the front numbers requests as it routes them, after a replica has counted each
+        # prompt; closer together, a loaded machine can finish two countings out of order)
+        {"id": f"q{i}", "arrival_s": 0.4 * i, "output_tokens": 16, "messages": chat(q)}
+        for i, q in enumerate(ASKED)
     ]
     trace.write_text(json.dumps({"name": "asked", "requests": rows}))
     out = tmp_path / "out"
