@@ -171,10 +171,7 @@ def validate_served(
         }
         for r, t in zip(runs, totals)
     ]
-    per = []
-    for i in range(first.n):
-        mine = [r.summaries[i] for r in runs if r.summaries[i] is not None]
-        per.append(compare(s["replicas"][i], mine, policy=f"{policy} replica {i}", trace=str(tr)) if mine else None)
+    per = _per_replica(runs, s, [f"{policy} replica {i}" for i in range(first.n)], tr)
     # routing: each replica's share, and agreement request by request (on the first run's trace)
     sim_of = dict(zip(sim.requests["id"].astype(str), sim.requests["replica"]))
     routing = []
@@ -206,6 +203,18 @@ def validate_served(
         },
     }
     return _written(result, sim, out)
+
+
+def _per_replica(runs: list[_Served], sim_summary: dict[str, Any], labels: list[str], tr) -> list:
+    """Each replica's summaries in the runs (those that wrote one) against its simulated twin's;
+    None for a replica no run has."""
+    from schedlab.analysis.validation import compare
+
+    out = []
+    for i, label in enumerate(labels):
+        mine = [r.summaries[i] for r in runs if r.summaries[i] is not None]
+        out.append(compare(sim_summary["replicas"][i], mine, policy=label, trace=str(tr)) if mine else None)
+    return out
 
 
 def _written(result: dict[str, Any], sim, out) -> dict[str, Any]:
@@ -257,11 +266,7 @@ def _validate_pools(runs: list[_Served], tr, prof, out) -> dict[str, Any]:
     s = sim.summary
     name = f"{policy} {first.pools.count('prefill')} prefill + {first.pools.count('decode')} decode"
     total = compare(s, [r.cluster["summary"] for r in runs], policy=name, trace=str(tr))
-    per = []
-    for i in range(first.n):
-        mine = [r.summaries[i] for r in runs if r.summaries[i] is not None]
-        label = f"{policy} replica {i} ({first.pools[i]})"
-        per.append(compare(s["replicas"][i], mine, policy=label, trace=str(tr)) if mine else None)
+    per = _per_replica(runs, s, [f"{policy} replica {i} ({pool})" for i, pool in enumerate(first.pools)], tr)
     predicted = sim.meta["cluster"]["transfer_s"]
     pairs = [
         (float(row["kv"]["exposed_s"]), float(predicted[row["id"]]))

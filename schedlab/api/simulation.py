@@ -233,12 +233,12 @@ def _transfer(cu: ClusterOptions, where: str):
         link = hws.pop()
     mode = t.get("mode", "layerwise")
     try:
+        lk = (
+            link_preset(link, t.get("latency_s"))
+            if link
+            else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
+        )
         if t.get("kv_bytes_per_token") is not None:  # (a model with no config: its KV's size given)
-            lk = (
-                link_preset(link, t.get("latency_s"))
-                if link
-                else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
-            )
             return KVTransfer(t["kv_bytes_per_token"], t.get("layers", 1), lk, mode)
         mc = t.get("model_config")
         if mc is None:
@@ -250,8 +250,7 @@ def _transfer(cu: ClusterOptions, where: str):
                     2,
                 )
             mc = mcs.pop()
-        lk = link if link else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
-        return kv_transfer(mc, lk, mode, kv_bits=t.get("kv_bits", 16), latency_s=t.get("latency_s"))
+        return kv_transfer(mc, lk, mode, kv_bits=t.get("kv_bits", 16))
     except (AnalyticError, TransferError) as exc:
         fail(f"{where}transfer: {exc}", 2)
 
