@@ -713,6 +713,11 @@ def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
 
 
 REPLAY_POLICIES = ("mlx-default", "chunked-prefill", "unified")
+# The replay ends with this many requests that each arrive alone at an idle replica, after idle
+# gaps of WAKE_GAPS_S (the after-idle terms i_step / i_gap need wakes of several lengths; a slow
+# model's replay of a few requests otherwise holds one wake a run, its first step)
+WAKE_TAIL = 4
+WAKE_GAPS_S = (0.3, 1.2, 0.6, 0.9)
 
 
 def replay_trace(
@@ -721,7 +726,9 @@ def replay_trace(
     """A small synthetic trace for a real replay: chat-sized prompts (16..max_prompt tokens) and
     outputs (8..48), arriving alone or in bursts of 2-4 (rows join and leave the batch; the
     replica sits idle in between), as many as keep the replica busy ``load`` of ``seconds``
-    under ``cost`` (simulated with the unified policy)."""
+    under ``cost`` (simulated with the unified policy); then ``WAKE_TAIL`` short requests, each
+    arriving ``WAKE_GAPS_S`` after the one before is predicted to end (wakes of an idle replica
+    after known gaps, whatever the model's speed)."""
     from schedlab.sim.loop import run as simulate
 
     def make(n: int) -> list[Request]:
@@ -739,12 +746,24 @@ def replay_trace(
             Request(r.id, round(r.arrival_s * 0.85 * seconds / span, 4), r.prompt_tokens, r.output_tokens) for r in reqs
         ]
 
+    def ends(reqs: list[Request]) -> float:
+        res = simulate(reqs, make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
+        return max(r.finish_s for r in res.requests)
+
     n = 8
     for _ in range(4):
         res = simulate(make(n), make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
         busy = sum(st.predicted_s for st in res.steps) or 1e-3
         n = int(min(400, max(4, round(n * load * seconds / busy))))
-    return make(n)
+    reqs = make(n)
+    rng = random.Random(seed + 1)
+    t = ends(reqs)
+    for k in range(WAKE_TAIL):
+        alone = Request(f"replay{seed}-{n + k}", 0.0, rng.randint(16, 48), rng.randint(2, 4))
+        t += WAKE_GAPS_S[k % len(WAKE_GAPS_S)]
+        reqs.append(Request(alone.id, round(t, 4), alone.prompt_tokens, alone.output_tokens))
+        t += ends([alone])
+    return reqs
 
 
 def _replay_run(info: ModelInfo, trace: list[Request], policy: str, cost: LinearCostModel, seed: int):

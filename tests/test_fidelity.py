@@ -134,11 +134,13 @@ def synthetic_runs(
     noise: float = 0.02,
     seed: int = 0,
     slow: tuple[float, float] = (0.0, 1.0),
+    first_wake_only: bool = False,
 ):
     """Step logs shaped like real runs (decode batches with joins and leaves, prefill chunks,
     arrivals to an idle replica), timed by ``truth`` (a linear model: planted terms included)
     with relative noise; ``slow``: (share, factor): that share of the steps, drawn at random,
-    takes ``factor`` times as long (a machine's slow spells: step times skewed to the slow side)."""
+    takes ``factor`` times as long (a machine's slow spells: step times skewed to the slow side).
+    ``first_wake_only``: each run's first step is its one wake (a slow model's short replay)."""
     from schedlab.analysis.runfit import RunSteps
 
     cm = LinearCostModel(truth)
@@ -146,10 +148,11 @@ def synthetic_runs(
     for k in range(n_runs):
         rng = random.Random(seed * 100 + k)
         rows = []
-        for _ in range(steps):
+        for j in range(steps):
             u = rng.random()
             idle_s = 0.0
-            if u < 0.15:  # an arrival to an idle replica: its prompt's chunk
+            if (u < 0.15 and not first_wake_only) or (first_wake_only and j == 0):
+                # an arrival to an idle replica: its prompt's chunk
                 n, c = rng.choice((16, 64, 200, 500)), 0
                 shape = PassShape(prefill=((n, c),), prefill_done=(True,))
                 idle_s = rng.uniform(0.005, 2.0)
@@ -228,6 +231,23 @@ def test_a_fit_from_runs_recovers_planted_after_idle_and_join_costs():
     # predictions use the final coefficients exactly as the loop would
     p = predict(fit.coefficients, runs[0].cols)
     assert np.median(np.abs(p / runs[0].cols["measured_s"] - 1)) < 0.02
+
+
+def test_a_fit_from_runs_tries_no_after_idle_term_on_a_few_wakes():
+    """Runs whose only wake is their first step (a slow model's short replay: three steps in all)
+    are too few to say what later wakes pay: the after-idle candidates are not tried (with the
+    rule off, these three steps alone make the fit keep i_step), and no after-idle term is
+    charged; with the same cost on many wakes the term is found."""
+    from schedlab.analysis.runfit import IDLE_TERMS, MIN_WAKES, fit_runs
+
+    truth = {**KNOWN, "i_step": 0.05}
+    few = fit_runs(synthetic_runs(truth, n_runs=3, steps=150, noise=0.02, seed=7, first_wake_only=True))
+    assert few.report["wakes"] == 3 < MIN_WAKES and few.report["idle_terms_tried"] is False
+    assert not any(t["what"] in {f"+{k}" for k in IDLE_TERMS} for t in few.report["tries"])
+    assert all(few.coefficients[k] == 0 for k in IDLE_TERMS)
+    many = fit_runs(synthetic_runs(truth, n_runs=3, steps=150, noise=0.02, seed=7))
+    assert many.report["wakes"] >= MIN_WAKES and many.report["idle_terms_tried"] is True
+    assert many.coefficients["i_step"] == pytest.approx(0.05, rel=0.2)
 
 
 def test_a_fit_from_runs_recovers_a_planted_cost_on_the_steps_after_a_wake():
