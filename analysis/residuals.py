@@ -205,8 +205,10 @@ def format_residuals(rows: Sequence[Mapping[str, Any]], title: str | None = None
 
 
 def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> dict[str, Any] | None:
-    """Median measured/predicted over the steps (all, back to back, after idle) and the total
-    predicted vs measured step time. None without measured steps."""
+    """Median measured/predicted over the steps (all, back to back, after idle), its mean (a fit
+    aims at each shape's mean step time: on a machine whose slow spells skew step times to the
+    slow side the median step then runs below its prediction while the mean meets it) and the
+    total predicted vs measured step time. None without measured steps."""
     if not cols or not len(cols.get("measured_s", ())):
         return None
     meas = np.asarray(cols["measured_s"], dtype=float)
@@ -223,6 +225,7 @@ def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None
     return {
         "steps": int(ok.sum()),
         "median": float(np.median(ratio)),
+        "mean": float(np.mean(ratio)),
         "back_to_back": med(~idle),
         "after_idle": med(idle),
         "after_idle_steps": int(idle.sum()),

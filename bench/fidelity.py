@@ -244,17 +244,7 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
         prof = calibrate_default(info, progress=lambda m: print(f"  {m}", flush=True), keep=work / "replay")
         wall = time.perf_counter() - t0
         path = write_profile(prof, work / "profile.json")
-        rr = prof.get("runs_report") or {}
-        cal = {
-            "kind": prof["calibration"].get("kind"),
-            "wall_s": round(wall, 1),
-            "profile": str(path),
-            "grid_rounds": (prof["calibration"].get("grid") or {}).get("rounds"),
-            "chosen": rr.get("chosen"),
-            "held_out_replay": rr.get("held_out"),
-            "wake": rr.get("wake"),
-            "coefficients": prof["coefficients"],
-        }
+        cal = _calibration(prof, path, wall)
         print(f"{model}: calibrated in {wall:.0f} s", flush=True)
     cost = LinearCostModel.from_profile(path)
     capacity = int(cost.meta.get("kv_tokens", 262144))
@@ -345,6 +335,22 @@ def _refit(path: Path, kept: Path, without: tuple[str, ...] = (), force: tuple[s
     }
 
 
+def _calibration(prof: dict, path: Path, wall_s: float | None) -> dict:
+    """What a recording keeps of its default calibration (a re-score: the kept profile's)."""
+    rr = prof.get("runs_report") or {}
+    return {
+        "kind": prof["calibration"].get("kind"),
+        "wall_s": round(wall_s, 1) if wall_s is not None else None,
+        "profile": str(path),
+        "grid_rounds": (prof["calibration"].get("grid") or {}).get("rounds"),
+        "chosen": rr.get("chosen"),
+        "wakes": rr.get("wakes"),
+        "held_out_replay": rr.get("held_out"),
+        "wake": rr.get("wake"),
+        "coefficients": prof["coefficients"],
+    }
+
+
 def rescore_model(
     model: str,
     policies: list[str],
@@ -374,7 +380,8 @@ def rescore_model(
     path = kept / "profile.json"
     if not path.is_file():
         raise SystemExit(f"{path}: no kept profile (was the earlier run made with --keep?)")
-    cal = {"kind": "kept", "profile": str(path)}
+    kept_prof = json.loads(path.read_text())
+    cal = {**_calibration(kept_prof, path, kept_prof["calibration"].get("wall_s")), "kind": "kept"}
     if refit:
         path, cal = _refit(path, kept, without, force)
     elif profile is not None:  # another profile (a calibration made since): the kept runs against it
@@ -415,7 +422,9 @@ def rescore_model(
                 )
             else:
                 v["step_error_pct"] = old.get("step_error_pct")
-                v["step_bias"] = old.get("step_bias")
+                # the kept steps against their own predictions, as validate scored them (again:
+                # the figures a newer checkout adds)
+                v["step_bias"] = bias(concat([r.cols for r in kept_runs]), None) or old.get("step_bias")
             if old.get("partial"):
                 v["partial_runs"] = len(reals)
             if old.get("machine_speed"):  # the drift-adjusted comparison again, at the kept probes' speeds
@@ -511,6 +520,12 @@ def _per_policy(rows: list[dict]) -> dict:
         "total_step_time_pct": 100.0 * (pred - meas) / meas if meas else None,
         "step_bias_median": statistics.median(r["step_bias"]["median"] for r in rows if r.get("step_bias"))
         if any(r.get("step_bias") for r in rows)
+        else None,
+        # the mean of the steps' measured/predicted (a fit aims at the mean step: residuals.bias)
+        "step_bias_mean": statistics.median(
+            r["step_bias"]["mean"] for r in rows if (r.get("step_bias") or {}).get("mean")
+        )
+        if any((r.get("step_bias") or {}).get("mean") for r in rows)
         else None,
     }
     adj = [a for r in rows if (a := _applied_adjustment(r))]
@@ -699,6 +714,7 @@ def _line(model, key, pname, r) -> str:
     return (
         f"{model:12s} {key[:28]:28s} {pname:16s} median |err| {r['median_abs_error_pct']:5.1f}%  max "
         f"{r['max_abs_error_pct']:5.1f}% ({r['worst_metric']})  step bias {sb.get('median', float('nan')):.3f} "
+        f"(mean {sb.get('mean', float('nan')):.3f}) "
         f"total {sb.get('total_pct', float('nan')):+.1f}%  "
         + (
             f"spread {r['real_spread_pct_median']:5.1f}%"

@@ -250,6 +250,26 @@ def test_a_fit_from_runs_tries_no_after_idle_term_on_a_few_wakes():
     assert many.coefficients["i_step"] == pytest.approx(0.05, rel=0.2)
 
 
+def test_the_default_replay_ends_with_lone_requests_after_known_idle_gaps():
+    """The calibration's replay trace gives the after-idle terms wakes of several lengths at any
+    model speed: under a slow model's costs (a few requests in all) as under a fast one's, its
+    last WAKE_TAIL requests each wake an idle replica after one of WAKE_GAPS_S, and the fit's
+    minimum is reached by the three policies' replays together."""
+    from schedlab.analysis.runfit import MIN_WAKES
+    from schedlab.engine.calibrate import REPLAY_POLICIES, WAKE_GAPS_S, WAKE_TAIL, replay_trace
+
+    for scale in (1.0, 20.0):  # tiny-like passes, and 20x slower (SmolLM2 on this machine)
+        cost = LinearCostModel({k: v * scale for k, v in KNOWN.items()})
+        trace = replay_trace(cost, 8.0, seed=0)
+        res = run(trace, make_policy("unified"), cost, kv_capacity=10**9)
+        # each lone request wakes the idle replica after the gap planned before it
+        gaps = [idle_s for idle_s, _ in res.wakes.values()]
+        for g in WAKE_GAPS_S[:WAKE_TAIL]:
+            assert any(abs(g - x) < 0.02 for x in gaps), (scale, g, gaps)
+        assert all(r.prompt_tokens <= 48 and r.output_tokens <= 4 for r in trace[-WAKE_TAIL:])
+        assert len(REPLAY_POLICIES) * len(res.wakes) >= MIN_WAKES
+
+
 def test_a_fit_from_runs_recovers_a_planted_cost_on_the_steps_after_a_wake():
     from schedlab.analysis.runfit import fit_runs
 
@@ -280,6 +300,7 @@ def test_a_fit_from_runs_recovers_a_planted_per_step_cost():
 
 
 def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_steps():
+    from schedlab.analysis.residuals import bias
     from schedlab.analysis.runfit import _concat, fit_runs, predict
 
     # a fifth of the steps take 1.5x: every shape's mean is 1.1x the truth, its median 1.0x
@@ -291,6 +312,9 @@ def test_a_fit_from_runs_predicts_the_mean_step_time_when_slow_spells_skew_the_s
     assert fit.report["chosen"]["weigh_by"] == "prediction"
     total = predict(fit.coefficients, cols).sum() / cols["measured_s"].sum() - 1
     assert abs(total) < 0.01  # the total step time: what latencies add up
+    # the steps' measured/predicted: the mean meets 1, the median is below (the skew, no missing cost)
+    b = bias(cols, fit.coefficients)
+    assert abs(b["mean"] - 1) < 0.015 and b["median"] < 0.95, b
     # on whole held-out runs, and in every group of steps (every shape skewed alike)
     held = fit.report["held_out"]
     assert set(held) == {"all", "decode", "prefill", "join/leave", "after idle"}
