@@ -207,8 +207,9 @@ def format_residuals(rows: Sequence[Mapping[str, Any]], title: str | None = None
 def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None) -> dict[str, Any] | None:
     """Median measured/predicted over the steps (all, back to back, after idle), its mean (a fit
     aims at each shape's mean step time: on a machine whose slow spells skew step times to the
-    slow side the median step then runs below its prediction while the mean meets it) and the
-    total predicted vs measured step time. None without measured steps."""
+    slow side the median step then runs below its prediction while the mean meets it), how much
+    one step's ratio says of the next (``lag1_corr``) and the total predicted vs measured step
+    time. None without measured steps."""
     if not cols or not len(cols.get("measured_s", ())):
         return None
     meas = np.asarray(cols["measured_s"], dtype=float)
@@ -226,6 +227,9 @@ def bias(cols: Mapping[str, np.ndarray], coef: Mapping[str, float] | None = None
         "steps": int(ok.sum()),
         "median": float(np.median(ratio)),
         "mean": float(np.mean(ratio)),
+        # consecutive steps' measured/predicted alike (near 1: slow and fast spells of many steps;
+        # near 0: each step's own noise)
+        "lag1_corr": float(np.corrcoef(ratio[:-1], ratio[1:])[0, 1]) if len(ratio) > 2 and np.std(ratio) > 0 else None,
         "back_to_back": med(~idle),
         "after_idle": med(idle),
         "after_idle_steps": int(idle.sum()),

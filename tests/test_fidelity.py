@@ -356,6 +356,12 @@ def test_residual_table_shows_a_planted_effect_in_its_bin():
     b = bias(cols)
     assert b["back_to_back"] == pytest.approx(1.0) and b["after_idle"] > 1.2 and b["total_pct"] < 0
     assert "after idle" in bias_line(b)
+    # slow spells (a block of slow steps) against each step's own noise (alternating)
+    pred = np.full(100, 0.01)
+    spells = bias({"measured_s": pred * np.repeat([1.0, 1.5], 50), "predicted_s": pred, "after_idle": np.zeros(100)})
+    jitter = bias({"measured_s": pred * np.tile([1.0, 1.5], 50), "predicted_s": pred, "after_idle": np.zeros(100)})
+    assert spells["lag1_corr"] > 0.9 and jitter["lag1_corr"] < -0.9
+    assert spells["median"] == jitter["median"] == pytest.approx(1.25) and spells["mean"] == pytest.approx(1.25)
 
 
 # ---------------------------------------------------------------------------- real runs (micro)
