@@ -715,9 +715,11 @@ def fit_analytic(samples: Iterable[Any], info: ModelInfo) -> dict[str, Any]:
 REPLAY_POLICIES = ("mlx-default", "chunked-prefill", "unified")
 # The replay ends with this many requests that each arrive alone at an idle replica, after idle
 # gaps of WAKE_GAPS_S (the after-idle terms i_step / i_gap need wakes of several lengths; a slow
-# model's replay of a few requests otherwise holds one wake a run, its first step)
+# model's replay of a few requests otherwise holds one wake a run, its first step); a replay
+# shorter than WAKE_SCALE_S has its gaps shortened in proportion
 WAKE_TAIL = 4
 WAKE_GAPS_S = (0.3, 1.2, 0.6, 0.9)
+WAKE_SCALE_S = 8.0
 
 
 def replay_trace(
@@ -728,7 +730,8 @@ def replay_trace(
     replica sits idle in between), as many as keep the replica busy ``load`` of ``seconds``
     under ``cost`` (simulated with the unified policy); then ``WAKE_TAIL`` short requests, each
     arriving ``WAKE_GAPS_S`` after the one before is predicted to end (wakes of an idle replica
-    after known gaps, whatever the model's speed)."""
+    after known gaps, whatever the model's speed; shortened in proportion below ``WAKE_SCALE_S``
+    of replay)."""
     from schedlab.sim.loop import run as simulate
 
     def make(n: int) -> list[Request]:
@@ -760,7 +763,7 @@ def replay_trace(
     t = ends(reqs)
     for k in range(WAKE_TAIL):
         alone = Request(f"replay{seed}-{n + k}", 0.0, rng.randint(16, 48), rng.randint(2, 4))
-        t += WAKE_GAPS_S[k % len(WAKE_GAPS_S)]
+        t += WAKE_GAPS_S[k % len(WAKE_GAPS_S)] * min(1.0, seconds / WAKE_SCALE_S)
         reqs.append(Request(alone.id, round(t, 4), alone.prompt_tokens, alone.output_tokens))
         t += ends([alone])
     return reqs
