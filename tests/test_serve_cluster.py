@@ -363,7 +363,8 @@ def test_a_killed_replica_is_down_within_a_second_and_what_it_held_is_retried_or
     assert info["router_errors"] == 4 and info["policy"] == "vllm" and info["model"] == MODEL
     p0, p1 = info["per_replica"]
     assert p0["exit_status"] == -signal.SIGKILL and p0["failed"] and p1["exit_status"] == 0 and not p1["failed"]
-    assert p0["down_s"] is not None and "went away" in p0["down_reason"]
+    # down as its stream broke or as the front saw its process end, whichever the front met first
+    assert p0["down_s"] is not None and re.search(r"went away|its process ended \(killed by signal 9", p0["down_reason"])
     served = json.loads((out / "trace.json").read_text())
     rows = served["requests"]
     assert len(rows) == info["requests"] and rows[0]["arrival_s"] == 0
@@ -410,9 +411,9 @@ def test_run_real_replays_a_trace_through_the_cluster(smol, tmp_path):
     two each), its ids kept, every answer the model alone's, the OUT layout of serve --replicas."""
     trace = tmp_path / "asked.json"
     rows = [
-        # (0.4 s apart: the front numbers requests as it routes them, after a replica has counted each
-        # prompt; closer together, a loaded machine can finish two countings out of order)
-        {"id": f"q{i}", "arrival_s": 0.4 * i, "output_tokens": 16, "messages": chat(q)}
+        # (0.1 s apart: a replica counts each prompt before the front routes it, and a loaded machine
+        # can finish two countings out of order; the front still routes them in arrival order)
+        {"id": f"q{i}", "arrival_s": 0.1 * i, "output_tokens": 16, "messages": chat(q)}
         for i, q in enumerate(ASKED)
     ]
     trace.write_text(json.dumps({"name": "asked", "requests": rows}))

@@ -146,3 +146,39 @@ def test_a_cluster_front_relays_a_replicas_429_with_its_retry_after():
     e = _upstream_error(429, body, "3")
     assert (e.status, e.kind, e.code, e.headers) == (429, "rate_limit_exceeded", "queue_full", {"Retry-After": "3"})
     assert _upstream_error(400, b'{"error": {"message": "bad"}}').headers is None
+
+
+def test_a_cluster_front_routes_requests_first_in_the_order_they_arrived():
+    """The front counts each prompt at a replica (/prepare) before routing it; countings end in any
+    order, and routers that keep state (round-robin) must see the requests in arrival order. Each
+    request takes a ticket on arrival and is first routed only after every earlier one has been
+    routed or dropped (a refused request passes its turn unrouted); passing twice changes nothing."""
+    from schedlab.commands._cluster import Front
+    from schedlab.routers import RoundRobin
+
+    front = Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
+
+    async def main() -> list[int]:
+        order: list[int] = []
+
+        async def arrive(ticket: int, counted_after: float, routed: bool = True) -> None:
+            await asyncio.sleep(counted_after)  # its prompt counted (later arrivals may finish first)
+            if routed:
+                await front.wait_turn(ticket)
+                order.append(ticket)
+            front.pass_turn(ticket)
+            front.pass_turn(ticket)
+
+        t = [front.ticket() for _ in range(5)]
+        await asyncio.gather(
+            arrive(t[0], 0.03),
+            arrive(t[1], 0.0),
+            arrive(t[2], 0.02, routed=False),
+            arrive(t[3], 0.01),
+            arrive(t[4], 0.0),
+        )
+        return order
+
+    assert asyncio.run(main()) == [0, 1, 3, 4]
+    assert front.ticket() == 5
+    asyncio.run(asyncio.wait_for(front.wait_turn(5), 10))  # the next one waits for no one

@@ -192,6 +192,7 @@ class Record:
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
     arrival_index: int | None = None
+    ticket: int | None = None  # its place in the order the front received requests (Front.ticket)
     replica: int | None = None
     replicas: list[int] = field(default_factory=list)  # every replica it was sent to, in order
     retried: bool = False
@@ -263,6 +264,12 @@ class Front:
         self._arrivals = 0
         self._prepare_turn = itertools.count()
         self._lock: asyncio.Lock | None = None
+        # requests are routed first in the order they arrived, whatever order their prompts'
+        # counting (/prepare) ends in: each takes a ticket on arrival and waits for its turn
+        self._tickets = itertools.count()
+        self._turn = 0
+        self._passed: set[int] = set()
+        self._turn_events: dict[int, asyncio.Event] = {}
         self._client = None
         self._metrics = _Metrics(model_name, len(replicas))
         self.app = self._make_app()
@@ -306,10 +313,50 @@ class Front:
 
     # ---------------------------------------------------------------- routing
 
+    def ticket(self) -> int:
+        """A request's place in the arrival order (taken as it arrives, before its prompt is
+        counted); its first routing waits until every earlier ticket has been routed or dropped
+        (``pass_turn``)."""
+        return next(self._tickets)
+
+    async def wait_turn(self, ticket: int) -> None:
+        try:
+            while self._turn < ticket:
+                ev = self._turn_events.get(ticket)
+                if ev is None:
+                    ev = self._turn_events[ticket] = asyncio.Event()
+                await ev.wait()
+        finally:  # (its client may go while it waits)
+            self._turn_events.pop(ticket, None)
+
+    def pass_turn(self, ticket: int | None) -> None:
+        """``ticket`` has been routed, or will never be (refused, failed, gone): the next may go.
+        Idempotent."""
+        if ticket is None or ticket < self._turn:
+            return
+        self._passed.add(ticket)
+        while self._turn in self._passed:
+            self._passed.discard(self._turn)
+            self._turn += 1
+        ev = self._turn_events.get(self._turn)
+        if ev is not None:
+            ev.set()
+
     async def route(self, rec: Record, pool: str | None = None):
         """The replica the router picks for ``rec`` among those up (an APIError if none, or if the
         router's answer is not a replica that is up); ``pool``: among that pool's replicas (the
-        router sees them numbered from 0, and the request as that pool gets it)."""
+        router sees them numbered from 0, and the request as that pool gets it). A request's first
+        routing comes after every request that arrived before it (``ticket``)."""
+        first = rec.arrival_index is None and rec.ticket is not None
+        if first:
+            await self.wait_turn(rec.ticket)
+        try:
+            return await self._route(rec, pool)
+        finally:
+            if first:
+                self.pass_turn(rec.ticket)
+
+    async def _route(self, rec: Record, pool: str | None):
         import operator
 
         from schedlab.routers import ClusterView, ReplicaSignals
@@ -572,6 +619,7 @@ class Front:
             if front.closing:
                 return error(APIError(503, "the server is shutting down", kind="server_error"))
             arrival = front.now()
+            ticket = front.ticket()
             front.in_flight += 1
             streaming = False
             try:
@@ -591,6 +639,7 @@ class Front:
                     if info.get("messages") is None
                     else tuple((m["role"], m["content"]) for m in info["messages"]),
                 )
+                rec.ticket = ticket
                 body["stream"] = True  # the front always streams from a replica: it sees each token come
                 body["stream_options"] = {"include_usage": True}
                 body["max_tokens" if "max_completion_tokens" not in body else "max_completion_tokens"] = rec.max_tokens
@@ -615,6 +664,7 @@ class Front:
             except APIError as e:
                 return error(e)
             finally:
+                front.pass_turn(ticket)  # (routed by now, or never to be)
                 if not streaming:
                     front.in_flight -= 1
 
