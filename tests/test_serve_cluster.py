@@ -364,7 +364,9 @@ def test_a_killed_replica_is_down_within_a_second_and_what_it_held_is_retried_or
     p0, p1 = info["per_replica"]
     assert p0["exit_status"] == -signal.SIGKILL and p0["failed"] and p1["exit_status"] == 0 and not p1["failed"]
     # down as its stream broke or as the front saw its process end, whichever the front met first
-    assert p0["down_s"] is not None and re.search(r"went away|its process ended \(killed by signal 9", p0["down_reason"])
+    assert p0["down_s"] is not None and re.search(
+        r"went away|its process ended \(killed by signal 9", p0["down_reason"]
+    )
     served = json.loads((out / "trace.json").read_text())
     rows = served["requests"]
     assert len(rows) == info["requests"] and rows[0]["arrival_s"] == 0
