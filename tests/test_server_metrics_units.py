@@ -182,3 +182,28 @@ def test_a_cluster_front_routes_requests_first_in_the_order_they_arrived():
     assert asyncio.run(main()) == [0, 1, 3, 4]
     assert front.ticket() == 5
     asyncio.run(asyncio.wait_for(front.wait_turn(5), 10))  # the next one waits for no one
+
+
+def test_a_request_whose_counting_hangs_does_not_hold_the_ones_after_it(monkeypatch):
+    """A request stuck before routing (its prompt's counting at a stopped replica) holds the later
+    ones TURN_WAIT_S at most; then they go in their own order, and so does it when it comes."""
+    from schedlab.commands import _cluster
+    from schedlab.routers import RoundRobin
+
+    monkeypatch.setattr(_cluster, "TURN_WAIT_S", 0.05)
+    front = _cluster.Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
+
+    async def main() -> list[int]:
+        order: list[int] = []
+
+        async def arrive(ticket: int, counted_after: float) -> None:
+            await asyncio.sleep(counted_after)
+            await front.wait_turn(ticket)
+            order.append(ticket)
+            front.pass_turn(ticket)
+
+        t = [front.ticket() for _ in range(4)]
+        await asyncio.gather(arrive(t[0], 0.3), arrive(t[2], 0.0), arrive(t[1], 0.01), arrive(t[3], 0.0))
+        return order
+
+    assert asyncio.run(main()) == [1, 2, 3, 0]

@@ -92,7 +92,7 @@ def test_the_headline_is_the_held_out_prediction_beside_the_machines_repeat_erro
 def test_a_planted_loop_cost_shows_in_the_loop_part_and_only_there():
     import numpy as np
     from simkit import KNOWN
-    from test_fidelity import synthetic_runs
+    from test_runfit import synthetic_runs
 
     from schedlab.analysis.residuals import format_step_split, step_kinds, step_split
     from schedlab.analysis.runfit import predict

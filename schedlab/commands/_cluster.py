@@ -228,6 +228,9 @@ class _Lost(Exception):
     """The replica serving a request went away (a connection error, a stream cut short)."""
 
 
+TURN_WAIT_S = 3.0  # how long a request waits for the requests that arrived before it to be routed
+
+
 class Front:
     """The front's HTTP side: the OpenAI API over the replicas, ``/health`` and ``/metrics``."""
 
@@ -320,12 +323,23 @@ class Front:
         return next(self._tickets)
 
     async def wait_turn(self, ticket: int) -> None:
+        """Until every ticket before ``ticket`` has passed. After ``TURN_WAIT_S`` those still being
+        counted (not yet waiting here: a stopped replica's /prepare) lose their place, so that
+        one hung request does not hold the ones after it."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = loop.time() + TURN_WAIT_S
         try:
             while self._turn < ticket:
                 ev = self._turn_events.get(ticket)
                 if ev is None:
                     ev = self._turn_events[ticket] = asyncio.Event()
-                await ev.wait()
+                left = None if deadline is None else max(deadline - loop.time(), 0.0)
+                try:
+                    await asyncio.wait_for(ev.wait(), left)
+                except asyncio.TimeoutError:
+                    deadline = None
+                    self._passed.update(t for t in range(self._turn, ticket) if t not in self._turn_events)
+                    self._advance()
         finally:  # (its client may go while it waits)
             self._turn_events.pop(ticket, None)
 
@@ -335,6 +349,9 @@ class Front:
         if ticket is None or ticket < self._turn:
             return
         self._passed.add(ticket)
+        self._advance()
+
+    def _advance(self) -> None:
         while self._turn in self._passed:
             self._passed.discard(self._turn)
             self._turn += 1
