@@ -403,7 +403,9 @@ def fit_runs(
         raise RunsError("the scaled fit needs a grid fit's coefficients")
     tries: list[dict[str, Any]] = []
     best: tuple[float, Config, dict] | None = None
-    wakes = int(sum(int(np.count_nonzero(r.cols["after_idle"])) for r in runs))
+    # i_wake: the median wake-up latency, kept when it predicts held-out wakes better than 0
+    wake = _wake(runs)
+    wakes = wake["n"]  # the runs' after-idle steps
     if wakes < MIN_WAKES:
         candidates = [c for c in candidates if c not in IDLE_TERMS or c in force]
     for mode in modes:
@@ -434,8 +436,6 @@ def fit_runs(
     all_cols = _concat(runs)
     coef = fit_config(cfg, all_cols, base, grid)
     scales = coef.pop("_scales", None)
-    # i_wake: the median wake-up latency, kept when it predicts held-out wakes better than 0
-    wake = _wake(runs)
     if wake["keep"]:
         coef["i_wake"] = wake["i_wake"]
     fit_pred = predict(coef, all_cols)

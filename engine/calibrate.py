@@ -749,23 +749,25 @@ def replay_trace(
             Request(r.id, round(r.arrival_s * 0.85 * seconds / span, 4), r.prompt_tokens, r.output_tokens) for r in reqs
         ]
 
+    def sim(reqs: list[Request]):
+        return simulate(reqs, make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
+
     def ends(reqs: list[Request]) -> float:
-        res = simulate(reqs, make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
-        return max(r.finish_s for r in res.requests)
+        return max(r.finish_s for r in sim(reqs).requests)
 
     n = 8
     for _ in range(4):
-        res = simulate(make(n), make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
+        res = sim(make(n))
         busy = sum(st.predicted_s for st in res.steps) or 1e-3
         n = int(min(400, max(4, round(n * load * seconds / busy))))
     reqs = make(n)
     rng = random.Random(seed + 1)
     t = ends(reqs)
     for k in range(WAKE_TAIL):
-        alone = Request(f"replay{seed}-{n + k}", 0.0, rng.randint(16, 48), rng.randint(2, 4))
+        rid, prompt, out = f"replay{seed}-{n + k}", rng.randint(16, 48), rng.randint(2, 4)
         t += WAKE_GAPS_S[k % len(WAKE_GAPS_S)] * min(1.0, seconds / WAKE_SCALE_S)
-        reqs.append(Request(alone.id, round(t, 4), alone.prompt_tokens, alone.output_tokens))
-        t += ends([alone])
+        reqs.append(Request(rid, round(t, 4), prompt, out))
+        t += ends([Request(rid, 0.0, prompt, out)])  # (served alone: its own time)
     return reqs
 
 
