@@ -54,27 +54,35 @@ def median_summary(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def hold_one_out(sim: float | None, runs: Sequence[float]) -> tuple[float, float] | None:
+def hold_one_out(
+    sim: float | None, runs: Sequence[float], sims: Sequence[float] | None = None
+) -> tuple[float, float] | None:
     """Each real run held out in turn against the median of the others: (the simulation's mean
     |error| %, the held-out run's own mean |error| %) against those same references. The second
     is the machine's repeat error, what predicting one run from the others costs a perfect
     simulator that is only as steady as the machine; the first, the simulation put in the same
-    place. None with fewer than two runs or no simulated value."""
-    if sim is None or len(runs) < 2:
+    place. ``sims``: one simulation per real run (each made at the machine's speed probed around
+    that run): the others' median is then predicted by the median of the others' simulations.
+    None with fewer than two runs or no simulated value."""
+    if sims is not None and len(sims) != len(runs):
+        raise ValueError(f"hold_one_out: {len(sims)} simulations for {len(runs)} real runs")
+    if (sim is None and sims is None) or len(runs) < 2:
         return None
     se, re_ = [], []
     for i, held in enumerate(runs):
         ref = statistics.median(runs[:i] + runs[i + 1 :])
-        if ref:
-            se.append(100.0 * abs(sim - ref) / abs(ref))
+        pred = sim if sims is None else statistics.median(list(sims[:i]) + list(sims[i + 1 :]))
+        if ref and pred is not None:
+            se.append(100.0 * abs(pred - ref) / abs(ref))
             re_.append(100.0 * abs(held - ref) / abs(ref))
     return (statistics.fmean(se), statistics.fmean(re_)) if se else None
 
 
 def repeat_summary(metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, float] | None:
     """Over a comparison's metrics: the median and worst of the simulation's and of a real run's
-    hold-one-out error (``hold_one_out``); None without several real runs."""
-    pairs = [hold_one_out(r.get("sim"), list(r.get("real_runs") or [])) for r in metrics.values()]
+    hold-one-out error (``hold_one_out``; a metric's ``sim_runs``, where given: one simulation
+    per real run); None without several real runs."""
+    pairs = [hold_one_out(r.get("sim"), list(r.get("real_runs") or []), r.get("sim_runs")) for r in metrics.values()]
     pairs = [p for p in pairs if p is not None]
     if not pairs:
         return None

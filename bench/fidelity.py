@@ -116,6 +116,12 @@ def main() -> None:
         help="how validate times the machine's speed before and after the runs (drift-adjusted): the "
         "calibration's own replay run again (default), or the profile's isolated reference passes",
     )
+    ap.add_argument(
+        "--speed-every-run",
+        action="store_true",
+        help="time the machine's speed after every real run too (each run then has its own, from the "
+        "probes just before and after it: drift-adjusted per run); ~1.5x the time with the replay probe",
+    )
     ap.add_argument("--out", default=str(common.result_path("fidelity")))
     ap.add_argument("--keep", default=None, help="keep the run directories (and the replay's) here")
     ap.add_argument(
@@ -157,6 +163,7 @@ def main() -> None:
         "repeat": args.repeat,
         "noise": args.noise,
         "speed_probe": None if args.rescore else args.speed_probe,
+        "speed_every_run": None if args.rescore else args.speed_every_run,
         "rev": common.git_rev(),
         "openblas_num_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
         "blas": {k: v for k, v in blas.info().items() if k in ("name", "threads", "thread_timeout")},
@@ -268,6 +275,7 @@ def run_model(model: str, policies: list[str], trace_specs, args, work: Path) ->
             lambda m: print(f"{model} {key[:40]}: {m}", flush=True),
             speed_check_runs=not args.no_speed_check,
             speed_probe=args.speed_probe,
+            speed_every_run=args.speed_every_run,
         )
         for pname in policies:
             _record(res, model, key, pname, vs[pname][0])
@@ -441,12 +449,13 @@ def _drift_again(
     v: dict, old: dict, make, pname: str, tr, cost, capacity, reals: list, kept_runs: list, coef: dict | None
 ) -> None:
     """A re-score's drift-adjusted comparison, from the kept probes: at the mean of the speeds
-    probed before and after the runs, as it was made then. Each run's steps predicted as the kept
-    run predicted them (by ``coef`` when the profile was fitted again)."""
+    probed before and after the runs, or (probed after every run) at each run's own, as it was
+    made then. Each run's steps predicted as the kept run predicted them (by ``coef`` when the
+    profile was fitted again)."""
     from collections import namedtuple
 
     from schedlab.analysis.runfit import step_predictions
-    from schedlab.api._validation import drift_adjusted
+    from schedlab.api._validation import drift_adjusted, run_factors
 
     ms = old["machine_speed"]
     v["machine_speed"] = ms
@@ -455,7 +464,18 @@ def _drift_again(
         [Step(float(p), float(m)) for p, m in zip(step_predictions(r.cols, coef), r.cols["measured_s"])]
         for r in kept_runs
     ]
-    adj = drift_adjusted(make(pname), tr, cost, capacity, ms, reals, [s for st in run_steps for s in st])
+    factors = run_factors(ms["probes"], ms["runs"]) if ms.get("probes") and ms.get("runs") else None
+    adj = drift_adjusted(
+        make(pname),
+        tr,
+        cost,
+        capacity,
+        ms,
+        reals,
+        [s for st in run_steps for s in st],
+        factors,
+        run_steps if factors else None,
+    )
     if adj is not None:
         v["drift_adjusted"] = adj
 
@@ -534,6 +554,15 @@ def _per_policy(rows: list[dict]) -> dict:
             "median_abs_error_pct": statistics.median(a["median_abs_error_pct"] for a in adj),
             "max_abs_error_pct": max(a["max_abs_error_pct"] for a in adj),
         }
+        per_run = [a for a in adj if a.get("step_ratio_median") is not None]
+        if per_run:  # each run at its own probed speed
+            out["drift_adjusted"]["step_ratio_median"] = statistics.median(a["step_ratio_median"] for a in per_run)
+            held = [a["hold_one_out"] for a in per_run if a.get("hold_one_out")]
+            if held:
+                out["drift_adjusted"]["hold_one_out"] = {
+                    "sim_median_pct": statistics.median(h["sim_median_pct"] for h in held),
+                    "real_median_pct": statistics.median(h["real_median_pct"] for h in held),
+                }
     sm = [r["speed_matched"] for r in rows if r.get("speed_matched")]
     if sm:
         speeds = [f for a in sm for f in a["speeds"]]
@@ -587,6 +616,22 @@ def overall(rows: list[dict]) -> dict:
     hoo = hold_one_out_overall(rows)
     if hoo:
         out["hold_one_out"] = hoo
+    held = [
+        (a["hold_one_out"], a["step_ratio_median"])
+        for r in rows
+        if (a := _applied_adjustment(r)) and a.get("hold_one_out")
+    ]
+    if held:  # each run simulated at the speed probed just before and after it
+        med = statistics.median
+        out["hold_one_out_drift_adjusted"] = {
+            "rows": len(held),
+            "sim_median_pct": med(h["sim_median_pct"] for h, _ in held),
+            "real_median_pct": med(h["real_median_pct"] for h, _ in held),
+            "rows_sim_median_within_real": sum(h["sim_median_pct"] <= h["real_median_pct"] for h, _ in held),
+            "step_ratio_median_min": min(r for _, r in held),
+            "step_ratio_median_max": max(r for _, r in held),
+            "rows_step_ratio_within_5pct": sum(abs(r - 1.0) <= 0.05 for _, r in held),
+        }
     return out
 
 
@@ -780,6 +825,16 @@ def format_markdown(out: dict) -> str:
                 f"{h['real_median_pct']:.1f} % / {h['real_worst_pct']:.1f} % (the machine's repeat error); the "
                 f"simulation no further off than a real run in {h['rows_sim_median_within_real']} rows "
                 f"(worst: {h['rows_sim_worst_within_real']})"
+            )
+        h = ov.get("hold_one_out_drift_adjusted")
+        if h:
+            lines.append(
+                f"drift-adjusted per run (each run simulated at the speed probed just before and after it; "
+                f"{h['rows']} rows): held out, the simulation {h['sim_median_pct']:.1f} %, a real run "
+                f"{h['real_median_pct']:.1f} %; no further off than a real run in "
+                f"{h['rows_sim_median_within_real']} rows; step median measured/predicted "
+                f"{h['step_ratio_median_min']:.3f}-{h['step_ratio_median_max']:.3f}, within 1 +- 0.05 in "
+                f"{h['rows_step_ratio_within_5pct']} rows"
             )
         if ov.get("run_speeds"):
             rs = ov["run_speeds"]

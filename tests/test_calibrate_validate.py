@@ -194,6 +194,14 @@ def test_hold_one_out_puts_the_simulation_where_a_real_run_stands():
     # a simulation that sits at the runs' median is no further off than a run; one far off is
     assert hold_one_out(110.0, runs)[0] < real_err < hold_one_out(150.0, runs)[0]
     assert hold_one_out(105.0, [100.0]) is None and hold_one_out(None, runs) is None
+    # one simulation per run (each at its run's probed speed): the others' median is predicted by
+    # the median of the others' simulations
+    assert hold_one_out(None, runs, sims=runs)[0] == 0.0
+    assert hold_one_out(None, runs, sims=[100.0, 110.0, 150.0])[0] == pytest.approx(
+        (100 * abs(130 - 120) / 120 + 100 * abs(125 - 115) / 115 + 0.0) / 3
+    )
+    with pytest.raises(ValueError, match="2 simulations for 3 real runs"):
+        hold_one_out(None, runs, sims=[100.0, 110.0])
     # in compare: with several real runs, per comparison (median and worst over the metrics)
     sim = {
         "ttft_ms": {"p50": 100.0, "p90": 200.0, "p99": 300.0},

@@ -128,3 +128,47 @@ def test_a_planted_loop_cost_shows_in_the_loop_part_and_only_there():
     text = format_step_split(rows, "title")
     assert text.splitlines()[0] == "title" and len(text.splitlines()) == len(rows) + 2
     assert "-" in format_step_split(bare).splitlines()[-1]
+
+
+def test_the_drift_adjustment_per_run_simulates_each_run_at_the_speed_probed_around_it():
+    """Two stand-in real runs on a machine 1.3x and 0.85x as slow as the cost model (the policy
+    planning with the model, as a real run's does), each bracketed by probes that read its speed:
+    each run simulated at its own probed speed matches it; the same speeds given to the wrong
+    runs, or one speed for both, do not."""
+    from schedlab.api._validation import run_factors
+    from schedlab.sim.backend import SimBackend
+
+    cost, tr = LinearCostModel.from_profile(resolve_profile(None)), traces.load("real-mixed")
+    planted = [1.3, 0.85]
+    reals, run_steps = [], []
+    for f in planted:
+        machine = LinearCostModel(dict(cost.coefficients), meta=cost.meta)  # a measured run's machine
+        res = run(
+            tr.requests, make_policy("unified"), cost, kv_capacity=200_000, backend=SimBackend(machine, time_scale=f)
+        )
+        reals.append(summarize(res))
+        run_steps.append(res.steps)
+    probes = [{"ratio": 1.25}, {"ratio": 1.35}, {"ratio": 0.85}, None]
+    assert run_factors(probes, [(0, 1), (1, 2)]) == pytest.approx([1.3, 1.1])
+    assert run_factors(probes, [(2, 3)]) is None  # a probe missing: no per-run speed
+    speed = {"before": {"ratio": 1.3}, "after": {"ratio": 0.85}}
+    steps = [s for st in run_steps for s in st]
+
+    def adjusted(factors):
+        return drift_adjusted(make_policy("unified"), tr, cost, 200_000, speed, reals, steps, factors, run_steps)
+
+    good = adjusted(planted)
+    assert good["applied"] and good["speeds"] == pytest.approx(planted)
+    assert good["max_abs_error_pct"] < 0.5, good["error_pct"]
+    assert good["step_ratio_median"] == pytest.approx(1.0, abs=1e-6)
+    h = good["hold_one_out"]
+    assert h["sim_median_pct"] < 0.5 < h["real_median_pct"]  # each run predicted from the other's speed
+    swapped = adjusted(planted[::-1])
+    assert swapped["hold_one_out"]["sim_median_pct"] > 10 and swapped["step_ratio_median"] != pytest.approx(
+        1.0, abs=0.05
+    )
+    one = drift_adjusted(make_policy("unified"), tr, cost, 200_000, speed, reals, steps)  # the mean, for both
+    assert one["speed_factor"] == pytest.approx(1.075) and "hold_one_out" not in one
+    assert one["max_abs_error_pct"] > 5 * good["max_abs_error_pct"]
+    with pytest.raises(ValueError, match="one speed and one step list per real run"):
+        adjusted(planted[:1])

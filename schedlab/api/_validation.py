@@ -27,6 +27,7 @@ def validate_many(
     say,
     speed_check_runs: bool = True,
     speed_probe: str = "passes",
+    speed_every_run: bool = False,
 ) -> dict[str, tuple[dict, Run, list[Run]]]:
     """Policies side by side: each one's simulation, then the real runs round by round — run k
     of every policy before run k + 1 of any — and the machine's speed timed once before the
@@ -40,7 +41,10 @@ def validate_many(
     ``drift_adjusted``); ``speed_probe``: how: ``"passes"`` (the profile's reference passes,
     isolated: ``engine.calibrate.speed_check``) or ``"replay"`` (a default calibration's own
     replay run again by one policy in the real loop: ``replay_speed_check``; the reference passes
-    where the profile has no replay).
+    where the profile has no replay); ``speed_every_run``: timed after every real run too, so
+    that each run has its own speed (the mean of the probes just before and just after it): this
+    machine's speed moves in spells of seconds to minutes, which one probe before the first round
+    and one after the last cannot follow.
 
     The real runs plan and predict with the same cost model as the simulation: the policy
     sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)
@@ -78,14 +82,17 @@ def validate_many(
         got = replay_speed_check(info, speed_ref) if replay else None
         return got if got is not None else speed_check(info, speed_ref, seed=seed)
 
-    speed = {}
+    speed: dict[str, Any] = {}
+    probes: list = []  # in the order timed
+    brackets: dict[str, list[tuple[int, int]]] = {name: [] for name in pols}  # per real run
+    every = speed_ref is not None and speed_every_run
     if speed_ref is not None:
         say(
-            "running the profile's replay again (the machine's speed now)"
-            if replay
-            else "timing the profile's reference passes (the machine's speed now)"
+            ("running the profile's replay again" if replay else "timing the profile's reference passes")
+            + (" (the machine's speed now, and again after every real run)" if every else " (the machine's speed now)")
         )
         speed["before"] = time_speed()
+        probes.append(speed["before"])
     reals: dict[str, list[Run]] = {name: [] for name in pols}
     for k in range(repeat):
         for name, pol in pols.items():
@@ -104,8 +111,13 @@ def validate_many(
             if res.error:
                 fail(f"{pol.name}: real run stopped: {res.error}")
             reals[name].append(real)
+            if every:
+                probes.append(time_speed())
+                brackets[name].append((len(probes) - 2, len(probes) - 1))
     if speed_ref is not None:
-        speed["after"] = time_speed()
+        speed["after"] = probes[-1] if every else time_speed()
+        if every:
+            speed["probes"] = probes
     out = {}
     for name, pol in pols.items():
         summaries = [r._summary for r in reals[name]]
@@ -117,8 +129,11 @@ def validate_many(
         v["residuals"] = residual_table(feats)
         v["step_split"] = step_split(feats, getattr(cost, "coefficients", None))
         if speed_ref is not None:
-            v["machine_speed"] = speed
-            adj = drift_adjusted(pol, tr, cost, capacity, speed, summaries, steps)
+            v["machine_speed"] = dict(speed, runs=brackets[name]) if every else speed
+            factors = run_factors(probes, brackets[name]) if every else None
+            adj = drift_adjusted(
+                pol, tr, cost, capacity, speed, summaries, steps, factors, [r._result.steps for r in reals[name]]
+            )
             if adj is not None:
                 v["drift_adjusted"] = adj
         matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables])
@@ -143,32 +158,87 @@ def drift_explains(speed_factor: float, step_ratio: float | None) -> bool:
     return step_ratio is not None and (speed_factor - 1.0) * (step_ratio - 1.0) > 0
 
 
-def drift_adjusted(pol, tr, cost, capacity, speed: dict, reals: list, steps: list) -> dict | None:
+def run_factors(probes: list, brackets: list[tuple[int, int]]) -> list[float] | None:
+    """Each real run's speed from the probes timed around it (``brackets``: the indices of the
+    probe just before and just after it): the mean of their ratios. None where one is missing."""
+    out = []
+    for i, j in brackets:
+        got = [p["ratio"] for p in (probes[i], probes[j]) if p and p.get("ratio")]
+        if len(got) != 2:
+            return None
+        out.append(sum(got) / 2)
+    return out or None
+
+
+def drift_adjusted(
+    pol,
+    tr,
+    cost,
+    capacity,
+    speed: dict,
+    reals: list,
+    steps: list,
+    factors: list[float] | None = None,
+    run_steps: list[list] | None = None,
+) -> dict | None:
     """The simulation again with every pass scaled by the machine's measured speed during the
-    real runs (the mean of the before/after ratios), compared with the same real runs: how far
-    the model is once the machine's drift is taken out; only where that speed explains the real
-    steps' bias in direction (``drift_explains``; else ``applied`` False, with both ratios).
-    Reported beside the plain comparison, never instead of it."""
-    from schedlab.analysis.validation import compare as compare_runs
+    real runs, compared with the same real runs: how far the model is once the machine's drift
+    is taken out; only where that speed explains the real steps' bias in direction
+    (``drift_explains``; else ``applied`` False, with both ratios). Reported beside the plain
+    comparison, never instead of it.
+
+    The speed: the mean of the before/after probes' ratios. With ``factors`` (one per real run,
+    ``run_factors``: probed just before and just after it) and ``run_steps`` (each run's steps):
+    one simulation per run at its own speed (the policy planning with the profile, as in the real
+    run: only the passes' seconds scaled), compared per metric by their median; each run held out
+    against the others' simulations (``hold_one_out``); each run's steps against their
+    predictions at its speed (``step_ratio_median``). The speeds come from probes, not from the
+    runs' own steps: a per-step cost the model misses still shows (unlike ``speed_matched``)."""
+    from schedlab.analysis.validation import compare as compare_runs, median_summary, repeat_summary
     from schedlab.sim import run as run_loop
+    from schedlab.sim.backend import SimBackend
     from schedlab.sim.cost import ScaledCostModel
     from schedlab.sim.metrics import summarize
 
+    if factors is not None and (run_steps is None or len(factors) != len(reals) or len(run_steps) != len(reals)):
+        raise ValueError("drift_adjusted: one speed and one step list per real run")
     ratios = [r["ratio"] for r in (speed.get("before"), speed.get("after")) if r and r.get("ratio")]
-    if not ratios:
+    if not ratios and not factors:
         return None
-    factor = sum(ratios) / len(ratios)
+    factor = sum(factors) / len(factors) if factors else sum(ratios) / len(ratios)
     timed = [(s.predicted_s, s.measured_s) for s in steps if s.predicted_s and s.measured_s and s.measured_s > 0]
     step_ratio = sum(m for _, m in timed) / sum(p for p, _ in timed) if timed else None
     if not drift_explains(factor, step_ratio):
         return {"speed_factor": factor, "step_ratio": step_ratio, "applied": False}
-    res = run_loop(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
-    scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
-    c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
-    return {
-        "speed_factor": factor,
-        "step_ratio": step_ratio,
-        "applied": True,
+    out: dict[str, Any] = {"speed_factor": factor, "step_ratio": step_ratio, "applied": True}
+    if factors is None:
+        res = run_loop(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
+        scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
+        c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
+    else:
+        sims = [
+            summarize(
+                run_loop(
+                    tr.requests,
+                    pol,
+                    cost,
+                    kv_capacity=capacity,
+                    trace_name=tr.name,
+                    backend=SimBackend(cost, time_scale=f),
+                )
+            )
+            for f in factors
+        ]
+        scaled = [s._replace(predicted_s=s.predicted_s * f) for f, st in zip(factors, run_steps) for s in st]
+        c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
+        per = [compare_runs(one, reals, policy=pol.name, trace=tr.name)["metrics"] for one in sims]
+        ratios_ = sorted(s.measured_s / s.predicted_s for s in scaled if s.predicted_s and s.measured_s)
+        out["speeds"] = [round(f, 4) for f in factors]
+        out["step_ratio_median"] = ratios_[len(ratios_) // 2] if ratios_ else None
+        out["hold_one_out"] = repeat_summary(
+            {k: dict(r, sim_runs=[p[k]["sim"] for p in per]) for k, r in c["metrics"].items()}
+        )
+    return out | {
         "median_abs_error_pct": c["median_abs_error_pct"],
         "max_abs_error_pct": c["max_abs_error_pct"],
         "step_error_pct": c["step_error_pct"],
