@@ -232,7 +232,7 @@ def format_table(v: Mapping[str, Any]) -> str:
         )
     elif adj and adj.get("median_abs_error_pct") is not None:
         how = (
-            f"the simulation made at each run's speed probed between the rounds, x{min(adj['speeds']):.2f}-"
+            f"one simulation per real run at its speed probed just before and after it, x{min(adj['speeds']):.2f}-"
             f"{max(adj['speeds']):.2f}"
             if adj.get("speeds")
             else f"the simulation with every pass x{adj['speed_factor']:.2f}, the machine's measured speed"
@@ -240,7 +240,18 @@ def format_table(v: Mapping[str, Any]) -> str:
         lines.append(
             f"drift-adjusted ({how}): median |error| {adj['median_abs_error_pct']:.1f} %, max "
             f"{adj['max_abs_error_pct']:.1f} %, step median |{adj['step_error_pct']['p50']:.1f}| %"
+            + (
+                f", measured/predicted {adj['step_ratio_median']:.3f}"
+                if adj.get("step_ratio_median") is not None
+                else ""
+            )
         )
+        h = adj.get("hold_one_out")
+        if h:
+            lines.append(
+                f"drift-adjusted, each real run held out against the others' median: the simulations off by "
+                f"{h['sim_median_pct']:.1f} % (median over the metrics), a real run by {h['real_median_pct']:.1f} %"
+            )
     sm = v.get("speed_matched")
     if sm and sm.get("median_abs_error_pct") is not None:
         speeds = sm["speeds"]

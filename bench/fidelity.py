@@ -616,6 +616,22 @@ def overall(rows: list[dict]) -> dict:
     hoo = hold_one_out_overall(rows)
     if hoo:
         out["hold_one_out"] = hoo
+    # how well the probes around each run tell its speed: the run's own (its steps' measured over
+    # predicted total) over the mean of the probes just before and after it
+    track = [
+        own / probed
+        for r in rows
+        if (a := _applied_adjustment(r)) and a.get("speeds") and r.get("speed_matched")
+        for own, probed in zip(r["speed_matched"]["speeds"], a["speeds"])
+    ]
+    if track:
+        out["probe_tracking"] = {
+            "runs": len(track),
+            "own_over_probed_median": statistics.median(track),
+            "own_over_probed_min": min(track),
+            "own_over_probed_max": max(track),
+            "runs_within_10pct": sum(abs(t - 1.0) <= 0.10 for t in track),
+        }
     held = [
         (a["hold_one_out"], a["step_ratio_median"])
         for r in rows
@@ -835,6 +851,13 @@ def format_markdown(out: dict) -> str:
                 f"{h['rows_sim_median_within_real']} rows; step median measured/predicted "
                 f"{h['step_ratio_median_min']:.3f}-{h['step_ratio_median_max']:.3f}, within 1 +- 0.05 in "
                 f"{h['rows_step_ratio_within_5pct']} rows"
+            )
+        t = ov.get("probe_tracking")
+        if t:
+            lines.append(
+                f"the probes around a run against its own speed ({t['runs']} runs): "
+                f"{t['own_over_probed_median']:.2f}x (median), {t['own_over_probed_min']:.2f}-"
+                f"{t['own_over_probed_max']:.2f}x; within 10 % in {t['runs_within_10pct']}"
             )
         if ov.get("run_speeds"):
             rs = ov["run_speeds"]

@@ -414,6 +414,10 @@ def _bad_cases(tmp):
             "either profile or hardware",
         ),
         (lambda: S.validate("static", "real-smoke", model="micro", hardware="warp-drive"), "unknown hardware"),
+        (
+            lambda: S.validate("static", "real-smoke", model="micro", speed_probe="wall"),
+            "speed_probe must be 'passes' or 'replay', not 'wall'",
+        ),
         (lambda: S.sweep("chunked-prefill", "mixed", rates=[0, 1]), "every rate must be a finite number > 0"),
         (lambda: S.sweep("chunked-prefill", "mixed", rates=[1], attainment=1.5), "attainment must be in (0, 1]"),
         (lambda: S.sweep("chunked-prefill", one, rates=[1]), "cannot set a rate"),

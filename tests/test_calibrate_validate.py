@@ -450,10 +450,10 @@ def test_the_grids_steady_decode_sample_skips_the_passes_right_after_the_batch_f
 
 @pytest.mark.slow
 def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path):
-    """``speed_probe="replay"``: the machine's speed before and after the real runs is the
-    default calibration's own replay trace run again in the real loop (drawn again from the
-    profile's grid samples), and the drift-adjusted simulation runs at its mean; a profile
-    without a replay falls back to the reference passes."""
+    """``speed_probe="replay"``: the machine's speed before and after the real runs (here after
+    each of them too) is the default calibration's own replay trace run again in the real loop
+    (drawn again from the profile's grid samples), and the drift-adjusted simulation runs at each
+    run's speed; a profile without a replay falls back to the reference passes."""
     import pandas as pd
 
     from schedlab import traces
@@ -497,17 +497,23 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
         cost,
         10**6,
         {},
-        1,
+        2,
         5,
         {"kind": "linear", "profile": str(path)},
         said.append,
         speed_probe="replay",
+        speed_every_run=True,
     )
     v = out["unified"][0]
     ms = v["machine_speed"]
     assert ms["before"]["kind"] == ms["after"]["kind"] == "replay" and "points" not in ms["before"]
     assert ms["before"]["requests"] == len(again)  # the calibration's replay, not one of the validation's seed
-    assert v["drift_adjusted"]["speed_factor"] == pytest.approx((ms["before"]["ratio"] + ms["after"]["ratio"]) / 2)
+    # probed before the first run and after each: each run's speed from the probes either side of it
+    p = [x["ratio"] for x in ms["probes"]]
+    assert len(p) == 3 and ms["runs"] == [(0, 1), (1, 2)] and ms["after"] is ms["probes"][-1]
+    assert v["drift_adjusted"]["speed_factor"] == pytest.approx(((p[0] + p[1]) / 2 + (p[1] + p[2]) / 2) / 2)
+    if v["drift_adjusted"]["applied"]:
+        assert v["drift_adjusted"]["speeds"] == pytest.approx([(p[0] + p[1]) / 2, (p[1] + p[2]) / 2], abs=1e-4)
     assert sum("replay again" in m for m in said) == 1  # said once, before the runs
     assert speed_line(ms).startswith("machine speed: the profile's own replay ran at")
     # a grid-only profile has no replay to run: the reference passes

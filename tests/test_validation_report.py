@@ -163,6 +163,12 @@ def test_the_drift_adjustment_per_run_simulates_each_run_at_the_speed_probed_aro
     assert good["step_ratio_median"] == pytest.approx(1.0, abs=1e-6)
     h = good["hold_one_out"]
     assert h["sim_median_pct"] < 0.5 < h["real_median_pct"]  # each run predicted from the other's speed
+    v = compare(reals[0], reals, policy="unified", trace=tr.name, real_steps=steps)
+    v["drift_adjusted"] = good
+    text = format_table(v)
+    assert "one simulation per real run at its speed probed just before and after it, x0.85-1.30" in text
+    assert f"measured/predicted {good['step_ratio_median']:.3f}" in text
+    assert f"the simulations off by {h['sim_median_pct']:.1f} %" in text
     swapped = adjusted(planted[::-1])
     assert swapped["hold_one_out"]["sim_median_pct"] > 10 and swapped["step_ratio_median"] != pytest.approx(
         1.0, abs=0.05

@@ -248,6 +248,8 @@ def validate(
     noise: str | None = None,
     log: Log | None = None,
     on_result: Callable[[str, dict], None] | None = None,
+    speed_probe: str = "passes",
+    probe_every_run: bool = False,
 ) -> Validation:
     """Run ``policy`` for real (MLX) and in simulation on the same trace and cost model, and
     compare (the ``validate`` command).
@@ -259,7 +261,12 @@ def validate(
     per policy (the measured value is their median); ``out``: write validation.json and the
     runs' directories there as they come; ``noise``: the real runs' noise settings (see
     ``run_real``). ``log`` hears progress and notes; ``on_result(policy, result)`` is called as
-    each policy's comparison is done (``result``: what its validation.json holds)."""
+    each policy's comparison is done (``result``: what its validation.json holds).
+    ``speed_probe``: how the machine's speed is timed around the real runs, for the
+    drift-adjusted comparison: ``"passes"`` (the profile's reference passes, isolated: seconds)
+    or ``"replay"`` (a default calibration's own replay run again in the real loop: its steps'
+    regime, ~10 s at the default length); ``probe_every_run``: timed after every real run too,
+    so that each run is simulated at its own speed (the machine's speed moves within minutes)."""
     from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
 
     log = logger(log)
@@ -277,11 +284,14 @@ def validate(
         if hardware.strip().lower() not in list_hardware():
             fail(f"unknown hardware '{hardware}' (presets: {', '.join(list_hardware())}; cpu-local is this machine)", 2)
     check_kv_tokens(kv_tokens)
+    if speed_probe not in ("passes", "replay"):
+        fail(f"{opt('speed_probe')} must be 'passes' or 'replay', not {speed_probe!r}", 2)
+    probe = {"speed_probe": speed_probe, "speed_every_run": bool(probe_every_run)}
     with noise_env(noise):
-        return _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result)
+        return _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe)
 
 
-def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result):
+def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe):
     from schedlab.engine import blas
     from schedlab.engine.models import load_model
 
@@ -302,7 +312,7 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
 
     results, sims, reals = {}, {}, {}
     dirs = {name: None if out is None else (out if len(pols) == 1 else out / name) for name in pols}
-    got = validate_many(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say)
+    got = validate_many(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say, **probe)
     for name, (v, sim_run, real_runs) in got.items():
         results[name], sims[name], reals[name] = v, sim_run, real_runs
         if on_result is not None:

@@ -68,6 +68,17 @@ def validate(
         "by rows, tokens, context, joins/leaves, idle gap, batch change) and each step kind "
         "split into its passes and the loop's own time, each against its prediction",
     ),
+    speed_probe: str = typer.Option(
+        "passes",
+        "--speed-probe",
+        help="how the machine's speed is timed around the real runs (the drift-adjusted comparison): passes "
+        "(the profile's reference passes, seconds) or replay (a default calibration's own replay in the real loop)",
+    ),
+    probe_every_run: bool = typer.Option(
+        False,
+        "--probe-every-run",
+        help="time the machine's speed after every real run too: each run simulated at its own speed",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only the tables"),
 ) -> None:
     """Validate the simulator against the real engine for POLICY on TRACE."""
@@ -117,6 +128,8 @@ def validate(
         noise=noise,
         log=log_to_stderr("validate", quiet),
         on_result=done,
+        speed_probe=speed_probe,
+        probe_every_run=probe_every_run,
     )
     if len(val.results) > 1:
         print(format_overview(val.results))
