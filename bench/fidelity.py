@@ -438,7 +438,7 @@ def rescore_model(
             if old.get("machine_speed"):  # the drift-adjusted comparison again, at the kept probes' speeds
                 _drift_again(v, old, make_policy, pname, tr, cost, capacity, reals, kept_runs, coef)
             speeds = [run_speed(r.cols, coef) for r in kept_runs]
-            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds)
+            matched = speed_matched(make_policy(pname), tr, cost, capacity, reals, speeds, _kept_steps(kept_runs, coef))
             if matched is not None:
                 v["speed_matched"] = matched
             _record(res, model, key, pname, v)
@@ -452,18 +452,11 @@ def _drift_again(
     probed before and after the runs, or (probed after every run) at each run's own, as it was
     made then. Each run's steps predicted as the kept run predicted them (by ``coef`` when the
     profile was fitted again)."""
-    from collections import namedtuple
-
-    from schedlab.analysis.runfit import step_predictions
     from schedlab.api._validation import drift_adjusted, run_factors
 
     ms = old["machine_speed"]
     v["machine_speed"] = ms
-    Step = namedtuple("Step", "predicted_s measured_s")
-    run_steps = [
-        [Step(float(p), float(m)) for p, m in zip(step_predictions(r.cols, coef), r.cols["measured_s"])]
-        for r in kept_runs
-    ]
+    run_steps = _kept_steps(kept_runs, coef)
     factors = run_factors(ms["probes"], ms["runs"]) if ms.get("probes") and ms.get("runs") else None
     adj = drift_adjusted(
         make(pname),
@@ -478,6 +471,20 @@ def _drift_again(
     )
     if adj is not None:
         v["drift_adjusted"] = adj
+
+
+def _kept_steps(kept_runs: list, coef: dict | None) -> list[list]:
+    """Each kept real run's steps (predicted as the run predicted them, or by ``coef`` when the
+    profile was fitted again, and measured), as validate's drift and speed comparisons take them."""
+    from collections import namedtuple
+
+    from schedlab.analysis.runfit import step_predictions
+
+    Step = namedtuple("Step", "predicted_s measured_s")
+    return [
+        [Step(float(p), float(m)) for p, m in zip(step_predictions(r.cols, coef), r.cols["measured_s"])]
+        for r in kept_runs
+    ]
 
 
 def _record(res: dict, model: str, key: str, pname: str, v: dict) -> None:
@@ -607,6 +614,15 @@ def overall(rows: list[dict]) -> dict:
     if sm:
         out["speed_matched"] = sm
         speeds = [f for r in rows if r.get("speed_matched") for f in r["speed_matched"]["speeds"]]
+        med = [
+            r["speed_matched"]["step_ratio_median"]
+            for r in rows
+            if (r.get("speed_matched") or {}).get("step_ratio_median")
+        ]
+        if med:  # the steps against their predictions at each run's own speed
+            out["speed_matched"]["step_ratio_median_min"] = min(med)
+            out["speed_matched"]["step_ratio_median_max"] = max(med)
+            out["speed_matched"]["rows_step_ratio_within_5pct"] = sum(abs(x - 1.0) <= 0.05 for x in med)
         out["run_speeds"] = {
             "min": min(speeds),
             "median": statistics.median(speeds),

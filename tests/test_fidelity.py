@@ -331,7 +331,7 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
     tr = traces.load("real-mixed")
     cap = 200_000
     planted = [1.25, 0.85]
-    reals, speeds = [], []
+    reals, speeds, steps = [], [], []
     for f in planted:
         machine = LinearCostModel(dict(cost.coefficients), meta=cost.meta)  # not the policy's object: a measured run
         res = run(
@@ -345,6 +345,7 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
         assert res.error is None
         reals.append(summarize(res))
         speeds.append(run_speed(step_table(res)))
+        steps.append(res.steps)
     assert speeds == pytest.approx(planted, rel=1e-3)
     plain = compare(
         summarize(run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap, trace_name=tr.name)),
@@ -353,9 +354,16 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
         trace=tr.name,
     )
     assert plain["metrics"]["itl_ms.p50"]["error_pct"] == pytest.approx(-20.0, abs=2.0)  # 1/1.25
-    m = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, speeds)
+    m = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, speeds, steps)
     assert m["speeds"] == pytest.approx(planted, rel=1e-3)
     assert m["max_abs_error_pct"] < 0.5, m["error_pct"]
+    # every step against its prediction at its own run's speed: exact; at the other run's, not
+    assert m["step_ratio_median"] == pytest.approx(1.0, rel=1e-3) and m["step_ratio_mean"] == pytest.approx(
+        1.0, rel=1e-3
+    )
+    crossed = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, speeds[::-1], steps)
+    assert abs(crossed["step_ratio_median"] - 1.0) > 0.3  # one run's steps at 1.47x, the other's at 0.68x
+    assert "step_ratio_median" not in speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, speeds)
     # no speed taken out: the simulation at 1.0 against the runs' median (about 1.05x)
     none = speed_matched(make_policy("chunked-prefill"), tr, cost, cap, reals, [1.0, 1.0])
     assert none["error_pct"]["itl_ms.p50"] == pytest.approx(100 * (1 / 1.05 - 1), abs=1.0)

@@ -136,7 +136,9 @@ def validate_many(
             )
             if adj is not None:
                 v["drift_adjusted"] = adj
-        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables])
+        matched = speed_matched(
+            pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables], [r._result.steps for r in reals[name]]
+        )
         if matched is not None:
             v["speed_matched"] = matched
         v["model"] = info.name
@@ -232,7 +234,7 @@ def drift_adjusted(
         scaled = [s._replace(predicted_s=s.predicted_s * f) for f, st in zip(factors, run_steps) for s in st]
         c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
         per = [compare_runs(one, reals, policy=pol.name, trace=tr.name)["metrics"] for one in sims]
-        ratios_ = sorted(s.measured_s / s.predicted_s for s in scaled if s.predicted_s and s.measured_s)
+        ratios_ = scaled_step_ratios(factors, run_steps)
         out["speeds"] = [round(f, 4) for f in factors]
         out["step_ratio_median"] = ratios_[len(ratios_) // 2] if ratios_ else None
         out["hold_one_out"] = repeat_summary(
@@ -254,7 +256,9 @@ def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
     return speed(cols, coef)
 
 
-def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | None:
+def speed_matched(
+    pol, tr, cost, capacity, reals: list, speeds: list, run_steps: list[list] | None = None
+) -> dict | None:
     """The comparison again with the simulation made at each real run's own speed (``run_speed``:
     the one number a real run tells about the machine as a whole while it ran; the policy still
     plans with the cost model, as it did in the real run): per metric the median of those
@@ -262,7 +266,9 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | 
     shared machine that speed moves by tens of percent between identical runs minutes apart;
     this takes it out, so what remains is the model's — the order and shape of the steps, the
     queueing they cause — while the speeds are reported beside it. Reported beside the plain
-    comparison, never instead of it."""
+    comparison, never instead of it. With ``run_steps`` (each run's steps): the steps' median
+    and mean measured/(predicted x their run's speed), ``step_ratio_median``/``_mean``: what is
+    left of the per-step error once each run's speed is known exactly."""
     from schedlab.analysis.validation import compare as compare_runs, median_summary
     from schedlab.sim import run as run_loop
     from schedlab.sim.backend import SimBackend
@@ -279,12 +285,28 @@ def speed_matched(pol, tr, cost, capacity, reals: list, speeds: list) -> dict | 
         for f in speeds
     ]
     c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name)
-    return {
+    out = {
         "speeds": [round(f, 4) for f in speeds],
         "median_abs_error_pct": c["median_abs_error_pct"],
         "max_abs_error_pct": c["max_abs_error_pct"],
         "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()},
     }
+    if run_steps is not None and len(run_steps) == len(speeds):
+        ratios = scaled_step_ratios(speeds, run_steps)
+        if ratios:
+            out["step_ratio_median"] = ratios[len(ratios) // 2]
+            out["step_ratio_mean"] = sum(ratios) / len(ratios)
+    return out
+
+
+def scaled_step_ratios(factors: list[float], run_steps: list[list]) -> list[float]:
+    """Every real step's measured / (predicted x its run's speed factor), sorted."""
+    return sorted(
+        s.measured_s / (s.predicted_s * f)
+        for f, st in zip(factors, run_steps)
+        for s in st
+        if s.predicted_s and s.measured_s and s.measured_s > 0
+    )
 
 
 def _speed_reference(cost_meta: dict) -> dict | None:
