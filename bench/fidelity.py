@@ -18,10 +18,13 @@ runs interleaved round by round, so that the machine's drift meets every policy 
 - drift-adjusted: the simulation made again at the machine's speed timed before and after the
   policies' real runs (``--speed-probe``: the calibration's own replay run again, default, or
   the profile's isolated reference passes), at their mean: a prediction made without the runs'
-  own timings;
+  own timings; with ``--speed-every-run`` the machine is probed after every real run too and each
+  run simulated at the mean of the probes either side of it (its own held-out line and step
+  median; ``probe_tracking``: how far a run's own speed was from its probed one);
 - speed-matched: the simulation made again at each real run's own speed (its total measured /
   predicted step time; the policy still plans with the profile), compared as above: the errors
-  left once the machine's speed during the runs is taken out — the model's share.
+  left once the machine's speed during the runs is taken out — the model's share — and the
+  steps' median and mean measured/predicted at that speed.
 
 Held-out traces (none is the replay's): for tiny the bundled real-smoke and real-mixed and
 azure-conv-150 (150 consecutive requests of the Azure 2023 conversation hour, scaled); for
@@ -31,7 +34,7 @@ sized so one real run takes ~20-60 s.
 Goal (issue 13): per policy, median |error| <= 5 %, worst <= 15 %, total predicted step time
 within +-3 %, pairwise direction right; default calibration <= 3 minutes.
 
-    python bench/fidelity.py [--models tiny,smollm2-135m] [--repeat 3] [--noise gc-off]
+    python bench/fidelity.py [--models tiny,smollm2-135m] [--repeat 3] [--noise gc-off] [--speed-every-run]
                              [--out bench/results/fidelity.json] [--keep DIR] [--rescore DIR]
 
 ``--rescore DIR`` (DIR: an earlier run's ``--keep``) runs no real engine: it simulates again with
