@@ -207,3 +207,44 @@ def test_a_request_whose_counting_hangs_does_not_hold_the_ones_after_it(monkeypa
         return order
 
     assert asyncio.run(main()) == [1, 2, 3, 0]
+
+
+def test_an_idle_connection_stays_open_past_a_clients_pool_expiry():
+    """Our servers (a replica's and the cluster's front: ``server_config``) keep an idle keep-alive
+    connection open past the time an HTTP client drops it from its pool (httpx's, under the openai
+    SDK and the front: 5 s), so the client closes it first. At uvicorn's default (5 s too) a request
+    sent on a connection the server is closing that instant is lost ("Server disconnected without
+    sending a response"): here the same raw connection still answers after the client's expiry."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from schedlab.commands._http import KEEP_ALIVE_S, openai_app, server_config
+
+    app, _ = openai_app("keep-alive")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hs = uvicorn.Server(server_config(app, "127.0.0.1", port))
+    t = threading.Thread(target=hs.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not hs.started and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        expiry = httpx.Limits().keepalive_expiry
+        assert hs.started and KEEP_ALIVE_S > expiry
+        ask = b"GET /v1/no-such-path HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(ask)
+            first = c.recv(65536)
+            time.sleep(expiry + 0.5)
+            c.sendall(ask)
+            second = c.recv(65536)  # b"" had the server closed the connection
+        assert first.startswith(b"HTTP/1.1 404") and second.startswith(b"HTTP/1.1 404"), (first, second)
+    finally:
+        hs.should_exit = True
+        t.join(10)

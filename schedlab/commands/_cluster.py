@@ -48,7 +48,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest  # (module level: FastAPI resolves handler annotations here)
 
 from ..errors import SchedlabError
-from ._http import APIError, listening, models_body, openai_app
+from ._http import APIError, listening, models_body, openai_app, server_config
 
 POLL_S = 0.05  # how often the main thread looks at the replica processes
 PROBE_S = 0.5  # how often a replica down after a connection error (its process alive) is tried again
@@ -1034,14 +1034,7 @@ class Cluster:
         front = Front(
             replicas, self.router, self.router_options, model_name, self.policy_name, self.log, self.decode_router
         )
-        config = uvicorn.Config(
-            front.app,
-            host=self.host,
-            port=self.port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=5,
-        )
+        config = server_config(front.app, self.host, self.port)
         hs = uvicorn.Server(config)
         t = threading.Thread(target=hs.run, name="schedlab-front", daemon=True)
         t.start()

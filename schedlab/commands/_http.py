@@ -20,6 +20,29 @@ DEFAULT_MAX_TOKENS = 256  # a request that gives no max_tokens: at most this man
 BIAS_STEPS = 100  # GET /metrics's schedlab:cost_model_bias: over the replica's latest steps
 
 
+# How long an idle HTTP connection stays open on our servers (uvicorn's default is 5 s): longer
+# than an HTTP client keeps an idle pooled connection (httpx, under the openai SDK and the cluster
+# front, drops it after 5 s), so the client closes it first. With both at 5 s, a request sent on a
+# connection the server is closing that instant is lost ("Server disconnected without sending a
+# response"; seen in a cluster test, and a client that does not retry gets an error).
+KEEP_ALIVE_S = 65
+
+
+def server_config(app, host: str, port: int):
+    """The uvicorn configuration of a replica's server and of the cluster's front."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
+
 def openai_app(title: str):
     """A FastAPI app whose unknown paths and methods answer as OpenAI errors, and ``error``: an
     ``APIError`` as its JSON response (the single replica's server and the cluster's front)."""

@@ -70,7 +70,7 @@ from ._app import (
     pools,
     run_app,
 )
-from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server, listening
+from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server, listening, server_config
 
 # ---------------------------------------------------------------------------- the command
 
@@ -290,9 +290,7 @@ def _serve(
 
     def start_http() -> None:  # the clock runs: from now on arrivals are the run's
         srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting, kv_dir=kv_dir)
-        config = uvicorn.Config(
-            srv.app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
-        )
+        config = server_config(srv.app, host, port)
         hs = uvicorn.Server(config)
         t = threading.Thread(target=hs.run, name="schedlab-http", daemon=True)
         t.start()
