@@ -651,21 +651,13 @@ def overall(rows: list[dict]) -> dict:
             "own_over_probed_max": max(track),
             "runs_within_10pct": sum(abs(t - 1.0) <= 0.10 for t in track),
         }
-    held = [
-        (a["hold_one_out"], a["step_ratio_median"])
-        for r in rows
-        if (a := _applied_adjustment(r)) and a.get("hold_one_out")
-    ]
+    held = [a for r in rows if (a := _applied_adjustment(r)) and a.get("hold_one_out")]
     if held:  # each run simulated at the speed probed just before and after it
-        med = statistics.median
-        out["hold_one_out_drift_adjusted"] = {
-            "rows": len(held),
-            "sim_median_pct": med(h["sim_median_pct"] for h, _ in held),
-            "real_median_pct": med(h["real_median_pct"] for h, _ in held),
-            "rows_sim_median_within_real": sum(h["sim_median_pct"] <= h["real_median_pct"] for h, _ in held),
-            "step_ratio_median_min": min(r for _, r in held),
-            "step_ratio_median_max": max(r for _, r in held),
-            "rows_step_ratio_within_5pct": sum(abs(r - 1.0) <= 0.05 for _, r in held),
+        steps = [a["step_ratio_median"] for a in held]
+        out["hold_one_out_drift_adjusted"] = _held_out_over_rows([a["hold_one_out"] for a in held]) | {
+            "step_ratio_median_min": min(steps),
+            "step_ratio_median_max": max(steps),
+            "rows_step_ratio_within_5pct": sum(abs(x - 1.0) <= 0.05 for x in steps),
         }
     return out
 
@@ -677,7 +669,12 @@ def hold_one_out_overall(rows: list[dict]) -> dict | None:
     over metrics, and in how many rows the simulation is no further off than a real run."""
     from schedlab.analysis.validation import repeat_summary
 
-    got = [h for h in (repeat_summary(r["metrics"]) for r in rows) if h]
+    return _held_out_over_rows([h for h in (repeat_summary(r["metrics"]) for r in rows) if h])
+
+
+def _held_out_over_rows(got: list[dict]) -> dict | None:
+    """Rows' hold-one-out summaries (``repeat_summary``) put together: the median over the rows of
+    each one's median and worst, and how many rows have the simulation no further off than a run."""
     if not got:
         return None
     med = statistics.median

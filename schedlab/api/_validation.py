@@ -234,9 +234,8 @@ def drift_adjusted(
         scaled = [s._replace(predicted_s=s.predicted_s * f) for f, st in zip(factors, run_steps) for s in st]
         c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
         per = [compare_runs(one, reals, policy=pol.name, trace=tr.name)["metrics"] for one in sims]
-        ratios_ = scaled_step_ratios(factors, run_steps)
         out["speeds"] = [round(f, 4) for f in factors]
-        out["step_ratio_median"] = ratios_[len(ratios_) // 2] if ratios_ else None
+        out["step_ratio_median"] = (scaled_step_bias(factors, run_steps) or {}).get("median")
         out["hold_one_out"] = repeat_summary(
             {k: dict(r, sim_runs=[p[k]["sim"] for p in per]) for k, r in c["metrics"].items()}
         )
@@ -291,22 +290,22 @@ def speed_matched(
         "max_abs_error_pct": c["max_abs_error_pct"],
         "error_pct": {k: r["error_pct"] for k, r in c["metrics"].items()},
     }
-    if run_steps is not None and len(run_steps) == len(speeds):
-        ratios = scaled_step_ratios(speeds, run_steps)
-        if ratios:
-            out["step_ratio_median"] = ratios[len(ratios) // 2]
-            out["step_ratio_mean"] = sum(ratios) / len(ratios)
+    got = scaled_step_bias(speeds, run_steps) if run_steps is not None and len(run_steps) == len(speeds) else None
+    if got:
+        out["step_ratio_median"], out["step_ratio_mean"] = got["median"], got["mean"]
     return out
 
 
-def scaled_step_ratios(factors: list[float], run_steps: list[list]) -> list[float]:
-    """Every real step's measured / (predicted x its run's speed factor), sorted."""
-    return sorted(
+def scaled_step_bias(factors: list[float], run_steps: list[list]) -> dict[str, float] | None:
+    """The median and mean of every real step's measured / (predicted x its run's speed factor);
+    None without a timed step."""
+    ratios = sorted(
         s.measured_s / (s.predicted_s * f)
         for f, st in zip(factors, run_steps)
         for s in st
         if s.predicted_s and s.measured_s and s.measured_s > 0
     )
+    return {"median": ratios[len(ratios) // 2], "mean": sum(ratios) / len(ratios)} if ratios else None
 
 
 def _speed_reference(cost_meta: dict) -> dict | None:
