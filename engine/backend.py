@@ -76,11 +76,12 @@ import numpy as np
 
 from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
 from .errors import EngineError
-from .models import ModelInfo
+from .models import ModelInfo, make_caches
 from .noise import Noise
 from .sampling import PENALTY_CONTEXT, Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors  # noqa: E402
 
@@ -93,12 +94,25 @@ from schedlab.traces.schema import Request  # noqa: E402
 
 
 def _cache_arrays(caches: Iterable[Any]) -> list:
+    """The arrays a pass must evaluate to leave ``caches`` computed: a plain KV cache's key and
+    value buffers; any other kind's whole state (sliding windows, recurrent states, offsets)."""
     out = []
     for c in caches:
-        if c.keys is not None:
-            out.append(c.keys)
-            out.append(c.values)
+        if type(c) is KVCache or type(c) is BatchKVCache:
+            if c.keys is not None:
+                out.append(c.keys)
+                out.append(c.values)
+        else:
+            out.extend(a for a in tree_flatten(c.state) if isinstance(a, mx.array))
     return out
+
+
+def _merge(caches: Sequence[Any]) -> Any:
+    """One layer's caches of several requests as one batch cache: plain KV with headroom
+    (``_merge_with_headroom``), any other kind as mlx-lm's batch generator merges it."""
+    if type(caches[0]) is KVCache:
+        return _merge_with_headroom(caches)
+    return caches[0].merge(list(caches))
 
 
 def _merge_with_headroom(caches: Sequence[Any]) -> BatchKVCache:
@@ -131,6 +145,52 @@ def _merge_with_headroom(caches: Sequence[Any]) -> BatchKVCache:
     out.offset = out.offset + longest
     out._idx = longest
     return out
+
+
+def _encode_caches(caches: Sequence[Any]) -> tuple[list, list[np.ndarray], list[str]]:
+    """A request's caches as JSON plus arrays (``kvfile.write_caches``): each cache object as its
+    class and attributes (mlx-lm's caches keep all their state in attributes: buffers, offsets,
+    the window's write index, recurrent states), every array replaced by its index."""
+    arrays: list[np.ndarray] = []
+    dtypes: list[str] = []
+
+    def enc(v):
+        if isinstance(v, mx.array):
+            dtype = str(v.dtype).split(".")[-1]
+            arrays.append(np.asarray(v.view(mx.uint16) if dtype in ("bfloat16", "float16") else v))
+            dtypes.append(dtype)
+            return {"a": len(arrays) - 1}
+        if isinstance(v, (list, tuple)):
+            return {"t" if isinstance(v, tuple) else "l": [enc(x) for x in v]}
+        if hasattr(v, "__dict__") and type(v).__module__ == KVCache.__module__:
+            return {"c": type(v).__name__, "d": {k: enc(x) for k, x in vars(v).items()}}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        raise EngineError(f"a cache holds a {type(v).__name__}, which the KV hand-off cannot carry")
+
+    return [enc(c) for c in caches], arrays, dtypes
+
+
+def _decode_caches(caches: list, arrays: Sequence[np.ndarray], dtypes: Sequence[str]) -> list[Any]:
+    """The cache objects ``_encode_caches`` wrote."""
+    import mlx_lm.models.cache as cache_mod
+
+    def dec(v):
+        if isinstance(v, dict):
+            if "a" in v:
+                a = mx.array(arrays[v["a"]])
+                return a.view(getattr(mx, dtypes[v["a"]])) if a.dtype == mx.uint16 else a
+            if "l" in v:
+                return [dec(x) for x in v["l"]]
+            if "t" in v:
+                return tuple(dec(x) for x in v["t"])
+            cls = getattr(cache_mod, v["c"])
+            obj = cls.__new__(cls)
+            obj.__dict__.update({k: dec(x) for k, x in v["d"].items()})
+            return obj
+        return v
+
+    return [dec(c) for c in caches]
 
 
 # ------------------------------------------------------------------------- sampling
@@ -210,6 +270,7 @@ class MLXBackend:
         self.no_eos: set[str] = set()  # requests that generate past EOS (a served request's ignore_eos)
         self.vocab = model_info.vocab_size
         self.n_layers = model_info.n_layers
+        self.plain_kv = model_info.plain_kv  # every layer a plain KVCache (else mlx-lm's batch caches)
         self._hidden = model_info.hidden
         self._head = model_info.head
         self.tokens: dict[str, list[int]] = {}  # generated ids per request
@@ -272,6 +333,8 @@ class MLXBackend:
         self._noise_saved = self.noise.enter()  # pinning, collector off (engine.noise): until finish()
         self._prefix = getattr(state, "prefix", None)
         self._bs = getattr(state, "block_size", 1)
+        if self._prefix is not None:
+            self.info.check_prefix_caching()
         if self._prefix is not None:
             self._prefix.on_owner_gone = self._owner_gone
         if self.warmup:
@@ -368,10 +431,13 @@ class MLXBackend:
             self.noise.leave(self._noise_saved)
             self._noise_saved = None
         meta = self.info.metadata()
-        layers, kv_heads, head_dim, dtype = self.kv_layout()
-        meta["kv_bytes_per_token"] = (
-            layers * 2 * kv_heads * head_dim * np.dtype(dtype.replace("bfloat16", "float16")).itemsize
-        )
+        if self.plain_kv:
+            layers, kv_heads, head_dim, dtype = self.kv_layout()
+            meta["kv_bytes_per_token"] = (
+                layers * 2 * kv_heads * head_dim * np.dtype(dtype.replace("bfloat16", "float16")).itemsize
+            )
+        else:  # only the full-attention layers' KV grows with the context (engine.models.cache_layout)
+            meta["kv_bytes_per_token"] = meta["cache_layout"]["kv_bytes_per_token"]
         meta["noise"] = self.noise.describe()
         meta["engine"] = {
             "sampling": self.sampling.describe(),
@@ -395,10 +461,18 @@ class MLXBackend:
         """
         if n < 1 or n >= r.prefill_target:
             raise ValueError("prime() fills 1 .. target-1 tokens (the last one needs a real pass)")
-        self._ids(r)
+        ids = self._ids(r)
         caches = self._own_cache(r.id)
         if self._kv[r.id]:
             raise ValueError(f"request {r.id} already holds KV")
+        if not self.plain_kv:
+            # a recurrent state or a sliding window is only what a real prefill leaves: compute it
+            # (untimed), in chunks as the engine prefills
+            for s in range(0, n, 512):
+                self._hidden(mx.array([ids[s : min(n, s + 512)]], dtype=mx.uint32), caches)
+                mx.eval(_cache_arrays(caches))
+            self._kv[r.id] = n
+            return
         _, kv_heads, head_dim, dtype = self.kv_layout()
         dtype = getattr(mx, dtype)
         slots = -(-n // KVCache.step) * KVCache.step
@@ -528,6 +602,17 @@ class MLXBackend:
         """Request ``rid`` will arrive with the KV of a file (``engine.kvfile.read``): its token ids
         are the header's (the prompt's and its first token), its prompt's KV these arrays. An
         ``EngineError`` if they do not fit this model (checked before it is submitted)."""
+        if not self.plain_kv or not isinstance(kv, np.ndarray):
+            kinds = [c.get("c") if isinstance(c, dict) else None for c in head.get("caches") or ()]
+            if isinstance(kv, np.ndarray) or kinds != list(self.info.cache_kinds):
+                raise EngineError(
+                    f"the KV given holds {', '.join(map(str, kinds)) or 'plain KV'} caches, this model's are "
+                    f"{', '.join(self.info.cache_kinds)} (prefill and decode replicas must run the same model)"
+                )
+            self._seq[rid] = [int(i) for i in head["ids"]]
+            self.tokens[rid] = []
+            self._imports[rid] = (head, kv)
+            return
         layers, kv_heads, head_dim, dtype = self.kv_layout()
         want = (layers, 2, kv_heads, kv.shape[3], head_dim)
         if tuple(kv.shape) != want or head["dtype"] != dtype:
@@ -554,6 +639,14 @@ class MLXBackend:
         n = self._kv.get(r.id, 0)
         if n != r.prompt_tokens:
             raise EngineStateError(f"request {r.id} holds {n} KV tokens at its end, its prompt is {r.prompt_tokens}")
+        if not self.plain_kv:  # sliding windows, recurrent states: the caches go whole
+            head, arrays, dtypes = _encode_caches(self._cache[r.id])
+            size = kvfile.write_caches(path, self._seq[r.id][: n + 1], n, head, arrays, dtypes)
+            dt = time.perf_counter() - t0
+            self.exported[r.id] = {"path": path, "tokens": n, "bytes": size, "export_s": round(dt, 6)}
+            self.stats["kv_exported_tokens"] += n
+            self.stats["kv_export_s"] += dt
+            return
         _, _, _, dtype = self.kv_layout()
         bits = dtype in kvfile.SIXTEEN_BIT  # (numpy has no bfloat16: their bits go)
         # numpy views of the whole cache buffers (no copy), each layer's first n positions written
@@ -572,6 +665,21 @@ class MLXBackend:
         """Copy the KV ``expect_kv`` was given into ``r``'s own cache (before its first pass)."""
         t0 = time.perf_counter()
         kv = self._imports.pop(r.id)
+        if isinstance(kv, tuple):  # a model's whole caches (``_export``'s other kind)
+            head, arrays = kv
+            n = int(head["tokens"])
+            if n != r.prefilled:
+                raise EngineStateError(
+                    f"step {state.step_index}: request {r.id} arrived with {r.prefilled} KV tokens in the state, "
+                    f"{n} in its file"
+                )
+            caches = _decode_caches(head["caches"], arrays, [d for _, d in head["arrays"]])
+            self._timed_copy(_cache_arrays(caches))
+            self._cache[r.id] = caches
+            self._kv[r.id] = n
+            self.stats["kv_imported_tokens"] += n
+            self.stats["kv_import_s"] += time.perf_counter() - t0
+            return
         n = kv.shape[3]
         if n != r.prefilled:
             raise EngineStateError(
@@ -679,7 +787,7 @@ class MLXBackend:
     def _own_cache(self, rid: str) -> list[Any]:
         c = self._cache.get(rid)
         if c is None:
-            c = [KVCache() for _ in range(self.n_layers)]
+            c = make_caches(self.model, self.n_layers)
             self._cache[rid] = c
             self._kv[rid] = 0
         return c
@@ -772,6 +880,9 @@ class MLXBackend:
                 if rid in gone:
                     caches = []
                     for c in self._batch:
+                        if type(c) is not BatchKVCache:  # a sliding window, a recurrent state: mlx-lm's own
+                            caches.append(c.extract(i))
+                            continue
                         kc = KVCache()
                         pad = c._idx - self._kv[rid]
                         kc.keys = c.keys[i : i + 1, :, pad : c._idx]
@@ -796,7 +907,7 @@ class MLXBackend:
     def _join(self, rids: Sequence[str]) -> None:
         """Merge the rows' own caches into a batch cache and extend the batch with it."""
         per_layer = [[self._cache[rid][layer] for rid in rids] for layer in range(self.n_layers)]
-        merged = [_merge_with_headroom(cs) for cs in per_layer]
+        merged = [_merge(cs) for cs in per_layer]
         if self._batch is None:
             self._batch = merged
         else:
@@ -852,28 +963,52 @@ class MLXBackend:
             ids = self._ids(by_id[rid])[s : s + n]
             rows.append(ids + [0] * (longest - n))
         x = mx.array(rows, dtype=mx.uint32)
-        batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(self.n_layers)]
-        h = self._hidden(x, batch)
-        # slice each row's real keys/values back into its own cache
-        base = max(starts)
-        arrays = []
-        for i, (rid, n, s) in enumerate(zip(rids, ns, starts)):
-            own = []
-            for bc in batch:
-                kc = KVCache()
-                kc.keys = bc.keys[i : i + 1, :, base - s : base + n]
-                kc.values = bc.values[i : i + 1, :, base - s : base + n]
-                kc.offset = s + n
-                own.append(kc)
-            self._cache[rid] = own
-            self._kv[rid] = s + n
-            arrays += _cache_arrays(own)
+        if not self.plain_kv:
+            h, arrays = self._padded_generic(rids, ns, starts, caches, x)
+        else:
+            batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(self.n_layers)]
+            h = self._hidden(x, batch)
+            # slice each row's real keys/values back into its own cache
+            base = max(starts)
+            arrays = []
+            for i, (rid, n, s) in enumerate(zip(rids, ns, starts)):
+                own = []
+                for bc in batch:
+                    kc = KVCache()
+                    kc.keys = bc.keys[i : i + 1, :, base - s : base + n]
+                    kc.values = bc.values[i : i + 1, :, base - s : base + n]
+                    kc.offset = s + n
+                    own.append(kc)
+                self._cache[rid] = own
+                self._kv[rid] = s + n
+                arrays += _cache_arrays(own)
         done = [i for i, (rid, n, s) in enumerate(zip(rids, ns, starts)) if s + n == by_id[rid].prefill_target]
         tok = None
         if done:
             sel = h[mx.array(done), mx.array([ns[i] - 1 for i in done])]
             tok = self._sample(self._head(sel), [rids[i] for i in done])
         return [rids[i] for i in done], tok, arrays
+
+    def _padded_generic(self, rids, ns, starts, caches, x):
+        """The padded forward of a model with other cache kinds, as mlx-lm's prompt batch runs it:
+        the rows' caches merged per layer, told each row's real length (``prepare``: a recurrent
+        state does not advance over a row's right padding, a sliding window does not keep it),
+        the forward, ``finalize`` (padding rolled out), then each row's cache extracted."""
+        batch = [caches[0][layer].merge([c[layer] for c in caches]) for layer in range(self.n_layers)]
+        longest = x.shape[1]
+        if any(n != longest for n in ns):
+            for c in batch:
+                c.prepare(lengths=list(ns), right_padding=[longest - n for n in ns])
+        h = self._hidden(x, batch)
+        for c in batch:
+            c.finalize()
+        arrays = []
+        for i, (rid, n, s) in enumerate(zip(rids, ns, starts)):
+            own = [c.extract(i) for c in batch]
+            self._cache[rid] = own
+            self._kv[rid] = s + n
+            arrays += _cache_arrays(own)
+        return h, arrays
 
     # ------------------------------------------------------------------ warm-up
     def _warm_up(self, longest: int) -> None:
@@ -950,11 +1085,12 @@ class MLXBackend:
 def reference_tokens(model_info: ModelInfo, prompt: Sequence[int], n: int) -> list[int]:
     """The model alone on ``prompt``: whole-prompt forward, then ``n`` greedy tokens.
 
-    Uses mlx-lm's plain ``KVCache`` and the model's full ``__call__`` (logits for every
-    position), batch of one: nothing of the engine's batching or head slicing.
+    Uses the model's own mlx-lm caches (``make_cache``: plain KV, sliding windows, recurrent
+    states) and its full ``__call__`` (logits for every position), batch of one: nothing of the
+    engine's batching, chunking or head slicing.
     """
     model = model_info.model
-    cache = [KVCache() for _ in range(model_info.n_layers)]
+    cache = make_caches(model, model_info.n_layers)
     logits = model(mx.array([list(prompt)], dtype=mx.uint32), cache=cache)
     out: list[int] = []
     for _ in range(n):

@@ -5,7 +5,12 @@ The file is a one-line JSON header, then the raw arrays: every layer's keys and 
 prompt's ``tokens`` positions, shape ``(layers, 2, kv_heads, tokens, head_dim)`` in the model's
 activation dtype (16-bit dtypes stored as their bits, ``uint16``: numpy has no bfloat16). The
 header carries the token ids the KV was computed from plus the first generated token, so the
-decode replica continues exactly where the prefill stopped. Where the machine has ``/dev/shm``
+decode replica continues exactly where the prefill stopped.
+
+A model with other cache kinds (sliding windows, recurrent or convolution state) hands over its
+caches whole (``write_caches``, version 2): the header describes each layer's cache object (its
+class and attributes, ``engine.backend`` encodes them) and lists its arrays, which follow in
+order; ``read`` returns that list instead of one array. Where the machine has ``/dev/shm``
 (a tmpfs: memory, not disk) the files go there; else the system's temporary folder.
 """
 
@@ -23,6 +28,7 @@ from .errors import EngineError
 
 MAGIC = "schedlab-kv"
 VERSION = 1
+CACHES_VERSION = 2
 SIXTEEN_BIT = ("bfloat16", "float16")
 
 
@@ -57,8 +63,59 @@ def write(path: str | Path, ids: Sequence[int], layers: Sequence[tuple[np.ndarra
     return size
 
 
-def read(path: str | Path) -> tuple[dict[str, Any], np.ndarray]:
-    """(header, KV array) of a file ``write`` wrote; an ``EngineError`` naming what is wrong."""
+def write_caches(
+    path: str | Path, ids: Sequence[int], tokens: int, caches: Any, arrays: Sequence[np.ndarray], dtypes: Sequence[str]
+) -> int:
+    """Write a request's whole caches: ``caches`` (JSON: each layer's cache as the engine encodes it,
+    its arrays by index), then ``arrays`` (``dtypes``: each one's dtype; 16-bit ones given as
+    ``uint16`` bits). ``ids``: the prompt's ``tokens`` ids and the first generated one."""
+    if len(ids) != tokens + 1:
+        raise ValueError(f"{len(ids)} token ids for caches of {tokens} tokens (expected tokens + 1)")
+    head = {
+        "magic": MAGIC,
+        "version": CACHES_VERSION,
+        "tokens": int(tokens),
+        "ids": [int(i) for i in ids],
+        "caches": caches,
+        "arrays": [[list(a.shape), d] for a, d in zip(arrays, dtypes)],
+    }
+    line = (json.dumps(head) + "\n").encode()
+    tmp = Path(str(path) + ".part")
+    size = len(line)
+    with open(tmp, "wb") as f:
+        f.write(line)
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            f.write(a.data)
+            size += a.nbytes
+    os.replace(tmp, path)
+    return size
+
+
+def prompt_tokens(head: dict[str, Any]) -> int:
+    """How many prompt tokens the file's KV (or caches) hold."""
+    return int(head["tokens"]) if head.get("version") == CACHES_VERSION else int(head["shape"][3])
+
+
+def _read_caches(f, head: dict[str, Any], path) -> list[np.ndarray]:
+    out = []
+    for shape, dtype in head["arrays"]:
+        kind = np.uint16 if dtype in SIXTEEN_BIT else np.dtype(dtype)
+        count = int(np.prod(shape))
+        a = np.fromfile(f, dtype=kind, count=count)
+        if a.size != count:
+            raise EngineError(f"{path}: KV file is cut short or its header does not match its data")
+        out.append(a.reshape(shape))
+    if f.read(1):
+        raise EngineError(f"{path}: KV file is longer than its header says")
+    if len(head["ids"]) != int(head["tokens"]) + 1:
+        raise EngineError(f"{path}: KV file's token ids do not match its tokens")
+    return out
+
+
+def read(path: str | Path) -> tuple[dict[str, Any], Any]:
+    """(header, KV array) of a file ``write`` wrote, or (header, list of arrays) of one
+    ``write_caches`` wrote; an ``EngineError`` naming what is wrong."""
     try:
         with open(path, "rb") as f:
             line = f.readline()
@@ -68,14 +125,20 @@ def read(path: str | Path) -> tuple[dict[str, Any], np.ndarray]:
                 head = None
             if not isinstance(head, dict) or head.get("magic") != MAGIC:
                 raise EngineError(f"{path}: not a schedlab KV file")
+            if head.get("version") == CACHES_VERSION:
+                return head, _read_caches(f, head, path)
             if head.get("version") != VERSION:
-                raise EngineError(f"{path}: KV file version {head.get('version')}, this engine reads {VERSION}")
+                raise EngineError(
+                    f"{path}: KV file version {head.get('version')}, this engine reads {VERSION} and {CACHES_VERSION}"
+                )
             shape = tuple(int(x) for x in head["shape"])
             kind = np.uint16 if head["dtype"] in SIXTEEN_BIT else np.dtype(head["dtype"])
             kv = np.fromfile(f, dtype=kind)
     except FileNotFoundError:
         raise EngineError(f"{path}: no such KV file (its prefill replica's folder is gone?)") from None
-    except (OSError, KeyError, TypeError) as exc:
+    except EngineError:
+        raise
+    except (OSError, KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{path}: cannot read the KV file ({exc})") from None
     if kv.size != int(np.prod(shape)) or len(shape) != 5 or len(head["ids"]) != shape[3] + 1:
         raise EngineError(f"{path}: KV file is cut short or its header does not match its data")

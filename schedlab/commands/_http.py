@@ -1041,7 +1041,7 @@ class Server:
 
         try:
             head, kv = await asyncio.to_thread(kvfile.read, path)
-            n = kv.shape[3]
+            n = kvfile.prompt_tokens(head)
             if n != req.prompt_tokens:
                 raise EngineError(f"the KV given holds {n} prompt tokens, but the prompt is {req.prompt_tokens}")
             moved = TransferredRequest(
