@@ -193,6 +193,30 @@ def _decode_caches(caches: list, arrays: Sequence[np.ndarray], dtypes: Sequence[
     return [dec(c) for c in caches]
 
 
+def _prime_cache(c: Any, probe: Any, n: int) -> list:
+    """Lay out cache ``c`` as a prefill of ``n`` tokens leaves it, with random values (calibration:
+    timing depends on shapes only). ``probe``: the same layer's cache after a 2-token forward,
+    whose arrays give the shapes and dtypes. Returns the arrays to evaluate."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
+
+    if isinstance(c, CacheList):
+        return [a for x, p in zip(c.caches, probe.caches) for a in _prime_cache(x, p, n)]
+    if isinstance(c, ArraysCache):  # a fixed-size state: its size does not depend on n
+        c.cache = [None if a is None else mx.random.normal(a.shape).astype(a.dtype) for a in probe.cache]
+        return [a for a in c.cache if a is not None]
+    _, heads, _, dk = probe.keys.shape
+    dv, dtype = probe.values.shape[3], probe.keys.dtype
+    if isinstance(c, RotatingKVCache):  # at most the window, its write index where n left it
+        slots = min(n, c.max_size)
+        c.offset, c._idx = n, slots
+    else:
+        slots = -(-n // KVCache.step) * KVCache.step
+        c.offset = n
+    c.keys = mx.random.normal((1, heads, slots, dk)).astype(dtype)
+    c.values = mx.random.normal((1, heads, slots, dv)).astype(dtype)
+    return [c.keys, c.values]
+
+
 # ------------------------------------------------------------------------- sampling
 
 _OWN_SEED = h64("a request's own seed")  # (its draws never meet those seeded by a request id)
@@ -457,20 +481,21 @@ class MLXBackend:
         Timing does not depend on the values, only on the shapes, so ``calibrate`` sets up
         long contexts this way in milliseconds instead of prefilling them for minutes. The
         cache is laid out as a real prefill leaves it (mlx-lm's ``KVCache``: 256-slot
-        steps, ``offset`` = n). The caller advances the state machine by the same chunk.
+        steps, ``offset`` = n; a sliding window's ``RotatingKVCache`` holds at most its window;
+        a recurrent ``ArraysCache`` state has its fixed shape). The caller advances the state
+        machine by the same chunk.
         """
         if n < 1 or n >= r.prefill_target:
             raise ValueError("prime() fills 1 .. target-1 tokens (the last one needs a real pass)")
-        ids = self._ids(r)
+        self._ids(r)
         caches = self._own_cache(r.id)
         if self._kv[r.id]:
             raise ValueError(f"request {r.id} already holds KV")
         if not self.plain_kv:
-            # a recurrent state or a sliding window is only what a real prefill leaves: compute it
-            # (untimed), in chunks as the engine prefills
-            for s in range(0, n, 512):
-                self._hidden(mx.array([ids[s : min(n, s + 512)]], dtype=mx.uint32), caches)
-                mx.eval(_cache_arrays(caches))
+            arrays = []
+            for c, shape in zip(caches, self._state_shapes()):
+                arrays += _prime_cache(c, shape, n)
+            mx.eval(arrays)
             self._kv[r.id] = n
             return
         _, kv_heads, head_dim, dtype = self.kv_layout()
@@ -485,6 +510,15 @@ class MLXBackend:
             arrays += [c.keys, c.values]
         mx.eval(arrays)
         self._kv[r.id] = n
+
+    def _state_shapes(self) -> list:
+        """Each layer's cache after a 2-token forward (what ``prime`` copies the shapes of)."""
+        if getattr(self, "_shapes", None) is None:
+            caches = make_caches(self.model, self.n_layers)
+            self._hidden(mx.array([[1, 2]], dtype=mx.uint32), caches)
+            mx.eval(_cache_arrays(caches))
+            self._shapes = caches
+        return self._shapes
 
     # ------------------------------------------------------------------ inspection
     @property
