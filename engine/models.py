@@ -393,8 +393,8 @@ def make_caches(model, n_layers: int | None = None) -> list:
 def _cache_kinds(model, name: str) -> tuple[str, ...]:
     """The class name of each layer's cache; a one-line EngineError naming a kind mlx-lm's batch
     generator cannot batch (no ``merge`` to a batch cache), as mlx-lm's own server would refuse it."""
-    if not hasattr(model, "layers"):
-        raise EngineError(f"model {name}: no .layers; the engine needs an mlx-lm decoder model")
+    if not hasattr(model, "layers") and not hasattr(model, "make_cache"):
+        raise EngineError(f"model {name}: no .layers and no make_cache(); the engine needs an mlx-lm decoder model")
     caches = make_caches(model)
     for c in caches:
         if not callable(getattr(type(c), "merge", None)):
