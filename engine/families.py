@@ -24,7 +24,25 @@ chunked prefill crosses them inside and across chunks.
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+# Gains of the random init (every random-weight preset: the llama sizes and the families) (std = gain / sqrt(fan_in)). Larger attention/MLP output gains
+# make every layer's contribution outweigh the token's own embedding in the residual
+# stream, and a larger query/key gain makes attention sharp: the next token then depends
+# on the whole context, not only on the last token, so a wrong KV cache changes the
+# tokens (the engine's equivalence tests rely on that).
+_GAINS = {
+    "q_proj": 2.0,
+    "k_proj": 2.0,
+    "v_proj": 1.5,
+    "o_proj": 2.0,
+    "gate_proj": 1.5,
+    "up_proj": 1.5,
+    "down_proj": 2.0,
+    "lm_head": 1.0,
+}
+
 
 FAMILY_PRESETS: dict[str, dict[str, Any]] = {
     "micro-qwen3_5": dict(
@@ -135,22 +153,35 @@ def names() -> list[str]:
     return list(FAMILY_PRESETS) + list(QUANTIZED_PRESETS)
 
 
+def init_random(model, seed: int) -> None:
+    """Seeded random weights, one key per parameter in sorted-name order."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    new = []
+    for i, (name, p) in enumerate(params):
+        if p.ndim == 1:  # norm weights (no biases in these presets)
+            new.append((name, mx.ones(p.shape, dtype=mx.float32)))
+            continue
+        if "embed_tokens" in name:
+            std = 1.0
+        else:
+            kind = name.split(".")[-2]
+            std = _GAINS.get(kind, 1.0) / math.sqrt(p.shape[-1])
+        new.append((name, mx.random.normal(p.shape, key=keys[i]) * std))
+    model.update(tree_unflatten(new))
+
+
 def build(name: str, seed: int):
     """(model, config) of family preset ``name`` with seeded random weights (mlx imported)."""
-    import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
-    from .models import _build_preset, _init_random
-
-    if name in QUANTIZED_PRESETS:
-        q = QUANTIZED_PRESETS[name]
-        model, cfg = _build_preset("micro", seed)
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
-        return model, dict(cfg, quantization=dict(q))
     cfg = dict(FAMILY_PRESETS[name])
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
-    _init_random(model, seed)
+    init_random(model, seed)
     _sharpen(model)
     return model, cfg
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from collections import Counter
 import platform
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import blas as _blas  # (OpenBLAS before mlx)
+from . import families
 from .errors import EngineError
 from . import gguf as _gguf
 from schedlab.analysis.analytic.hardware import cpu_model
@@ -74,22 +74,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESET_CONTEXT = 32768
-
-# Gains of the random init (std = gain / sqrt(fan_in)). Larger attention/MLP output gains
-# make every layer's contribution outweigh the token's own embedding in the residual
-# stream, and a larger query/key gain makes attention sharp: the next token then depends
-# on the whole context, not only on the last token, so a wrong KV cache changes the
-# tokens (the engine's equivalence tests rely on that).
-_GAINS = {
-    "q_proj": 2.0,
-    "k_proj": 2.0,
-    "v_proj": 1.5,
-    "o_proj": 2.0,
-    "gate_proj": 1.5,
-    "up_proj": 1.5,
-    "down_proj": 2.0,
-    "lm_head": 1.0,
-}
 
 
 @dataclass
@@ -218,8 +202,6 @@ def _cpu_count() -> int | None:
 
 
 def preset_config(name: str) -> dict[str, Any]:
-    from . import families
-
     if name in families.FAMILY_PRESETS:
         return dict(families.FAMILY_PRESETS[name])
     if name in families.QUANTIZED_PRESETS:
@@ -250,25 +232,7 @@ def preset_parameters(name: str) -> int:
     return v * h + n * per_layer + h
 
 
-def _init_random(model, seed: int) -> None:
-    """Seeded random weights, one key per parameter in sorted-name order."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
-    keys = mx.random.split(mx.random.key(seed), len(params))
-    new = []
-    for i, (name, p) in enumerate(params):
-        if p.ndim == 1:  # norm weights (no biases in these presets)
-            new.append((name, mx.ones(p.shape, dtype=mx.float32)))
-            continue
-        if "embed_tokens" in name:
-            std = 1.0
-        else:
-            kind = name.split(".")[-2]
-            std = _GAINS.get(kind, 1.0) / math.sqrt(p.shape[-1])
-        new.append((name, mx.random.normal(p.shape, key=keys[i]) * std))
-    model.update(tree_unflatten(new))
+_init_random = families.init_random  # (seeded random weights: engine.families)
 
 
 def _count_params(model) -> int:
@@ -302,8 +266,23 @@ def _build_preset(name: str, seed: int):
 
     cfg = preset_config(name)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
-    _init_random(model, seed)
+    families.init_random(model, seed)
     return model, cfg
+
+
+def _build_random(name: str, seed: int):
+    """(model, config) of a random-weight preset: a llama size, a family's tiny model, or the
+    micro llama quantized (mlx's affine quantization, as mlx-lm's convert writes it)."""
+    import mlx.nn as nn
+
+    if name in families.FAMILY_PRESETS:
+        return families.build(name, seed)
+    if name in families.QUANTIZED_PRESETS:
+        q = families.QUANTIZED_PRESETS[name]
+        model, cfg = _build_preset("micro", seed)
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
+        return model, dict(cfg, quantization=dict(q))
+    return _build_preset(name, seed)
 
 
 def check_checkpoint_dir(path: Path) -> None:
@@ -458,8 +437,6 @@ def is_path_spec(spec: str) -> bool:
 
 def _random_presets() -> list[str]:
     """Presets built with seeded random weights: the llama sizes and the families' tiny models."""
-    from . import families
-
     return list(PRESETS) + families.names()
 
 
@@ -555,9 +532,7 @@ def load_model(spec: str = "tiny", dtype: str = "float32", seed: int = 0) -> Mod
         except EngineError as exc:
             tokenizer, source["tokenizer_error"] = None, str(exc)
     else:
-        from . import families
-
-        model, config = families.build(spec, seed) if spec in families.names() else _build_preset(spec, seed)
+        model, config = _build_random(spec, seed)
         kind, name, used_seed = "preset", spec, seed
     if kind != "gguf" and wanted == "auto" and not _has_quantized(model):
         dtype = "float32"
