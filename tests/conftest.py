@@ -33,6 +33,7 @@ ENGINE_FILES = {
     "test_engine_models",
     "test_engine_serve",
     "test_fidelity",
+    "test_gemma3",
     "test_gguf",
     "test_notebooks",
     "test_policies",
