@@ -50,7 +50,7 @@ def run_real(
         "tiny",
         "--model",
         "-m",
-        help="preset (micro, tiny, small, smollm2-135m), a llama .gguf file or a local mlx-lm checkpoint directory",
+        help="preset (micro, tiny, small, micro-qwen3_5 and the other tiny families, smollm2-135m, gemma3-270m), a llama or gemma3 .gguf file or a local mlx-lm checkpoint directory",
     ),
     dtype: str = typer.Option(
         "float32",

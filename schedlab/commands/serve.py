@@ -88,7 +88,7 @@ def serve(
         "smollm2-135m",
         "--model",
         "-m",
-        help="a model with a tokenizer: smollm2-135m, a llama .gguf file or a local mlx-lm checkpoint directory",
+        help="a model with a tokenizer: smollm2-135m, gemma3-270m, a llama or gemma3 .gguf file or a local mlx-lm checkpoint directory",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16, bfloat16, quantized or auto"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
