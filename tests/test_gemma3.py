@@ -400,3 +400,32 @@ def test_gemma3_tokenizer_matches_sentencepiece_and_round_trips():
     chat = [{"role": "system", "content": "Be brief."}] + ONE_SHOT[:1]
     assert tok.encode(text) == tok.apply_chat_template(chat, tokenize=True)  # one <bos>: the template's
     assert tok.encode(text).count(2) == 1
+
+
+@pytest.mark.slow
+def test_serve_gemma3_answers_openai_chats_as_the_model_alone(gemma, tmp_path):
+    """``serve --model gemma3-270m`` behind the ``openai`` SDK: two chats at once (batched through
+    the sliding-window caches), each the model alone's greedy answer, stopped at <end_of_turn>."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import Served, expected
+
+    needs_wheel()
+    served = Served(["--model", PRESET, "--policy", "chunked-prefill"], tmp_path / "run")
+    try:
+        c = served.client()
+        chats = [ONE_SHOT, [{"role": "user", "content": "Name three colours."}]]
+
+        def ask(messages):
+            return c.chat.completions.create(model=PRESET, messages=messages, max_tokens=12)
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, chats))
+        for messages, r in zip(chats, answers):
+            text, n, reason = expected(gemma, messages=messages, max_tokens=12)
+            assert r.choices[0].message.content == text
+            assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (n, reason)
+        assert "Paris" in answers[0].choices[0].message.content
+    finally:
+        code, _ = served.stop()
+    assert code == 0
