@@ -425,12 +425,16 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         samples += measure_step_overhead(info, grid, seed)
     coef, report = fit_profile(samples)
     meta = info.metadata()
+    # a model with sliding-window or recurrent layers: what one request's cache holds (the
+    # simulator's memory accounting reads it; absent, every layer is full attention)
+    layout = {} if info.plain_kv else {"cache_layout": meta["cache_layout"]}
     return {
         "schema": PROFILE_SCHEMA,
         "model": meta["model"],
         "dtype": meta["dtype"],
         "parameters": meta["parameters"],
         "kv_tokens": DEFAULT_KV_TOKENS,
+        **layout,
         "blas": _blas_key(meta.get("blas") or {}),
         "mlx": meta["mlx"],
         "mlx_lm": meta["mlx_lm"],
