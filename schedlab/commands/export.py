@@ -22,7 +22,9 @@ export_app = make_app(
 
 @export_app.command()
 def export_mlx(
-    model: str = typer.Argument(..., help="smollm2-135m, gemma3-270m, a llama or gemma3 .gguf file, or an mlx-lm checkpoint directory"),
+    model: str = typer.Argument(
+        ..., help="smollm2-135m, gemma3-270m, a llama or gemma3 .gguf file, or an mlx-lm checkpoint directory"
+    ),
     outdir: Path = typer.Argument(..., help="directory to write (must be new or empty)"),
     dtype: str = typer.Option(
         "quantized",
