@@ -87,6 +87,12 @@ class ModelSpec:
     norm_params: int  # all norm weights in the model
     kv_dim: int  # K+V values cached per token per layer
     config: Mapping[str, Any] = field(repr=False, default_factory=dict)
+    # layer kinds (``layer_kinds``): full-attention layers keep KV that grows with the context;
+    # sliding-window layers keep at most ``sliding_window`` tokens; linear-attention (recurrent)
+    # and convolution layers keep a fixed-size state. None: every layer is full attention.
+    full_layers: int | None = None
+    sliding_layers: int = 0
+    sliding_window: int | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -157,10 +163,18 @@ class ModelSpec:
         emb = self.embed_params if self.tied else 2 * self.embed_params
         return (self.layer_matrix_params + emb) * b + self.norm_params * 2.0
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose KV grows with the context (full attention; every layer unless the config
+        says otherwise). At least one, so that a capacity in tokens stays finite."""
+        return self.layers if self.full_layers is None else max(self.full_layers, 1)
+
     def kv_bytes_per_token(self, kv_bits: int = 16) -> float:
-        """K and V of one token in every layer: 2 x layers x kv_heads x head_dim x bytes
-        (DeepSeek MLA: the compressed latent + rope key per layer)."""
-        return self.layers * self.kv_dim * kv_bits / 8.0
+        """K and V of one token in every full-attention layer: 2 x layers x kv_heads x head_dim x
+        bytes (DeepSeek MLA: the compressed latent + rope key per layer). Sliding-window layers
+        (at most their window per request) and recurrent layers (a fixed state per request) are
+        not counted: a capacity in tokens is a capacity of the layers that grow."""
+        return self.kv_layers * self.kv_dim * kv_bits / 8.0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -176,6 +190,9 @@ class ModelSpec:
             "experts": self.n_experts,
             "experts_per_token": self.top_k,
             "moe_layers": self.moe_layers,
+            "full_attention_layers": self.kv_layers,
+            "sliding_layers": self.sliding_layers,
+            "sliding_window": self.sliding_window,
             "total_params": self.total_params,
             "active_params": self.active_params,
         }
@@ -273,6 +290,7 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
             only_mlp = set(cfg.get("mlp_only_layers") or [])
             moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
     norms = n_layers * norms_per_layer + h
+    full, sliding, window = layer_kinds(cfg, n_layers)
     return ModelSpec(
         name=name,
         model_type=mtype,
@@ -294,7 +312,36 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         norm_params=norms,
         kv_dim=kv_dim,
         config=dict(config),
+        full_layers=full,
+        sliding_layers=sliding,
+        sliding_window=window,
     )
+
+
+def layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> tuple[int | None, int, int | None]:
+    """(full-attention layers or None when all are, sliding-window layers, window) from a config:
+    ``layer_types`` ("full_attention", "sliding_attention"; any other kind, such as
+    "linear_attention" or "conv", keeps a fixed-size state), else ``full_attention_interval``
+    (Qwen3-Next, Qwen3.5: every n-th layer full, the rest Gated DeltaNet), else a
+    ``sliding_window`` with ``sliding_window_pattern`` (Gemma 3: every n-th layer global)."""
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False or not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        window = None
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == n_layers:
+        full = sum(1 for t in types if t == "full_attention")
+        sliding = sum(1 for t in types if t == "sliding_attention")
+        if window is None:  # sliding layers without a window attend to everything
+            full, sliding = full + sliding, 0
+        return (None if full == n_layers else full), sliding, (window if sliding else None)
+    interval = _int(cfg, "full_attention_interval")
+    if interval:
+        return n_layers // interval, 0, None
+    pattern = _int(cfg, "sliding_window_pattern")
+    if window is not None and pattern:
+        full = n_layers // pattern
+        return full, n_layers - full, window
+    return None, 0, None
 
 
 # ---------------------------------------------------------------------- bundled configs
