@@ -322,7 +322,7 @@ def test_gemma3_prompt_longer_than_the_window_through_the_engine(gemma):
     from schedlab.traces import tokenize
     from schedlab.traces.schema import Request, Trace
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()[:2600]
+    text = (Path(__file__).parents[1] / "traces" / "data" / "sonnet.txt").read_text()[:2600]  # (bundled, fixed)
     reqs = [Request("long", 0.0, None, 4, prompt=text), Request("short", 0.0, None, 4, prompt=text[:300])]
     reqs = tokenize(Trace("long", "", reqs), gemma.tokenizer).requests
     assert reqs[0].prompt_tokens > 600
