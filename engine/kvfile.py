@@ -49,16 +49,21 @@ def write(path: str | Path, ids: Sequence[int], layers: Sequence[tuple[np.ndarra
     if len(ids) != shape[3] + 1:
         raise ValueError(f"{len(ids)} token ids for KV of {shape[3]} tokens (expected tokens + 1)")
     head = {"magic": MAGIC, "version": VERSION, "dtype": dtype, "shape": list(shape), "ids": [int(i) for i in ids]}
+    return _write(path, head, [a for kv in layers for a in kv])
+
+
+def _write(path: str | Path, head: dict[str, Any], arrays: Sequence[np.ndarray]) -> int:
+    """The header as one JSON line, then each array's bytes (any strides: each copied once,
+    straight into the file); the file's size."""
     line = (json.dumps(head) + "\n").encode()
     tmp = Path(str(path) + ".part")
     size = len(line)
     with open(tmp, "wb") as f:  # (renamed when whole: a reader never sees half a file)
         f.write(line)
-        for kv in layers:
-            for a in kv:
-                a = np.ascontiguousarray(a)
-                f.write(a.data)
-                size += a.nbytes
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            f.write(a.data)
+            size += a.nbytes
     os.replace(tmp, path)
     return size
 
@@ -79,17 +84,7 @@ def write_caches(
         "caches": caches,
         "arrays": [[list(a.shape), d] for a, d in zip(arrays, dtypes)],
     }
-    line = (json.dumps(head) + "\n").encode()
-    tmp = Path(str(path) + ".part")
-    size = len(line)
-    with open(tmp, "wb") as f:
-        f.write(line)
-        for a in arrays:
-            a = np.ascontiguousarray(a)
-            f.write(a.data)
-            size += a.nbytes
-    os.replace(tmp, path)
-    return size
+    return _write(path, head, arrays)
 
 
 def prompt_tokens(head: dict[str, Any]) -> int:
