@@ -295,6 +295,8 @@ class MLXBackend:
         self.vocab = model_info.vocab_size
         self.n_layers = model_info.n_layers
         self.plain_kv = model_info.plain_kv  # every layer a plain KVCache (else mlx-lm's batch caches)
+        # what a request's caches hold besides the KV that grows: the replica counts it (sim.layout)
+        self.cache_layout = None if self.plain_kv else model_info.layout
         self._hidden = model_info.hidden
         self._head = model_info.head
         self.tokens: dict[str, list[int]] = {}  # generated ids per request

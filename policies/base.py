@@ -60,7 +60,11 @@ class RequestView(Protocol):
     @property
     def kv_tokens(self) -> int: ...  # tokens this request holds in the KV cache now
     @property
-    def kv_footprint(self) -> int: ...  # most KV tokens it will ever hold: prompt + output - 1
+    def kv_footprint(self) -> int: ...  # most KV tokens it will ever hold: prompt + output - 1 (+ fixed_tokens)
+    @property
+    def fixed_blocks(self) -> int: ...  # blocks it holds whole while admitted: sliding windows, recurrent state
+    @property
+    def fixed_tokens(self) -> int: ...  # the same in tokens (0 for a model of full-attention layers only)
     @property
     def context(self) -> int: ...  # while admitted: kv_tokens + 1 (what a decode row attends to)
 
@@ -188,10 +192,16 @@ class CostModel:
       is a pure formula the loop may evaluate ahead of the passes it ends up running.
 
     ``as_cost_model`` makes one of any object with the two required methods.
+
+    ``cache_layout``: what one request's cache holds besides the KV that grows with its context
+    (a model's sliding-window and recurrent layers: a ``sim.layout.CacheLayout`` or its dict);
+    None, the default, for a model whose every layer is full attention. The replica's memory
+    accounting reads it (a real engine's own model overrides it).
     """
 
     has_after_wake: bool = False
     has_run_formula: bool = False
+    cache_layout: Any = None
 
     def pass_seconds(self, shape: PassShape) -> float:
         raise NotImplementedError
@@ -219,6 +229,7 @@ class _Plain(CostModel):
 
     def __init__(self, model: Any):
         self.model = model
+        self.cache_layout = getattr(model, "cache_layout", None)
         self.pass_seconds = model.pass_seconds  # bound once: the loop's hot path calls them
         self.step_overhead_seconds = model.step_overhead_seconds
 

@@ -148,7 +148,8 @@ class Vllm(PolicyBase):
                     new = threshold
                 if new > budget:
                     new = budget
-                need = -(-(hit + held + new) // bs) - hit // bs + taken
+                # (+ its windows and recurrent state on a model with such layers: held whole)
+                need = -(-(hit + held + new) // bs) - hit // bs + taken + r.fixed_blocks
                 if need > free:
                     head_short = True
                     break

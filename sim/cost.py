@@ -76,6 +76,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from schedlab.policies.base import CostModel, PassShape, as_cost_model
 
+from .layout import CacheLayout, LayoutError
+
 PASS_FEATURES = (
     "d_pass",
     "d_multi",
@@ -198,6 +200,10 @@ class LinearCostModel(CostModel):
         self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES[:3])
         self._after = float(c.get("i_after", 0.0))
         self.has_after_wake = bool(self._after)
+        try:  # a profile of a model with sliding-window or recurrent layers (``calibrate`` records it)
+            self.cache_layout = CacheLayout.from_dict(self.meta.get("cache_layout"))
+        except LayoutError as exc:
+            raise ProfileError(f"profile: {exc}") from None
 
     def pass_seconds(self, s: PassShape) -> float:
         (
@@ -316,6 +322,7 @@ class ScaledCostModel(CostModel):
         self.base, self.factor = as_cost_model(base), float(factor)
         self.meta = getattr(base, "meta", {})
         self.has_after_wake = self.base.has_after_wake
+        self.cache_layout = self.base.cache_layout
 
     def pass_seconds(self, s: PassShape) -> float:
         return self.factor * self.base.pass_seconds(s)

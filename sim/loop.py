@@ -346,6 +346,9 @@ class ReplicaLoop:
         self.policy = policy
         self.policy_name = getattr(policy, "name", type(policy).__name__)
         self.cost_model = cost_model
+        # the memory of a model with sliding-window or recurrent layers: the real engine's own
+        # model's, else what the cost model knows of it (a profile's, the analytic model's)
+        layout = getattr(backend, "cache_layout", None)
         self.state = ReplicaState(
             (),
             kv_capacity,
@@ -353,6 +356,7 @@ class ReplicaLoop:
             block_size=block_size,
             prefix_caching=prefix_caching,
             token_keys=token_keys,
+            layout=layout if layout is not None else cost_model.cache_layout,
         )
         self.steps = self.state.steps = StepLog()
         self.pass_log = PassLog()
@@ -657,6 +661,8 @@ class ReplicaLoop:
         """The run's result, once its process has ended (or stopped on ``error``)."""
         state = self.state
         meta = self.backend.finish()
+        if state.layout is not None and "cache_layout" not in meta:  # (a real engine's says it already)
+            meta = {**meta, "cache_layout": state.layout.as_dict()}
         describe = getattr(source, "describe", None) if source is not None else None
         return RunResult(
             policy=self.policy_name,

@@ -14,6 +14,11 @@ kv_capacity - kv_reserved`` never runs out of blocks; one that admits more must 
 Block size 1 is token-exact accounting. With a ``PrefixCache`` (``prefix_caching=True``)
 full blocks are cached and shared (``sim.prefix``): an admitted request starts with the
 longest cached prefix of its tokens already in its KV.
+
+A model with sliding-window or recurrent layers (a ``CacheLayout``, ``layout=``) holds more than
+its KV: each request also holds ``fixed_blocks`` whole blocks from admission to its end (its
+windows and its recurrent state, in tokens of the full-attention KV), counted in its
+``kv_footprint``, its reservation, ``kv_used`` and the blocks used.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 from schedlab.policies.base import CostModel, Pass, PassShape, Phase, Plan
 from schedlab.traces.schema import Request
 
+from .layout import CacheLayout
 from .prefix import Blocks, PrefixCache
 
 WAITING, PREFILLING, DECODING, FINISHED = Phase.WAITING, Phase.PREFILLING, Phase.DECODING, Phase.FINISHED
@@ -94,6 +100,8 @@ class RequestState:
         "_high",
         "_blk",
         "cancelled_s",
+        "_xt",
+        "_xb",
     )
 
     def __init__(self, req: Request, index: int):
@@ -126,6 +134,10 @@ class RequestState:
         self._high = 0  # most KV tokens it ever held (set at preemption)
         self._blk: Blocks | None = None  # its blocks in the prefix cache, if there is one
         self.cancelled_s: float | None = None  # when it was cancelled (its client went away)
+        # tokens (whole blocks) of capacity it holds while admitted besides its KV: sliding windows
+        # and recurrent state on a model with such layers (``sim.layout``), and those blocks
+        self._xt = 0
+        self._xb = 0
 
     # read-only to policies; attrgetter keeps the getters in C (the simulator's hot path)
     phase = property(attrgetter("_phase"))
@@ -154,7 +166,12 @@ class RequestState:
 
     @property
     def kv_footprint(self) -> int:
-        return self.prompt_tokens + self.output_tokens - 1
+        return self.prompt_tokens + self.output_tokens - 1 + self._xt
+
+    # blocks it holds whole from admission to its end besides its KV (``sim.layout``; 0 unless
+    # the model has sliding-window or recurrent layers)
+    fixed_blocks = property(attrgetter("_xb"))
+    fixed_tokens = property(attrgetter("_xt"))
 
     @property
     def token_times(self) -> list[float]:
@@ -349,8 +366,10 @@ class ReplicaState:
         block_size: int = 1,
         prefix_caching: bool = False,
         token_keys: Callable[[Any], Sequence[int] | None] | None = None,
+        layout: CacheLayout | None = None,
     ):
         self.policy_name = policy_name
+        self.layout = CacheLayout.from_dict(layout)  # None: every layer is full attention
         if isinstance(block_size, bool) or int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block size must be an integer >= 1, got {block_size!r}")
         self.block_size = bs = int(block_size)
@@ -420,14 +439,19 @@ class ReplicaState:
             r._blk = Blocks(self.prefix, r.id)
         self.requests.append(r)
         self.by_id[r.id] = r
+        if self.layout is not None:
+            bs = self.block_size
+            r._xb = xb = -(-self.layout.fixed_tokens(r.kv_footprint) // bs)
+            r._xt = xb * bs
         if r.kv_footprint > self.kv_capacity:
             blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
+            fixed = f" + {r._xt} for its sliding windows and recurrent state" if r._xt else ""
             self.rejected.append(
                 (
                     r,
                     (
                         f"request {r.id} needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens}"
-                        f" + output {r.output_tokens} - 1) but the KV capacity is {self.kv_capacity}{blocks}"
+                        f" + output {r.output_tokens} - 1{fixed}) but the KV capacity is {self.kv_capacity}{blocks}"
                     ),
                 )
             )
@@ -493,7 +517,7 @@ class ReplicaState:
             del self.running[rid]
             self._leave(r)  # (before its counters change)
             kv = r.kv_tokens
-            self.kv_used -= kv
+            self.kv_used -= kv + r._xt
             self._free(r, kv)
             self.kv_reserved -= r._reserved
             r._reserved = 0
@@ -512,12 +536,13 @@ class ReplicaState:
 
     def freeable_blocks(self, r: RequestState) -> int:
         n = self._blocks_of(r.kv_tokens)
-        return n if self.prefix is None else self.prefix.freeable(r, n)
+        return (n if self.prefix is None else self.prefix.freeable(r, n)) + r._xb
 
     def _free(self, r: RequestState, kv: int) -> None:
-        """``r`` gives back its blocks (it holds ``kv`` KV tokens): finished or preempted."""
+        """``r`` gives back its blocks (it holds ``kv`` KV tokens, and its fixed blocks): finished,
+        preempted or cancelled."""
         n = -(-kv // self.block_size)
-        self.blocks_used -= n if self.prefix is None else self.prefix.release(r, n)
+        self.blocks_used -= (n if self.prefix is None else self.prefix.release(r, n)) + r._xb
 
     def _fail(self, msg: str) -> PlanError:
         return PlanError(f"policy '{self.policy_name}' step {self.step_index}: {msg}")
@@ -555,7 +580,7 @@ class ReplicaState:
             self._leave(r)  # (before its counters change)
             # Recompute: its KV is dropped; re-admitted, it prefills prompt + output so far.
             kv = r.kv_tokens
-            self.kv_used -= kv
+            self.kv_used -= kv + r._xt
             self._free(r, kv)
             if kv > r._high:
                 r._high = kv
@@ -585,6 +610,9 @@ class ReplicaState:
             bs = self.block_size
             r._reserved = -(-r.kv_footprint // bs) * bs
             self.kv_reserved += r._reserved
+            if r._xb:  # its windows and recurrent state: held whole from now on
+                self.blocks_used += r._xb
+                self.kv_used += r._xt
             if r._prefilled and first:  # its prompt's KV came with it: held from now on
                 n = r._prefilled
                 r._ctx = n + 1
@@ -604,6 +632,8 @@ class ReplicaState:
                     self.prompt_done += n
                     if first:
                         r.cached_tokens = n
+                if r._xb:  # (its fixed blocks may take free cached ones)
+                    self._room(pc)
         return preempted
 
     # ------------------------------------------------------------------ passes
@@ -846,7 +876,7 @@ class ReplicaState:
         running = self.running
         for r in done:
             kv = r.prompt_tokens + r.output_tokens - 1
-            self.kv_used -= kv
+            self.kv_used -= kv + r._xt
             self._free(r, kv)
             self.kv_reserved -= r._reserved
             r._reserved = 0

@@ -41,8 +41,8 @@ def req(rid, prompt, output, arrival=0.0) -> Request:
 class Bench:
     """A ReplicaState driven by hand into an exact situation, with a view for policies."""
 
-    def __init__(self, requests, kv_capacity=1_000_000, name="test", block_size=1):
-        self.state = ReplicaState(requests, kv_capacity, name, block_size=block_size)
+    def __init__(self, requests, kv_capacity=1_000_000, name="test", block_size=1, layout=None):
+        self.state = ReplicaState(requests, kv_capacity, name, block_size=block_size, layout=layout)
         for r in self.state.accepted:
             self.state.arrive(r)
         self.view = ReplicaView(self.state, cost_model())

@@ -28,6 +28,7 @@ from mlx_lm.generate import generate_step
 
 from schedlab.policies import make_policy
 from schedlab.sim.cost import LinearCostModel
+from schedlab.sim.layout import CacheLayout
 from schedlab.sim.loop import run
 from schedlab.sim.sources import TraceSource
 from schedlab.traces.schema import Request
@@ -127,9 +128,21 @@ def test_preemption_under_a_small_kv_and_by_hand_recomputes_to_the_reference(nam
     # vLLM's policy with room for little more than the longest request: it must preempt (all
     # arriving at once, the schedule does not depend on the machine's speed)
     at_once = [dataclasses.replace(r, arrival_s=0.0) for r in trace()]
-    result, backend = run_real(m, make_policy("vllm", {}), at_once, kv_capacity=110)
-    assert sum(r.preemptions for r in result.requests) > 0
+    # (room for the longest request, 103 KV tokens, and two requests' windows and recurrent states)
+    layout = CacheLayout.from_dict(m.layout) if not m.plain_kv else None
+    kv = 110 + (2 * layout.fixed_tokens(103) if layout else 0)
+    result, backend = run_real(m, make_policy("vllm", {}), at_once, kv_capacity=kv)
+    assert not result.rejected and sum(r.preemptions for r in result.requests) > 0
     assert_references(backend, refs)
+    # the simulator, told the model's cache layout by a profile, counts the engine's memory: the
+    # same admissions, preemptions and tokens, request by request (the schedule is the machine's
+    # speed's no more: everything arrived at once)
+    profile = LinearCostModel({}, meta={"cache_layout": m.layout} if layout else {})
+    sim = run(at_once, make_policy("vllm", {}), profile, kv_capacity=kv)
+    assert [(r.id, r.preemptions, r.generated) for r in sim.requests] == [
+        (r.id, r.preemptions, r.generated) for r in result.requests
+    ]
+    assert [s.kv_tokens for s in sim.steps] == [s.kv_tokens for s in result.steps]
     # one decoding and one prefilling request preempted (a recurrent state mid-prompt dropped)
     policy = PreemptOnce(prefill_step_size=16, prefill_batch_size=3)
     result, backend = run_real(m, policy)
