@@ -22,6 +22,12 @@ decoder_sparse_step,         which layers are MoE (Qwen); ``first_k_dense_replac
 mlp_only_layers              ``moe_layer_freq`` (DeepSeek)
 attention_bias, mlp_bias     biases (Qwen2 has q/k/v biases by model type)
 kv_lora_rank, q_lora_rank    DeepSeek multi-head latent attention (compressed KV cache)
+layer_types,                 which layers are full attention, sliding-window attention
+full_attention_interval,     (at most ``sliding_window`` tokens) or linear attention (a
+sliding_window(_pattern)     fixed-size recurrent state): ``layer_kinds``
+linear_num_key_heads, ...    Gated DeltaNet layers (Qwen3-Next, Qwen3.5/3.6): heads and head
+                             dims of keys and values, ``linear_conv_kernel_dim``
+attn_output_gate             Qwen3-Next/3.5 full attention's output gate (q_proj doubled)
 ===========================  ===========================================================
 
 Every MLP is gated (gate, up, down: 3 x H x width), as in all the families above, except
@@ -93,6 +99,12 @@ class ModelSpec:
     full_layers: int | None = None
     sliding_layers: int = 0
     sliding_window: int | None = None
+    # linear-attention layers: their matrices (in place of ``attn_params`` in those layers), the
+    # FLOPs per token of their recurrence, and the state each keeps per request
+    linear_layers: int = 0
+    linear_params: int = 0
+    linear_flops_per_token: float = 0.0
+    linear_state_bytes: float = 0.0
 
     # ------------------------------------------------------------------ counts
     @property
@@ -112,11 +124,16 @@ class ModelSpec:
         return self.vocab * self.hidden
 
     @property
+    def mixer_delta_params(self) -> int:
+        """What the linear-attention layers' matrices add to counting ``attn_params`` in every layer."""
+        return self.linear_layers * (self.linear_params - self.attn_params) if self.linear_params else 0
+
+    @property
     def layer_matrix_params(self) -> int:
         """All matrices of all layers (every expert counted)."""
         moe = self.attn_params + self.shared_params + self.n_experts * self.expert_params
         dense = self.attn_params + self.dense_mlp_params
-        return self.moe_layers * moe + self.dense_layers * dense
+        return self.moe_layers * moe + self.dense_layers * dense + self.mixer_delta_params
 
     @property
     def total_params(self) -> int:
@@ -136,7 +153,7 @@ class ModelSpec:
         """Matrix parameters a token multiplies through in the layers (no embedding, no head)."""
         moe = self.attn_params + self.shared_params + self.top_k * self.expert_params
         dense = self.attn_params + self.dense_mlp_params
-        return self.moe_layers * moe + self.dense_layers * dense
+        return self.moe_layers * moe + self.dense_layers * dense + self.mixer_delta_params
 
     # ------------------------------------------------------------------ MoE
     def distinct_experts(self, tokens: float) -> float:
@@ -149,7 +166,7 @@ class ModelSpec:
 
     def layer_weight_params_touched(self, tokens: float) -> float:
         """Layer matrix parameters read by a forward over ``tokens`` tokens."""
-        dense = self.dense_layers * (self.attn_params + self.dense_mlp_params)
+        dense = self.dense_layers * (self.attn_params + self.dense_mlp_params) + self.mixer_delta_params
         if not self.is_moe:
             return float(dense)
         per = self.attn_params + self.shared_params + self.distinct_experts(tokens) * self.expert_params
@@ -176,6 +193,30 @@ class ModelSpec:
         not counted: a capacity in tokens is a capacity of the layers that grow."""
         return self.kv_layers * self.kv_dim * kv_bits / 8.0
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers whose attention reads the whole context (every layer unless the config says
+        otherwise; 0 for a model of sliding and linear layers only)."""
+        return self.layers if self.full_layers is None else self.full_layers
+
+    def sliding_bytes_per_token(self, kv_bits: int = 16) -> float:
+        """K and V of one token in every sliding-window layer (each keeps at most its window)."""
+        return self.sliding_layers * self.kv_dim * kv_bits / 8.0
+
+    @property
+    def state_bytes(self) -> float:
+        """Bytes of the fixed-size states one request keeps in the linear-attention layers."""
+        return self.linear_layers * self.linear_state_bytes
+
+    def cache_layout(self, kv_bits: int = 16) -> dict[str, Any] | None:
+        """What one request's cache holds beyond the full-attention KV, for the simulator's memory
+        accounting (``sim.layout.CacheLayout``'s dict); None when every layer is full attention."""
+        if not self.sliding_layers and not self.state_bytes:
+            return None
+        full = self.attention_layers * self.kv_dim * kv_bits / 8.0
+        sliding = [[self.sliding_window, self.sliding_bytes_per_token(kv_bits)]] if self.sliding_layers else []
+        return {"kv_bytes_per_token": full, "sliding": sliding, "state_bytes": self.state_bytes}
+
     def summary(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -190,9 +231,11 @@ class ModelSpec:
             "experts": self.n_experts,
             "experts_per_token": self.top_k,
             "moe_layers": self.moe_layers,
-            "full_attention_layers": self.kv_layers,
+            "full_attention_layers": self.attention_layers,
             "sliding_layers": self.sliding_layers,
             "sliding_window": self.sliding_window,
+            "linear_attention_layers": self.linear_layers,
+            "state_bytes_per_request": self.state_bytes,
             "total_params": self.total_params,
             "active_params": self.active_params,
         }
@@ -251,9 +294,11 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         norms_per_layer = 2 * h + kv_lora + (q_lora or 0)
     else:
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
-        attn = h * q_out + 2 * h * kv_out + q_out * h
+        # Qwen3-Next / Qwen3.5's full attention gates its output: q_proj is twice as wide
+        gate = q_out if cfg.get("attn_output_gate", mtype.startswith(("qwen3_next", "qwen3_5"))) else 0
+        attn = h * (q_out + gate) + 2 * h * kv_out + q_out * h
         if attn_bias:
-            attn += q_out + 2 * kv_out
+            attn += q_out + gate + 2 * kv_out + (h if mtype == "gpt_oss" else 0)  # (GPT-OSS: o_proj's too)
         kv_dim = 2 * kv_out
         norms_per_layer = 2 * h + (2 * head_dim if mtype.startswith("qwen3") else 0)
 
@@ -291,6 +336,8 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
             moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
     norms = n_layers * norms_per_layer + h
     full, sliding, window = layer_kinds(cfg, n_layers)
+    linear = n_layers - full - sliding if full is not None else 0
+    lin_params, lin_flops, lin_state = _linear_attention(cfg, h, native_bits) if linear else (0, 0.0, 0.0)
     return ModelSpec(
         name=name,
         model_type=mtype,
@@ -315,7 +362,35 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         full_layers=full,
         sliding_layers=sliding,
         sliding_window=window,
+        linear_layers=linear,
+        linear_params=lin_params,
+        linear_flops_per_token=lin_flops,
+        linear_state_bytes=lin_state,
     )
+
+
+def _linear_attention(cfg: Mapping[str, Any], h: int, act_bits: int) -> tuple[int, float, float]:
+    """(matrix parameters, recurrence FLOPs per token, state bytes per request) of one Gated
+    DeltaNet layer (Qwen3-Next, Qwen3.5/3.6, as mlx-lm builds it): q, k, v and the output gate z
+    projected from the hidden state (``in_proj_qkvz``), a beta and a decay per value head
+    (``in_proj_ba``), a depthwise causal convolution over q, k, v (kernel ``linear_conv_kernel_dim``),
+    the output projection; its state per request is the convolution's last kernel - 1 inputs (at
+    the activations' precision) and, per value head, a key x value matrix in float32. The
+    recurrence costs about 6 x value heads x key dim x value dim FLOPs per token (decay, the delta
+    update, the read-out). A config without those fields (another linear kind) counts such a
+    layer as an attention layer with no state: (0, 0, 0)."""
+    nk = _int(cfg, "linear_num_key_heads")
+    nv = _int(cfg, "linear_num_value_heads")
+    dk = _int(cfg, "linear_key_head_dim")
+    dv = _int(cfg, "linear_value_head_dim")
+    kernel = _int(cfg, "linear_conv_kernel_dim", 4)
+    if not (nk and nv and dk and dv):
+        return 0, 0.0, 0.0
+    key, value = nk * dk, nv * dv
+    conv = 2 * key + value
+    params = h * (2 * key + 2 * value) + h * 2 * nv + conv * kernel + value * h
+    state = (kernel - 1) * conv * act_bits / 8.0 + nv * dk * dv * 4.0
+    return params, 6.0 * nv * dk * dv, state
 
 
 def layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> tuple[int | None, int, int | None]:

@@ -98,6 +98,7 @@ class Forward(NamedTuple):
     rows: int = 0  # decode rows
     decode_kv: float = 0.0  # KV tokens the decode rows read, summed
     chunks: tuple = ()  # (tokens, cached) of each prefill chunk
+    state_bytes: float = 0.0  # sliding windows' KV and recurrent states read and written (such models)
 
 
 class AnalyticCostModel(CostModel):
@@ -146,15 +147,28 @@ class AnalyticCostModel(CostModel):
         ) / 8.0
         self.peak = hardware.peak(self.compute_dtype) * peak_scale
         self.kv_bytes_per_token = m.kv_bytes_per_token(kv_bits)
+        # layer kinds: attn_qk counts query x key pairs averaged over the layers, full-attention
+        # layers (a fraction _fw of them) over the whole context, sliding ones (_sw) over at most
+        # the window _win; linear-attention layers have none (their recurrence is per token)
+        self._mixed = bool(m.sliding_layers or m.linear_layers)
+        self._fw = m.attention_layers / m.layers
+        self._sw = m.sliding_layers / m.layers
+        self._win = m.sliding_window or 0
+        self.sliding_bytes_per_token = m.sliding_bytes_per_token(kv_bits)
+        self.state_bytes = m.state_bytes
+        # what the simulator's memory accounting holds per request besides the KV (sim.layout)
+        self.cache_layout = m.cache_layout(kv_bits)
         # FLOPs and bytes per unit of work (divided by the effective rates at use)
-        self._flops_per_token = 2.0 * m.active_matmul_params()
+        self._flops_per_token = 2.0 * m.active_matmul_params() + m.linear_layers * m.linear_flops_per_token
         self._flops_per_head_row = 2.0 * m.vocab * m.hidden
         self._flops_per_qk = 4.0 * m.layers * m.heads * m.head_dim
         # a lazy chunk's last layer projects keys and values only
         self._partial_saving = max(0.0, 2.0 * (m.active_matmul_params() / m.layers - m.hidden * m.kv_dim))
         self._partial_qk = (m.layers - 1) / m.layers
         self._head_bytes = m.head_params * self.bytes_per_weight
-        self._dense_bytes = m.dense_layers * (m.attn_params + m.dense_mlp_params) * self.bytes_per_weight
+        self._dense_bytes = (m.dense_layers * (m.attn_params + m.dense_mlp_params) + m.mixer_delta_params) * (
+            self.bytes_per_weight
+        )
         self._moe_fixed_bytes = m.moe_layers * (m.attn_params + m.shared_params) * self.bytes_per_weight
         self._expert_bytes = m.moe_layers * m.expert_params * self.bytes_per_weight
         self._set_efficiency(self.efficiency)
@@ -199,7 +213,7 @@ class AnalyticCostModel(CostModel):
 
     def bytes(self, f: Forward) -> float:
         """The forward's own traffic: weights and KV (not the batch-cache copies)."""
-        return self.weight_bytes_read(f.tokens) + (f.kv_read + f.kv_write) * self.kv_bytes_per_token
+        return self.weight_bytes_read(f.tokens) + (f.kv_read + f.kv_write) * self.kv_bytes_per_token + f.state_bytes
 
     def forward_parts(self, f: Forward) -> tuple[float, float, float, float, float, float, int]:
         """Seconds at unit efficiency: (matmul at peak, prefill attention at peak, decode
@@ -232,8 +246,45 @@ class AnalyticCostModel(CostModel):
         return self._ovh + (c if c > m else m) + f.extra_bytes / self._bw_copy + f.copies * self._copy_ovh
 
     def _qk(self, n: float, b: float) -> float:
-        """Query x key pairs of a chunk of n after b cached."""
-        return n * b + n * (n + 1) / 2.0 if self.causal_skip else n * (b + n)
+        """Query x key pairs of a chunk of n after b cached (averaged over the layers)."""
+        full = n * b + n * (n + 1) / 2.0 if self.causal_skip else n * (b + n)
+        if not self._mixed:
+            return full
+        w = self._win
+        if not self._sw:
+            return self._fw * full
+        if self.causal_skip:  # query i (1-based position b + i) sees min(b + i, w) keys
+            lo, hi = b + 1, b + n
+            if hi <= w:
+                win = (lo + hi) * n / 2.0
+            elif lo >= w:
+                win = n * w
+            else:
+                win = (lo + w) * (w - lo + 1) / 2.0 + (hi - w) * w
+        else:  # every query against what the window kept and the chunk
+            win = n * (min(b, w) + n)
+        return self._fw * full + self._sw * win
+
+    def _row_qk(self, c: float) -> float:
+        """Query x key pairs of a decode row attending to c tokens (averaged over the layers)."""
+        if not self._mixed:
+            return c
+        return self._fw * c + (self._sw * min(c, self._win) if self._sw else 0.0)
+
+    def _row_state_bytes(self, c: float) -> float:
+        """A decode row's window KV and recurrent state read and written."""
+        return self.sliding_bytes_per_token * min(c, self._win) + 2.0 * self.state_bytes
+
+    def _chunk_state_bytes(self, n: float, b: float) -> float:
+        """A prefill chunk's window KV read and written, its recurrent state read and written."""
+        return self.sliding_bytes_per_token * (min(b, self._win) + min(n, self._win)) + 2.0 * self.state_bytes
+
+    def _copy_bytes(self, rows: float, longest: float) -> float:
+        """Bytes a batch-cache copy of ``rows`` rows of ``longest`` tokens moves (read + written)."""
+        b = 2.0 * rows * longest * self.kv_bytes_per_token
+        if self._mixed:
+            b += 2.0 * rows * (self.sliding_bytes_per_token * min(longest, self._win) + self.state_bytes)
+        return b
 
     def forwards(self, s: PassShape) -> Iterator[Forward]:
         """The forwards a pass runs (see the module docstring)."""
@@ -241,14 +292,17 @@ class AnalyticCostModel(CostModel):
         chunks = s.prefill
         if self.style == "fused":
             tokens = head = qk = rd = wr = 0.0
+            st = 0.0
             if ctx:
                 rows = len(ctx)
                 total = float(sum(ctx))
                 tokens += rows
                 head += rows
-                qk += total
+                qk += total if not self._mixed else sum(map(self._row_qk, ctx))
                 rd += total - rows
                 wr += rows
+                if self._mixed:
+                    st += sum(map(self._row_state_bytes, ctx))
             if chunks:
                 if s.padded:
                     n = max(c for c, _ in chunks)
@@ -258,29 +312,35 @@ class AnalyticCostModel(CostModel):
                     qk += r * self._qk(n, b)
                     rd += r * b
                     wr += r * n
+                    if self._mixed:
+                        st += r * self._chunk_state_bytes(n, b)
                 else:
                     for n, b in chunks:
                         tokens += n
                         qk += self._qk(n, b)
                         rd += b
                         wr += n
+                        if self._mixed:
+                            st += self._chunk_state_bytes(n, b)
                 head += len(chunks)
             if tokens:
-                yield Forward(tokens, head, qk, rd, wr)
+                yield Forward(tokens, head, qk, rd, wr, state_bytes=st)
             return
         if ctx:
             rows = len(ctx)
             longest = max(ctx)
             extra = copies = 0.0
             if s.joins:  # extend: the batch cache is rebuilt with the new rows
-                extra += 2.0 * rows * longest * self.kv_bytes_per_token
+                extra += self._copy_bytes(rows, longest)
                 copies += 1
             if s.leaves:  # filter: the kept rows are copied (nothing when none is kept)
                 kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
                 if kept:
-                    extra += 2.0 * kept * longest * self.kv_bytes_per_token
+                    extra += self._copy_bytes(kept, longest)
                     copies += 1
-            yield Forward(rows, rows, rows * longest, rows * (longest - 1), rows, extra, copies, True)
+            st = rows * self._row_state_bytes(longest) if self._mixed else 0.0
+            qk = rows * self._row_qk(longest)
+            yield Forward(rows, rows, qk, rows * (longest - 1), rows, extra, copies, True, state_bytes=st)
         if chunks:
             done = s.prefill_done or (True,) * len(chunks)  # unknown: completing (the full cost)
             lazy = self.lazy_prefill
@@ -291,7 +351,16 @@ class AnalyticCostModel(CostModel):
                 n_done = sum(1 for d in done if d)
                 partial = lazy and not n_done
                 qk = r * self._qk(n, b) * (self._partial_qk if partial else 1.0)
-                yield Forward(r * n, n_done if lazy else r, qk, r * b, r * n, partial_tokens=r * n if partial else 0.0)
+                st = r * self._chunk_state_bytes(n, b) if self._mixed else 0.0
+                yield Forward(
+                    r * n,
+                    n_done if lazy else r,
+                    qk,
+                    r * b,
+                    r * n,
+                    partial_tokens=r * n if partial else 0.0,
+                    state_bytes=st,
+                )
             else:
                 for (n, b), d in zip(chunks, done):
                     partial = lazy and not d
@@ -302,6 +371,7 @@ class AnalyticCostModel(CostModel):
                         b,
                         n,
                         partial_tokens=n if partial else 0.0,
+                        state_bytes=self._chunk_state_bytes(n, b) if self._mixed else 0.0,
                     )
 
     # ------------------------------------------------------------------ CostModel
@@ -318,7 +388,7 @@ class AnalyticCostModel(CostModel):
 
     def pass_seconds(self, shape: PassShape) -> float:
         """Seconds of one pass: the sum of its forwards (same as summing ``forwards()``)."""
-        if self.style != "mlx":
+        if self.style != "mlx" or self._mixed:  # (layer kinds: through the forwards)
             return sum(self.forward_seconds(f) for f in self.forwards(shape))
         t = 0.0
         ctx = shape.decode_contexts
@@ -421,6 +491,10 @@ def kv_capacity_tokens(
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> int:
     """KV tokens that fit in ``mem_fraction`` of the memory once the weights are loaded.
+
+    Tokens of the full-attention layers' KV: a model with sliding-window or linear-attention
+    layers holds more per request (its windows, its recurrent states), which the simulator takes
+    out of this capacity request by request (``AnalyticCostModel.cache_layout``).
 
     Raises ``AnalyticError`` (one line) when the weights alone do not fit.
     """

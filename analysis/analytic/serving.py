@@ -117,6 +117,8 @@ class ServingCostModel(AnalyticCostModel):
         self._lin_cache: dict[int, float] = {}
         self._dec_cache: dict[int, tuple[float, float]] = {}
         self._pre_cache: dict[int, tuple[float, float]] = {}
+        if self._mixed:  # layer kinds (see ``_mixed_pass_seconds``): decode runs pass by pass
+            self.has_run_formula = False
 
     # ------------------------------------------------------------------ parts
     def linear_seconds(self, tokens: int) -> float:
@@ -187,7 +189,37 @@ class ServingCostModel(AnalyticCostModel):
             return ((n, b),) * len(chunks)
         return chunks
 
+    def _mixed_pass_seconds(self, shape: PassShape) -> float:
+        """A model with sliding-window or linear-attention layers: the attention kernels' FLOPs and
+        KV reads are those of its attention layers (a fraction ``_fw`` of the L layers over the
+        whole context, ``_sw`` over at most the window); the windows' KV and the recurrent states
+        are read and written at the decode-attention bandwidth; the GEMMs are all layers'."""
+        ctx = shape.decode_contexts
+        chunks = self._chunks(shape)
+        rows = len(ctx)
+        tokens = rows + sum(n for n, _ in chunks)
+        if not tokens:
+            return 0.0
+        t = 0.0
+        w, fw, sw = self._win, self._fw, self._sw
+        for n, b in chunks:
+            cx, cy = self._prefill_coef(n)
+            tri_w = n * (n + 1) / 2.0 if n <= w else w * (w + 1) / 2.0 + (n - w) * w
+            t += cx * (fw * n * b + sw * n * min(b, w)) + cy * (fw * n * (n + 1) / 2.0 + sw * tri_w)
+            t += self._inv_bw * self._chunk_state_bytes(n, b)
+        t += len(chunks) * self._L * self.serving.prefill_overhead_per_layer_s
+        if rows:
+            s = self.serving
+            fixed, per_token = self._decode_coef(rows)
+            t += fixed + per_token * sum(ctx)  # (the full-attention layers' KV)
+            e = inv_interp(rows, s.decode_rows, s.decode_attention) / self._W
+            t += e * sum(map(self._row_state_bytes, ctx))
+        t += self.linear_seconds(tokens)
+        return t + self.head_seconds(rows + len(chunks))
+
     def pass_seconds(self, shape: PassShape) -> float:
+        if self._mixed:
+            return self._mixed_pass_seconds(shape)
         ctx = shape.decode_contexts
         chunks = self._chunks(shape)
         rows = len(ctx)
@@ -219,7 +251,7 @@ class ServingCostModel(AnalyticCostModel):
         what its passes one by one would. Lazy; a pure formula (``has_run_formula``)."""
         ctx = shape.decode_contexts
         rows = len(ctx)
-        if not rows or shape.prefill:
+        if not rows or shape.prefill or self._mixed:
             return super().decode_run_seconds(shape, k)
         fixed, per_token = self._decode_coef(rows)  # (once per run: the parts' own cached methods)
         lin, head = self.linear_seconds(rows), self.head_seconds(rows)
@@ -263,7 +295,8 @@ class ServingCostModel(AnalyticCostModel):
         )
 
     def forward_seconds(self, f: Forward) -> float:
-        """Seconds of a forward from :meth:`forwards` (equal to ``pass_seconds`` of its pass)."""
+        """Seconds of a forward from :meth:`forwards` (equal to ``pass_seconds`` of its pass; a
+        model with layer kinds: see ``_mixed_pass_seconds``)."""
         t = self.linear_seconds(int(f.tokens)) + self.head_seconds(f.head_rows)
         t += self.decode_attention_seconds(int(f.rows), f.decode_kv)
         return t + sum(self.prefill_attention_seconds(n, b) for n, b in f.chunks)
