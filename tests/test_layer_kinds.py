@@ -11,9 +11,9 @@ from schedlab.analysis.analytic.modelspec import layer_kinds, load_model_config,
 from schedlab.analysis.analytic.roofline import kv_capacity_tokens
 
 
-def capacity(cfg, hw="h100-sxm"):
-    """The analytic KV capacity in tokens of ``cfg`` on ``hw`` at 16 bits."""
-    return kv_capacity_tokens(hardware_from_preset(hw, read_hardware_file()["presets"][hw]), model_spec(cfg), 16)
+def capacity(cfg, hw="h100-sxm", bits=16):
+    """The analytic KV capacity in tokens of ``cfg`` on ``hw`` at ``bits`` bits."""
+    return kv_capacity_tokens(hardware_from_preset(hw, read_hardware_file()["presets"][hw]), model_spec(cfg), bits)
 
 
 @pytest.fixture()
@@ -140,3 +140,36 @@ def test_the_analytic_model_hands_the_simulator_each_requests_state(base):
     assert res.error is None and all(r.phase.value == "finished" for r in res.requests)
     assert max(most) == 3190 // (319 + int(-(-state // 1))) < 10
     assert res.meta["cache_layout"]["state_bytes"] == hyb.state_bytes
+
+
+@pytest.mark.parametrize(
+    "name, full, sliding, linear",
+    [
+        ("qwen3-next-80b-a3b", 12, 0, 36),
+        ("qwen3.6-35b-a3b", 10, 0, 30),
+        ("qwen3.5-27b", 16, 0, 48),
+        ("gpt-oss-20b", 12, 12, 0),
+        ("gpt-oss-120b", 18, 18, 0),
+    ],
+)
+def test_bundled_hybrid_and_sliding_configs_hold_layers_over_full_layers_times_the_tokens(name, full, sliding, linear):
+    """The published configs' layer kinds as read, and the acceptance check: the KV capacity in
+    tokens is about layers / full-attention layers times that of the same config with every layer
+    full attention (the weights differ a little: linear layers' matrices are not attention's), and
+    a request then holds its recurrent state or windows out of it."""
+    cfg = dict(load_model_config(name)[1])
+    m = model_spec(cfg)
+    assert (m.attention_layers, m.sliding_layers, m.linear_layers) == (full, sliding, linear)
+    inner = dict(cfg.get("text_config") or cfg)
+    if "layer_types" in inner:
+        inner["layer_types"] = ["full_attention"] * m.layers
+    else:
+        inner["full_attention_interval"] = 1
+    every = dict(cfg, text_config=inner) if "text_config" in cfg else inner
+    assert model_spec(every).attention_layers == m.layers
+    assert capacity(cfg, "h200", 4) / capacity(every, "h200", 4) == pytest.approx(m.layers / full, rel=0.02)
+    layout = model_spec(cfg).cache_layout()
+    if linear:  # Gated DeltaNet: a state of thousands of tokens' KV per request
+        assert layout["state_bytes"] > 1000 * m.kv_bytes_per_token() and not layout["sliding"]
+    else:  # GPT-OSS: 128-token windows in half the layers
+        assert layout["sliding"] == [[128, m.sliding_bytes_per_token()]] and layout["state_bytes"] == 0
