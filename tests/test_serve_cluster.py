@@ -490,3 +490,62 @@ def test_bad_cluster_options_are_one_line_errors(tmp_path):
         r = subprocess.run([*command(cmd), "--policy", "vllm", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _replicas_of(pid: int) -> list[int]:
+    """Replica processes (``schedlab serve``) whose parent is ``pid`` (Linux /proc)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"serve" in argv:
+                kids.append(int(d.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("how, phase", [("SIGTERM", "serving"), ("SIGINT", "calibrating"), ("SIGKILL", "serving")])
+def test_run_real_ends_its_replicas_at_once_when_it_is_stopped(how, phase, tmp_path):
+    """``run-real --replicas 2`` stopped as a job scheduler, a terminal or the OOM killer stops it
+    (SIGTERM, SIGINT, SIGKILL), its replicas serving with requests in flight or the first still
+    calibrating (a fresh profile cache; the second starts once it listens): no replica it started
+    is left a second later."""
+    env = dict(os.environ, SCHEDLAB_CACHE_DIR=str(tmp_path / "cache"))
+    argv = [*command("run-real"), "--policy", "vllm", "--model", MODEL, "--trace", "sonnet", "--replicas", "2", "-q"]
+    want = 2 if phase == "serving" else 1
+    parent = subprocess.Popen(
+        argv + ["--no-calibrate"] * (phase == "serving"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        kids: list[int] = []
+        while len(kids) < want and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            kids = _replicas_of(parent.pid)
+        assert len(kids) == want, f"replicas did not start: {parent.stderr.read() if parent.poll() is not None else ''}"
+        time.sleep(4.0)  # (loaded: serving the trace's first requests, or calibrating)
+        assert parent.poll() is None and all(map(_alive, kids)) and len(_replicas_of(parent.pid)) == want
+        parent.send_signal(getattr(signal, how))
+        if how != "SIGKILL":
+            assert parent.wait(timeout=30) != 0
+        time.sleep(1.0)
+        assert not [k for k in kids if _alive(k)], f"replicas left after {how}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()

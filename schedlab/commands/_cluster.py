@@ -71,7 +71,7 @@ def cpu_shares(n: int) -> list[list[int]]:
 
 
 def _death_signal():
-    """A preexec_fn for a replica: pinned to its cores, and sent SIGTERM if the front dies."""
+    """``prctl`` (Linux), for a replica's preexec_fn: killed when the front dies."""
     try:
         import ctypes
 
@@ -115,13 +115,17 @@ class Replica:
     def start(self, echo) -> None:
         cpus = self.cpus
         threads = str(len(cpus))
-        env = dict(os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+        env = dict(
+            os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, SCHEDLAB_FRONT_PID=str(os.getpid())
+        )
 
-        def preexec() -> None:  # in the child, before exec: its cores; SIGTERM when the front dies
+        def preexec() -> None:  # in the child, before exec: its cores; killed when the front dies
             if hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cpus)
             if _PRCTL is not None and sys.platform.startswith("linux"):
-                _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+                # PR_SET_PDEATHSIG: nobody is left to answer to, so nothing to finish (a SIGTERM
+                # would let a replica that is still calibrating go on for minutes)
+                _PRCTL(1, signal.SIGKILL)
 
         self.proc = subprocess.Popen(
             self.argv,
@@ -164,6 +168,14 @@ class Replica:
                 self.proc.send_signal(signum)
             except ProcessLookupError:  # pragma: no cover - it just exited
                 pass
+
+    def kill(self) -> None:
+        """End it now, whatever it is doing, with anything it started (its own session)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # pragma: no cover - it just exited
+                self.proc.kill()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -1239,6 +1251,11 @@ def run_real_cluster(
         decode_router=decode_router,
     )
     errors: dict[str, str] = {}
+    # SIGTERM (timeout, a job scheduler, a container stop) ends the run as Ctrl-C does: every
+    # replica it started, at once, calibrating or not
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         url = cluster.start(sequential)
         cluster.front.trace_name = trace.name
@@ -1253,14 +1270,22 @@ def run_real_cluster(
             cluster.watch()
         cluster.shutdown()
     except KeyboardInterrupt:
+        for r in cluster.replicas:
+            r.kill()
         cluster.close()
         from ._app import Interrupted
 
         raise Interrupted("the replicas were stopped") from None
     finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         cluster.close()
     cluster.finish(quiet)
     return [f"request {rid}: {why}" for rid, why in errors.items()]
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 async def _replay(url: str, model: str, trace, ignore_eos: bool) -> dict[str, str]:

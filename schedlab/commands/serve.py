@@ -48,6 +48,7 @@ records when it left, ``cancel_after_s``, for ``simulate`` to replay).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -218,6 +219,7 @@ def serve(
             decode_router=cluster.make_router() if split else None,
         )
         return
+    _exit_with_front()
     eng = schedlab.load_engine(
         engine,
         replica=replica,
@@ -243,6 +245,21 @@ def serve(
         print(run.report())
     if error:
         raise SchedlabError(error)
+
+
+def _exit_with_front() -> None:
+    """A replica a front started (``SCHEDLAB_FRONT_PID``) ends when the front is gone, whatever it
+    is doing: Linux kills it then (PR_SET_PDEATHSIG); elsewhere (macOS) a thread watches."""
+    front = os.environ.get("SCHEDLAB_FRONT_PID")
+    if not front or sys.platform.startswith("linux"):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(front):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="front-watch", daemon=True).start()
 
 
 def _check_address(host: str, port: int) -> None:
