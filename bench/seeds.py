@@ -1,0 +1,140 @@
+"""The seed pull requests' headlines, reproduced in the simulator on each seed's own setup.
+
+``docs/seeds.md`` quotes what this writes (``bench/results/seeds.json``); ``tests/test_seeds.py``
+recomputes the simulated headlines at HEAD, so the page cannot drift from the code. Simulation
+only, on the analytic model of the seed's hardware and model (``--hardware``, ``--model-config``):
+a second or two in all::
+
+    python bench/seeds.py
+
+Seed 000 (mlx-lm ``BatchGenerator(prefer_prefill_when_pending=True)``; here ``prefer-prefill`` vs
+``mlx-default``): Qwen3.6-35B-A3B at 4 bits on an M4 Max (``m4-max``), mlx_lm.server's
+``--decode-concurrency 8 --prompt-concurrency 4 --prefill-step-size 2048`` (``completion_batch_size``,
+``prefill_batch_size``, ``prefill_step_size``). The PR's matrix: N concurrent streams at 8k
+(N = 2, 3, 4) and 32k (N = 2, 3) prompt tokens, N = 1 at 1k and 4k as the off-target rows;
+per_decode = each request's decode rate once its first token is out, avg decode = their mean (the
+PR's column), aggregate = all output tokens over the time from the first first-token to the last. The PR does not say when its
+streams start nor how long they run: here they start ``GAP_S`` apart (a client opening them one
+after another: a request arrives while the ones before it decode) and each asks for
+``MAX_TOKENS`` tokens; ``SENSITIVITY`` reruns the 32k N = 3 row over other values of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import machine, result_path, write_json
+
+from schedlab.analysis.analytic import make_analytic_cost_model
+from schedlab.policies import make_policy
+from schedlab.sim import run
+from schedlab.traces.schema import Request
+
+SEED000 = {
+    "hardware": "m4-max",
+    "model_config": "qwen3.6-35b-a3b",
+    "quant": 4,
+    "options": {"completion_batch_size": "8", "prefill_batch_size": "4", "prefill_step_size": "2048"},
+    "matrix": [(2, 8192), (3, 8192), (4, 8192), (2, 32768), (3, 32768)],
+    "off_target": [(1, 1024), (1, 4096)],
+}
+GAP_S = 2.0
+MAX_TOKENS = 32
+SENSITIVITY = {"gap_s": [0.5, 1.0, 2.0, 4.0], "max_tokens": [16, 32, 128, 512]}
+
+# what PR 000 published (its "Full matrix" tables): per_decode per request, tok/s (avg decode: the mean)
+PUBLISHED_000 = {
+    "2x8192": {"off": [79.7, 79.8], "on": [79.6, 79.6]},
+    "3x8192": {"off": [2.2, 2.2, 70.6], "on": [64.5, 64.4, 64.5]},
+    "4x8192": {"off": [2.0, 3.9, 2.0, 56.6], "on": [53.7, 53.7, 53.7, 53.7]},
+    "2x32768": {"off": [55.1, 51.8], "on": [60.7, 60.6]},
+    "3x32768": {"off": [0.8, 0.8, 80.7], "on": [46.9, 46.8, 46.6]},
+    "1x1024": {"off": [106.4], "on": [106.1]},
+    "1x4096": {"off": [102.6], "on": [102.2]},
+}
+
+
+def decode_rates(result) -> tuple[list[float], float]:
+    """(per_decode of each request in arrival order, aggregate decode tok/s)."""
+    per = []
+    for r in result.requests:
+        t = r.token_times
+        per.append((len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else 0.0)
+    first = min(r.first_token_s for r in result.requests)
+    last = max(r.finish_s for r in result.requests)
+    return per, sum(r.generated for r in result.requests) / (last - first)
+
+
+def seed000_row(n: int, ctx: int, gap_s: float = GAP_S, max_tokens: int = MAX_TOKENS, cost=None) -> dict:
+    """Both policies on N streams of ``ctx`` prompt tokens, ``gap_s`` apart."""
+    if cost is None:
+        cost = seed000_cost()
+    model, capacity = cost
+    reqs = [Request(f"r{i}", i * gap_s, ctx, max_tokens) for i in range(n)]
+    out = {}
+    for mode, policy in (("off", "mlx-default"), ("on", "prefer-prefill")):
+        res = run(reqs, make_policy(policy, SEED000["options"]), model, kv_capacity=capacity)
+        assert res.error is None and not res.rejected, res.error
+        per, agg = decode_rates(res)
+        out[mode] = {
+            "per_decode": [round(x, 1) for x in per],
+            "avg_decode": round(sum(per) / len(per), 1),  # the PR's "avg decode": the mean per_decode
+            "aggregate": round(agg, 1),
+        }
+    return out
+
+
+def seed000_cost():
+    model, capacity, _ = make_analytic_cost_model(SEED000["hardware"], SEED000["model_config"], SEED000["quant"])
+    return model, capacity
+
+
+def seed000() -> dict:
+    cost = seed000_cost()
+    rows = {}
+    for n, ctx in SEED000["off_target"] + SEED000["matrix"]:
+        rows[f"{n}x{ctx}"] = seed000_row(n, ctx, cost=cost)
+    # N = 2 arriving together (one prefill batch): the PR's N = 2 rows are symmetric in both modes
+    rows["2x8192_together"] = seed000_row(2, 8192, 0.0, cost=cost)
+    solo = rows["1x4096"]["off"]["aggregate"]
+    for key, row in rows.items():
+        for mode in ("off", "on"):
+            m = row[mode]
+            m["victim_min"] = min(m["per_decode"])
+            m["fastest"] = max(m["per_decode"])
+            m["victims_over_fastest"] = round(m["victim_min"] / m["fastest"], 3) if m["fastest"] else None
+            m["scaling_vs_n1"] = round(m["aggregate"] / solo, 2)
+        # the PR's "per_decode speedup": ON's avg decode over OFF's
+        row["per_decode_speedup"] = round(row["on"]["avg_decode"] / row["off"]["avg_decode"], 2)
+    sens = {}
+    for gap in SENSITIVITY["gap_s"]:
+        for mt in SENSITIVITY["max_tokens"]:
+            r = seed000_row(3, 32768, gap, mt, cost=cost)
+            sens[f"gap={gap},max_tokens={mt}"] = {
+                "off_victim_min": min(r["off"]["per_decode"]),
+                "off_fastest": max(r["off"]["per_decode"]),
+                "on_min": min(r["on"]["per_decode"]),
+                "on_max": max(r["on"]["per_decode"]),
+            }
+    return {
+        "setup": {**SEED000, "gap_s": GAP_S, "max_tokens": MAX_TOKENS, "kv_tokens": cost[1]},
+        "published": PUBLISHED_000,
+        "simulated": rows,
+        "sensitivity_3x32768": sens,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(result_path("seeds")))
+    args = ap.parse_args()
+    data = {"bench": "seeds", "machine": machine(), "seed000": seed000()}
+    write_json(data, args.out)
+    for key, row in data["seed000"]["simulated"].items():
+        print(
+            f"000 {key:8s} off {row['off']['per_decode']} agg {row['off']['aggregate']}  on {row['on']['per_decode']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
