@@ -33,9 +33,6 @@ ENGINE_FILES = {
     "test_engine_models",
     "test_engine_serve",
     "test_fidelity",
-    "test_gemma3",
-    "test_gguf",
-    "test_notebooks",
     "test_policies",
     "test_serve_cluster",
     "test_serve_disagg",
@@ -44,17 +41,24 @@ ENGINE_FILES = {
     "test_server_metrics",
     "test_server_sampling",
 }
+# Engine files that share nothing with the rest (their own models: the GGUF files, the notebooks'
+# kernels) and assert no timing: a second engine unit, which the other worker starts with, so that
+# the engine's work is not all on one worker while the other runs out of tests.
+ENGINE2_FILES = {"test_gemma3", "test_gguf", "test_notebooks"}
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
 
 
 def run_unit(nodeid: str) -> str:
-    """The unit a test runs in under ``pytest -n``: "engine", or its file's own."""
+    """The unit a test runs in under ``pytest -n``: "engine", "engine2", or its file's own."""
     stem = Path(nodeid.split("::", 1)[0]).stem
+    if stem in ENGINE2_FILES:
+        return "engine2"
     return "engine" if stem in ENGINE_FILES else SHARED_GROUPS.get(stem, stem)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: run_unit(item.nodeid) != "engine")  # (stable: each file keeps its order)
+    # the engine units first, the longest first (stable: each file keeps its order)
+    items.sort(key=lambda item: {"engine": 0, "engine2": 1}.get(run_unit(item.nodeid), 2))
 
 
 if importlib.util.find_spec("xdist") is not None:

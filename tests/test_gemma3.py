@@ -310,31 +310,6 @@ def test_gemma3_answers_paris_through_the_engine(gemma):
 
 
 @pytest.mark.slow
-def test_gemma3_prompt_longer_than_the_window_through_the_engine(gemma):
-    """A prompt longer than the 512-token window, prefilled in chunks beside a shorter request:
-    the sliding layers' caches rotate in the engine as in the model alone."""
-    from pathlib import Path
-
-    from schedlab.engine.backend import MLXBackend, reference_tokens
-    from schedlab.policies import make_policy
-    from schedlab.sim.cost import LinearCostModel
-    from schedlab.sim.loop import run
-    from schedlab.traces import tokenize
-    from schedlab.traces.schema import Request, Trace
-
-    text = (Path(__file__).parents[1] / "traces" / "data" / "sonnet.txt").read_text()[:2200]  # (bundled, fixed)
-    reqs = [Request("long", 0.0, None, 3, prompt=text), Request("short", 0.0, None, 3, prompt=text[:300])]
-    reqs = tokenize(Trace("long", "", reqs), gemma.tokenizer).requests
-    assert reqs[0].prompt_tokens > 512 + 2 * 16  # (past the window by more than a chunk's rotation step)
-    backend = MLXBackend(gemma, warmup=False, ignore_eos=True)
-    policy = make_policy("unified", {"token_budget": "256"})
-    result = run(reqs, policy, LinearCostModel({}), kv_capacity=100_000, backend=backend)
-    assert result.error is None, result.error
-    for r, t in ((reqs[0], text), (reqs[1], text[:300])):
-        assert backend.tokens[r.id] == reference_tokens(gemma, gemma.tokenizer.encode(t), 3), r.id
-
-
-@pytest.mark.slow
 def test_gemma3_quantized_requantizes_each_tensor_at_its_own_bits():
     needs_wheel()
     q = load_model(PRESET, dtype="quantized")
@@ -404,22 +379,28 @@ def test_gemma3_tokenizer_matches_sentencepiece_and_round_trips():
 
 @pytest.mark.slow
 def test_serve_gemma3_answers_openai_chats_as_the_model_alone(gemma, tmp_path):
-    """``serve --model gemma3-270m`` behind the ``openai`` SDK: two chats at once (batched through
-    the sliding-window caches), each the model alone's greedy answer, stopped at <end_of_turn>."""
+    """``serve --model gemma3-270m`` behind the ``openai`` SDK: three chats at once (batched through
+    the sliding-window caches), one of them longer than the 512-token window and prefilled in
+    chunks beside the others' decoding (the local layers' caches rotate in the engine as in the
+    model alone), each the model alone's greedy answer, stopped at <end_of_turn>."""
     from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
 
     from test_server import Served, expected
 
     needs_wheel()
-    served = Served(["--model", PRESET, "--policy", "chunked-prefill"], tmp_path / "run")
+    sonnet = (Path(__file__).parents[1] / "traces" / "data" / "sonnet.txt").read_text()[:2200]  # (bundled, fixed)
+    long = [{"role": "user", "content": sonnet}]
+    assert len(gemma.tokenizer.apply_chat_template(long, tokenize=True)) > 512 + 2 * 16  # past the window
+    served = Served(["--model", PRESET, "--policy", "chunked-prefill", "-o", "budget=256"], tmp_path / "run")
     try:
         c = served.client()
-        chats = [ONE_SHOT, [{"role": "user", "content": "Name three colours."}]]
+        chats = [ONE_SHOT, [{"role": "user", "content": "Name three colours."}], long]
 
         def ask(messages):
             return c.chat.completions.create(model=PRESET, messages=messages, max_tokens=12)
 
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(ask, chats))
         for messages, r in zip(chats, answers):
             text, n, reason = expected(gemma, messages=messages, max_tokens=12)
