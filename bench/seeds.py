@@ -5,7 +5,8 @@ recomputes the simulated headlines at HEAD, so the page cannot drift from the co
 only, on the analytic model of the seed's hardware and model (``--hardware``, ``--model-config``):
 a second or two in all::
 
-    python bench/seeds.py
+    python bench/seeds.py           # the simulations (a recorded real part is kept)
+    python bench/seeds.py --real    # and seed 000 on the real engine (minutes, a quiet machine)
 
 Seed 000 (mlx-lm ``BatchGenerator(prefer_prefill_when_pending=True)``; here ``prefer-prefill`` vs
 ``mlx-default``): Qwen3.6-35B-A3B at 4 bits on an M4 Max (``m4-max``), mlx_lm.server's
@@ -124,11 +125,83 @@ def seed000() -> dict:
     }
 
 
+# seed 000 on the real engine, at a scale this machine holds: SmolLM2-135M on the CPU, N = 3 streams
+# of REAL_PROMPT tokens REAL_GAP_S apart, prefill chunks of REAL_STEP tokens (a chunk costs what a
+# 2048-token chunk of the 35B model costs its M4 Max: many decode steps)
+REAL = {
+    "model": "smollm2-135m",
+    "profile": "smollm2-135m-cpu",  # the bundled profile: the real runs plan with it, the simulation predicts with it
+    "n": 3,
+    "prompt": 1024,
+    "gap_s": 2.0,
+    "max_tokens": 32,
+    "step": 256,
+    "reps": 3,
+}
+
+
+def per_decode_of(run) -> list[float]:
+    """Each request's decode rate once its first token is out, in arrival order."""
+    tok = run.tokens
+    out = []
+    for rid in run.requests["id"]:
+        t = tok.loc[tok["request_id"] == rid, "time_s"].to_numpy()
+        out.append(float((len(t) - 1) / (t[-1] - t[0])) if len(t) > 1 else 0.0)
+    return out
+
+
+def seed000_real() -> dict:
+    """Both policies on the real engine, alternating, ``reps`` times; the simulation of the same
+    trace with the profile the real runs planned with, beside them."""
+    import statistics
+
+    import schedlab
+    from schedlab.traces.schema import Trace
+
+    c = REAL
+    reqs = [Request(f"r{i}", i * c["gap_s"], c["prompt"], c["max_tokens"]) for i in range(c["n"])]
+    trace = Trace("seed000-real", "", reqs)
+    opts = dict(SEED000["options"], prefill_step_size=str(c["step"]))
+    out = {"setup": {**c, "options": opts}, "policies": {}}
+    runs: dict[str, list[list[float]]] = {"mlx-default": [], "prefer-prefill": []}
+    profile = c["profile"]
+    for _ in range(c["reps"]):
+        for policy in runs:
+            real = schedlab.run_real(policy, trace, model=c["model"], options=opts, profile=profile, ignore_eos=True)
+            assert real.error is None, real.error
+            runs[policy].append(per_decode_of(real))
+    for policy, reps in runs.items():
+        sim = schedlab.simulate(policy, trace, options=opts, profile=profile)
+        med = [statistics.median(r[i] for r in reps) for i in range(c["n"])]
+        spread = [
+            (max(r[i] for r in reps) - min(r[i] for r in reps)) / med[i] if med[i] else 0.0 for i in range(c["n"])
+        ]
+        simulated = per_decode_of(sim)
+        out["policies"][policy] = {
+            "real_per_decode_median": [round(x, 1) for x in med],
+            "real_per_decode_runs": [[round(x, 1) for x in r] for r in reps],
+            "real_spread_pct": [round(100 * x, 1) for x in spread],
+            "simulated_per_decode": [round(x, 1) for x in simulated],
+            "sim_error_pct": [round(100 * (s / m - 1), 1) if m else None for s, m in zip(simulated, med)],
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(result_path("seeds")))
+    ap.add_argument("--real", action="store_true", help="also seed 000 on the real engine (minutes; a quiet machine)")
     args = ap.parse_args()
     data = {"bench": "seeds", "machine": machine(), "seed000": seed000()}
+    if args.real:
+        data["seed000_real"] = seed000_real()
+    else:  # keep a recorded real part (it takes minutes and a quiet machine to make again)
+        import json
+        from pathlib import Path
+
+        old = Path(args.out)
+        if old.exists() and "seed000_real" in (prev := json.loads(old.read_text())):
+            data["seed000_real"] = prev["seed000_real"]
     write_json(data, args.out)
     for key, row in data["seed000"]["simulated"].items():
         print(

@@ -14,6 +14,7 @@ from schedlab.policies.base import Pass, Plan
 from schedlab.sim import ProfileError, run
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.layout import CacheLayout, LayoutError
+from schedlab.sim.state import PlanError
 from simkit import KNOWN, Bench, req
 
 # A hybrid model: one full-attention layer in four (1000 bytes of KV per token), the rest
@@ -96,7 +97,7 @@ def test_a_pass_over_the_blocks_left_beside_the_states_is_a_plan_error():
     b = Bench([req("a", 50, 2), req("b", 50, 2)], kv_capacity=104, layout=HYBRID)
     b.prefilling("a", 50)
     b.apply(Plan(admit=("b",)))  # 50 + 4 + 4 held: 46 free
-    with pytest.raises(Exception, match="needs 105 KV tokens but the capacity is 104"):
+    with pytest.raises(PlanError, match="needs 105 KV tokens but the capacity is 104"):
         b.apply(Plan(passes=(Pass(prefill=(("b", 47),)),)))
 
 
