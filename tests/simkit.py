@@ -92,6 +92,61 @@ def read_table(path) -> list[dict]:
     return df.where(df.notna(), "").to_dict("records")
 
 
+def png_rgb(path):
+    """A PNG's pixels as a (height, width, 3) uint8 RGB array (read by matplotlib, which wrote it)."""
+    import numpy as np
+    from matplotlib.image import imread
+
+    return (np.asarray(imread(path))[..., :3] * 255).round().astype(np.uint8)
+
+
+def pixels_of(img, colour) -> int:
+    """How many pixels of ``img`` (``png_rgb``) are exactly ``colour`` (a matplotlib colour:
+    "C0", "#d1495b"): a series drawn in it leaves hundreds, a figure without it none or few."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    rgb = np.array([round(v * 255) for v in to_rgb(colour)], dtype=np.uint8)
+    return int(np.all(img == rgb, axis=-1).sum())
+
+
+def drawn_fraction(img) -> float:
+    """The fraction of ``img``'s pixels that are not (near) white: a blank figure's is ~0."""
+    return float((img < 250).any(axis=-1).mean())
+
+
+def svg_series(path) -> list[list[tuple[str | None, list[tuple[float, float]], bool]]]:
+    """The lines matplotlib drew in an SVG figure, one list per axes in drawing order:
+    (stroke colour "#rrggbb", the points in the page's coordinates (y grows downwards),
+    dashed). Grid lines are among them (their own colour); tick marks are not."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    ns = "{http://www.w3.org/2000/svg}"
+    out = []
+    for ax in ET.parse(path).getroot().iter(ns + "g"):
+        if not ax.get("id", "").startswith("axes_"):
+            continue
+        lines = []
+        for g in ax.iter(ns + "g"):
+            p = g.find(ns + "path") if g.get("id", "").startswith("line2d_") else None
+            if p is None:
+                continue
+            style = p.get("style", "")
+            colour = re.search(r"stroke: (#[0-9a-f]{6})", style)
+            points = [(float(x), float(y)) for x, y in re.findall(r"[ML] (-?[\d.]+) (-?[\d.]+)", p.get("d", ""))]
+            lines.append((colour.group(1) if colour else None, points, "stroke-dasharray" in style))
+        out.append(lines)
+    return out
+
+
+def svg_texts(path) -> list[str]:
+    """Every text of an SVG figure (matplotlib writes text as text: svg.fonttype none)."""
+    import xml.etree.ElementTree as ET
+
+    return ["".join(t.itertext()) for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text")]
+
+
 STANDALONE = ("simulate", "run-real")  # the design card's own commands; the rest are subcommands
 
 

@@ -153,11 +153,20 @@ def test_the_fitted_model_reproduces_measured_kernels(a100):
         assert a100.prefill_attention_seconds(n, b) / L * 1e3 == pytest.approx(ms, rel=KERNEL_TOL), (n, b)
 
 
-def test_the_three_quoted_passes_are_within_15_percent(a100):
-    assert [round(v, 1) for v in PASSES_MS.values()] == [36.7, 158.5, 38.2]
+def test_the_three_quoted_passes_are_within_15_percent(a100, recorded):
     assert [label for label, _ in EXAMPLES] == list(PASSES_MS)
+    # the report's rows (what SERVING.md quotes): pass | measured | predicted | error | llama.cpp
+    report = serving_report(_from_record(recorded))
+    cells = ([c.strip() for c in line.strip().strip("|").split("|")] for line in report.splitlines())
+    rows = {c[0]: c[1:] for c in cells if c[0] in PASSES_MS}
+    assert set(rows) == set(PASSES_MS)
     for label, shape in EXAMPLES:
-        assert a100.pass_seconds(shape) * 1e3 == pytest.approx(PASSES_MS[label], rel=PASS_TOL), label
+        predicted_ms = a100.pass_seconds(shape) * 1e3
+        assert predicted_ms == pytest.approx(PASSES_MS[label], rel=PASS_TOL), label
+        # quoted as measured: these kernel sums; as predicted: today's model (to the 0.1 ms shown)
+        measured, predicted = rows[label][0], float(rows[label][1])
+        assert measured == f"{PASSES_MS[label]:.1f}", label
+        assert predicted == pytest.approx(predicted_ms, abs=0.06), label
     # and the published-figure (llama.cpp) factors are not: the reason this engine exists
     old = make_analytic_cost_model("a100-80gb-sxm", "llama-2-7b", None, engine="llama.cpp", style="fused")[0]
     assert old.pass_seconds(EXAMPLES[1][1]) * 1e3 > 1.5 * PASSES_MS["2048-token prefill"]

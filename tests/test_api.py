@@ -11,11 +11,12 @@ import sys
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 import schedlab
-from simkit import command, KNOWN
+from simkit import command, drawn_fraction, png_rgb, KNOWN
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -516,7 +517,31 @@ def test_sweep_equals_the_commands_files(profile, tmp_path):
         table[table["policy"] == "unified"].drop(columns="policy").reset_index(drop=True),
     )
     fig = schedlab.plot_sweep(table, out=tmp_path / "fig", formats="png")
-    assert (tmp_path / "fig" / "latency_vs_load.png").is_file() and len(fig.axes) >= 4
+    assert len(fig.axes) == 4
+    img = png_rgb(tmp_path / "fig" / "latency_vs_load.png")  # the figure, 12.5 x 8.6 in at 110 dpi, drawn on
+    assert img.shape[:2] == tuple(reversed(fig.canvas.get_width_height())) == (946, 1375)
+    assert drawn_fraction(img) > 0.035
+    # each panel draws every policy's rows at both rates, in the policy's colour: latencies
+    # (p50 solid, p99 dashed), output throughput, SLO attainment (%)
+    panels = [
+        {"-": "ttft_p50_ms", "--": "ttft_p99_ms"},
+        {"-": "itl_p50_ms", "--": "itl_p99_ms"},
+        {"-": "output_throughput_tok_s"},
+        {"-": "slo_attainment"},
+    ]
+    for i, pol in enumerate(dict.fromkeys(table["policy"])):
+        mine = table[table["policy"] == pol].sort_values("rate_rps")
+        for ax, keys in zip(fig.axes, panels):
+            drawn = {
+                line.get_linestyle(): line
+                for line in ax.get_lines()
+                if line.get_color() == f"C{i}" and line.get_marker() in ("o", "s")  # (not the sustained-rate line)
+            }
+            assert set(drawn) == set(keys), (pol, keys)
+            for style, key in keys.items():
+                scale = 100.0 if key == "slo_attainment" else 1.0
+                np.testing.assert_allclose(drawn[style].get_xdata(), [0.5, 4.0])
+                np.testing.assert_allclose(drawn[style].get_ydata(), mine[key].to_numpy(float) * scale, rtol=1e-12)
 
 
 @pytest.mark.slow
@@ -529,6 +554,16 @@ def test_plot_gives_the_plot_commands_figures(profile, tmp_path):
     stems = sorted(p.stem for p in (tmp_path / "cli").iterdir())
     assert sorted(figs) == stems == sorted(p.stem for p in figs.files)
     assert all(type(f).__name__ == "Figure" for f in figs.values())
+    for stem, fig in figs.items():  # the command's files are these figures: their size, drawn on
+        img = png_rgb(tmp_path / "cli" / f"{stem}.png")
+        assert img.shape[:2] == tuple(reversed(fig.canvas.get_width_height())), stem
+        assert drawn_fraction(img) > 0.035, stem
+    # the TTFT CDF steps through every finished request's TTFT, from 0 to 1
+    (curve,) = [line for line in figs["ttft_cdf"].axes[0].get_lines() if ": p50 " in line.get_label()]
+    req = run.requests
+    ttft = np.sort(req.loc[req["status"] == "finished", "ttft_ms"].to_numpy(float))
+    np.testing.assert_allclose(curve.get_xdata(), np.r_[ttft[0], ttft], rtol=1e-12)
+    np.testing.assert_allclose(curve.get_ydata(), np.r_[0.0, np.arange(1, ttft.size + 1) / ttft.size])
     assert list(run.plot(kinds=["timeline"])) == ["timeline_prefer-prefill-sim"]
     # runs side by side: one curve per run in the CDFs
     other = schedlab.simulate("unified", "real-mixed", profile=profile)

@@ -19,7 +19,7 @@ from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.sim import ClientSource, WallClock, run, summarize
 from schedlab.sim.sources import clients
-from simkit import command, read_table
+from simkit import command, drawn_fraction, png_rgb, read_table, svg_series, svg_texts
 from test_loop import FixedBackend, cost
 from schedlab.traces.schema import Request
 
@@ -282,7 +282,7 @@ def test_sweep_over_concurrency(tmp_path):
         "--out",
         out,
         "--format",
-        "png",
+        "png,svg",
     )
     assert proc.returncode == 0, proc.stderr
     assert "2 policies x 2 concurrencies" in proc.stderr
@@ -316,7 +316,29 @@ def test_sweep_over_concurrency(tmp_path):
     assert rows[1]["preemptions"] == s.get("preemptions", 0)
     with open(out / "sweep.csv") as f:
         assert "max_concurrency" in next(csv.reader(f))
-    assert (out / "latency_vs_load.png").exists()
+    # the figure: latency and throughput against the number of clients (12.5 x 8.6 in at 110 dpi)
+    img = png_rgb(out / "latency_vs_load.png")
+    assert img.shape[:2] == (946, 1375) and drawn_fraction(img) > 0.035
+    texts = svg_texts(out / "latency_vs_load.svg")
+    assert texts.count("clients (max concurrency)") == 4 and {"vllm", "unified"} <= set(texts)
+    # in each panel each policy's series (p50 solid, p99 dashed) through both concurrencies,
+    # going the way its rows go (page y grows downwards)
+    colours = {"#1f77b4": "vllm", "#ff7f0e": "unified"}  # C0, C1: the policies in order
+    panels = [("ttft_p50_ms", "ttft_p99_ms"), ("itl_p50_ms", "itl_p99_ms"), ("output_throughput_tok_s",)]
+    panels.append(("request_throughput_rps",))
+    series = svg_series(out / "latency_vs_load.svg")
+    assert len(series) == 4
+    for lines, keys in zip(series, panels):
+        mine = [(colours[c], pts, dashed) for c, pts, dashed in lines if c in colours]
+        assert sorted((pol, dashed) for pol, _, dashed in mine) == sorted(
+            (pol, key.endswith("p99_ms")) for pol in colours.values() for key in keys
+        ), keys
+        for pol, pts, dashed in mine:
+            key = keys[1] if dashed else keys[0]
+            assert len(pts) == 2, (pol, key, pts)
+            (_, y1), (_, y4) = pts  # concurrency 1, then 4
+            r1, r4 = (r[key] for r in rows if r["policy"] == pol)
+            assert (y4 < y1) == (r4 > r1), (pol, key, pts, r1, r4)
     bad = cli("sweep", "--policy", "vllm", "--trace", "real-smoke", "--out", tmp_path / "x")
     assert bad.returncode == 2 and "--rates" in bad.stderr and "--concurrency" in bad.stderr
 

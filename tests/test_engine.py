@@ -15,6 +15,7 @@ import pytest
 
 from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
 from schedlab.engine.backend import MLXBackend, reference_tokens
+from schedlab.engine.errors import EngineError
 from schedlab.engine.models import load_model
 from schedlab.engine.sampling import prompt_ids
 
@@ -432,5 +433,9 @@ def test_a_bfloat16_kv_goes_through_its_file_bit_for_bit(tmp_path):
         ref = reference_tokens(model, prompt_ids(0, r.id, r.prompt_tokens, model.vocab_size), r.output_tokens)
         assert prefill.tokens[r.id] + decode.tokens[r.id] == ref
     wrong = MLXBackend(load_model("micro"))  # (float32: the file does not fit it)
-    with pytest.raises(Exception, match="must run the same model and dtype"):
+    with pytest.raises(
+        EngineError,
+        match=r"the KV given is bfloat16 of shape \(.*\), but this model's is float32 of shape "
+        r".*must run the same model and dtype",
+    ):
         wrong.expect_kv("a", *kvfile.read(prefill.exported["a"]["path"]))

@@ -24,7 +24,7 @@ from schedlab.sim import WallClock, run, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.output import write_run
 from schedlab.analysis import plots
-from simkit import read_table
+from simkit import drawn_fraction, pixels_of, png_rgb, read_table
 from schedlab.traces.schema import Request
 
 COEFFS = {
@@ -98,6 +98,9 @@ def test_cdf_draws_the_runs_values_and_marks_summary_percentiles(runs, tmp_path,
     plots._unique_labels(loaded)
     d = plots.plot_cdf(loaded, metric, tmp_path, formats=("png",))
     assert [p.name for p in d["files"]] == [f"{metric}_cdf.png"]
+    (ax,) = d["figure"].axes
+    img = png_rgb(d["files"][0])
+    assert img.shape[:2] == (550, 935)  # 8.5 x 5 in at 110 dpi
     for (path, result), run_data in zip(runs.values(), loaded):
         drawn = d["runs"][run_data.label]
         expected = _ttft_ms(result) if metric == "ttft" else _itl_ms(result)
@@ -106,6 +109,12 @@ def test_cdf_draws_the_runs_values_and_marks_summary_percentiles(runs, tmp_path,
         n = len(expected)
         assert drawn["n"] == n
         np.testing.assert_allclose(drawn["y"], np.arange(1, n + 1) / n)
+        # ... and so it is on the figure's axes (a step from 0 up through every value) and in
+        # the file, in the run's colour (its markers and legend line alone leave ~120 pixels)
+        (curve,) = [line for line in ax.get_lines() if line.get_label().startswith(f"{run_data.label}: p50 ")]
+        np.testing.assert_allclose(curve.get_xdata(), np.r_[expected[0], expected], rtol=1e-12)
+        np.testing.assert_allclose(curve.get_ydata(), np.r_[0.0, np.arange(1, n + 1) / n])
+        assert pixels_of(img, curve.get_color()) > 300, run_data.label
         # the markers: the summary's p50 and p99
         summary = json.loads((path / "summary.json").read_text())[f"{metric}_ms"]
         assert drawn["p50"] == pytest.approx(summary["p50"], rel=1e-12)
@@ -343,6 +352,20 @@ def test_validation_overlays_and_step_scatter(validation_dir, tmp_path):
     v = plots.load_validation(base)
     d = plots.plot_validation(v, tmp_path, "val", formats=("png",))
     assert sorted(p.name for p in d["files"]) == ["val_cdfs.png", "val_step_time.png"]
+    # the files are these figures: their size, and the simulated curves in their colour
+    for name, fig in d["figures"].items():
+        w, h = fig.canvas.get_width_height()
+        assert png_rgb(tmp_path / f"{name}.png").shape[:2] == (h, w), name
+    assert pixels_of(png_rgb(tmp_path / "val_cdfs.png"), "#d1495b") > 300
+    # on the CDF axes, each run's every value; on the scatter, every step (predicted, measured)
+    axes = d["figures"]["val_cdfs"].axes
+    for ax, values in zip(axes, (_ttft_ms, _itl_ms)):
+        for prefix, res in (("measured (real): p50 ", real_res), ("simulated: p50 ", sim_res)):
+            (curve,) = [line for line in ax.get_lines() if line.get_label().startswith(prefix)]
+            np.testing.assert_allclose(curve.get_xdata()[1:], values(res), rtol=1e-12)
+    points = np.concatenate([c.get_offsets() for c in d["figures"]["val_step_time"].axes[0].collections])
+    want = [(s.predicted_s * 1e3, s.measured_s * 1e3) for s in real_res.steps]
+    np.testing.assert_allclose(sorted(map(tuple, points)), sorted(want), rtol=1e-12)
     for mode, res in (("sim", sim_res), ("real", real_res)):
         summary = json.loads((base / mode / "summary.json").read_text())
         for metric in ("ttft", "itl"):
@@ -408,6 +431,19 @@ def test_cli_writes_every_figure_in_both_formats(runs, validation_dir, tmp_path)
         else:
             root = ET.fromstring(data)
             assert root.tag.endswith("svg")
+    # each file is its figure as drawn here from the same directories: the PNG its size and
+    # drawn on (not a blank page), the SVG carrying its titles (counts and labels of the runs)
+    figures = plots.plot_all([runs["pp"][0], base], None, lanes=8).figures
+    assert set(figures) == stems
+    for stem, fig in figures.items():
+        img = png_rgb(out / f"{stem}.png")
+        w, h = fig.canvas.get_width_height()
+        assert img.shape[:2] == (h, w), stem
+        assert drawn_fraction(img) > 0.035, stem  # (these draw 4-30 % of the page; bare axes ~1.7 %)
+        root = ET.fromstring((out / f"{stem}.svg").read_bytes())
+        texts = {"".join(t.itertext()) for t in root.iter() if t.tag.endswith("text")}
+        titles = [line for ax in fig.axes for line in ax.get_title().splitlines()]
+        assert titles and set(titles) <= texts, (stem, set(titles) - texts)
 
 
 @pytest.mark.slow
@@ -416,7 +452,17 @@ def test_cli_default_out_is_run_dir_plots_and_format_option(runs):
     p = cli(path, "--format", "svg", "-q")
     assert p.returncode == 0, p.stderr
     assert p.stdout == ""
-    assert {f.suffix for f in (path / "plots").iterdir()} == {".svg"}
+    stems = ("ttft_cdf", "itl_cdf", "decode_rate", "timeline_prefer-prefill-sim")
+    assert {f.name for f in (path / "plots").iterdir()} == {f"{s}.svg" for s in stems}
+    # the CDFs' legends carry this run's p50 and p99 (summary.json's), the CDF titles its counts
+    summary = json.loads((path / "summary.json").read_text())
+    n = {"ttft": len(_ttft_ms(runs["pp"][1])), "itl": len(_itl_ms(runs["pp"][1]))}
+    for metric, unit in (("ttft", "requests"), ("itl", "token gaps")):
+        root = ET.fromstring((path / "plots" / f"{metric}_cdf.svg").read_bytes())
+        texts = {"".join(t.itertext()) for t in root.iter() if t.tag.endswith("text")}
+        q = summary[f"{metric}_ms"]
+        assert f"prefer-prefill (sim): p50 {plots.fmt_ms(q['p50'])}, p99 {plots.fmt_ms(q['p99'])}" in texts, texts
+        assert any(t.endswith(f": CDF over {n[metric]} {unit}") for t in texts), texts
 
 
 def _break(tmp_path, runs, name, fn):

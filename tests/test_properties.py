@@ -154,7 +154,9 @@ def check_state(state) -> None:
     else:
         private = sum(-(-r.kv_tokens // bs) - len(r._blk.refs) for r in running)
         held = Counter(h for r in running for h in r._blk.refs)  # each block: how many references the requests hold
-        assert private >= 0 and state.blocks_used == private + len(held)
+        assert state.blocks_used == private + len(held)
+        for r in running:  # what a request references are whole blocks of its own KV, never more
+            assert len(r._blk.refs) * bs <= r.kv_tokens, (r.id, len(r._blk.refs), r.kv_tokens)
         for h, c in pc.ref.items():
             assert c == held[h], f"reference count of block {h}: {c}, held {held[h]}"
         assert set(pc.free) == {h for h, c in pc.ref.items() if c == 0}
@@ -225,8 +227,12 @@ def check_run(d: Draw) -> None:
         assert r.generated == len(r.token_times) == by_id[r.id].output_tokens
         assert all(a <= b for a, b in zip(r.token_times, r.token_times[1:]))
         assert r.first_token_s >= r.arrival_s >= by_id[r.id].arrival_s
-        if r.preemptions:
-            assert r.recomputed_tokens >= 0
+        if r.preemptions:  # each re-admission computes again at most the most KV it ever held ...
+            assert r.recomputed_tokens <= r.preemptions * r._high, (r.id, r.recomputed_tokens, r._high)
+            if not d.prefix:  # ... and the last one, with no cached block to hit, all of it
+                assert r.recomputed_tokens >= r._high, (r.id, r.recomputed_tokens, r._high)
+        else:  # never preempted: nothing computed twice
+            assert r.recomputed_tokens == 0
     if not d.prefix:
         assert max((s.kv_tokens for s in res.steps), default=0) <= cap
     assert seen == list(range(1, len(seen) + 1))

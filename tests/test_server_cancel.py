@@ -160,8 +160,13 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
     left = (long, QUESTIONS[0], "Count from 1 to 100.")  # B, C, D: whose clients went away
     gone = {r["id"]: r for r in served if "cancel_after_s" in r}  # only the cancelled ones
     assert set(gone) == {r["id"] for r in cancelled} == {by_q[q]["id"] for q in left}
-    for r in gone.values():  # each keeps what it asked for (a replay must be able to run it)
-        assert r["cancel_after_s"] >= 0
+    # each keeps when its client left, after its arrival (a replay must be able to run it): B came,
+    # then C, which left while waiting; D came later and left mid-decode
+    arrived = {q: by_q[q]["arrival_s"] for q in left}
+    went = {q: by_q[q]["arrival_s"] + by_q[q]["cancel_after_s"] for q in left}
+    assert all(by_q[q]["cancel_after_s"] > 0 for q in left), {q: by_q[q]["cancel_after_s"] for q in left}
+    qb, qc, qd = left
+    assert arrived[qb] < arrived[qc] < went[qc] and arrived[qc] < arrived[qd], (arrived, went)
     assert [by_q[q]["output_tokens"] for q in left] == [8, 24, 200]
     # the finished ones: the tokens each generated
     assert by_q[QUESTIONS[5]]["output_tokens"] == want_a[1]

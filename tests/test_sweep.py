@@ -16,6 +16,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -257,6 +258,39 @@ def test_cli_bad_input_is_one_line(tmp_path, profile, args, expect):
     assert not (tmp_path / "o").exists()
 
 
+def _workers_of(pid: int) -> dict[int, int]:
+    """The sweep's worker processes (spawned by multiprocessing: children of ``pid`` running
+    ``spawn_main``; Linux /proc), each with its ignored-signals mask."""
+    kids = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                argv = (d / "cmdline").read_bytes()
+                status = (d / "status").read_text()
+            except OSError:
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == pid and state != "Z" and b"spawn_main" in argv:
+                ign = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+                kids[int(d.name)] = int(ign, 16)
+    return kids
+
+
+def _running(pids) -> list[int]:
+    """Those of ``pids`` still running a worker (not gone, not a zombie, not a reused id)."""
+    alive = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] != "Z" and b"spawn_main" in argv:
+            alive.append(pid)
+    return alive
+
+
 def test_ctrl_c_cancels_cleanly(tmp_path, profile):
     # a sweep long enough to be interrupted: 6 jobs over a 4000-request trace
     reqs = [traces.Request(f"r{i}", i * 0.25, 200 + (i * 37) % 500, 40 + (i * 13) % 120) for i in range(4000)]
@@ -289,10 +323,21 @@ def test_ctrl_c_cancels_cleanly(tmp_path, profile):
         deadline = time.monotonic() + 60
         while err_path.stat().st_size == 0 and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.05)  # the start line comes once the worker processes exist
-        time.sleep(0.3)  # they are still starting up (imports): Ctrl-C must not make them print
+        # both workers up (likely still importing): Ctrl-C now must not make them print
+        workers = _workers_of(p.pid)
+        while len(workers) < 2 and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.01)
+            workers = _workers_of(p.pid)
         assert p.poll() is None, "the sweep finished before it could be interrupted"
+        assert len(workers) == 2, workers
+        # they ignore SIGINT from their first instruction on (inherited through exec), not only
+        # once their initializer has run: the parent alone answers a Ctrl-C
+        sigint = 1 << (signal.SIGINT - 1)
+        assert all(mask & sigint for mask in workers.values()), {w: hex(m) for w, m in workers.items()}
         os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
         out, _ = p.communicate(timeout=30)
+    # the parent stopped its workers (and waited for them) before it exited: none is left running
+    assert not _running(workers), _running(workers)
     text = err_path.read_text()
     assert p.returncode == 130, text
     assert "Traceback" not in text, text
