@@ -187,12 +187,51 @@ def seed000_real() -> dict:
     return out
 
 
+# Seed 001 (mlx-lm's continuous-batching runtime vs static ``batch_generate``): Llama-3.1-8B, 8
+# requests of 128 prompt tokens and 64 output tokens, at client concurrency 1, 2, 4, 8. The PR names
+# no machine: the M4 Max preset here. Its static batch returns whole (nothing streamed): a request's
+# first token reaches the client with its last, so its TTFT is our end-to-end latency.
+SEED001 = {"hardware": "m4-max", "model_config": "llama-3.1-8b", "n": 8, "prompt": 128, "max_tokens": 64}
+PUBLISHED_001 = {
+    "continuous_ttft_s": {"1": 0.29, "2": 0.34, "4": 0.49, "8": [0.52, 0.55]},
+    "static_ttft_s": 3.04,
+    "static_throughput_tok_s": [168, 169],
+    "continuous_throughput_tok_s": [90, 152],
+}
+
+
+def seed001() -> dict:
+    import schedlab
+    from schedlab.traces.schema import Trace
+
+    c = SEED001
+    trace = Trace("seed001", "", [Request(f"q{i}", 0.0, c["prompt"], c["max_tokens"]) for i in range(c["n"])])
+    where = {"hardware": c["hardware"], "model_config": c["model_config"]}
+    st = schedlab.simulate("static", trace, options={"batch_size": c["n"]}, **where).summary
+    out = {
+        "setup": c,
+        "published": PUBLISHED_001,
+        "static": {
+            "ttft_whole_s": round(st["e2e_ms"]["p50"] / 1000, 2),  # the batch returns whole
+            "throughput_tok_s": round(st["output_throughput_tok_s"], 1),
+        },
+        "continuous": {},
+    }
+    for conc in (1, 2, 4, 8):
+        co = schedlab.simulate("mlx-default", trace, max_concurrency=conc, **where).summary
+        out["continuous"][str(conc)] = {
+            "ttft_p50_s": round(co["ttft_ms"]["p50"] / 1000, 2),
+            "throughput_tok_s": round(co["output_throughput_tok_s"], 1),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(result_path("seeds")))
     ap.add_argument("--real", action="store_true", help="also seed 000 on the real engine (minutes; a quiet machine)")
     args = ap.parse_args()
-    data = {"bench": "seeds", "machine": machine(), "seed000": seed000()}
+    data = {"bench": "seeds", "machine": machine(), "seed000": seed000(), "seed001": seed001()}
     if args.real:
         data["seed000_real"] = seed000_real()
     else:  # keep a recorded real part (it takes minutes and a quiet machine to make again)

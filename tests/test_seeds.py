@@ -50,3 +50,18 @@ def test_seed000_victims_starve_without_the_flag_and_decode_together_with_it(see
         assert rows[key]["off"]["per_decode"] == rows[key]["on"]["per_decode"], key
     together = rows["2x8192_together"]["off"]["per_decode"]
     assert together[0] == together[1]
+
+
+def test_seed001_recorded_figures_are_todays_and_continuous_batching_answers_first(seeds):
+    """Seed 001: static batch_generate returns the whole batch at once; continuous batching gives
+    every concurrency a first token several times sooner, its throughput rising with concurrency
+    up to static's at 8 streams."""
+    got = seeds.seed001()
+    recorded = json.loads((BENCH / "results" / "seeds.json").read_text())["seed001"]
+    assert got == recorded
+    static = got["static"]
+    cont = got["continuous"]
+    for c in ("1", "2", "4", "8"):
+        assert cont[c]["ttft_p50_s"] < static["ttft_whole_s"] / 2.5, c
+    tput = [cont[c]["throughput_tok_s"] for c in ("1", "2", "4", "8")]
+    assert tput == sorted(tput) and tput[-1] == pytest.approx(static["throughput_tok_s"], rel=0.05)
