@@ -23,6 +23,7 @@ after another: a request arrives while the ones before it decode) and each asks 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from common import machine, result_path, write_json
 
@@ -130,7 +131,9 @@ def seed000() -> dict:
 # 2048-token chunk of the 35B model costs its M4 Max: many decode steps)
 REAL = {
     "model": "smollm2-135m",
-    "profile": "smollm2-135m-cpu",  # the bundled profile: the real runs plan with it, the simulation predicts with it
+    # the profile of this model on this machine (run-real calibrates one on first use and caches it):
+    # the real runs plan with it, the simulation of the same trace predicts with it
+    "profile": None,
     "n": 3,
     "prompt": 1024,
     "gap_s": 2.0,
@@ -170,6 +173,7 @@ def seed000_real() -> dict:
             real = schedlab.run_real(policy, trace, model=c["model"], options=opts, profile=profile, ignore_eos=True)
             assert real.error is None, real.error
             runs[policy].append(per_decode_of(real))
+            profile = real.meta["profile"]  # (the one it calibrated, for the runs after it)
     for policy, reps in runs.items():
         sim = schedlab.simulate(policy, trace, options=opts, profile=profile)
         med = [statistics.median(r[i] for r in reps) for i in range(c["n"])]
@@ -184,6 +188,7 @@ def seed000_real() -> dict:
             "simulated_per_decode": [round(x, 1) for x in simulated],
             "sim_error_pct": [round(100 * (s / m - 1), 1) if m else None for s, m in zip(simulated, med)],
         }
+    out["profile"] = Path(str(profile)).name
     return out
 
 
@@ -236,7 +241,6 @@ def main() -> None:
         data["seed000_real"] = seed000_real()
     else:  # keep a recorded real part (it takes minutes and a quiet machine to make again)
         import json
-        from pathlib import Path
 
         old = Path(args.out)
         if old.exists() and "seed000_real" in (prev := json.loads(old.read_text())):
