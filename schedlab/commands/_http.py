@@ -269,9 +269,7 @@ class Bridge:
                     APIError(
                         400,
                         f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
-                        f"{r.output_tokens} - 1"
-                        + (f" + {r.fixed_tokens} for its sliding windows and recurrent state" if r.fixed_tokens else "")
-                        + f") but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
+                        f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
                         "max_tokens",
                     ),
                 )
