@@ -4,6 +4,10 @@ Decode rows come first, one token each; the rest of ``token_budget`` is filled w
 prefill chunks in FIFO order (running prompts first, then newly admitted ones, a partial
 chunk for the one that does not fit). Admission stops at ``max_batch`` running requests
 or when the budget is spent.
+
+``separate``: the same plan run as two forwards per step, the prefill chunks and then the
+decode rows (a v0-style model runner under vLLM's v1 scheduler, as vllm-metal ran before its
+unified pass): the schedule is unchanged, the cost is two passes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ class Unified(PolicyBase):
     name = "unified"
     token_budget: int = 2048
     max_batch: int = 64
+    separate: bool = False
 
     def __post_init__(self) -> None:
         require_positive(self.name, token_budget=self.token_budget, max_batch=self.max_batch)
@@ -44,7 +49,7 @@ class Unified(PolicyBase):
             return Plan(admit=tuple(r.id for r in admitted))
         if not chunks and not admitted:
             return decode_plan(decode)
-        return Plan(
-            admit=tuple(r.id for r in admitted),
-            passes=(Pass(decode=decode, prefill=tuple(chunks)),),
-        )
+        admit = tuple(r.id for r in admitted)
+        if self.separate and decode and chunks:
+            return Plan(admit=admit, passes=(Pass(prefill=tuple(chunks)), Pass(decode=decode)))
+        return Plan(admit=admit, passes=(Pass(decode=decode, prefill=tuple(chunks)),))

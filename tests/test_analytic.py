@@ -50,6 +50,8 @@ def cfg_of(name):
 # precision they are published with, rounded or truncated (3.35 B activated is "3.3B").
 PUBLISHED = [
     ("llama-3.1-8b", "total", 8.03, 2),
+    ("qwen3-0.6b", "total", 0.6, 1),
+    ("qwen3-0.6b", "non_embedding", 0.44, 2),
     ("qwen3-4b", "total", 4.0, 1),
     ("qwen3-4b", "non_embedding", 3.6, 1),
     ("qwen3-8b", "total", 8.2, 1),

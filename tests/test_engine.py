@@ -96,6 +96,7 @@ CASES = [
     ("slots", {"n_slots": "3"}),
     ("chunked-prefill", {"budget": "40", "max_batch": "4"}),
     ("unified", {"token_budget": "48", "max_batch": "5"}),  # decode + chunks in one eval
+    ("unified", {"token_budget": "48", "max_batch": "5", "separate": "true"}),  # the same as two evals
 ]
 
 

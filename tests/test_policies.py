@@ -186,6 +186,10 @@ def test_unified_one_pass_decode_rows_first_within_budget():
     assert p.decode == ("d1", "d2")
     assert p.prefill == (("p", 510),)  # budget minus the two decode tokens
     assert plan.admit == ("p",)  # q is not admitted: the budget is spent
+    # separate: the same schedule as two forwards, the chunks and then the decode rows
+    sep = b.plan(make_policy("unified", {"token_budget": "512", "separate": "true"}))
+    assert sep.admit == plan.admit
+    assert [(q.decode, q.prefill) for q in sep.passes] == [((), (("p", 510),)), (("d1", "d2"), ())]
 
 
 # ------------------------------------------------------------------ registry and options

@@ -47,7 +47,7 @@ POLICY_OPTIONS = {
         "max_batch": st.integers(1, 6),
         "long_prefill_threshold": st.integers(0, 300),
     },
-    "unified": {"token_budget": st.integers(1, 600), "max_batch": st.integers(1, 6)},
+    "unified": {"token_budget": st.integers(1, 600), "max_batch": st.integers(1, 6), "separate": st.booleans()},
     "vllm": {
         "max_num_seqs": st.integers(1, 6),
         "max_num_batched_tokens": st.integers(1, 600),
