@@ -429,7 +429,8 @@ class ReplicaState:
 
     # ------------------------------------------------------------------ lifecycle
     def register(self, req: Request) -> RequestState | None:
-        """Track a new request; ``None`` when it can never fit (it is listed in ``rejected``)."""
+        """Track a new request; ``None`` when it can never fit or has an empty prompt (it is listed in
+        ``rejected``, with why)."""
         if req.id in self.by_id:
             raise ValueError(f"request id {req.id!r} is already in use on this replica")
         r = RequestState(req, len(self.requests))
@@ -443,6 +444,9 @@ class ReplicaState:
             bs = self.block_size
             r._xb = xb = -(-self.layout.fixed_tokens(r.kv_footprint) // bs)
             r._xt = xb * bs
+        if r.prompt_tokens < 1:  # nothing to prefill: admitted, it would be prefilling forever
+            self.rejected.append((r, f"request {r.id} has an empty prompt ({r.prompt_tokens} tokens)"))
+            return None
         if r.kv_footprint > self.kv_capacity:
             blocks = f" in blocks of {self.block_size}" if self.block_size > 1 else ""
             fixed = f" + {r._xt} for its sliding windows and recurrent state" if r._xt else ""

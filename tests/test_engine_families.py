@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 
 from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
-from schedlab.engine.backend import MLXBackend
+from schedlab.engine.backend import MLXBackend, _cache_arrays
 from schedlab.engine.errors import EngineError
 from schedlab.engine.models import load_model
 from schedlab.engine.sampling import prompt_ids
@@ -79,8 +79,8 @@ def family(name):
     return _models[name]
 
 
-def run_real(model, policy, requests=None, source=None, **kw):
-    backend = MLXBackend(model)
+def run_real(model, policy, requests=None, source=None, backend=None, **kw):
+    backend = backend or MLXBackend(model)
     kv = kw.pop("kv_capacity", 100_000)
     result = run(source or requests or trace(), policy, NO_COST, kv_capacity=kv, backend=backend, **kw)
     assert result.error is None, result.error
@@ -151,32 +151,94 @@ def test_preemption_under_a_small_kv_and_by_hand_recomputes_to_the_reference(nam
 
 
 class CancellingSource(TraceSource):
-    """A trace whose request ``rid`` is cancelled (its client gone) once it is mid-prefill."""
+    """A trace whose request ``rid`` is cancelled (its client gone) once it is mid-prefill: after
+    the step that gave it its ``chunks``-th prefill chunk, with more of its prompt still to come.
+    ``watch`` (the run's ``on_step``) also records, for the test, the step and the prefilled count
+    at the cancellation and what the replica and the engine hold at the first step after it."""
 
     replica_cancel = None
 
-    def __init__(self, requests, rid):
+    def __init__(self, requests, rid, backend, chunks=3):
         super().__init__(requests)
-        self.rid = rid
+        self.rid, self.backend, self.chunks = rid, backend, chunks
         self.done = False
+        self.seen = self.prefilled = 0  # steps that prefilled it, its prompt tokens computed
+        self.cancel_step = None  # the step after which it was cancelled
+        self.after = None  # (kv used, kv of the others, engine holds it, batch rows, batch dims)
 
     def watch(self, state):
         r = state.by_id[self.rid]
-        if not self.done and 0 < r.prefilled < r.prompt_tokens - 1:
+        if self.done:
+            if self.after is None:  # the first step after the cancellation (it came before it)
+                others = sum(o.kv_tokens + o.fixed_tokens for o in state.running.values())
+                dims = {a.shape[0] for c in self.backend._batch or () for a in _cache_arrays([c]) if a.ndim}
+                self.after = (state.kv_used, others, self.backend.holds(self.rid), self.backend.batch_rows, dims)
+            return
+        if r.prefilled > self.prefilled:
+            self.seen += 1
+            self.prefilled = r.prefilled
+        if self.seen >= self.chunks and r.prefilled < r.prompt_tokens - 1:
             self.done = True
+            self.cancel_step = state.step_index - 1  # (the state counts the step it just ran)
             self.replica_cancel(self.rid)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["micro-qwen3_5", "micro-gemma3", "micro-lfm2"])
-def test_a_request_cancelled_mid_prefill_leaves_the_others_exact(name):
+@pytest.mark.parametrize(
+    "name,policy,options,rid",
+    [
+        ("micro-qwen3_5", "chunked-prefill", {"budget": "8"}, "a"),
+        ("micro-qwen3_5", "vllm", {"max_num_batched_tokens": "8"}, "a"),
+        ("micro-qwen3_5", "vllm", {"max_num_batched_tokens": "8"}, "e"),
+        ("micro-gemma3", "chunked-prefill", {"budget": "8"}, "a"),
+        ("micro-lfm2", "chunked-prefill", {"budget": "8"}, "a"),
+    ],
+)
+def test_a_request_cancelled_mid_prefill_leaves_the_others_exact(name, policy, options, rid):
+    """A request (a: a 90-token prompt; e: 45 tokens, prefilled beside the decoding batch) in
+    chunks of at most 8, cancelled after its third chunk: no pass computes it again, its caches (KV,
+    and a hybrid's recurrent and convolution states) are freed at once, in the replica's count and
+    in the engine, and every other request's greedy tokens are those of the model alone and of the
+    same run without it (seed PR 002's second bug: a cancelled request kept being prefilled)."""
     m, refs = family(name)
-    source = CancellingSource(trace(), "a")
-    result, backend = run_real(m, make_policy("chunked-prefill", {"budget": "8"}), source=source, on_step=source.watch)
-    a = next(r for r in result.requests if r.id == "a")
-    assert source.done and a.cancelled_s is not None and a.first_token_s is None
-    assert backend.tokens.get("a", []) == [] and not backend.holds("a")
-    assert_references(backend, refs, skip=("a",))
+    backend = MLXBackend(m)
+    source = CancellingSource(trace(), rid, backend)
+    result, backend = run_real(m, make_policy(policy, options), source=source, on_step=source.watch, backend=backend)
+    r = next(r for r in result.requests if r.id == rid)
+    assert source.done and r.cancelled_s is not None and r.first_token_s is None
+    assert 0 < source.prefilled < r.prompt_tokens - 1
+    # its chunks: three or more, the last in the step after which it was cancelled; none after that
+    chunks = [(step, n) for step, _, _, _, p in result.passes for x, n in p.prefill if x == rid]
+    assert len(chunks) >= 3 and max(step for step, _ in chunks) == source.cancel_step, chunks
+    assert sum(n for _, n in chunks) == source.prefilled and not any(rid in p.decode for *_, p in result.passes)
+    # from the first step after it: the KV in use is exactly what the others hold (their KV and
+    # fixed blocks), the engine holds no cache of it, and every batch cache has one row per request
+    used, others, held, rows, dims = source.after
+    assert used == others and not held and rid not in rows and dims <= {len(rows)}, source.after
+    assert backend.tokens.get(rid, []) == [] and not backend.holds(rid)
+    assert_references(backend, refs, skip=(rid,))
+    # the others' tokens are those of the same run without it
+    without = [x for x in trace() if x.id != rid]
+    _, alone = run_real(m, make_policy(policy, options), without)
+    assert {r.id: backend.tokens[r.id] for r in without} == {r.id: alone.tokens[r.id] for r in without}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy,options", [("chunked-prefill", {"budget": "8"}), ("vllm", {"max_num_batched_tokens": "8"})]
+)
+def test_an_empty_prompt_is_refused_on_arrival_and_the_others_stay_exact(policy, options):
+    """A request of 0 prompt tokens handed to the replica on micro-qwen3_5, arriving while the
+    others prefill in chunks (seed PR 002's first bug: admitted with nothing to prefill, it wedged
+    the chunked prefill): refused on arrival in one line, never seen by the engine, and every other
+    request gives its reference tokens."""
+    m, refs = family("micro-qwen3_5")
+    result, backend = run_real(m, make_policy(policy, options), trace() + [Request("z", 0.005, 0, 5)])
+    ((z, why),) = result.rejected
+    assert z.id == "z" and why == "request z has an empty prompt (0 tokens)"
+    assert "z" not in backend.tokens and not backend.holds("z") and z.prefilled == 0
+    assert all(r.finish_s is not None for r in result.requests if r.id != "z")
+    assert_references(backend, refs)
 
 
 @pytest.mark.slow
