@@ -5,8 +5,9 @@ recomputes the simulated headlines at HEAD, so the page cannot drift from the co
 only, on the analytic model of the seed's hardware and model (``--hardware``, ``--model-config``):
 a second or two in all::
 
-    python bench/seeds.py           # the simulations (a recorded real part is kept)
-    python bench/seeds.py --real    # and seed 000 on the real engine (minutes, a quiet machine)
+    python bench/seeds.py                # the simulations (recorded real parts are kept)
+    python bench/seeds.py --real         # and every real-engine part (000-003; minutes, a quiet machine)
+    python bench/seeds.py --real 002,003 # and only those real parts
 
 Seed 000 (mlx-lm ``BatchGenerator(prefer_prefill_when_pending=True)``; here ``prefer-prefill`` vs
 ``mlx-default``): Qwen3.6-35B-A3B at 4 bits on an M4 Max (``m4-max``), mlx_lm.server's
@@ -23,6 +24,7 @@ after another: a request arrives while the ones before it decode) and each asks 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from common import machine, result_path, write_json
@@ -231,6 +233,47 @@ def seed001() -> dict:
     return out
 
 
+# seed 001 on the real engine: SmolLM2-135M on this CPU, the seed's own shape (8 requests of 128
+# prompt and 64 output tokens; static ``batch_size=8`` returning the batch whole, continuous
+# ``mlx-default`` at client concurrency 1, 2, 4, 8), ``reps`` alternating rounds; the simulation of
+# each with the profile the real runs planned with.
+REAL001 = {"model": "smollm2-135m", "n": 8, "prompt": 128, "max_tokens": 64, "reps": 3}
+
+
+def seed001_real() -> dict:
+    import statistics
+
+    import schedlab
+    from schedlab.traces.schema import Trace
+
+    c = REAL001
+    trace = Trace("seed001-real", "", [Request(f"q{i}", 0.0, c["prompt"], c["max_tokens"]) for i in range(c["n"])])
+    cases = {"static": ("static", {"batch_size": c["n"]}, None)}
+    cases.update({f"continuous_{k}": ("mlx-default", {}, k) for k in (1, 2, 4, 8)})
+    runs: dict[str, list[dict]] = {k: [] for k in cases}
+    profile = None
+
+    def figures(run, whole: bool) -> dict:
+        s = run.summary
+        ttft = s["e2e_ms"]["p50"] if whole else s["ttft_ms"]["p50"]  # a static batch returns whole
+        return {"ttft_p50_s": round(ttft / 1000, 3), "throughput_tok_s": round(s["output_throughput_tok_s"], 1)}
+
+    for _ in range(c["reps"]):
+        for key, (policy, opts, conc) in cases.items():
+            real = schedlab.run_real(
+                policy, trace, model=c["model"], options=opts, profile=profile, max_concurrency=conc, ignore_eos=True
+            )
+            assert real.error is None, real.error
+            runs[key].append(figures(real, key == "static"))
+            profile = real.meta["profile"]
+    out: dict = {"setup": c, "cases": {}, "profile": Path(str(profile)).name}
+    for key, (policy, opts, conc) in cases.items():
+        sim = schedlab.simulate(policy, trace, options=opts, profile=profile, max_concurrency=conc)
+        med = {k: round(statistics.median(r[k] for r in runs[key]), 3) for k in ("ttft_p50_s", "throughput_tok_s")}
+        out["cases"][key] = {"real_median": med, "real_runs": runs[key], "simulated": figures(sim, key == "static")}
+    return out
+
+
 # Seed 002 (openinfer: scheduler-level chunked prefill for the hybrid Qwen3.5): decoding requests'
 # inter-token latency while long prompts arrive, one unified step per prompt ("chunking off": the
 # whole prompt and every decode row in one forward) against a per-step budget of 1024 tokens (the
@@ -310,6 +353,57 @@ def seed002() -> dict:
                 }
             rows[f"qps={qps:g},long={long_prompt}"] = row
     return {"setup": c, "published": PUBLISHED_002, "simulated": rows}
+
+
+# seed 002 on the real engine, at a scale this machine holds: micro-qwen3_5 (mlx-lm's own qwen3_5
+# classes, Gated DeltaNet and full attention, seeded random weights: engine/families.py) on the CPU.
+# Background requests of 128 prompt and 64 output tokens at 4 req/s for 6 s, three prompts of 3,072
+# tokens 2 s apart from 1 s (this preset's context is 4,096); one step per prompt against a budget of
+# 256 tokens (a chunk costs this model on this CPU about what a 1,024-token chunk costs the 27B on an
+# A100: several decode steps); ``reps`` alternating rounds.
+REAL002 = {
+    "model": "micro-qwen3_5",
+    "qps": 4.0,
+    "long_prompt": 3072,
+    "background": {"prompt": 128, "max_tokens": 64, "seconds": 6.0},
+    "long": {"count": 3, "first_s": 1.0, "every_s": 2.0, "max_tokens": 4},
+    "one_step_budget": 16384,
+    "chunked_budget": 256,
+    "reps": 3,
+}
+
+
+def seed002_real() -> dict:
+    """Both budgets on the real engine, alternating; the simulation of the same trace with the
+    profile the real runs planned with (run-real calibrates one on first use), beside them."""
+    import statistics
+
+    import schedlab
+    from schedlab.traces.schema import Trace
+
+    c = REAL002
+    trace = Trace("seed002-real", "", mixed_load(c["qps"], c["long_prompt"], c["background"], c["long"]))
+    modes = {"one_step": c["one_step_budget"], "chunked": c["chunked_budget"]}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    profile = None
+    for _ in range(c["reps"]):
+        for mode, budget in modes.items():
+            real = schedlab.run_real(
+                "unified", trace, model=c["model"], options={"token_budget": budget}, profile=profile, ignore_eos=True
+            )
+            assert real.error is None, real.error
+            runs[mode].append(background_itl(real))
+            profile = real.meta["profile"]
+    out: dict = {"setup": c, "modes": {}, "profile": Path(str(profile)).name}
+    for mode, budget in modes.items():
+        sim = schedlab.simulate("unified", trace, options={"token_budget": budget}, profile=profile)
+        med = {k: round(statistics.median(r[k] for r in runs[mode]), 1) for k in ("p50", "p99", "max")}
+        out["modes"][mode] = {
+            "real_itl_ms_median": med,
+            "real_itl_ms_runs": runs[mode],
+            "simulated_itl_ms": background_itl(sim),
+        }
+    return out
 
 
 # Seed 004 (vllm-metal: unified prefill + decode in one forward): ``vllm bench serve`` sonnet 1024/128,
@@ -413,11 +507,143 @@ def seed004() -> dict:
     }
 
 
+# Seed 003 (mlxcel-xla: a continuous-batching scheduler; B slots serve N > B requests and a queued
+# request is admitted mid-stream into the slot a finished one frees): every request's stream equals
+# its single-sequence reference, whenever it was admitted and whichever requests shared its batch. A
+# correctness claim, so on the real engine: ``slots`` (``n_slots`` = B), SmolLM2-135M, greedy, EOS
+# ignored. N requests at time 0: request i's prompt is the first ``prompt_lines[i]`` lines of sonnet i
+# (``sonnet.txt``, counted by SmolLM2's tokenizer), its cap ``caps[i]`` tokens (12..39 in a shuffled
+# order: the slots free at staggered steps); case (B, N) serves the first N. A request's reference is
+# that request alone on the same engine (a one-request trace), itself checked against the model alone
+# (mlx-lm's plain cache, batch of one: nothing of the engine). ``half_full`` (B, n): B slots, only the
+# first n requests; their streams must equal theirs in the case with B slots (a full batch).
+REAL003 = {
+    "model": "smollm2-135m",
+    "cases": [[3, 6], [4, 8]],
+    "caps": [12, 31, 19, 39, 27, 15, 35, 23],
+    "prompt_lines": [3, 9, 1, 6, 12, 4, 8, 2],
+    "half_full": [4, 2],
+}
+# what PR 003 published: admits, how many of them mid-stream, every stream equal to its reference
+PUBLISHED_003 = {
+    "B=3,N=6": {"admits": 6, "mid_stream": 3, "all_equal": True, "device": "CPU (IREE local-task)"},
+    "B=4,N=8": {"admits": 8, "mid_stream": 4, "all_equal": True, "device": "CUDA GB10"},
+}
+
+
+def seed003_requests(caps, prompt_lines) -> list[Request]:
+    """Request ``s{i}``: the first ``prompt_lines[i]`` lines of sonnet i as text, ``caps[i]`` tokens."""
+    from schedlab.traces import sonnet_lines
+
+    lines = sonnet_lines()
+    return [
+        Request(f"s{i}", 0.0, None, cap, prompt="".join(lines[14 * i : 14 * i + n]))
+        for i, (cap, n) in enumerate(zip(caps, prompt_lines))
+    ]
+
+
+def admissions(run) -> dict[str, bool]:
+    """Per request admitted, in admission order: whether it was admitted mid-stream, i.e. another
+    request had its first token before the step that prefills it and still decoded in that step or a
+    later one. From the run's passes (steps, not clock times), so a simulation gives it too."""
+    p = run.passes.assign(request_id=lambda d: d["request_id"].astype(str))
+    pre = p[p["kind"] == "prefill"].groupby("request_id")["step"]
+    admitted, first_token = pre.min(), pre.max()  # (its last prompt chunk gives its first token)
+    last_decode = p[p["kind"] == "decode"].groupby("request_id")["step"].max()
+    return {
+        r: any(first_token[q] < s <= last_decode.get(q, -1) for q in admitted.index if q != r)
+        for r, s in admitted.sort_values(kind="stable").items()
+    }
+
+
+def token_streams(run) -> dict[str, list[int]]:
+    """A real run's generated token ids per request."""
+    return {str(row.id): [int(t) for t in row.token_ids] for row in run.texts.itertuples()}
+
+
+def seed003_real(config: dict | None = None, engine=None) -> dict:
+    """Every case of ``config`` (default ``REAL003``) under ``slots`` on the real engine, each request
+    alone beside it, and the half-full batch; the simulator's admissions of the same traces."""
+    import dataclasses
+
+    import schedlab
+    from schedlab.engine.backend import reference_tokens
+    from schedlab.traces import Trace, prompt_ids
+
+    c = config or REAL003
+    if engine is None:  # (slots reads no cost model: whichever profile, none is calibrated for it)
+        engine = schedlab.load_engine(model=c["model"], ignore_eos=True, no_calibrate=True)
+    pool = seed003_requests(c["caps"], c["prompt_lines"])
+
+    def slots(n_slots: int, reqs: list[Request], name: str):
+        backend = engine.make_backend()
+        backend.warmup = False  # (its throwaway passes take seconds a run and change no token; nothing is timed)
+        run = engine.run(make_policy("slots", {"n_slots": str(n_slots)}), Trace(name, "", reqs), backend=backend)
+        assert run.error is None, run.error
+        return run
+
+    used = pool[: max(n for _, n in c["cases"])]
+    refs = {r.id: token_streams(slots(1, [r], f"seed003-alone-{r.id}"))[r.id] for r in used}
+    tok = engine.info.tokenizer
+    model_alone = {r.id: reference_tokens(engine.info, prompt_ids(r, tok), r.output_tokens) for r in used}
+    out: dict = {
+        "setup": c,
+        "published": PUBLISHED_003,
+        "alone_equals_model_alone": all(refs[r.id] == model_alone[r.id] for r in used),
+        "distinct_references": len({tuple(t) for t in refs.values()}),
+        "cases": {},
+    }
+    full: dict[int, dict[str, list[int]]] = {}
+    for b, n in c["cases"]:
+        reqs = pool[:n]
+        run = slots(b, reqs, f"seed003-B{b}-N{n}")
+        got, adm = token_streams(run), admissions(run)
+        counted = {str(i): int(p) for i, p in zip(run.requests["id"], run.requests["prompt_tokens"])}
+        counted_reqs = [dataclasses.replace(r, prompt=None, prompt_tokens=counted[r.id]) for r in reqs]
+        sim = schedlab.simulate("slots", Trace(f"seed003-B{b}-N{n}", "", counted_reqs), options={"n_slots": b})
+        sim_adm = admissions(sim)
+        equal = [r.id for r in reqs if got[r.id] == refs[r.id]]
+        out["cases"][f"B={b},N={n}"] = {
+            "prompt_tokens": [counted[r.id] for r in reqs],
+            "caps": [r.output_tokens for r in reqs],
+            "admits": len(adm),
+            "mid_stream": sum(adm.values()),
+            "admitted_mid_stream": [r for r, mid in adm.items() if mid],
+            "streams_equal_reference": len(equal),
+            "all_equal": len(equal) == n,
+            "tokens_compared": sum(len(got[r.id]) for r in reqs),
+            "simulated": {"admits": len(sim_adm), "mid_stream": sum(sim_adm.values())},
+        }
+        full[b] = got
+    b, n = c["half_full"]
+    half = token_streams(slots(b, pool[:n], f"seed003-half-B{b}-N{n}"))
+    out["half_full"] = {
+        "n_slots": b,
+        "requests": n,
+        "equal_full_batch": all(half[r.id] == full[b][r.id] for r in pool[:n]),
+        "equal_reference": all(half[r.id] == refs[r.id] for r in pool[:n]),
+    }
+    return out
+
+
+REAL_PARTS = {"000": seed000_real, "001": seed001_real, "002": seed002_real, "003": seed003_real}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(result_path("seeds")))
-    ap.add_argument("--real", action="store_true", help="also seed 000 on the real engine (minutes; a quiet machine)")
+    ap.add_argument(
+        "--real",
+        nargs="?",
+        const=",".join(REAL_PARTS),
+        default="",
+        help="also these seeds on the real engine, comma-separated (default: all of "
+        f"{','.join(REAL_PARTS)}; minutes, a quiet machine); the recorded real parts of the others are kept",
+    )
     args = ap.parse_args()
+    chosen = [x for x in args.real.split(",") if x]
+    if unknown := sorted(set(chosen) - set(REAL_PARTS)):
+        ap.error(f"--real: no real part for seed {', '.join(unknown)} (choose from {', '.join(REAL_PARTS)})")
     data = {
         "bench": "seeds",
         "machine": machine(),
@@ -426,14 +652,17 @@ def main() -> None:
         "seed002": seed002(),
         "seed004": seed004(),
     }
-    if args.real:
-        data["seed000_real"] = seed000_real()
-    else:  # keep a recorded real part (it takes minutes and a quiet machine to make again)
-        import json
-
-        old = Path(args.out)
-        if old.exists() and "seed000_real" in (prev := json.loads(old.read_text())):
-            data["seed000_real"] = prev["seed000_real"]
+    old = Path(args.out)
+    prev = json.loads(old.read_text()) if old.exists() else {}
+    for seed, fn in REAL_PARTS.items():
+        key = f"seed{seed}_real"
+        if seed in chosen:
+            data[key] = fn()
+            data[f"{key}_machine"] = machine()
+        elif key in prev:  # (a real part takes minutes and a quiet machine to make again)
+            data[key] = prev[key]
+            if f"{key}_machine" in prev:
+                data[f"{key}_machine"] = prev[f"{key}_machine"]
     write_json(data, args.out)
     for key, row in data["seed000"]["simulated"].items():
         print(

@@ -5,6 +5,7 @@ profile first) in a cache of this test session, shared by the commands the tests
 import importlib.util
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -73,6 +74,17 @@ if importlib.util.find_spec("xdist") is not None:
                 return run_unit(nodeid)
 
         return ByGroup(config, log)
+
+
+@pytest.fixture(scope="session")
+def seeds():
+    """bench/seeds.py as a module: the seed reproductions the docs quote, recomputed by the tests."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module("seeds")
+    finally:
+        sys.path.remove(bench)
 
 
 @pytest.fixture(scope="session")

@@ -4,23 +4,12 @@ each seed claims holds in them."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-@pytest.fixture(scope="module")
-def seeds():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("seeds")
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
