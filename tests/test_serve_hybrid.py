@@ -14,6 +14,7 @@ whose messages are all empty.
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -121,3 +122,29 @@ def test_an_empty_prompt_gets_a_400_and_wedges_nothing(server, hybrid):
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "in_flight": 0, "cancelled": 0}
     state = httpx.get(server.url + "/state").json()
     assert (state["waiting"], state["running"], state["kv_used"], state["received"]["requests"]) == (0, 0, 0, 3)
+
+
+def test_a_request_that_fits_only_without_its_recurrent_state_gets_a_400_naming_it(server, hybrid):
+    """The KV (4,096 tokens) holds the prompt and output but not the request's recurrent and
+    convolution state as well: refused on arrival, and the sum the message prints adds up."""
+    tok = hybrid[1].tokenizer
+    text = "Once upon a time " * 1000
+    ids = tok.encode(text)
+    text = tok.decode(ids[:4060])
+    n = len(tok.encode(text))
+    assert 4000 < n < 4090
+    c = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=NAME, prompt=text, max_tokens=4096 - n)
+    body = e.value.body
+    assert e.value.status_code == 400 and body["param"] == "max_tokens", body
+    m = re.fullmatch(
+        rf"this request needs (\d+) KV tokens \(prompt {n} \+ max_tokens {4096 - n} - 1 \+ (\d+) for its sliding "
+        r"windows and recurrent state\) but the server's KV capacity is 4096 \(serve --kv-tokens\)",
+        body["message"],
+    )
+    assert m, body["message"]
+    need, fixed = int(m[1]), int(m[2])
+    assert need == n + (4096 - n) - 1 + fixed > 4096  # the sum adds up, and only the state makes it too big
+    r = c.completions.create(model=NAME, prompt="Once upon a time", max_tokens=4)  # and the server serves on
+    assert r.usage.completion_tokens == 4

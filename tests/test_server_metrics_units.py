@@ -111,7 +111,9 @@ def test_unadmitted_counts_requests_sent_and_never_admitted():
         b.state.by_id["b"].admitted_s = 0.2
         b.drop("d")  # never submitted
         assert b.unadmitted() == 1
-        b.on_finish(NS(id="c", finish_s=None, kv_footprint=99, prompt_tokens=50, output_tokens=50), 0.3)  # refused
+        b.on_finish(
+            NS(id="c", finish_s=None, kv_footprint=99, prompt_tokens=50, output_tokens=50, fixed_tokens=0), 0.3
+        )  # refused
         assert b.unadmitted() == 0
     finally:
         loop.close()

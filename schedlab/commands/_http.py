@@ -262,18 +262,17 @@ class Bridge:
             return
         if kv is not None:
             st.put(("kv", kv))
-        if r.finish_s is None:  # refused on arrival: it can never fit this replica's KV cache
-            st.put(
-                (
-                    "error",
-                    APIError(
-                        400,
-                        f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
-                        f"{r.output_tokens} - 1) but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)",
-                        "max_tokens",
-                    ),
+        if r.finish_s is None:  # refused on arrival: the replica's own reason (it can never fit its KV cache)
+            rejected = getattr(self.state, "rejected", None)
+            why = rejected[-1][1] if rejected and rejected[-1][0] is r else None
+            if why is None or "KV capacity" in why:
+                why = (
+                    f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
+                    f"{r.output_tokens} - 1"
+                    + (f" + {r.fixed_tokens} for its sliding windows and recurrent state" if r.fixed_tokens else "")
+                    + f") but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)"
                 )
-            )
+            st.put(("error", APIError(400, why, "max_tokens" if "KV" in why else "prompt")))
             return
         st.put(("done", reason))
 
