@@ -62,8 +62,10 @@ TABLE_FIELDS = (
     "policy",
     "router",
     "replicas",
+    "gpus",
     "capacity_rps",
     "capacity_per_replica_rps",
+    "capacity_per_gpu_rps",
     "price_usd_per_hour",
     "requests_per_usd",
     "limited",
@@ -461,9 +463,12 @@ def _num(v: Any, fmt: str) -> str:
 
 def table_cells(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """The printed table: its header and one line of cells per configuration (a ``req/$`` column,
-    requests per dollar, only when some configuration has a price)."""
+    requests per dollar, only when some configuration has a price; a ``per GPU`` column only when
+    some configuration's replicas span several GPUs, tensor parallelism)."""
     priced = any(r.get("price_usd_per_hour") is not None for r in rows)
-    head = ["configuration", "capacity req/s", "per replica", *(["req/$"] if priced else [])]
+    per_gpu = any(r.get("gpus") not in (None, r.get("replicas")) for r in rows)
+    head = ["configuration", "capacity req/s", "per replica", *(["per GPU"] if per_gpu else [])]
+    head += ["req/$"] if priced else []
     head += ["binds", "runs", "early stops"]
     lines = []
     for r in rows:
@@ -480,6 +485,7 @@ def table_cells(rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list
                 str(r["configuration"]),
                 cap_text,
                 _num(r.get("capacity_per_replica_rps"), "{:.4g}"),
+                *([_num(r.get("capacity_per_gpu_rps"), "{:.4g}")] if per_gpu else []),
                 *([per_usd] if priced else []),
                 str(r.get("binding") or "-"),
                 str(r.get("runs", 0)),

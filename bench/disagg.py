@@ -74,7 +74,7 @@ def main() -> None:
         for r in table.to_dict("records"):
             rows[r["configuration"]] = {
                 "capacity_rps": r["capacity_rps"],
-                "per_gpu_rps": r["capacity_per_replica_rps"],
+                "per_gpu_rps": r["capacity_per_gpu_rps"],
                 "binding": r["binding"],
                 "first_failing_rps": r["first_failing_rps"],
             }

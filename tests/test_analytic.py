@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import schedlab
 from schedlab.policies import make_policy
 from schedlab.policies.base import CostModel, PassShape
 from schedlab.sim import run
@@ -31,7 +32,7 @@ from schedlab.analysis.analytic.fit import load_benchmarks, point_model, predict
 from schedlab.analysis.analytic.hardware import BENCHMARKS_FILE, HARDWARE_FILE, read_hardware_file
 from schedlab.analysis.analytic.modelspec import bundled_model_configs, bits_per_weight
 from schedlab.sim.cost import ProfileError
-from schedlab.traces.schema import Request
+from schedlab.traces.schema import Request, Trace
 
 
 def spec(name):
@@ -75,6 +76,8 @@ PUBLISHED = [
     # GPT-OSS's "3.6B" and "5.1B active" count the vocabulary matrix once (embedding or head)
     ("gpt-oss-20b", "active_one_vocab", 3.6, 1),
     ("gpt-oss-120b", "active_one_vocab", 5.1, 1),
+    # OPT-13B's model card: "13B" (the module count is 12.85 B: test_opt_13b_counts_every_module)
+    ("opt-13b", "total", 13, 0),
 ]
 
 
@@ -98,6 +101,20 @@ def test_every_bundled_config_is_read_and_dense_models_are_wholly_active():
             assert m.active_params < m.total_params / 4  # (GPT-OSS 20B: 4 of 32 experts, a 201k vocabulary)
         else:
             assert m.active_params == m.total_params
+
+
+def test_opt_13b_counts_every_module():
+    """OPTForCausalLM's parameters, module by module: q/k/v/out projections and fc1/fc2 with biases,
+    two LayerNorms (weight and bias) per layer and a final one, learned positions of 2,048 + 2 rows,
+    the embedding (word_embed_proj_dim = hidden: no projections) tied to the head: 12,853,473,280."""
+    m = spec("opt-13b")
+    h, f, L, V = 5120, 20480, 40, 50272
+    layer = (4 * h * h + 4 * h) + (2 * h * f + f + h) + 2 * 2 * h
+    assert m.total_params == L * layer + 2 * h + (2048 + 2) * h + V * h == 12_853_473_280
+    assert m.tied and m.model_type == "opt" and m.kv_heads == m.heads == 40 and m.head_dim == 128
+    assert m.active_matmul_params() == L * (4 * h * h + 4 * h + 2 * h * f + f + h)
+    assert m.kv_bytes_per_token() == 2 * L * h * 2  # K and V, 16 bits, every layer: 0.82 MB
+    assert m.weight_bytes() == pytest.approx(2 * m.total_params, rel=1e-12)  # all of it float16
 
 
 def test_llama3_70b_shapes_in_the_benchmarks_count_70_55b():
@@ -446,6 +463,110 @@ def test_unknown_names_list_the_choices(args, fragment):
     with pytest.raises(AnalyticError) as e:
         make_analytic_cost_model(*args)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------- tensor parallelism
+
+TP_SHAPES = [
+    PassShape(decode_contexts=(700,) * 48),
+    PassShape(prefill=((1024, 0),)),
+    PassShape(decode_contexts=(300, 900), prefill=((256, 512),)),
+]
+
+
+def test_tp_1_suffix_is_the_plain_preset_float_for_float():
+    for engine in ("vllm", "llama.cpp"):
+        plain, kv, _ = make_analytic_cost_model("a100-80gb-sxm", "opt-13b", None, engine=engine)
+        one, kv1, meta = make_analytic_cost_model("A100-80GB-SXM:tp=1", "opt-13b", None, engine=engine)
+        assert kv1 == kv and meta["tp"] == 1 and "tensor_parallel" not in meta
+        assert [one.pass_seconds(s) for s in TP_SHAPES] == [plain.pass_seconds(s) for s in TP_SHAPES]
+
+
+def test_tp_2_halves_a_weight_bound_decode_up_to_the_all_reduces():
+    """A decode step of one row is the weights' read: at tp = 2 each GPU reads half of them (and half
+    the KV), so the step is half as long, plus 2 all-reduces per layer of the row's hidden state, the
+    fixed per-layer costs unchanged."""
+    hw1, hw2 = (
+        load_hardware("a100-80gb-sxm", engine="llama.cpp"),
+        load_hardware("a100-80gb-sxm:tp=2", engine="llama.cpp"),
+    )
+    assert hw2.tp == 2 and hw2.tp_link == "nvlink3" and hw2.tp_link_bandwidth == 300e9
+    eff = Efficiency(0.5, 0.7, 0.0)  # no per-layer overhead: the roofline alone
+    one = analytic_from_config(hw1, cfg_of("opt-13b"), efficiency=eff, style="fused")
+    two = analytic_from_config(hw2, cfg_of("opt-13b"), efficiency=eff, style="fused")
+    step = PassShape(decode_contexts=(100,))
+    ar = two.allreduce_seconds(1)
+    assert ar == 2 * 40 * hw2.allreduce_seconds(5120 * 2) == 2 * 40 * (2 * 1 / 2) * 5120 * 2 / 300e9
+    assert two.pass_seconds(step) - ar == pytest.approx(one.pass_seconds(step) / 2, rel=1e-12)
+    assert one.allreduce_seconds(1) == 0.0
+    # the vllm engine: the same, its fixed costs (per-layer and decode-attention overheads) aside
+    v1, _, _ = make_analytic_cost_model("a100-80gb-sxm", "opt-13b", None)
+    v2, _, meta = make_analytic_cost_model("a100-80gb-sxm:tp=2", "opt-13b", None)
+    s = v1.serving
+    fixed = 40 * (s.overhead_per_layer_s + s.decode_overhead_per_layer_s + s.decode_per_row_s)
+    half = (v1.pass_seconds(step) - fixed) / 2
+    assert v2.pass_seconds(step) - v2.allreduce_seconds(1) - fixed == pytest.approx(half, rel=1e-9)
+    assert meta["tp"] == 2 and meta["tensor_parallel"]["allreduces_per_forward"] == 80
+    # a compute-bound prefill: about half too (its GEMMs' efficiency is read at the same token count)
+    pre = PassShape(prefill=((2048, 0),))
+    assert 0.45 < v2.pass_seconds(pre) / v1.pass_seconds(pre) < 0.56
+
+
+def test_tp_2_holds_twice_the_memory_less_one_copy_of_the_weights():
+    _, kv1, _ = make_analytic_cost_model("a100-80gb-sxm", "opt-13b", None)
+    _, kv2, _ = make_analytic_cost_model("a100-80gb-sxm:tp=2", "opt-13b", None)
+    m = spec("opt-13b")
+    per_token, weights = m.kv_bytes_per_token(), m.weight_bytes()
+    assert kv1 == int((80e9 * 0.9 - weights) // per_token)
+    assert kv2 == int((2 * 80e9 * 0.9 - weights) // per_token)
+    assert kv2 - 2 * kv1 == pytest.approx(weights / per_token, abs=2)  # the weights are held once
+    # fewer KV heads than GPUs (GQA): each GPU keeps a whole head, repeated tp / kv_heads times
+    llama = spec("llama-3.1-8b")  # 32 heads, 8 KV heads
+    h100 = load_hardware("h100-sxm:tp=16")
+    assert kv_capacity_tokens(h100, llama) == int(
+        (16 * 80e9 * 0.9 - llama.weight_bytes()) // (2 * llama.kv_bytes_per_token())
+    )
+
+
+@pytest.mark.parametrize(
+    "hardware,fragment",
+    [
+        ("a100-80gb-sxm:tp=0", "tp must be an integer >= 1"),
+        ("a100-80gb-sxm:tp=two", "tp must be an integer >= 1"),
+        ("a100-80gb-sxm:pp=2", "unknown option 'pp=2'"),
+        ("a100-80gb-sxm:tp=2,tp=4", "tp given twice"),
+        ("a100-80gb-sxm:tp=3", "tp=3 does not divide opt-13b's 40 attention heads"),
+        ("m4-max:tp=2", "names no link between its GPUs"),
+        ("a100-9000:tp=2", "unknown hardware 'a100-9000:tp=2'"),
+    ],
+)
+def test_a_bad_tp_is_one_line(hardware, fragment):
+    with pytest.raises(AnalyticError) as e:
+        make_analytic_cost_model(hardware, "opt-13b", None)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, ProfileError)  # the CLI prints these as one line
+
+
+def test_a_cluster_group_takes_a_tp_hardware_and_its_transfer_the_presets_link(tmp_path):
+    from schedlab.api.options import ClusterOptions
+    from schedlab.api.simulation import _transfer
+
+    f = tmp_path / "pd.toml"
+    f.write_text(
+        'router = "least-requests"\n\n[transfer]\nmode = "layerwise"\n\n'
+        '[[group]]\npool = "prefill"\npolicy = "vllm"\nhardware = "a100-80gb-sxm:tp=2"\nmodel_config = "opt-13b"\n\n'
+        '[[group]]\npool = "decode"\npolicy = "vllm"\nhardware = "a100-80gb-sxm"\nmodel_config = "opt-13b"\n'
+    )
+    cu = ClusterOptions.from_file(f)
+    t = _transfer(cu, "")
+    assert t.link.name == "nvlink3" and t.bytes_per_token == spec("opt-13b").kv_bytes_per_token()
+    run = schedlab.simulate(None, mixed_small(), cluster=cu, passes=False)
+    caps = [r["kv_tokens"] for r in run.summary["replicas"]]
+    assert caps[0] > 2 * caps[1]  # the TP-2 prefill replica holds twice the memory, the weights once
+
+
+def mixed_small():
+    return Trace("small", "", [Request(f"r{i}", i * 0.05, 100 + 37 * i % 400, 8 + i % 20) for i in range(30)])
 
 
 # ---------------------------------------------------------------------- presets and sources

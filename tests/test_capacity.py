@@ -215,6 +215,35 @@ def test_requests_per_usd_from_the_preset_price(tmp_path):
     assert "req/$" in format_table(rows).splitlines()[0]
 
 
+def test_a_tensor_parallel_replica_counts_its_gpus_and_their_price(tmp_path):
+    """--hardware PRESET:tp=2: every replica spans 2 GPUs, so the per-GPU capacity is the capacity over
+    2 x replicas and a replica costs 2 GPUs' price; the printed table gains a per-GPU column."""
+    gpu_price = preset_price("a100-80gb-sxm")["value"]
+    table = schedlab.capacity(
+        "vllm",
+        mixed_trace(30),
+        replicas="1,2",
+        workers=1,
+        hardware="a100-80gb-sxm:tp=2",
+        model_config="opt-13b",
+        slo="ttft_ms=100,tpot_ms=20",
+        attainment=0.9,
+        tolerance=0.1,
+    )
+    assert table["error"].isna().all() and table["capacity_rps"].notna().all()
+    for row in table.itertuples():
+        assert row.gpus == 2 * row.replicas
+        assert row.capacity_per_gpu_rps == row.capacity_rps / row.gpus
+        assert row.capacity_per_replica_rps == row.capacity_rps / row.replicas
+        assert row.price_usd_per_hour == 2 * gpu_price
+        assert row.requests_per_usd == pytest.approx(row.capacity_rps * 3600 / (row.gpus * gpu_price), rel=1e-12)
+    rows = table.astype(object).where(table.notna(), None).to_dict("records")
+    assert "per GPU" in format_table(rows).splitlines()[0]
+    # one GPU per replica: no per-GPU column (it would repeat the per-replica one)
+    plain = [dict(r, gpus=r["replicas"]) for r in rows]
+    assert "per GPU" not in format_table(plain).splitlines()[0]
+
+
 def test_a_given_price_overrides_the_preset_and_prices_cluster_files(tmp_path):
     p = capacity_cmd(
         "--policy", "chunked-prefill", "--trace", _trace_file(tmp_path, 30), "--cluster", "h100-a100",

@@ -22,7 +22,7 @@ from .efficiency import ENGINES, Efficiency, ServingEfficiency, engine_kind
 from .errors import AnalyticError
 from .fit import FitResult, fit_efficiency, refit
 from .local import BLOCK_KEY, block_mismatch, efficiency_from_block, fit_local, shape_from_sample
-from .hardware import Hardware, link_preset, list_hardware, list_links, load_hardware, measure_cpu
+from .hardware import Hardware, link_preset, list_hardware, list_links, load_hardware, measure_cpu, split_hardware
 from .modelspec import ModelSpec, bundled_model_configs, check_quant, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward, kv_capacity_tokens
 from .serving import ServingCostModel
@@ -54,6 +54,7 @@ __all__ = [
     "efficiency_from_block",
     "fit_local",
     "shape_from_sample",
+    "split_hardware",
     "ENGINES",
     "ServingCostModel",
     "ServingEfficiency",
@@ -86,7 +87,7 @@ def analytic_from_config(
     """
     check_quant(quant)
     if isinstance(hw, Hardware):
-        hardware = hw if engine is None or engine == hw.engine else load_hardware(hw.name, engine=engine)
+        hardware = hw if engine is None or engine == hw.engine else load_hardware(hw.spec, engine=engine)
     else:
         hardware = load_hardware(hw, engine=engine)
     spec = model_spec(config, name or str(config.get("_name_or_path") or config.get("model_type") or "model"))
@@ -126,9 +127,11 @@ def make_analytic_cost_model(
 ) -> tuple[AnalyticCostModel, int, dict[str, Any]]:
     """(cost model, KV capacity in tokens, metadata) for ``simulate --hardware --model-config``.
 
-    ``model_config``: a bundled name (see :func:`bundled_model_configs`) or a path to a
-    config.json (or its directory). ``quant``: weight bits (4, 8, 16; 2/3/5/6 and 32 also
-    accepted), None for the config's native dtype. ``engine``: ``vllm`` (default on NVIDIA
+    ``hardware``: a preset name, with ``:tp=N`` for a replica of N GPUs with tensor parallelism
+    (``a100-80gb-sxm:tp=2``; see :mod:`analysis.analytic.roofline`). ``model_config``: a bundled
+    name (see :func:`bundled_model_configs`) or a path to a config.json (or its directory).
+    ``quant``: weight bits (4, 8, 16; 2/3/5/6 and 32 also accepted), None for the config's native
+    dtype. ``engine``: ``vllm`` (default on NVIDIA
     presets), ``mlx-lm`` or ``llama.cpp`` (see :mod:`analysis.analytic.serving`). Bad input
     raises :class:`AnalyticError` with one line.
     """

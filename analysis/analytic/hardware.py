@@ -7,6 +7,11 @@ Some presets also give ``price_usd_per_hour`` (same form: value, sources, note):
 on-demand price of one GPU, where a public source exists (``capacity``'s requests per dollar;
 quotes vary widely, so users give their own there). See :func:`preset_price`.
 
+A preset name may carry a suffix ``:tp=N`` (``a100-80gb-sxm:tp=2``, also as a cluster file group's
+``hardware``): one replica spanning N GPUs of the preset with tensor parallelism, its GPUs joined
+by the preset's own ``link`` (see :func:`split_hardware` and, for what it changes in a pass's cost,
+:mod:`analysis.analytic.roofline`).
+
 ``cpu-local`` is measured on first use: numpy float32 GEMM GFLOP/s (numpy's own BLAS) and a
 large-array copy for bandwidth (bytes read + written per second). The result is cached in the
 user cache dir (``$SCHEDLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/schedlab``, else
@@ -93,6 +98,24 @@ class Hardware:
     serving: Any = field(default=None, compare=False, repr=False)
     #: on-demand USD per hour of one GPU, where the preset has a sourced price (else None)
     price_usd_per_hour: float | None = None
+    #: GPUs one replica spans with tensor parallelism (the ``:tp=N`` suffix), and the link their
+    #: all-reduces run over (the preset's own ``link``: name, bytes/s one direction, latency s)
+    tp: int = 1
+    tp_link: str = ""
+    tp_link_bandwidth: float = 0.0
+    tp_link_latency_s: float = 0.0
+
+    @property
+    def spec(self) -> str:
+        """The name that loads this hardware again (``a100-80gb-sxm:tp=2``)."""
+        return self.name if self.tp == 1 else f"{self.name}:tp={self.tp}"
+
+    def allreduce_seconds(self, nbytes: float) -> float:
+        """One ring all-reduce of ``nbytes`` over the ``tp`` GPUs: 2 (tp - 1) / tp x bytes at the
+        link's one-direction bandwidth, plus its latency (0 for tp = 1)."""
+        if self.tp == 1:
+            return 0.0
+        return 2.0 * (self.tp - 1) / self.tp * nbytes / self.tp_link_bandwidth + self.tp_link_latency_s
 
     def peak(self, dtype: str | None = None) -> float:
         d = _DTYPE_ALIASES.get((dtype or self.default_compute).lower(), (dtype or self.default_compute).lower())
@@ -108,7 +131,7 @@ class Hardware:
         return preset_engines(self.info)
 
     def summary(self) -> dict[str, Any]:
-        return {
+        d = {
             "hardware": self.name,
             "hardware_title": self.title,
             "engine": self.engine,
@@ -117,7 +140,15 @@ class Hardware:
             "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
             "compute_dtype": self.default_compute,
             "efficiency": self.efficiency.to_dict(),
+            "tp": self.tp,  # (the figures above are one GPU's)
         }
+        if self.tp > 1:
+            d["tp_link"] = {
+                "link": self.tp_link,
+                "bandwidth_gbs": self.tp_link_bandwidth / 1e9,
+                "latency_s": self.tp_link_latency_s,
+            }
+        return d
 
 
 # ---------------------------------------------------------------------- presets file
@@ -161,11 +192,12 @@ def _price_value(preset: Mapping[str, Any], name: str) -> float | None:
 def preset_price(name: str, preset: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """A preset's ``price_usd_per_hour`` (None when it has none): ``{"value", "sources": [{"id",
     "url", "title"}], "note"}``, its source ids resolved in the file's ``sources``. ``preset``:
-    the preset's block (default: read from hardware.json by ``name``, case-insensitive)."""
+    the preset's block (default: read from hardware.json by ``name``, case-insensitive; a
+    ``:tp=N`` suffix is dropped: the price is still one GPU's)."""
     data = None
     if preset is None:
         data = read_hardware_file()
-        key = str(name).strip().lower()
+        key = split_hardware(name)[0]
         if key not in data["presets"]:
             raise AnalyticError(f"unknown hardware '{name}' (presets: {', '.join(sorted(data['presets']))})")
         name, preset = key, data["presets"][key]
@@ -184,6 +216,52 @@ def preset_price(name: str, preset: Mapping[str, Any] | None = None) -> dict[str
     return {"value": value, "sources": sources, "note": note}
 
 
+def split_hardware(spec: str) -> tuple[str, int]:
+    """(preset name, tensor-parallel degree) of a hardware spec: ``a100-80gb-sxm`` -> (that, 1),
+    ``a100-80gb-sxm:tp=2`` -> (that, 2). The name is lower-cased and stripped, not looked up; a bad
+    suffix is an :class:`AnalyticError` of one line."""
+    text = str(spec).strip()
+    name, sep, opts = text.partition(":")
+    name = name.strip().lower()
+    if not sep:
+        return name, 1
+    tp = None
+    for item in opts.split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if key != "tp" or not eq:
+            raise AnalyticError(
+                f"hardware '{text}': unknown option '{item.strip()}' (a preset takes ':tp=N', N GPUs per replica "
+                "with tensor parallelism, e.g. a100-80gb-sxm:tp=2)"
+            )
+        if tp is not None:
+            raise AnalyticError(f"hardware '{text}': tp given twice")
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
+            raise AnalyticError(f"hardware '{text}': tp must be an integer >= 1 (GPUs per replica), got '{value}'")
+        tp = int(value)
+    return name, tp if tp is not None else 1
+
+
+def with_tp(hw: Hardware, tp: int) -> Hardware:
+    """``hw`` as a replica of ``tp`` GPUs (:func:`split_hardware`), its all-reduces over the
+    preset's own link (tp = 1: one GPU, no link)."""
+    if tp == 1:
+        return replace(hw, tp=1, tp_link="", tp_link_bandwidth=0.0, tp_link_latency_s=0.0)
+    data = read_hardware_file()
+    links = data.get("links") or {}
+    own = (data["presets"].get(hw.name) or {}).get("link")
+    if own is None or own not in links:
+        linked = ", ".join(sorted(k for k, v in data["presets"].items() if v.get("link")))
+        raise AnalyticError(
+            f"hardware '{hw.name}:tp={tp}': the preset names no link between its GPUs, so tensor parallelism "
+            f"cannot be priced (presets with one: {linked})"
+        )
+    entry = links[own]
+    bw = _value(entry, "bandwidth_gbs", f"link {own}") * 1e9
+    lat = float((entry.get("latency_s") or {}).get("value", 0.0) or 0.0)
+    return replace(hw, tp=tp, tp_link=own, tp_link_bandwidth=bw, tp_link_latency_s=lat)
+
+
 def list_links() -> list[str]:
     """The interconnect presets (``links`` in hardware.json): what a KV transfer between
     replicas runs over (``sim.transfer``)."""
@@ -199,6 +277,8 @@ def link_preset(name: str, latency_s: float | None = None):
     data = read_hardware_file()
     links = data.get("links") or {}
     key = str(name).strip().lower()
+    if key not in links and ":" in key:  # a hardware spec with ':tp=N': its preset's link
+        key = split_hardware(key)[0]
     if key not in links and key in data["presets"]:
         own = data["presets"][key].get("link")
         if own is None:
@@ -289,12 +369,15 @@ def load_hardware(
 
     ``engine``: whose factors to use (``vllm``, ``mlx-lm``, ``llama.cpp``); default the
     preset's ``default_engine`` (``vllm`` on NVIDIA GPUs), else its published-figure fit's.
+    ``name`` may end in ``:tp=N`` (:func:`split_hardware`): a replica of N GPUs (``Hardware.tp``).
     """
     data = read_hardware_file()
     presets = data["presets"]
-    key = str(name).strip().lower()
+    key, tp = split_hardware(name)
     if key not in presets:
         raise AnalyticError(f"unknown hardware '{name}' (presets: {', '.join(sorted(presets))})")
+    if tp > 1:
+        return with_tp(load_hardware(key, cache_dir=cache_dir, remeasure=remeasure, engine=engine), tp)
     preset = presets[key]
     if key == CPU_LOCAL:
         m = measure_cpu(cache_dir=cache_dir, remeasure=remeasure)

@@ -31,9 +31,20 @@ attn_output_gate             Qwen3-Next/3.5 full attention's output gate (q_proj
 ===========================  ===========================================================
 
 Every MLP is gated (gate, up, down: 3 x H x width), as in all the families above, except
-``model_type: phi`` (Phi-2: fc1 and fc2 with biases, 2 x H x width). Norms
-(2 per layer, the final one, Qwen3's per-head q/k norms) are counted in the totals and stay
+``model_type: phi`` (Phi-2: fc1 and fc2 with biases, 2 x H x width) and ``model_type: opt``.
+Norms (2 per layer, the final one, Qwen3's per-head q/k norms) are counted in the totals and stay
 16-bit under quantisation; they are too small to matter to time.
+
+``model_type: opt`` (OPT, as transformers' ``OPTForCausalLM`` builds it): ``ffn_dim`` is the MLP
+width, a plain fc1 / ReLU / fc2 MLP with biases; q, k, v and out projections with biases
+(``enable_bias``, default true); LayerNorms with a bias (``layer_norm_elementwise_affine``,
+default true: 2 x H each, two per layer and the final one); learned positional embeddings of
+``max_position_embeddings`` + 2 rows (OPT's offset of 2); the vocabulary matrices are
+``word_embed_proj_dim`` wide, with a project_in / project_out pair (no bias) when that differs from
+H; the head is tied to the embedding (``tie_word_embeddings`` defaults to true). The positional
+embeddings and the projections (``extra_params``) count in the totals and the weights' bytes, not
+in the FLOPs of a token (a lookup; the projections are 2 x H x ``word_embed_proj_dim``, absent at
+13B and above).
 """
 
 from __future__ import annotations
@@ -105,6 +116,10 @@ class ModelSpec:
     linear_params: int = 0
     linear_flops_per_token: float = 0.0
     linear_state_bytes: float = 0.0
+    # the vocabulary matrices' width (0: hidden; OPT's word_embed_proj_dim) and parameters outside
+    # the layers and the vocabulary matrices (OPT: learned positions, embedding projections)
+    embed_dim: int = 0
+    extra_params: int = 0
 
     # ------------------------------------------------------------------ counts
     @property
@@ -117,11 +132,11 @@ class ModelSpec:
 
     @property
     def embed_params(self) -> int:
-        return self.vocab * self.hidden
+        return self.vocab * (self.embed_dim or self.hidden)
 
     @property
     def head_params(self) -> int:
-        return self.vocab * self.hidden
+        return self.vocab * (self.embed_dim or self.hidden)
 
     @property
     def mixer_delta_params(self) -> int:
@@ -138,7 +153,7 @@ class ModelSpec:
     @property
     def total_params(self) -> int:
         emb = self.embed_params if self.tied else 2 * self.embed_params
-        return self.layer_matrix_params + emb + self.norm_params
+        return self.layer_matrix_params + emb + self.norm_params + self.extra_params
 
     @property
     def active_params(self) -> int:
@@ -178,7 +193,7 @@ class ModelSpec:
         norms at 16 bits."""
         b = bits_per_weight(self.native_bits if bits is None else bits, group_size) / 8.0
         emb = self.embed_params if self.tied else 2 * self.embed_params
-        return (self.layer_matrix_params + emb) * b + self.norm_params * 2.0
+        return (self.layer_matrix_params + emb + self.extra_params) * b + self.norm_params * 2.0
 
     @property
     def kv_layers(self) -> int:
@@ -272,12 +287,19 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         )
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     head_dim = _int(cfg, "head_dim") or h // heads
-    tied = bool(cfg.get("tie_word_embeddings", False))
+    opt = mtype == "opt"
+    tied = bool(cfg.get("tie_word_embeddings", opt))  # (OPT: transformers' default, true)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     native_bits = 32 if "32" in dtype else 16
 
     attn_bias = bool(cfg.get("attention_bias", mtype in ("qwen2", "qwen2_moe")))
     mlp_bias = bool(cfg.get("mlp_bias", False))
+    embed_dim = extra = 0
+    if opt:  # biases on every linear layer and LayerNorm, learned positions, projections
+        attn_bias = mlp_bias = bool(cfg.get("enable_bias", True))
+        proj = _int(cfg, "word_embed_proj_dim") or h
+        embed_dim = proj if proj != h else 0
+        extra = (_int(cfg, "max_position_embeddings", 2048) + 2) * h + (2 * h * proj if proj != h else 0)
 
     # ---- attention
     kv_lora = _int(cfg, "kv_lora_rank")
@@ -297,18 +319,22 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         # Qwen3-Next / Qwen3.5's full attention gates its output: q_proj is twice as wide
         gate = q_out if cfg.get("attn_output_gate", mtype.startswith(("qwen3_next", "qwen3_5"))) else 0
         attn = h * (q_out + gate) + 2 * h * kv_out + q_out * h
-        if attn_bias:
-            attn += q_out + gate + 2 * kv_out + (h if mtype == "gpt_oss" else 0)  # (GPT-OSS: o_proj's too)
+        if attn_bias:  # (GPT-OSS and OPT: o_proj's too)
+            attn += q_out + gate + 2 * kv_out + (h if mtype in ("gpt_oss", "opt") else 0)
         kv_dim = 2 * kv_out
         norms_per_layer = 2 * h + (2 * head_dim if mtype.startswith("qwen3") else 0)
+        if opt and cfg.get("layer_norm_elementwise_affine", True):
+            norms_per_layer = 4 * h  # two LayerNorms, each a weight and a bias
 
     # ---- MLP / experts
-    inter = _int(cfg, "intermediate_size") or 4 * h
+    inter = _int(cfg, "intermediate_size") or (_int(cfg, "ffn_dim") if opt else None) or 4 * h
     n_exp = _int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts") or 0
     top_k = _int(cfg, "num_experts_per_tok") or (_int(cfg, "top_k") or 0)
-    # gated (gate, up, down) everywhere but Phi's plain fc1/fc2 MLP (with biases)
+    # gated (gate, up, down) everywhere but Phi's and OPT's plain fc1/fc2 MLP (with biases)
     if mtype == "phi":
         gated_mlp = lambda width: 2 * h * width + width + h  # noqa: E731
+    elif opt:
+        gated_mlp = lambda width: 2 * h * width + (width + h if mlp_bias else 0)  # noqa: E731
     else:
         gated_mlp = lambda width: 3 * h * width + (2 * width + h if mlp_bias else 0)  # noqa: E731
     dense_mlp = gated_mlp(inter)
@@ -334,7 +360,7 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
             step = _int(cfg, "decoder_sparse_step", 1) or 1
             only_mlp = set(cfg.get("mlp_only_layers") or [])
             moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
-    norms = n_layers * norms_per_layer + h
+    norms = n_layers * norms_per_layer + (2 * h if opt and cfg.get("layer_norm_elementwise_affine", True) else h)
     full, sliding, window = layer_kinds(cfg, n_layers)
     linear = n_layers - full - sliding if full is not None else 0
     lin_params, lin_flops, lin_state = _linear_attention(cfg, h, native_bits) if linear else (0, 0.0, 0.0)
@@ -366,6 +392,8 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         linear_params=lin_params,
         linear_flops_per_token=lin_flops,
         linear_state_bytes=lin_state,
+        embed_dim=embed_dim,
+        extra_params=extra,
     )
 
 

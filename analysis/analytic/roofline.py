@@ -59,6 +59,22 @@ both switchable (``lazy_prefill``, ``causal_skip``):
 Efficiencies are the preset's fitted factors (``efficiency.Efficiency``, see
 ``analysis/hardware/EFFICIENCY.md``); a mixture-of-experts model uses the preset's ``moe`` factors.
 
+Tensor parallelism (``Hardware.tp`` > 1, a hardware spec ``PRESET:tp=N``): one replica spans N
+GPUs, Megatron-style as vLLM runs it. Each GPU holds 1/N of every weight matrix (column- then
+row-parallel projections and MLP, experts split by width, the head vocabulary-parallel) and 1/N
+of the KV heads, so a forward's matmul and attention FLOPs and its weight and KV bytes per GPU are
+1/N of the replica's: the model charges them against N x the peak and N x the bandwidth, with the
+same efficiencies and the same per-layer overhead (each GPU launches every layer's kernels).
+Added, outside the max: two all-reduces per layer (after attention's output projection and after
+the MLP) of tokens x hidden x 2 bytes (4 at fp32), each a ring all-reduce over the preset's own
+link: 2 (N - 1) / N x bytes / link bandwidth + link latency (the presets' latency is 0: no
+published figure, so NCCL's per-call latency, which dominates a decode step's small all-reduces,
+is missing). Not counted: the embedding's all-reduce and the logits' gather (one each per
+forward), any overlap of communication with compute. N must divide the attention heads; with fewer KV heads than
+N (GQA) each GPU keeps a whole KV head, replicated N / kv_heads times (DeepSeek's latent KV: on
+every GPU), and the KV bytes per GPU follow. The KV capacity is N x the memory less the weights
+(:func:`kv_capacity_tokens`). N = 1 is the single-GPU model, float for float.
+
 Weight bytes follow the quantisation (``bits``): mlx affine quantisation stores a 16-bit scale
 and bias per group of 64 weights, so 4 bits -> 4.5 bits/weight, 8 -> 8.5; 16 is plain
 fp16/bf16. Compute runs at the preset's default dtype (fp16 tensor rate on GPUs: quantised
@@ -145,8 +161,21 @@ class AnalyticCostModel(CostModel):
         self.bytes_per_weight = (
             bpw if bpw is not None else bits_per_weight(m.native_bits if bits is None else bits, group_size)
         ) / 8.0
-        self.peak = hardware.peak(self.compute_dtype) * peak_scale
+        # tensor parallelism: a replica of tp GPUs has tp x the peak and the bandwidth (module docstring)
+        tp = self.tp = hardware.tp
+        self._kv_rep = kv_replication(m, tp)
+        self.peak = hardware.peak(self.compute_dtype) * peak_scale * tp
+        self.bandwidth = hardware.bandwidth * tp
         self.kv_bytes_per_token = m.kv_bytes_per_token(kv_bits)
+        if self._kv_rep != 1:
+            self.kv_bytes_per_token *= self._kv_rep
+        # two all-reduces per layer of tokens x hidden activations (0 seconds at tp = 1)
+        act_bytes = 4.0 if self.compute_dtype in ("fp32", "float32") else 2.0
+        self.allreduce_bytes_per_token = m.hidden * act_bytes if tp > 1 else 0.0
+        if tp > 1:  # ring all-reduce: 2 (tp - 1) / tp x bytes over the link, plus its latency
+            ring = 2.0 * (tp - 1) / tp / hardware.tp_link_bandwidth
+            self._ar_per_token = 2 * m.layers * ring * self.allreduce_bytes_per_token
+            self._ar_fixed = 2 * m.layers * hardware.tp_link_latency_s
         # layer kinds: attn_qk counts query x key pairs averaged over the layers, full-attention
         # layers (a fraction _fw of them) over the whole context, sliding ones (_sw) over at most
         # the window _win; linear-attention layers have none (their recurrence is per token)
@@ -155,12 +184,14 @@ class AnalyticCostModel(CostModel):
         self._sw = m.sliding_layers / m.layers
         self._win = m.sliding_window or 0
         self.sliding_bytes_per_token = m.sliding_bytes_per_token(kv_bits)
+        if self._kv_rep != 1:
+            self.sliding_bytes_per_token *= self._kv_rep
         self.state_bytes = m.state_bytes
         # what the simulator's memory accounting holds per request besides the KV (sim.layout)
         self.cache_layout = m.cache_layout(kv_bits)
         # FLOPs and bytes per unit of work (divided by the effective rates at use)
         self._flops_per_token = 2.0 * m.active_matmul_params() + m.linear_layers * m.linear_flops_per_token
-        self._flops_per_head_row = 2.0 * m.vocab * m.hidden
+        self._flops_per_head_row = 2.0 * m.head_params
         self._flops_per_qk = 4.0 * m.layers * m.heads * m.head_dim
         # a lazy chunk's last layer projects keys and values only
         self._partial_saving = max(0.0, 2.0 * (m.active_matmul_params() / m.layers - m.hidden * m.kv_dim))
@@ -179,8 +210,8 @@ class AnalyticCostModel(CostModel):
         self._rate = self.peak * applied.compute
         self._rate_attn = self.peak * applied.attention_factor
         self._rate_dattn = self.peak * applied.decode_attention_factor
-        self._bw = self.hardware.bandwidth * applied.bandwidth
-        self._bw_copy = self.hardware.bandwidth * applied.copy_factor
+        self._bw = self.bandwidth * applied.bandwidth
+        self._bw_copy = self.bandwidth * applied.copy_factor
         self._ovh = applied.overhead_per_layer_s * self.model.layers
         self._copy_ovh = applied.copy_overhead_per_layer_s * self.model.layers
 
@@ -228,22 +259,29 @@ class AnalyticCostModel(CostModel):
             self.matmul_flops(f) / self.peak,
             0.0 if f.decode else attn,
             attn if f.decode else 0.0,
-            self.bytes(f) / self.hardware.bandwidth,
-            f.extra_bytes / self.hardware.bandwidth,
+            self.bytes(f) / self.bandwidth,
+            f.extra_bytes / self.bandwidth,
             f.copies * layers,
             layers,
         )
 
     def forward_terms(self, f: Forward) -> tuple[float, float, int]:
         """(seconds at peak compute, seconds at peak bandwidth incl. copies, layers) at unit efficiency."""
-        return (self.flops(f) / self.peak, (self.bytes(f) + f.extra_bytes) / self.hardware.bandwidth, self.model.layers)
+        return (self.flops(f) / self.peak, (self.bytes(f) + f.extra_bytes) / self.bandwidth, self.model.layers)
 
     def forward_seconds(self, f: Forward) -> float:
         c = self.matmul_flops(f) / self._rate + self.attention_flops(f) / (
             self._rate_dattn if f.decode else self._rate_attn
         )
         m = self.bytes(f) / self._bw
-        return self._ovh + (c if c > m else m) + f.extra_bytes / self._bw_copy + f.copies * self._copy_ovh
+        t = self._ovh + (c if c > m else m) + f.extra_bytes / self._bw_copy + f.copies * self._copy_ovh
+        return t + self.allreduce_seconds(f.tokens) if self.tp > 1 else t
+
+    def allreduce_seconds(self, tokens: float) -> float:
+        """The tensor-parallel all-reduces of a forward over ``tokens`` tokens: 2 per layer (0 at tp = 1)."""
+        if self.tp == 1 or not tokens:
+            return 0.0
+        return self._ar_fixed + self._ar_per_token * tokens
 
     def _qk(self, n: float, b: float) -> float:
         """Query x key pairs of a chunk of n after b cached (averaged over the layers)."""
@@ -384,6 +422,8 @@ class AnalyticCostModel(CostModel):
         if self._expert_bytes:
             b += self._moe_fixed_bytes + self.model.distinct_experts(tokens) * self._expert_bytes
         m = b / self._bw
+        if self.tp > 1:
+            return self._ovh + (c if c > m else m) + self.allreduce_seconds(tokens)
         return self._ovh + (c if c > m else m)
 
     def pass_seconds(self, shape: PassShape) -> float:
@@ -404,6 +444,8 @@ class AnalyticCostModel(CostModel):
                 b += self._moe_fixed_bytes + self.model.distinct_experts(rows) * self._expert_bytes
             m = b / self._bw
             t += self._ovh + (c if c > m else m)
+            if self.tp > 1:
+                t += self.allreduce_seconds(rows)
             if shape.joins:
                 t += 2.0 * rows * longest * self.kv_bytes_per_token / self._bw_copy + self._copy_ovh
             if shape.leaves:
@@ -478,7 +520,40 @@ class AnalyticCostModel(CostModel):
             "weight_gb": (m.layer_matrix_params + (1 if m.tied else 2) * m.embed_params) * self.bytes_per_weight / 1e9,
             "kv_bits": self.kv_bits,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            **(
+                {
+                    "tensor_parallel": {
+                        "tp": self.tp,
+                        "kv_replicas": self._kv_rep,
+                        "allreduces_per_forward": 2 * m.layers,
+                        "allreduce_bytes_per_token": self.allreduce_bytes_per_token,
+                        "note": "FLOPs, weight and KV bytes per GPU: 1/tp of the replica's (tp x peak and "
+                        "bandwidth); 2 ring all-reduces per layer over the preset's link",
+                    }
+                }
+                if self.tp > 1
+                else {}
+            ),
         }
+
+
+def kv_replication(model: ModelSpec, tp: int) -> float:
+    """How many GPUs of a ``tp``-GPU replica hold each KV value: 1 while the KV heads split over
+    them, tp / kv_heads when there are fewer KV heads than GPUs (each GPU keeps a whole head, as
+    vLLM does), tp for DeepSeek's latent KV (on every GPU). Raises ``AnalyticError`` (one line)
+    when tp does not divide the attention heads, or the KV heads and tp divide neither way."""
+    if tp == 1:
+        return 1
+    if model.heads % tp:
+        raise AnalyticError(
+            f"tp={tp} does not divide {model.name}'s {model.heads} attention heads (tensor parallelism splits them)"
+        )
+    if model.config.get("kv_lora_rank"):
+        return tp
+    kv = model.kv_heads
+    if kv % tp and tp % kv:
+        raise AnalyticError(f"tp={tp} and {model.name}'s {kv} KV heads do not divide one another")
+    return tp / kv if kv < tp else 1
 
 
 def kv_capacity_tokens(
@@ -496,20 +571,29 @@ def kv_capacity_tokens(
     layers holds more per request (its windows, its recurrent states), which the simulator takes
     out of this capacity request by request (``AnalyticCostModel.cache_layout``).
 
+    A replica of ``hw.tp`` GPUs (tensor parallelism) has tp x the memory, the weights split over
+    them; its KV per token is the model's, times :func:`kv_replication` where KV heads repeat.
+
     Raises ``AnalyticError`` (one line) when the weights alone do not fit.
     """
     check_quant(quant)
     if not 0 < mem_fraction <= 1:
         raise AnalyticError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
     weights = model.weight_bytes(quant, group_size)
-    budget = hw.memory_bytes * mem_fraction
+    tp = hw.tp
+    rep = kv_replication(model, tp)
+    budget = hw.memory_bytes * tp * mem_fraction
     bits = model.native_bits if quant is None else quant
     if weights >= budget:
+        gpus = f"{tp} x {hw.name}" if tp > 1 else hw.name
         raise AnalyticError(
-            f"{model.name} at {bits:g} bits needs {weights / 1e9:.0f} GB of weights; {hw.name} has "
-            f"{hw.memory_bytes / 1e9:.0f} GB ({mem_fraction:.0%} usable: {budget / 1e9:.0f} GB)"
+            f"{model.name} at {bits:g} bits needs {weights / 1e9:.0f} GB of weights; {gpus} has "
+            f"{hw.memory_bytes * tp / 1e9:.0f} GB ({mem_fraction:.0%} usable: {budget / 1e9:.0f} GB)"
         )
-    tokens = int((budget - weights) // model.kv_bytes_per_token(kv_bits))
+    per_token = model.kv_bytes_per_token(kv_bits)
+    if rep != 1:
+        per_token *= rep
+    tokens = int((budget - weights) // per_token)
     if tokens < 1:
         raise AnalyticError(f"{model.name} at {bits:g} bits leaves no room for a KV cache on {hw.name}")
     return tokens

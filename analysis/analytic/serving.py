@@ -38,8 +38,18 @@ Sarathi pass of 448 prefill tokens and 64 decode rows at 1.5k context runs its G
 compute-bound (~34 ms on an A100 for Llama-2-7B) and then its decode attention
 memory-bound (~29 ms); one max over the forward would hide the second under the first
 (the kernel data show the sum). Not modelled: CPU-side scheduling and sampling (0 by
-default, ``step_overhead_s``), tensor parallelism, quantised kernels (weights' bytes follow
-the bits, their FLOPs run at the fp16 rate).
+default, ``step_overhead_s``), quantised kernels (weights' bytes follow the bits, their FLOPs
+run at the fp16 rate).
+
+Tensor parallelism (a hardware spec ``PRESET:tp=N``, :mod:`analysis.analytic.roofline` has the
+rule): each GPU runs every kernel above on its 1/N share (1/N of the attention heads, 1/N of
+every GEMM's output or input width), so the GEMMs' FLOPs and weight bytes, the head, the decode
+attention's KV bytes and the prefill attention's FLOPs are charged against N x the peak and
+bandwidth; the fixed costs (per-layer overheads, the per-row decode cost) stay one GPU's. The
+efficiencies stay those fitted to Vidur's TP-1 tables, interpolated at the pass's token count:
+a GPU's narrower GEMMs (1/N the width) are assumed to run as efficiently as the whole ones,
+which flatters tp > 1 where the GEMMs are small. The two all-reduces per layer are added to the
+GEMMs' part (``linear_seconds``), after its max.
 """
 
 from __future__ import annotations
@@ -107,8 +117,8 @@ class ServingCostModel(AnalyticCostModel):
         L = model.layers
         self._L = L
         self._q = s.gemm_tile_tokens
-        self._W = hardware.bandwidth
-        self._inv_bw = 1.0 / (hardware.bandwidth * s.bandwidth)
+        self._W = self.bandwidth  # (tp GPUs: tp x one GPU's, see roofline's tensor parallelism)
+        self._inv_bw = 1.0 / (self.bandwidth * s.bandwidth)
         self._kv_per_layer = self.kv_bytes_per_token / L
         self._qk_layer = 4.0 * model.heads * model.head_dim  # attention FLOPs per query-key pair per layer
         self._o = s.overhead_per_layer_s * L
@@ -134,6 +144,8 @@ class ServingCostModel(AnalyticCostModel):
                 b += self._moe_fixed_bytes + self.model.distinct_experts(tokens) * self._expert_bytes
             m = b * self._inv_bw
             v = self._o + (c if c > m else m)
+            if self.tp > 1:  # the all-reduces after attention and the MLP of every layer
+                v += self.allreduce_seconds(tokens)
             if len(self._lin_cache) < 65536:
                 self._lin_cache[tokens] = v
         return v

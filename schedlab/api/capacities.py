@@ -42,6 +42,7 @@ class _Config:
     router: Any  # None: one replica without a router (the plain loop)
     router_options: Mapping[str, Any] | None
     replicas: int
+    gpus: int  # GPUs of all its replicas (a replica on 'PRESET:tp=N' spans N)
     cluster: ClusterOptions | None  # a cluster file's (policy is then None)
     cost: tuple  # pick_cost's arguments: (profile, kv_tokens, hardware, model_config, quant, cost)
     start: float  # the first rate tried
@@ -117,6 +118,22 @@ def _router_name(router: Any) -> str:
     return str(getattr(router, "name", None) or getattr(router, "__name__", None) or type(router).__name__)
 
 
+def _tp(hardware: Any) -> int:
+    """GPUs per replica of a hardware spec (``a100-80gb-sxm:tp=2``: 2; None, a profile: 1)."""
+    if hardware is None:
+        return 1
+    from schedlab.analysis.analytic.hardware import split_hardware
+
+    return split_hardware(str(hardware))[1]
+
+
+def _gpus(cu: ClusterOptions) -> int:
+    """GPUs of a cluster: every group's count x its replicas' tensor-parallel degree."""
+    if not cu.groups:
+        return cu.replicas
+    return sum(g.count * _tp(g.hardware) for g in cu.groups)
+
+
 def _label(policy: str, router: Any, n: int) -> str:
     if router is None and n == 1:
         return policy
@@ -183,11 +200,14 @@ def capacity(
 
     Per dollar: ``price_per_hour`` is the hourly price in USD of ONE replica (a finite number
     > 0); it overrides the ``hardware`` preset's ``price_usd_per_hour`` (h100-sxm, a100-80gb-sxm
-    and a100-40gb-sxm have one: one provider's on-demand price of one GPU; quotes vary widely, so
-    give yours) and is the only price a cluster file's configurations get.
+    and a100-40gb-sxm have one: one provider's on-demand price of one GPU, N times that for a
+    replica of ``PRESET:tp=N``; quotes vary widely, so give yours) and is the only price a cluster
+    file's configurations get.
 
     Returns one row per configuration: ``configuration``, ``policy``, ``router``, ``replicas``,
-    ``capacity_rps``, ``capacity_per_replica_rps``, ``price_usd_per_hour`` (of one replica:
+    ``gpus`` (the replicas' GPUs: a replica on ``PRESET:tp=N`` spans N, any other one), ``capacity_rps``,
+    ``capacity_per_replica_rps``, ``capacity_per_gpu_rps`` (capacity_rps / gpus: DistServe's goodput
+    per GPU), ``price_usd_per_hour`` (of one replica:
     given, else the preset's, else None), ``requests_per_usd`` (capacity_rps x 3600 / (replicas
     x price): requests within the SLOs per dollar; None without a price or a capacity), ``limited``
     (no failing rate found up to 2^10 x the start: the capacity is at least that, and so are its
@@ -271,7 +291,8 @@ def capacity(
 
         preset_price = read_price(hardware)
     price_source = "given" if price is not None else None  # (capacity.json's info)
-    if preset_price:
+    if preset_price:  # (one GPU's: a replica of PRESET:tp=N costs N times that)
+        preset_price = {**preset_price, "value": preset_price["value"] * _tp(hardware)}
         urls = ", ".join(x["url"] for x in preset_price["sources"])
         price_source = f"preset {str(hardware).strip().lower()}" + (f" ({urls})" if urls else "")
     tr = as_trace(trace, seed=seed)
@@ -288,7 +309,10 @@ def capacity(
             for n in counts:
                 if rt is not None or n > 1:
                     ClusterOptions(replicas=n, router=rt, router_options=r_opts).make_router()
-                configs.append(_Config(_label(name, rt, n), p, opts, rt, r_opts, n, None, cost_spec, base * n, name))
+                gpus = n * _tp(hardware)
+                configs.append(
+                    _Config(_label(name, rt, n), p, opts, rt, r_opts, n, gpus, None, cost_spec, base * n, name)
+                )
     splits = []
     for f in files:
         cu = f if isinstance(f, ClusterOptions) else ClusterOptions.from_file(f)
@@ -311,6 +335,7 @@ def capacity(
                     c.router or "round-robin",
                     c.router_options,
                     c.replicas,
+                    _gpus(c),
                     c,
                     (),
                     base * c.replicas,
@@ -394,6 +419,7 @@ def capacity(
     for c in (
         "capacity_rps",
         "capacity_per_replica_rps",
+        "capacity_per_gpu_rps",
         "price_usd_per_hour",
         "requests_per_usd",
         "first_failing_rps",
@@ -522,6 +548,7 @@ def _search_config(cfg: _Config, shared: Mapping[str, Any]) -> dict[str, Any]:
         "policy": cfg.policy_names,
         "router": _router_name(cfg.router) if cfg.router is not None or cfg.replicas > 1 else None,
         "replicas": cfg.replicas,
+        "gpus": cfg.gpus,
         "start_rps": cfg.start,
     }
     try:
@@ -539,6 +566,7 @@ def _search_config(cfg: _Config, shared: Mapping[str, Any]) -> dict[str, Any]:
             simulated_s=0.0,
             saved_s_min=0.0,
             capacity_per_replica_rps=None,
+            capacity_per_gpu_rps=None,
             error=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
         )
         return row
@@ -547,6 +575,7 @@ def _search_config(cfg: _Config, shared: Mapping[str, Any]) -> dict[str, Any]:
     row.update(
         capacity_rps=cap,
         capacity_per_replica_rps=cap / cfg.replicas if cap is not None else None,
+        capacity_per_gpu_rps=cap / cfg.gpus if cap is not None else None,
         limited=found["limited"],
         first_failing_rps=found["first_failing_rps"],
         binding=found["binding"],

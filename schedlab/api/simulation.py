@@ -217,13 +217,16 @@ def _transfer(cu: ClusterOptions, where: str):
     """The ``KVTransfer`` of a disaggregated cluster's ``transfer`` table: its link (a preset, the
     groups' one hardware preset's own, or a bandwidth and latency) and the KV bytes of its model
     config (given, or the groups' one model config)."""
-    from schedlab.analysis.analytic import AnalyticError, kv_transfer, link_preset
+    from schedlab.analysis.analytic import AnalyticError, kv_transfer, link_preset, split_hardware
     from schedlab.sim.transfer import KVTransfer, Link, TransferError
 
     t = dict(cu.transfer or {})
     link = t.get("link")
     if link is None and t.get("bandwidth_gbs") is None:
-        hws = {str(g.hardware) for g in cu.groups if g.hardware is not None}
+        try:  # (the presets, not their ':tp=N': a TP-2 prefill and a TP-1 decode group share one link)
+            hws = {split_hardware(str(g.hardware))[0] for g in cu.groups if g.hardware is not None}
+        except AnalyticError as exc:
+            fail(f"{where}transfer: {exc}", 2)
         if len(hws) != 1:
             fail(
                 f"{where}transfer: give link (a preset: nvlink4, pcie5-x16, ib-ndr-400, ...) or bandwidth_gbs; "
