@@ -133,8 +133,8 @@ def seed000() -> dict:
 # 2048-token chunk of the 35B model costs its M4 Max: many decode steps)
 REAL = {
     "model": "smollm2-135m",
-    # the profile of this model on this machine (run-real calibrates one on first use and caches it):
-    # the real runs plan with it, the simulation of the same trace predicts with it
+    # the profile the real runs plan with and the simulation of the same trace predicts with (None:
+    # one calibrated at the start of the real part, ``fresh_profile``)
     "profile": None,
     "n": 3,
     "prompt": 1024,
@@ -143,6 +143,25 @@ REAL = {
     "step": 256,
     "reps": 3,
 }
+
+
+_FRESH: dict[str, str] = {}
+
+
+def fresh_profile(model: str) -> str:
+    """A profile of ``model`` calibrated now (run-real's default calibration: a grid and a short
+    replay), once per model and invocation: the real runs plan with it and their simulations
+    predict with it, so both come from the same spell of this machine (it drifts by up to 35 %
+    within minutes; a profile cached from another spell would put that drift into the comparison)."""
+    if model not in _FRESH:
+        import tempfile
+
+        import schedlab
+
+        out = Path(tempfile.mkdtemp(prefix="seeds-profile-")) / f"{model}.json"
+        schedlab.calibrate(model=model, replay=True, out=out)
+        _FRESH[model] = str(out)
+    return _FRESH[model]
 
 
 def per_decode_of(run) -> list[float]:
@@ -169,7 +188,7 @@ def seed000_real() -> dict:
     opts = dict(SEED000["options"], prefill_step_size=str(c["step"]))
     out = {"setup": {**c, "options": opts}, "policies": {}}
     runs: dict[str, list[list[float]]] = {"mlx-default": [], "prefer-prefill": []}
-    profile = c["profile"]
+    profile = c["profile"] or fresh_profile(c["model"])
     for _ in range(c["reps"]):
         for policy in runs:
             real = schedlab.run_real(policy, trace, model=c["model"], options=opts, profile=profile, ignore_eos=True)
@@ -251,7 +270,7 @@ def seed001_real() -> dict:
     cases = {"static": ("static", {"batch_size": c["n"]}, None)}
     cases.update({f"continuous_{k}": ("mlx-default", {}, k) for k in (1, 2, 4, 8)})
     runs: dict[str, list[dict]] = {k: [] for k in cases}
-    profile = None
+    profile = fresh_profile(c["model"])
 
     def figures(run, whole: bool) -> dict:
         s = run.summary
@@ -385,7 +404,7 @@ def seed002_real() -> dict:
     trace = Trace("seed002-real", "", mixed_load(c["qps"], c["long_prompt"], c["background"], c["long"]))
     modes = {"one_step": c["one_step_budget"], "chunked": c["chunked_budget"]}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    profile = None
+    profile = fresh_profile(c["model"])
     for _ in range(c["reps"]):
         for mode, budget in modes.items():
             real = schedlab.run_real(
