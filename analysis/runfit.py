@@ -18,13 +18,9 @@ first and second half):
 - ``scaled`` (with grid samples, on request: ``fit_runs(modes=...)``): the grid's fit gives
   each pass's shape dependence; the runs fit one factor per group of terms (decode,
   batch-cache copies, prefill), i.e. how much slower the same passes run inside the real loop,
-  plus the additive terms below. It used to be tried beside ``joint`` and kept when it scored
-  better on the held-out replay runs; but those are runs of one trace. On the kept real runs
-  of other traces (four recordings, both models: 119 trace x policy rows; each recording's
-  calibration data fitted again every way, ``bench/fit_modes.py``) ``joint`` alone had the most
-  rows within the goal: speed-matched median <= 5 % in 88 (the old choice 82, ``scaled`` 72),
-  worst <= 15 % in 72 (70, 58); plain 58 / 43 (57 / 39, 54 / 34). The old choice fell on
-  ``scaled`` once, and that recording's ``tiny`` rows within 5 % went 10 -> 16 of 21 with ``joint``.
+  plus the additive terms below. Not tried by default: the held-out runs here are all of the
+  calibration's one trace, and a mode that scores better on them need not on other traces
+  (the comparison on real runs of other traces: docs/benchmarks.md, *Investigations*).
 
 Terms the grid cannot see are candidates, each kept only when it lowers the held-out score
 (forward selection; the table of every try is in the report):
@@ -266,12 +262,10 @@ def fit_config(
     ``cfg.weigh_by="prediction"`` (the default) fits twice: first weighing each step's error
     relative to its measured seconds, then (returned) relative to that first fit's prediction
     for it. Step times on a shared machine are skewed to the slow side (a real run's p99 step
-    1.65-2.05x its median: bench/results/noise_blas_threads.json), and with 1/measured weights
-    a slow step counts less than a fast one of the same shape: the fit predicts less than their
-    mean, and the total step time falls short.
-    Weighted by the prediction, the steps of one shape count alike and the fit targets their
-    mean (``bench/long_context.py`` records both weightings on the same runs).
-    ``"measured"``: the first fit only."""
+    is well above its median), and with 1/measured weights a slow step counts less than a fast
+    one of the same shape: the fit predicts less than their mean, and the total step time falls
+    short. Weighted by the prediction, the steps of one shape count alike and the fit targets
+    their mean. ``"measured"``: the first fit only."""
     first = _fit_once(cfg, cols, base, grid, grid_weight, None)
     if cfg.weigh_by == "measured":
         return first

@@ -13,14 +13,14 @@ Things that could lower it, each a switch so that a measurement can compare them
   blocks up to 32 MiB from the heap, not from fresh mmaps) for the rest of the process. A join
   or leave allocates a new batch cache and frees the old one; by default the freed pages go
   back to the system and the next allocation faults them in again, which on a VM costs more
-  than the copy itself. Measured with ``bench/join_cost.py`` on SmolLM2 (bench/FIDELITY.md, *Real-run noise
-  settings*): a join's extra time halved (median over 36 shapes), decode steps unchanged.
-  Linux (glibc) only.
+  than the copy itself. Linux (glibc) only.
 - ``mlx-cache=SIZE``: MLX's buffer cache may hold up to SIZE (``2g``, ``512m``, bytes) of freed
   buffers for reuse. MLX's CPU backend keeps 32 MiB by default (on Apple silicon, Metal's cache
   may grow to the memory limit): a batch cache larger than that is handed back when it is
-  replaced, and the next join of that size faults its pages in again. Measured with
-  ``bench/join_cost.py --alternate none,mlx-cache=2g`` (bench/FIDELITY.md, *Real-run noise settings*).
+  replaced, and the next join of that size faults its pages in again.
+
+What each setting did to the spread and to joins on the project's VM is in docs/benchmarks.md
+(*Investigations*); none is the default.
 
 The BLAS thread count is the environment's ``OPENBLAS_NUM_THREADS`` (read when the library
 loads; the profile records it, so a profile measured with another count is not used).

@@ -2,17 +2,12 @@
 
 ``make_policy("prefer-prefill", {"completion_batch_size": "16"})`` builds a bundled policy;
 ``make_policy("my_policies.py:Fair", {})`` loads a user's class from a file, and
-``make_policy("pkg.module:Fair", {})`` from an importable module.
+``make_policy("pkg.module:Fair", {})`` from an importable module. Policies and routers are
+built by one loader, ``policies.plugins``, which reads their options by one rule.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import inspect
-import sys
-from pathlib import Path
 from typing import Any, Mapping
 
 from .base import (
@@ -34,6 +29,7 @@ from .base import (
 )
 from .chunked_prefill import ChunkedPrefill
 from .mlx_default import MlxDefault
+from .plugins import PluginKind, build
 from .prefer_prefill import PreferPrefill
 from .slots import Slots
 from .static import Static
@@ -46,62 +42,19 @@ POLICIES: dict[str, type[PolicyBase]] = {
 
 
 class PolicyNotFound(ValueError):
-    pass
+    """An unknown policy name, a ``file.py:Class`` that does not load, or no policy. Exit status 2."""
+
+    code = 2
 
 
-def make_policy(spec: str, options: Mapping[str, Any] | None = None) -> Policy:
-    """A policy object from a bundled name or ``file.py:Class`` / ``module:Class``."""
-    if spec in POLICIES:
-        return POLICIES[spec].from_options(options)
-    if ":" not in spec:
-        known = ", ".join(POLICIES)
-        raise PolicyNotFound(f"unknown policy '{spec}' (bundled: {known}; or give file.py:Class)")
-    cls = load_class(spec)
-    if hasattr(cls, "from_options"):
-        return cls.from_options(options)
-    if options:
-        try:
-            policy = cls(**options)
-        except TypeError as exc:
-            raise OptionError(f"policy '{spec}': {exc}") from None
-    else:
-        policy = cls()
-    if not hasattr(policy, "name"):
-        policy.name = spec
-    return policy
+#: policies as the plugin loader (``policies.plugins``) knows them
+POLICY = PluginKind("policy", "plan", POLICIES, PolicyNotFound, OptionError)
 
 
-def load_class(spec: str, kind: str = "policy", method: str = "plan", error: type[Exception] = PolicyNotFound) -> type:
-    """The class ``spec`` names (``file.py:Class`` or ``module:Class``), which must have ``method``;
-    anything wrong is ``error`` naming the ``kind`` (policies and routers share it)."""
-    where, _, attr = spec.rpartition(":")
-    try:
-        if where.endswith(".py") or "/" in where:
-            path = Path(where)
-            if not path.is_file():
-                raise error(f"{kind} file not found: {where}")
-            tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-            name = f"_user_{kind}_{path.stem}_{tag}"
-            mod_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            # registered before it runs, as an import would: @dataclass (with postponed
-            # annotations), pickle and typing look the module up by name while it executes
-            sys.modules[name] = module
-            try:
-                mod_spec.loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(name, None)
-                raise
-        else:
-            module = importlib.import_module(where)
-    except error:
-        raise
-    except Exception as exc:  # a user's file: report, don't crash
-        raise error(f"cannot load {kind} '{spec}': {type(exc).__name__}: {exc}") from None
-    cls = getattr(module, attr, None)
-    if cls is None or not inspect.isclass(cls) or not callable(getattr(cls, method, None)):
-        raise error(f"'{spec}' is not a class with a {method}(view) method")
-    return cls
+def make_policy(spec: Any, options: Mapping[str, Any] | None = None) -> Policy:
+    """A policy object from a bundled name or ``file.py:Class`` / ``module:Class`` (or a class,
+    built with ``options``, or a policy object, returned as it is): ``policies.plugins.build``."""
+    return build(POLICY, spec, options)
 
 
 __all__ = [

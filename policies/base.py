@@ -24,11 +24,12 @@ This module imports nothing from ``sim`` or ``engine``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from enum import Enum
 from operator import attrgetter
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+from .plugins import construct, option_names
 
 
 class Phase(str, Enum):
@@ -318,68 +319,29 @@ def decode_plan(rows: tuple[str, ...], admit: Sequence[str] = ()) -> Plan:
 
 
 class OptionError(ValueError):
-    """A bad ``-o key=value`` option."""
+    """A bad ``-o key=value`` option. Exit status 2."""
+
+    code = 2
 
 
 @dataclass
 class PolicyBase:
-    """Base for the bundled policies: options are dataclass fields, settable by name."""
+    """Base for the bundled policies: options are dataclass fields, settable by name (read by
+    the plugins' one rule, ``policies.plugins``: strings from the command line are converted to
+    the field's type)."""
 
     name = "policy"
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return option_names(cls)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None) -> "PolicyBase":
-        options = dict(options or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for key, raw in options.items():
-            if key not in fields:
-                known = ", ".join(sorted(fields)) or "none"
-                raise OptionError(f"policy '{cls.name}' has no option '{key}' (options: {known})")
-            kwargs[key] = _coerce(cls.name, key, raw, fields[key].default)
-        try:
-            return cls(**kwargs)
-        except OptionError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise OptionError(f"policy '{cls.name}': {exc}") from None
+        return construct(cls, options, "policy", OptionError)
 
     def options(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def parse_option(raw: str, kind: type) -> Any:
-    """A ``-o key=value`` string as an option of type ``kind`` (bool, int, a finite float; any other
-    type keeps the string). Raises ValueError when the string is not one. Policies and routers share it."""
-    if kind is bool:
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(raw)
-    if kind is int:
-        return int(raw)
-    if kind is float:
-        value = float(raw)
-        if not math.isfinite(value):
-            raise ValueError(raw)
-        return value
-    return raw
-
-
-def _coerce(policy: str, key: str, raw: Any, default: Any) -> Any:
-    if not isinstance(raw, str):
-        return raw
-    kind = type(default)
-    try:
-        return parse_option(raw, kind)
-    except ValueError:
-        raise OptionError(f"policy '{policy}': option {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
 def require_positive(policy: str, **values: int) -> None:

@@ -4,14 +4,15 @@ API in ``routers.base``.
 ``make_router("least-requests")`` builds a bundled router; ``make_router("power-of-two",
 {"seed": "3"})`` with options (strings from the command line are converted);
 ``make_router("my_routers.py:Sticky", {})`` loads a user's class from a file, and
-``make_router("pkg.module:Sticky", {})`` from an importable module.
+``make_router("pkg.module:Sticky", {})`` from an importable module: the loader and the rule
+for options are the policies' own (``policies.plugins``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from schedlab.policies import load_class
+from schedlab.policies.plugins import PluginKind, build
 
 from .base import (
     ClusterView,
@@ -41,24 +42,14 @@ ROUTERS: dict[str, type[RouterBase]] = {
 }
 
 
-def make_router(spec: str, options: Mapping[str, Any] | None = None) -> Router:
-    """A router object from a bundled name or ``file.py:Class`` / ``module:Class``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise RouterNotFound(f"a router is a bundled name ({', '.join(ROUTERS)}) or file.py:Class, got {spec!r}")
-    if spec in ROUTERS:
-        return ROUTERS[spec].from_options(options)
-    if ":" not in spec:
-        raise RouterNotFound(f"unknown router '{spec}' (bundled: {', '.join(ROUTERS)}; or give file.py:Class)")
-    cls = load_class(spec, "router", "route", RouterNotFound)
-    if hasattr(cls, "from_options"):
-        return cls.from_options(options)
-    try:
-        router = cls(**dict(options or {}))
-    except TypeError as exc:
-        raise RouterOptionError(f"router '{spec}': {exc}") from None
-    if not hasattr(router, "name"):
-        router.name = spec
-    return router
+#: routers as the plugin loader (``policies.plugins``) knows them
+ROUTER = PluginKind("router", "route", ROUTERS, RouterNotFound, RouterOptionError)
+
+
+def make_router(spec: Any, options: Mapping[str, Any] | None = None) -> Router:
+    """A router object from a bundled name or ``file.py:Class`` / ``module:Class`` (or a class,
+    built with ``options``, or a router object, returned as it is): ``policies.plugins.build``."""
+    return build(ROUTER, spec, options)
 
 
 __all__ = [

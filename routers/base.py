@@ -17,13 +17,12 @@ This module imports nothing from ``sim`` or ``engine``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from operator import add, itemgetter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Protocol, Sequence
 
-from schedlab.policies.base import parse_option
+from schedlab.policies.plugins import construct, option_names
 from schedlab.traces.schema import Request
 
 
@@ -127,31 +126,19 @@ def least_tokens(replicas: Sequence[ReplicaSignals]) -> int:
 
 @dataclass
 class RouterBase:
-    """Base for the bundled routers: options are dataclass fields, settable by name (strings
-    from the command line are converted to the field's type)."""
+    """Base for the bundled routers: options are dataclass fields, settable by name (read by
+    the plugins' one rule, ``policies.plugins``: strings from the command line are converted to
+    the field's type)."""
 
     name = "router"
 
     @classmethod
     def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls) if f.init]
+        return option_names(cls)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None) -> "RouterBase":
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        kwargs: dict[str, Any] = {}
-        for key, raw in dict(options or {}).items():
-            norm = str(key).replace("-", "_")
-            if norm not in fields:
-                known = ", ".join(sorted(fields)) or "none"
-                raise RouterOptionError(f"router '{cls.name}' has no option '{key}' (options: {known})")
-            kwargs[norm] = _coerce(cls.name, norm, raw, fields[norm].default)
-        try:
-            return cls(**kwargs)
-        except RouterOptionError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise RouterOptionError(f"router '{cls.name}': {exc}") from None
+        return construct(cls, options, "router", RouterOptionError)
 
     def options(self) -> dict[str, Any]:
         """The router's options (its state, such as a generator, left out)."""
@@ -171,27 +158,6 @@ class SeededRouter(RouterBase):
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
-
-
-def _coerce(router: str, key: str, raw: Any, default: Any) -> Any:
-    kind = type(default)
-    if not isinstance(raw, str):
-        ok = (
-            isinstance(raw, bool)
-            if kind is bool
-            else isinstance(raw, int) and not isinstance(raw, bool)
-            if kind is int
-            else isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw)
-            if kind is float
-            else True
-        )
-        if not ok:
-            raise RouterOptionError(f"router '{router}': option {key}={raw!r} is not a valid {kind.__name__}")
-        return float(raw) if kind is float else raw
-    try:
-        return parse_option(raw, kind)
-    except ValueError:
-        raise RouterOptionError(f"router '{router}': option {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
 def require_non_negative(router: str, **values: float) -> None:

@@ -41,7 +41,7 @@ _API = (
     "Run",
     "Profile",
     "Validation",
-    "CostModel",
+    "ReplicaCostModel",
     "Figures",
     "Engine",
     "ReplicaOptions",

@@ -218,6 +218,78 @@ def test_bad_options(name, opts, msg):
         make_policy(name, opts)
 
 
+def test_policies_and_routers_are_loaded_and_read_their_options_by_one_rule(tmp_path):
+    """One loader (``policies.plugins``) and one rule for options, whichever kind of plugin."""
+    from dataclasses import dataclass
+
+    from schedlab.policies import PolicyBase
+    from schedlab.routers import RouterBase, RouterNotFound, RouterOptionError, make_router
+    from schedlab.routers.weighted import Weighted
+
+    # names: '-' read as '_', for policies too (routers always did)
+    assert make_policy("unified", {"token-budget": "512"}).token_budget == 512
+    assert make_router("weighted", {"kv-weight": "2"}).kv_weight == 2.0
+    # strings parsed as the option's type; Python values must have it (an int for a float: a float)
+    assert make_policy("static", {"padded": "off"}).padded is False
+    for bad in (2.5, True, "2.5", None):
+        with pytest.raises(OptionError, match="batch_size=.* is not a valid int"):
+            make_policy("static", {"batch_size": bad})
+        with pytest.raises(RouterOptionError, match="seed=.* is not a valid int"):
+            make_router("random", {"seed": bad})
+    weighted = make_router("weighted", {"kv_weight": 2})
+    assert weighted.kv_weight == 2.0 and isinstance(weighted.kv_weight, float)
+    with pytest.raises(RouterOptionError, match="kv_weight=inf is not a valid float"):
+        make_router("weighted", {"kv_weight": float("inf")})
+
+    # an option with no usable default takes its annotation's type (None allowed when it says so)
+    @dataclass
+    class Capped(PolicyBase):
+        name = "capped"
+        cap: int | None = None
+        rate: float | None = None
+
+        def plan(self, view):
+            return Plan()
+
+    assert Capped.from_options({"cap": "3", "rate": "0.5"}) == Capped(3, 0.5)
+    assert Capped.from_options({"cap": None}).cap is None
+    with pytest.raises(OptionError, match="policy 'capped': option cap='x' is not a valid int"):
+        Capped.from_options({"cap": "x"})
+
+    @dataclass
+    class Sticky(RouterBase):
+        name = "sticky"
+        to: int | None = None
+
+        def route(self, view):
+            return self.to or 0
+
+    assert Sticky.from_options({"to": "1"}).to == 1
+    with pytest.raises(RouterOptionError, match=r"router 'sticky' has no option 'from' \(options: to\)"):
+        Sticky.from_options({"from": "1"})
+
+    # the same forms for both kinds: a class (built with its options), an object (as it is)
+    assert make_router(Weighted, {"queue_weight": "0.5"}).queue_weight == 0.5
+    assert make_policy(Capped, {"cap": "2"}).cap == 2
+    router = make_router("round-robin")
+    assert make_router(router) is router
+    with pytest.raises(RouterOptionError, match="options go with a router's name or class"):
+        make_router(router, {"x": 1})
+    with pytest.raises(OptionError, match="options go with a policy's name or class"):
+        make_policy(make_policy("static"), {"batch_size": 2})
+    for make, word, error in ((make_policy, "policy", PolicyNotFound), (make_router, "router", RouterNotFound)):
+        with pytest.raises(error, match=f"^{word} is empty$"):
+            make(" ")
+        with pytest.raises(error, match=f"unknown {word} 'nope' \\(bundled: "):
+            make("nope")
+        with pytest.raises(error, match=f"^a {word} is a bundled name .* got int$"):
+            make(3)
+        with pytest.raises(OptionError if word == "policy" else RouterOptionError, match=f"{word} option names"):
+            make("round-robin" if word == "router" else "static", {3: "x"})
+    # every bad plugin or option is a usage error: exit status 2
+    assert PolicyNotFound.code == OptionError.code == RouterNotFound.code == RouterOptionError.code == 2
+
+
 def test_unknown_policy_and_user_policy_files(tmp_path):
     with pytest.raises(PolicyNotFound, match="unknown policy"):
         make_policy("fifo-magic")

@@ -122,14 +122,6 @@ def kernel_data_dir(data: str | Path | None = None) -> Path:
     return d
 
 
-def have_kernel_data(data: str | Path | None = None) -> bool:
-    try:
-        kernel_data_dir(data)
-    except AnalyticError:
-        return False
-    return True
-
-
 def vidur_models(data: str | Path | None = None) -> dict[str, dict[str, Any]]:
     """Model name -> a config dict (Hugging Face field names) from Vidur's recorded shapes."""
     out = {}

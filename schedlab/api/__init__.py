@@ -33,7 +33,7 @@ from .cluster_validation import validate_served
 from .figures import Figures, plot
 from .inputs import bundled_policies, load_trace, policy, trace_stats
 from .options import ClientOptions, ClusterOptions, EngineOptions, ReplicaGroup, ReplicaOptions
-from .profiles import CostModel, Profile, cost_model, load_profile, profile_mismatch
+from .profiles import Profile, ReplicaCostModel, cost_model, load_profile, profile_mismatch
 from .real import Engine, load_engine, model_info, run_real
 from .runs import Run, load_run
 from .simulation import simulate
@@ -46,7 +46,7 @@ __all__ = [
     "Run",
     "Profile",
     "Validation",
-    "CostModel",
+    "ReplicaCostModel",
     "Figures",
     "Engine",
     "ReplicaOptions",

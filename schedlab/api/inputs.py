@@ -17,85 +17,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def as_policy(spec: PolicyLike, options: Mapping[str, Any] | None = None):
-    """A policy object from a name, file spec, class or object (``policy``, without the error boundary)."""
-    from schedlab.policies import POLICIES, make_policy
-    from schedlab.policies.base import OptionError
+    """A policy object from a name, file spec, class or object (``policy``, without the error
+    boundary): ``schedlab.policies.make_policy``, the plugins' one loader."""
+    from schedlab.policies import make_policy
 
-    options = dict(options or {})
-    for key in list(options):
-        if not isinstance(key, str) or not key:
-            fail(f"policy option names are strings, got {key!r}", 2)
-        norm = key.replace("-", "_")
-        if norm != key:
-            options[norm] = options.pop(key)
-    if isinstance(spec, (str, Path)):
-        spec = str(spec)
-        if not spec.strip():
-            fail("policy is empty", 2)
-        if spec in POLICIES:
-            _check_option_types(POLICIES[spec], options)
-        pol = make_policy(spec, options)
-    elif isinstance(spec, type):
-        if not callable(getattr(spec, "plan", None)):
-            fail(f"policy class {spec.__name__} has no plan(view) method")
-        if hasattr(spec, "from_options"):
-            _check_option_types(spec, options)
-            pol = spec.from_options(options)
-        else:
-            try:
-                pol = spec(**options)
-            except TypeError as exc:
-                raise OptionError(f"policy '{spec.__name__}': {exc}") from None
-            if not hasattr(pol, "name"):
-                try:
-                    pol.name = spec.__name__
-                except AttributeError:
-                    pass
-    elif callable(getattr(spec, "plan", None)):
-        if options:
-            fail(
-                f"options go with a policy's name or class, not with a policy object "
-                f"({getattr(spec, 'name', type(spec).__name__)!r} is built already)",
-                2,
-            )
-        pol = spec
-    else:
-        fail(
-            f"a policy is a bundled name ({', '.join(POLICIES)}), 'file.py:Class', a class or an "
-            f"object with a plan(view) method; got {type(spec).__name__}",
-            2,
-        )
-    return pol
-
-
-def _check_option_types(cls: type, options: Mapping[str, Any]) -> None:
-    """Python values for a bundled policy's options must have the option's type (strings are
-    parsed as ``-o key=value``)."""
-    import dataclasses
-
-    from schedlab.policies.base import OptionError
-
-    if not dataclasses.is_dataclass(cls):
-        return
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in options.items():
-        f = fields.get(key)
-        if f is None or isinstance(value, str) or f.default is dataclasses.MISSING:
-            continue
-        kind = type(f.default)
-        ok = (
-            isinstance(value, bool)
-            if kind is bool
-            else isinstance(value, int) and not isinstance(value, bool)
-            if kind is int
-            else isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if kind is float
-            else True
-        )
-        if not ok:
-            raise OptionError(
-                f"policy '{getattr(cls, 'name', cls.__name__)}': option {key}={value!r} is not a valid {kind.__name__}"
-            )
+    return make_policy(spec, options)
 
 
 @public

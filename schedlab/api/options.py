@@ -159,6 +159,14 @@ _TRANSFER_KEYS = (
 )
 
 
+def _option_keys(word: str, options: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """A plugin's ``options`` with their names read as the plugin loader reads them
+    (``policies.plugins.option_keys``: strings, ``-`` as ``_``); a bad name is one line."""
+    from schedlab.policies.plugins import option_keys
+
+    return option_keys(word, options, lambda message: SchedlabError(f"{where}{message}", 2))
+
+
 def _checked_group(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
     """A replica group's fields (a ``[[group]]`` table, a mapping or a ``ReplicaGroup``'s),
     checked and normalised; a bad one is one line starting with ``where`` and naming the key."""
@@ -186,10 +194,7 @@ def _checked_group(fields: Mapping[str, Any], where: str) -> dict[str, Any]:
     if o is not None:
         if not isinstance(o, Mapping):
             bad(f"options must be a table of the policy's options such as {{ budget = 256 }}, got {o!r}")
-        for key in o:
-            if not isinstance(key, str) or not key:
-                bad(f"option names are strings, got {key!r}")
-        out["options"] = {k.replace("-", "_"): v for k, v in o.items()}
+        out["options"] = _option_keys("policy", o, where)
     for key in ("hardware", "model_config"):
         v = out[key]
         if v is not None and not (isinstance(v, (str, Path)) and str(v).strip()):
@@ -352,10 +357,7 @@ class ClusterOptions:
         if ro is not None:
             if not isinstance(ro, Mapping):
                 fail(f"router_options is a mapping such as {{'seed': 1}}, got {type(ro).__name__}", 2)
-            for key in ro:
-                if not isinstance(key, str) or not key:
-                    fail(f"router option names are strings, got {key!r}", 2)
-            object.__setattr__(self, "router_options", {k.replace("-", "_"): v for k, v in ro.items()})
+            object.__setattr__(self, "router_options", _option_keys("router", ro))
         if ro and self.router is None:
             fail(f"{opt('router_option')} goes with {opt('router')}: name the router too", 2)
         if self.router is not None and isinstance(self.router, (str, Path)) and not str(self.router).strip():
@@ -542,34 +544,11 @@ class ClusterOptions:
         )
 
     def make_router(self):
-        """A fresh router object (one per run: routers keep state, such as round-robin's turn)."""
-        from schedlab.routers import ROUTERS, RouterNotFound, RouterOptionError, make_router
+        """A fresh router object (one per run: routers keep state, such as round-robin's turn):
+        ``schedlab.routers.make_router``, the plugins' one loader; no router given: round-robin."""
+        from schedlab.routers import make_router
 
-        spec, options = self.router, dict(self.router_options or {})
-        if spec is None:
-            return make_router("round-robin")
-        if isinstance(spec, (str, Path)):
-            return make_router(str(spec), options)
-        if isinstance(spec, type):
-            if not callable(getattr(spec, "route", None)):
-                raise RouterNotFound(f"router class {spec.__name__} has no route(view) method")
-            if hasattr(spec, "from_options"):
-                return spec.from_options(options)
-            try:
-                router = spec(**options)
-            except TypeError as exc:
-                raise RouterOptionError(f"router '{spec.__name__}': {exc}") from None
-            if not hasattr(router, "name"):
-                router.name = spec.__name__
-            return router
-        if callable(getattr(spec, "route", None)):
-            if options:
-                fail("router options go with a router's name or class, not with a router object", 2)
-            return spec
-        raise RouterNotFound(
-            f"a router is a bundled name ({', '.join(ROUTERS)}), 'file.py:Class', a class or an object with "
-            f"a route(view) method; got {type(spec).__name__}"
-        )
+        return make_router("round-robin" if self.router is None else self.router, self.router_options)
 
 
 @dataclass(frozen=True)

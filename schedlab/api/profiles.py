@@ -1,5 +1,5 @@
 """Cost models: a measured profile (``Profile``, ``load_profile``), the model ``simulate`` would
-use with its KV capacity (``CostModel``, ``cost_model``), and whether a profile was measured on
+use with its KV capacity (``ReplicaCostModel``, ``cost_model``), and whether a profile was measured on
 a given model and machine (``profile_mismatch``)."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class Profile:
         ``validate`` use a profile that matches, and warn about one that does not."""
         return profile_mismatch(self, model=model, dtype=dtype, model_seed=model_seed)
 
-    def cost_model(self, kv_tokens: int | None = None) -> "CostModel":
+    def cost_model(self, kv_tokens: int | None = None) -> "ReplicaCostModel":
         """The linear cost model of this profile and its KV capacity (``kv_tokens``: another)."""
         return cost_model(profile=self, kv_tokens=kv_tokens)
 
@@ -158,9 +158,11 @@ class Profile:
         )
 
 
-class CostModel:
-    """A cost model (seconds of a pass and of a step's own work) with the KV capacity it comes
-    with: a measured profile's linear model, or the analytic roofline of a machine. Everything
+class ReplicaCostModel:
+    """What ``cost_model`` resolves for a replica: a cost model (seconds of a pass and of a step's
+    own work: a measured profile's linear model, or the analytic roofline of a machine) with the
+    KV capacity it comes with and where it came from. It is not ``policies.base.CostModel``, the
+    protocol the loop charges and a policy reads (this wraps one: ``model``). Everything
     else the underlying model offers (e.g. the analytic model's ``forwards``, ``flops``,
     ``bytes``, ``bound``, ``hardware``, ``applied``) is reachable on this object too.
 
@@ -200,7 +202,7 @@ class CostModel:
             or (self.source.get("analytic") or {}).get("hardware")
             or type(self.model).__name__
         )
-        return f"CostModel({type(self.model).__name__}, {what}, kv_tokens={self.kv_tokens})"
+        return f"ReplicaCostModel({type(self.model).__name__}, {what}, kv_tokens={self.kv_tokens})"
 
 
 ProfileLike = Union[str, Path, Profile, None]
@@ -235,7 +237,7 @@ def pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, co
         check_kv_tokens(kv_tokens)
         if isinstance(cost, Profile):
             return pick_cost(cost, kv_tokens, None, None, None)
-        if isinstance(cost, CostModel):
+        if isinstance(cost, ReplicaCostModel):
             return cost.model, (kv_tokens if kv_tokens is not None else cost.kv_tokens), dict(cost.source)
         if not (
             callable(getattr(cost, "pass_seconds", None)) and callable(getattr(cost, "step_overhead_seconds", None))
@@ -275,13 +277,13 @@ def cost_model(
     hardware: str | None = None,
     model_config: str | Path | None = None,
     quant: int | None = None,
-) -> CostModel:
+) -> ReplicaCostModel:
     """The cost model ``simulate`` would use, with its KV capacity: a measured profile's
     linear model (``profile``: a path, a bundled name or a ``Profile``; default: the bundled
     one), or the analytic roofline of ``hardware`` (a preset: ``m4-max``, ``h100-sxm``, ...)
     running ``model_config`` (``qwen3-8b``, a config.json) at ``quant`` bits."""
     model, capacity, meta = pick_cost(profile, kv_tokens, hardware, model_config, quant)
-    return CostModel(model, capacity, meta)
+    return ReplicaCostModel(model, capacity, meta)
 
 
 @public

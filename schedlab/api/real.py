@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from ._base import Log, PolicyLike, TraceLike, check_model, check_seed, fail, logger, parse_slo, policy_options, public
 from .inputs import as_policy, as_trace
 from .options import ClientOptions, EngineOptions, ReplicaOptions, merged
-from .profiles import CostModel, ProfileLike, linear_model, profile_path
+from .profiles import ProfileLike, ReplicaCostModel, linear_model, profile_path
 from .runs import Run
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -145,7 +145,7 @@ class Engine:
 
     - ``info``: the model (``engine.models.ModelInfo``: ``name``, ``tokenizer``,
       ``eos_token_ids``, ``max_context``, ``check_trace(requests)``, ``metadata()``);
-    - ``cost_model``: a ``CostModel`` (its ``kv_tokens``: the replica's KV capacity);
+    - ``cost_model``: a ``ReplicaCostModel`` (its ``kv_tokens``: the replica's KV capacity);
     - ``options``, ``replica``: the ``EngineOptions`` and ``ReplicaOptions`` it was loaded with;
       ``seed``: the prompt ids' and the sampling's seed (and a trace's, in ``run``);
     - ``notes``: what loading noted or warned about (a run's meta.json keeps them);
@@ -158,7 +158,7 @@ class Engine:
         options: EngineOptions,
         replica: ReplicaOptions,
         seed: int,
-        cost_model: CostModel,
+        cost_model: ReplicaCostModel,
         noise: "Noise",
         sampler: Any,
         notes: list[str],
@@ -304,7 +304,7 @@ def _load(
     notes: list[str] = []
     cost, capacity, path = _real_cost(profile, replica.kv_tokens, no_calibrate, info, log, notes)
     return Engine(
-        info, options, replica, seed, CostModel(cost, capacity, {"profile": str(path)}), noise, sampler, notes
+        info, options, replica, seed, ReplicaCostModel(cost, capacity, {"profile": str(path)}), noise, sampler, notes
     )
 
 

@@ -48,7 +48,7 @@ def simulate(
     ``options``: the policy's options (``-o``); ``profile``: a cost profile (default: the
     bundled measured one); ``hardware`` + ``model_config`` [+ ``quant``]: the analytic
     roofline model instead of a profile; ``cost``: any cost model object (``pass_seconds``,
-    ``step_overhead_seconds``) or a ``CostModel``; ``seed``: the trace's randomness;
+    ``step_overhead_seconds``) or a ``ReplicaCostModel``; ``seed``: the trace's randomness;
     ``slo``: goodput SLOs (``{"ttft_ms": 2000, "tpot_ms": 100}``); ``passes=False``: keep no
     pass log (no ``run.passes``, no passes.parquet; less memory and time on long traces, what
     ``simulate`` does without ``--passes``).
@@ -77,13 +77,13 @@ def simulate(
     grouped = isinstance(cluster, ClusterOptions) and bool(cluster.groups)  # each group names its policy
     if grouped:
         _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica)
-    pol = None if grouped else as_policy(policy, options)
+    policy_object = None if grouped else as_policy(policy, options)
     slos = parse_slo(slo)
-    tr = as_trace(trace, seed=seed)
-    rep = merged(
+    loaded_trace = as_trace(trace, seed=seed)
+    replica_options = merged(
         ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
     )
-    cl = merged(
+    client_options = merged(
         ClientOptions,
         clients,
         "clients",
@@ -92,7 +92,7 @@ def simulate(
         burstiness=burstiness,
         think_time=think_time,
     )
-    cu = merged(
+    cluster_options = merged(
         ClusterOptions,
         cluster,
         "cluster",
@@ -102,28 +102,35 @@ def simulate(
         router_delay=router_delay,
         fail=fail,
     )
-    rt = cu.make_router() if cu.used else None
-    arrivals = cl.arrivals(tr.requests, seed)
+    router_object = cluster_options.make_router() if cluster_options.used else None
+    arrivals = client_options.arrivals(loaded_trace.requests, seed)
     if grouped:
-        groups = _build_groups(cu)
+        groups = _build_groups(cluster_options)
         model, capacity = groups.costs, groups.capacities
         cost_meta = groups.common_meta()
     else:
         groups = None
-        model, capacity, cost_meta = pick_cost(profile, rep.kv_tokens, hardware, model_config, quant, cost)
+        model, capacity, cost_meta = pick_cost(profile, replica_options.kv_tokens, hardware, model_config, quant, cost)
     extra: dict[str, Any] = {}
-    if grouped and cu.disaggregated:
-        result = _disaggregated(cu, groups, arrivals, tr.name, rep.block_size, rep.prefix_caching)
-        extra["cluster"] = {**dict(result.cluster), **groups.meta(cu.file)}
-    elif rt is None:
+    if grouped and cluster_options.disaggregated:
+        result = _disaggregated(
+            cluster_options,
+            groups,
+            arrivals,
+            loaded_trace.name,
+            replica_options.block_size,
+            replica_options.prefix_caching,
+        )
+        extra["cluster"] = {**dict(result.cluster), **groups.meta(cluster_options.file)}
+    elif router_object is None:
         result = run_loop(
             arrivals,
-            pol,
+            policy_object,
             model,
             kv_capacity=capacity,
-            trace_name=tr.name,
-            block_size=rep.block_size,
-            prefix_caching=rep.prefix_caching,
+            trace_name=loaded_trace.name,
+            block_size=replica_options.block_size,
+            prefix_caching=replica_options.prefix_caching,
             record_passes=bool(passes),
         )
     else:
@@ -132,29 +139,32 @@ def simulate(
         # each replica its own policy object (policies keep state between steps)
         fresh = isinstance(policy, (str, Path, type))
         if groups is not None:
-            pols = groups.policies
+            policy_objects = groups.policies
         else:
-            pols = [pol] + [as_policy(policy, options) if fresh else copy.deepcopy(pol) for _ in range(cu.replicas - 1)]
-            groups = _Groups.plain(pols, model, capacity, cost_meta)
-        get = getattr(rt, "options", None)
-        r_opts = get() if callable(get) else dict(cu.router_options or {})
+            policy_objects = [policy_object] + [
+                as_policy(policy, options) if fresh else copy.deepcopy(policy_object)
+                for _ in range(cluster_options.replicas - 1)
+            ]
+            groups = _Groups.plain(policy_objects, model, capacity, cost_meta)
+        get = getattr(router_object, "options", None)
+        built_router_options = get() if callable(get) else dict(cluster_options.router_options or {})
         result = run_cluster(
             arrivals,
-            pols,
+            policy_objects,
             model,
-            rt,
+            router_object,
             kv_capacity=capacity,
-            router_delay=cu.router_delay,
-            trace_name=tr.name,
-            block_size=rep.block_size,
-            prefix_caching=rep.prefix_caching,
+            router_delay=cluster_options.router_delay,
+            trace_name=loaded_trace.name,
+            block_size=replica_options.block_size,
+            prefix_caching=replica_options.prefix_caching,
             record_passes=bool(passes),
-            router_options=r_opts,
-            fail=cu.fail,
+            router_options=built_router_options,
+            fail=cluster_options.fail,
         )
         extra["cluster"] = dict(result.cluster)
         if grouped:  # (a plain --replicas cluster: one group, the run's policy and cost model)
-            extra["cluster"].update(groups.meta(cu.file))
+            extra["cluster"].update(groups.meta(cluster_options.file))
 
     @gc_paused()
     def summary():  # when first needed (saving writes the large tables meanwhile)
@@ -171,10 +181,10 @@ def simulate(
         {
             **cost_meta,
             "kv_tokens": result.kv_capacity if groups is None else groups.kv_tokens(result),
-            "block_size": rep.block_size,
-            "prefix_caching": rep.prefix_caching,
+            "block_size": replica_options.block_size,
+            "prefix_caching": replica_options.prefix_caching,
             "seed": seed,
-            "policy_options": policy_options(pol) if pol is not None else groups.common_options(),
+            "policy_options": policy_options(policy_object) if policy_object is not None else groups.common_options(),
             **extra,
         },
     )
