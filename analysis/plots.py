@@ -421,12 +421,19 @@ def save(fig, out_dir: str | Path | None, name: str, formats: Sequence[str] = FO
 
 
 def _plain_log_axis(axis) -> None:
-    """Log scale with 1-2-5 ticks written as plain numbers (20, 50, 100), not 2x10^1."""
+    """Log scale with 1-2-5 ticks written as plain numbers (20, 50, 100), not 2x10^1; over more
+    than three decades only the powers of ten are written (the 2s and 5s would run together)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def label(v: float, _) -> str:
+        lo, hi = sorted(axis.get_view_interval())
+        if lo > 0 and hi / lo > 1e3 and abs(math.log10(v) - round(math.log10(v))) > 1e-6:
+            return ""
+        return f"{v:,.10g}" if v >= 1 else f"{v:.3g}"
 
     axis.axes.set_xscale("log") if axis is axis.axes.xaxis else axis.axes.set_yscale("log")
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}" if v >= 1 else f"{v:.3g}"))
+    axis.set_major_formatter(FuncFormatter(label))
     axis.set_minor_formatter(NullFormatter())
 
 

@@ -1,5 +1,6 @@
 """What the benchmarks share: where results go, the machine and revision they ran on, writing
-a results file, and the grid's own coefficients of a calibrated profile.
+a results file (with its provenance: commit, dirty tree, time, machine), and the grid's own
+coefficients of a calibrated profile.
 
 The benches run with the project's environment active, against the installed ``schedlab``
 (``python bench/NAME.py``); each imports this module as ``common`` (Python puts the script's
@@ -12,6 +13,7 @@ import json
 import os
 import platform
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,19 +25,26 @@ def result_path(bench: str) -> Path:
     return RESULTS / f"{bench}.json"
 
 
-def git_rev(tree: Path = ROOT) -> str | None:
-    """The short commit of a checkout, or None outside git (an installed copy, a tarball)."""
+def _git(tree: Path, *args: str) -> str | None:
+    """``git -C tree ARGS``'s output, or None where it fails (no git, not a checkout)."""
     try:
-        p = subprocess.run(
-            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        p = subprocess.run(["git", "-C", str(tree), *args], check=False, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return p.stdout.strip() or None
+    return p.stdout if p.returncode == 0 else None
+
+
+def git_rev(tree: Path = ROOT, short: bool = True) -> str | None:
+    """The commit of a checkout (short, or the full hash), or None outside git (an installed copy,
+    a tarball)."""
+    return (_git(tree, "rev-parse", *(["--short"] if short else []), "HEAD") or "").strip() or None
+
+
+def git_dirty(tree: Path = ROOT) -> bool | None:
+    """Whether a checkout's tracked files differ from its commit (staged or not), the results in
+    ``bench/results/`` aside (what benches write, not what ran); None outside git."""
+    out = _git(tree, "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    return None if out is None else bool(out.strip())
 
 
 def cpu_name() -> str | None:
@@ -58,10 +67,29 @@ def machine() -> dict:
     }
 
 
-def write_json(data: dict, path: str | Path, indent: int = 2) -> Path:
+def provenance(tree: Path = ROOT) -> dict:
+    """How a results file was made, as ``write_json`` records it in every one: the commit (the full
+    hash; None outside git), whether the tree was dirty (``git_dirty``), when the file was written
+    (UTC, ISO 8601, to the second) and the machine."""
+    commit = git_rev(tree, short=False)
+    return {
+        "commit": commit,
+        "dirty": git_dirty(tree) if commit else None,
+        "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }
+
+
+def write_json(data: dict, path: str | Path, indent: int = 2, default=None) -> Path:
+    """Write a results file: ``data`` after its ``provenance`` block (a ``provenance`` in ``data``
+    is replaced; the caller's dict is left as it was), whole or not at all (a bench stopped while
+    writing leaves the old file). ``default``: ``json.dumps``'s, for values JSON has no type for."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent) + "\n")
+    body = {"provenance": provenance(), **{k: v for k, v in data.items() if k != "provenance"}}
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(body, indent=indent, default=default) + "\n")
+    part.replace(path)
     return path
 
 

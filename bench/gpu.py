@@ -583,9 +583,7 @@ class Out:
     def save(self) -> None:
         self.data["elapsed_s"] = time.time() - T0
         self.data["log"] = LOG[-400:]
-        tmp = self.path.with_suffix(".part")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        tmp.replace(self.path)
+        common.write_json(self.data, self.path, indent=1, default=str)  # (the GPU machine's provenance)
 
 
 def measure(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@ Runs ``simulate --policy P --trace mixed.json --out DIR -q`` for every policy in
 ``schedlab.policies.POLICIES`` (default options, the bundled profile: the ``tiny`` model on a
 2-core CPU) and records each run's ``summary.json`` exactly as written, and the share of its
 makespan the replica spent in steps (``steps.parquet``: the sum of end - start over the
-makespan). Deterministic: the same checkout gives the same file. Prints the table as markdown,
-each figure with its marker (``docs/benchmarks.md``). Seconds of CPU.
+makespan). Deterministic: the same checkout gives the same file but for its provenance's time.
+Prints the table as markdown, each figure with its marker (``docs/benchmarks.md``). Seconds of CPU.
 
     python bench/policies.py [--trace mixed.json] [--out bench/results/policies.json]
 """

@@ -176,8 +176,10 @@ def per_decode_of(run) -> list[float]:
 
 def seed000_real() -> dict:
     """Both policies on the real engine, alternating, ``reps`` times; the simulation of the same
-    trace with the profile the real runs planned with, beside them."""
+    trace with the profile the real runs planned with, and with one fitted to the other policy's
+    real runs, beside them."""
     import statistics
+    import tempfile
 
     import schedlab
     from schedlab.traces.schema import Trace
@@ -188,15 +190,24 @@ def seed000_real() -> dict:
     opts = dict(SEED000["options"], prefill_step_size=str(c["step"]))
     out = {"setup": {**c, "options": opts}, "policies": {}}
     runs: dict[str, list[list[float]]] = {"mlx-default": [], "prefer-prefill": []}
+    saved: dict[str, list[str]] = {p: [] for p in runs}
+    work = Path(tempfile.mkdtemp(prefix="seed000-real-"))
     profile = c["profile"] or fresh_profile(c["model"])
-    for _ in range(c["reps"]):
+    for rep in range(c["reps"]):
         for policy in runs:
             real = schedlab.run_real(policy, trace, model=c["model"], options=opts, profile=profile, ignore_eos=True)
             assert real.error is None, real.error
             runs[policy].append(per_decode_of(real))
-            profile = real.meta["profile"]  # (the one it calibrated, for the runs after it)
+            saved[policy].append(str(real.save(work / f"{policy}-{rep}")))
+    # beside the grid profile's prediction, one fitted to the other policy's real runs of this spell (on
+    # top of the grid's fit): nothing of the predicted policy's own runs is in it
+    held_out = {}
+    for policy in runs:
+        other = [d for p, dirs in saved.items() if p != policy for d in dirs]
+        held_out[policy] = schedlab.calibrate(from_runs=other, grid=profile, out=work / f"without-{policy}.json")
     for policy, reps in runs.items():
         sim = schedlab.simulate(policy, trace, options=opts, profile=profile)
+        sim_held = per_decode_of(schedlab.simulate(policy, trace, options=opts, profile=held_out[policy]))
         med = [statistics.median(r[i] for r in reps) for i in range(c["n"])]
         spread = [
             (max(r[i] for r in reps) - min(r[i] for r in reps)) / med[i] if med[i] else 0.0 for i in range(c["n"])
@@ -208,6 +219,8 @@ def seed000_real() -> dict:
             "real_spread_pct": [round(100 * x, 1) for x in spread],
             "simulated_per_decode": [round(x, 1) for x in simulated],
             "sim_error_pct": [round(100 * (s / m - 1), 1) if m else None for s, m in zip(simulated, med)],
+            "simulated_fitted_to_the_other_policy_per_decode": [round(x, 1) for x in sim_held],
+            "fitted_error_pct": [round(100 * (s / m - 1), 1) if m else None for s, m in zip(sim_held, med)],
         }
     out["profile"] = Path(str(profile)).name
     return out

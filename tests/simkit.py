@@ -158,3 +158,18 @@ def command(name: str) -> list[str]:
 
     bin_dir = Path(sys.executable).parent
     return [str(bin_dir / name)] if name in STANDALONE else [str(bin_dir / "schedlab"), name]
+
+
+def until(what: str, check, timeout: float = 60.0, every: float = 0.005):
+    """Poll ``check()`` until it returns something true, and return that; past ``timeout`` seconds
+    (a guard against a hang, never a measure of how long it took) fail naming ``what``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)

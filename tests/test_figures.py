@@ -5,12 +5,14 @@
 naming a JSON file (relative to bench/results/, or ``git:REV:PATH`` read with ``git show``), a key
 path (``/`` between keys, list items by index) and an optional scale. The checker below reads the
 number before each marker, walks the JSON to the value, scales it, and fails when the quoted number
-is not the value rounded to the quoted decimals, or when the file or key is missing. Plain functions,
-no import of bench/; the README's length and every relative link of the docs are checked here too.
+is not the value rounded to the quoted decimals, or when the file or key is missing; a "goal met?"
+answer (``yes<!-- met FILE:KEY -->``) is checked the same way. Plain functions, no import of
+bench/; the README's length and picture and every relative link of the docs are checked here too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -22,6 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 250
 
 MARKER = re.compile(r"<!--\s*fig\s+(?P<body>.*?)\s*-->")
+# a "goal met?" answer: yes or no, then the value or the comparison that decides it
+VERDICT = re.compile(r"<!--\s*met\s+(?P<body>.*?)\s*-->")
 # a file spec ends at the first ".json:"; what follows is the key path (keys may hold ':')
 SOURCE = re.compile(r"^(?P<file>.+?\.json):(?P<key>.*)$")
 # a quoted number: optional sign (a hyphen or U+2212 not glued to a word, so 0.98-1.15 reads 1.15),
@@ -158,6 +162,40 @@ def check_figures(paths: list[Path], root: Path = REPO) -> list[str]:
     return problems
 
 
+def check_verdicts(paths: list[Path], root: Path = REPO) -> list[str]:
+    """Every "goal met?" answer that disagrees with its source: ``yes`` or ``no`` right before a
+    ``<!-- met FILE:KEY -->`` marker is the value there (true or false), or before
+    ``<!-- met FILE:KEY OP OTHER -->`` (OP ``<=``, ``>=`` or ``==``) whether that comparison holds,
+    OTHER a number or another key of the same file."""
+    cache: dict = {}
+    problems = []
+    for path in paths:
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            for m in VERDICT.finditer(line):
+                where = f"{path.relative_to(root) if path.is_relative_to(root) else path}:{line_no}"
+                word = re.search(r"\b(yes|no)$", line[: m.start()])
+                cmp = re.match(r"^(?P<left>.+?)\s+(?P<op><=|>=|==)\s+(?P<right>\S.*)$", m.group("body"))
+                src = SOURCE.match(cmp.group("left") if cmp else m.group("body"))
+                if not word or not src:
+                    problems.append(f"{where}: {'no yes or no before' if src else 'not FILE.json:KEY in'} {m.group(0)}")
+                    continue
+                try:
+                    data = load_source(src.group("file"), root, cache)
+                    met = walk(data, src.group("key"))
+                    if cmp:
+                        right = cmp.group("right")
+                        other = float(right) if NUMBER.fullmatch(right) else walk(data, right)
+                        met = {"<=": met <= other, ">=": met >= other, "==": met == other}[cmp.group("op")]
+                except LookupError as e:
+                    problems.append(f"{where}: {e.args[0]} ({m.group('body')})")
+                    continue
+                if not isinstance(met, bool):
+                    problems.append(f"{where}: {m.group('body')} is {met!r}, not true or false")
+                elif met != (word.group(1) == "yes"):
+                    problems.append(f"{where}: says {word.group(1)}, but {m.group('body')} is {met}")
+    return problems
+
+
 def _without_code(text: str) -> str:
     """``text`` with fenced code blocks blanked (their lines kept): they hold what only looks like markdown."""
     return re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
@@ -194,7 +232,7 @@ def broken_links(paths: list[Path]) -> list[str]:
 def test_readme_and_docs_figures_match_their_sources():
     paths = doc_files(REPO)
     assert REPO / "README.md" in paths and len(paths) > 1, "README.md and docs/*.md expected"
-    problems = check_figures(paths)
+    problems = check_figures(paths) + check_verdicts(paths)
     assert not problems, "figures that disagree with their sources:\n" + "\n".join(problems)
 
 
@@ -202,6 +240,48 @@ def test_the_readme_quotes_figures_of_record():
     figures = find_figures(REPO / "README.md")
     assert len(figures) >= 5, "the README's figures of record carry markers"
     assert len({f.source.split(":", 1)[0] for f in figures}) >= 3, "from several benches"
+
+
+def test_the_readme_says_which_goals_its_figures_meet():
+    """The figures of record's "goal met?" column answers (yes or no, checked against the JSON by
+    ``check_verdicts``) exactly the rows whose bench JSON sets a goal (a key naming a goal or a
+    target); the others set none and answer none."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| what |"))
+    assert lines[head].rstrip(" |").endswith("goal met?")
+    rows = []
+    for line in lines[head + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    cache: dict = {}
+    for row in rows:
+        files = {SOURCE.match(m.group("body")).group("file") for m in MARKER.finditer(row)}
+        sets_goal = any(
+            re.search("goal|target", k) for f in files if not f.startswith("git:") for k in load_source(f, REPO, cache)
+        )
+        assert bool(VERDICT.search(row)) == sets_goal, row[:80]
+    assert sum(bool(VERDICT.search(row)) for row in rows) >= 4
+
+
+def test_the_readme_picture_is_what_its_bench_drew_from_the_policy_tables_runs():
+    """README.md's picture near its top (``bench/readme_figure.py``): the files it shows are those
+    the bench wrote (their SHA-256 recorded beside its numbers), and the runs it drew are the ones
+    of the policy table (``policies.json``: the same simulations, the same p50 and p99)."""
+    rec = json.loads((REPO / "bench" / "results" / "readme_figure.json").read_text())
+    lines = (REPO / "README.md").read_text().splitlines()
+    shown = [(i, m.group(1)) for i, line in enumerate(lines, 1) for m in re.finditer(r'<img src="([^"]+)"', line)]
+    assert sorted(src for _, src in shown) == sorted(f["path"] for f in rec["figures"].values())
+    assert all(i <= 30 for i, _ in shown), "near the top"
+    for f in rec["figures"].values():
+        png = (REPO / f["path"]).read_bytes()
+        assert png.startswith(b"\x89PNG\r\n") and hashlib.sha256(png).hexdigest() == f["sha256"], f["path"]
+    table = json.loads((REPO / "bench" / "results" / "policies.json").read_text())
+    assert rec["trace"] == table["trace"]
+    assert rec["policies"] == {
+        p: {m: {q: s[m][q] for q in ("p50", "p99")} for m in ("ttft_ms", "itl_ms")}
+        for p, s in table["summaries"].items()
+    }
 
 
 def test_readme_is_short():
@@ -293,3 +373,26 @@ def test_checker_reads_files_from_git_history(tmp_path):
     )
     problems = check_figures([doc], tmp_path)
     assert len(problems) == 1 and problems[0].startswith("README.md:2: missing file git:08fa966:"), problems
+
+
+def test_checker_reports_a_goal_answer_its_source_contradicts(tmp_path):
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    data = {"meets_goal": True, "wall_s": 118.0, "goal": {"wall_s": 120}, "rows": 21, "within": 11, "n": 3}
+    (tmp_path / "bench" / "results" / "b.json").write_text(json.dumps(data))
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        "| yes<!-- met b.json:meets_goal --> | yes<!-- met b.json:wall_s <= goal/wall_s --> | "
+        "no<!-- met b.json:within == rows --> / yes<!-- met b.json:wall_s >= 100 --> |\n"
+        "no<!-- met b.json:meets_goal -->\n"
+        "yes<!-- met b.json:within == rows -->\n"
+        "maybe<!-- met b.json:meets_goal -->\n"
+        "yes<!-- met b.json:n -->\n"
+        "yes<!-- met b.json:gone -->\n"
+    )
+    problems = check_verdicts([doc], tmp_path)
+    assert [p.split(": ", 1)[0] for p in problems] == [f"README.md:{i}" for i in range(2, 7)], problems
+    assert "says no, but b.json:meets_goal is True" in problems[0]
+    assert "says yes, but b.json:within == rows is False" in problems[1]
+    assert "no yes or no before" in problems[2]
+    assert "b.json:n is 3, not true or false" in problems[3]
+    assert "missing key gone" in problems[4]

@@ -11,7 +11,7 @@ answer (the route a user's router may get wrong).
 """
 
 from __future__ import annotations
-from simkit import command
+from simkit import command, until
 
 import json
 import os
@@ -261,7 +261,7 @@ def _without_eos(smol, messages, n: int) -> str:
     return _REFS[key]
 
 
-def test_a_killed_replica_is_down_within_a_second_and_what_it_held_is_retried_or_refused(cluster, smol):
+def test_a_killed_replica_is_shown_down_and_what_it_held_is_retried_or_refused(cluster, smol):
     """Replica 0 is killed holding: S1, streaming (it has sent text: it ends in an error event); S2,
     streamed but waiting for KV behind S1 (no text yet: retried, exact); W2, not streamed (retried,
     exact). Replica 1 goes on with T1 and W1. Placement is least-requests': S1 to 0 (a tie), T1 to 1,
@@ -306,23 +306,14 @@ def test_a_killed_replica_is_down_within_a_second_and_what_it_held_is_retried_or
     ws = {}
     for k, q in enumerate(ASKED[2:4]):
         ws[q] = ex.submit(lambda q=q: c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=16))
-        deadline = time.monotonic() + 30
-        while sum(routed(cluster)) < sum(base) + 4 + k and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(f"W{k + 1} routed", lambda k=k: sum(routed(cluster)) >= sum(base) + 4 + k)
     h = health(cluster)
     assert [r["routed"] - b for r, b in zip(h["replicas"], base)] == [3, 2]
     assert [r["in_flight"] for r in h["replicas"]][0] == 3, h  # S1, S2, W2 on replica 0
     victim = h["replicas"][0]
 
     os.kill(victim["pid"], signal.SIGKILL)
-    t_kill = time.monotonic()
-    down_after = None
-    while time.monotonic() - t_kill < 1.0:
-        if not health(cluster)["replicas"][0]["up"]:
-            down_after = time.monotonic() - t_kill
-            break
-        time.sleep(0.05)
-    assert down_after is not None, "replica 0 not shown down within 1 s of its kill"
+    until("replica 0 shown down after its kill", lambda: not health(cluster)["replicas"][0]["up"])
 
     # S2 and W2 had sent no text: they start again on replica 1 and end as the model alone's
     assert "".join(ch.choices[0].delta.content or "" for ch in s2 if ch.choices) == s2_want
@@ -405,7 +396,6 @@ def test_a_killed_replica_is_down_within_a_second_and_what_it_held_is_retried_or
         timeout=120,
     )
     assert sim.returncode == 0, sim.stderr
-    print(f"replica 0 down {down_after:.3f} s after its kill")
 
 
 def test_run_real_replays_a_trace_through_the_cluster(smol, tmp_path):
@@ -520,7 +510,8 @@ def test_run_real_ends_its_replicas_at_once_when_it_is_stopped(how, phase, tmp_p
     """``run-real --replicas 2`` stopped as a job scheduler or the OOM killer stops it (SIGTERM,
     handled as Ctrl-C's SIGINT is; SIGKILL), its replicas serving with requests in flight or the
     first still calibrating (a fresh profile cache; the second starts once it listens): no replica
-    it started is left a second later."""
+    it started is left. Handled, it ends them before it exits itself; killed, the kernel ends them
+    as it dies. What is checked is that none is left, not how long that took."""
     env = dict(os.environ, SCHEDLAB_CACHE_DIR=str(tmp_path / "cache"))
     argv = [*command("run-real"), "--policy", "vllm", "--model", MODEL, "--trace", "sonnet", "--replicas", "2", "-q"]
     want = 2 if phase == "serving" else 1
@@ -542,9 +533,14 @@ def test_run_real_ends_its_replicas_at_once_when_it_is_stopped(how, phase, tmp_p
         assert parent.poll() is None and all(map(_alive, kids)) and len(_replicas_of(parent.pid)) == want
         parent.send_signal(getattr(signal, how))
         if how != "SIGKILL":
-            assert parent.wait(timeout=30) != 0
-        time.sleep(1.0)
-        assert not [k for k in kids if _alive(k)], f"replicas left after {how}"
+            # handled: it kills every replica's session and reaps them before it exits, so none is
+            # left the moment it has gone (no wait: a replica left to notice by itself fails here)
+            assert parent.wait(timeout=60) != 0
+            assert not [k for k in kids if _alive(k)], f"replicas left after {how}"
+        else:
+            # the kernel sends each replica SIGKILL as the parent dies (PR_SET_PDEATHSIG); the guard
+            # only bounds the wait for that kill to land (a replica calibrating on ran for minutes)
+            until(f"no replica left after {how}", lambda: not [k for k in kids if _alive(k)])
     finally:
         if parent.poll() is None:
             parent.kill()

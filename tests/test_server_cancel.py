@@ -16,14 +16,13 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import httpx
 import openai
 import pytest
-from simkit import command, read_table
+from simkit import command, read_table, until
 from test_server import MODEL, QUESTIONS, Served, chat, expected
 
 
@@ -42,16 +41,6 @@ def _hang_up_later(url: str, body: dict) -> socket.socket:
         + data
     )
     return sock
-
-
-def _until(what, check, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutdown_finishes_the_rest(smol, tmp_path):
@@ -78,26 +67,24 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
 
     ta = threading.Thread(target=a)
     ta.start()
-    _until("A running", lambda: state()["running"] == 1)
+    until("A running", lambda: state()["running"] == 1)
 
     # B: a long prompt, whole (not streamed), prefilled 16 tokens a step: hung up mid-prefill
     long = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
     b = _hang_up_later(s.url, {"model": MODEL, "messages": chat(long), "max_tokens": 8})
-    _until("B admitted", lambda: state()["running"] == 2)
+    until("B admitted", lambda: state()["running"] == 2)
     start = state()["prompt_tokens"]
-    _until("B mid-prefill", lambda: 0 < state()["prompt_tokens"] < start - 16)
+    until("B mid-prefill", lambda: 0 < state()["prompt_tokens"] < start - 16)
 
     # C: waiting (max_batch 2 is full): streamed, the client closes before any token
     cs = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=24, stream=True)
-    _until("C waiting", lambda: state()["waiting"] == 1)
+    until("C waiting", lambda: state()["waiting"] == 1)
     cs.close()
-    _until("C cancelled", lambda: health()["cancelled"] == 1 and state()["waiting"] == 0)
+    until("C cancelled", lambda: health()["cancelled"] == 1 and state()["waiting"] == 0)
     assert state()["running"] == 2  # (A and B go on)
 
     b.close()
-    st = _until(
-        "B cancelled, its KV freed", lambda: health()["cancelled"] == 2 and (x := state())["running"] == 1 and x
-    )
+    st = until("B cancelled, its KV freed", lambda: health()["cancelled"] == 2 and (x := state())["running"] == 1 and x)
     assert st["prompt_tokens"] == 0  # B's prompt no longer outstanding: its prefill stopped
 
     # D: mid-decode, streamed: three pieces of its answer, then the client goes
@@ -108,11 +95,11 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
         if pieces == 3:
             break
     ds.close()
-    _until("D cancelled", lambda: health()["cancelled"] == 3)
+    until("D cancelled", lambda: health()["cancelled"] == 3)
     ta.join(timeout=120)
     want_a = ref_a.result(timeout=300)
     assert "".join(got) == want_a[0]  # A, beside all of it, is exactly the model's answer
-    st = _until("all done", lambda: (x := state())["running"] == 0 and x)
+    st = until("all done", lambda: (x := state())["running"] == 0 and x)
     assert st["kv_used"] == 0 and st["waiting"] == 0
     n = health()["cancelled"]
     assert health() == {"status": "ok", "in_flight": 0, "cancelled": n} and n == 3
@@ -132,8 +119,8 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
     threads = [threading.Thread(target=stream, args=(q,)) for q in want]
     for t in threads:
         t.start()
-    _until("all four in flight", lambda: health()["in_flight"] == len(want))
-    _until("two running, two waiting", lambda: (x := state())["running"] == 2 and x["waiting"] == 2)
+    until("all four in flight", lambda: health()["in_flight"] == len(want))
+    until("two running, two waiting", lambda: (x := state())["running"] == 2 and x["waiting"] == 2)
     os.kill(s.proc.pid, signal.SIGTERM)  # the server is asked to stop
     for t in threads:
         t.join(timeout=180)

@@ -150,99 +150,141 @@ def test_a_cluster_front_relays_a_replicas_429_with_its_retry_after():
     assert _upstream_error(400, b'{"error": {"message": "bad"}}').headers is None
 
 
+class _ClockLoop(asyncio.SelectorEventLoop):
+    """An event loop on the test's clock: ``time()`` (what every timer, ``sleep`` and ``wait_for``
+    reads) is what ``advance`` added, plus the real monotonic clock when ``real`` (a server's loop,
+    which must tick on its own). The tests below move it on instead of waiting for time to pass."""
+
+    def __init__(self, real: bool = False):
+        super().__init__()
+        self.real = real
+        self.added = 0.0
+
+    def time(self) -> float:
+        return self.added + (super().time() if self.real else 0.0)
+
+    async def advance(self, seconds: float) -> None:
+        """``seconds`` pass at once; then the callbacks that fell due run, and what they started."""
+        self.added += seconds
+        await _settle()
+
+
+async def _settle(rounds: int = 100) -> None:
+    """Let every task that can run do so (rounds of the loop; no time passes)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+def _arrivals(front, n: int, routed=lambda ticket: True):
+    """``n`` requests' tickets, each request's task and the event that ends its prompt's counting
+    (the test sets them in the order it chooses); ``order``: the tickets as they were routed."""
+    order: list[int] = []
+    tickets = [front.ticket() for _ in range(n)]
+    counted = {t: asyncio.Event() for t in tickets}
+
+    async def arrive(ticket: int) -> None:
+        await counted[ticket].wait()  # its prompt counted
+        if routed(ticket):
+            await front.wait_turn(ticket)
+            order.append(ticket)
+        front.pass_turn(ticket)
+        front.pass_turn(ticket)  # (passing twice changes nothing)
+
+    tasks = [asyncio.ensure_future(arrive(t)) for t in tickets]
+    return tickets, counted, tasks, order
+
+
 def test_a_cluster_front_routes_requests_first_in_the_order_they_arrived():
     """The front counts each prompt at a replica (/prepare) before routing it; countings end in any
     order, and routers that keep state (round-robin) must see the requests in arrival order. Each
     request takes a ticket on arrival and is first routed only after every earlier one has been
-    routed or dropped (a refused request passes its turn unrouted); passing twice changes nothing."""
+    routed or dropped (a refused request passes its turn unrouted); passing twice changes nothing.
+    Here the countings end in an order unlike the arrivals', the first one's last, and none is held
+    back long enough to lose its place (TURN_WAIT_S: the test's clock does not move)."""
     from schedlab.commands._cluster import Front
     from schedlab.routers import RoundRobin
 
     front = Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
 
     async def main() -> list[int]:
-        order: list[int] = []
-
-        async def arrive(ticket: int, counted_after: float, routed: bool = True) -> None:
-            await asyncio.sleep(counted_after)  # its prompt counted (later arrivals may finish first)
-            if routed:
-                await front.wait_turn(ticket)
-                order.append(ticket)
-            front.pass_turn(ticket)
-            front.pass_turn(ticket)
-
-        t = [front.ticket() for _ in range(5)]
-        await asyncio.gather(
-            arrive(t[0], 0.03),
-            arrive(t[1], 0.0),
-            arrive(t[2], 0.02, routed=False),
-            arrive(t[3], 0.01),
-            arrive(t[4], 0.0),
-        )
+        t, counted, tasks, order = _arrivals(front, 5, routed=lambda ticket: ticket != 2)  # 2: refused
+        for x in (t[1], t[4], t[3], t[2]):
+            counted[x].set()
+            await _settle()
+        assert order == []  # all of them wait for the first, still being counted
+        counted[t[0]].set()
+        await _settle()
+        assert all(task.done() for task in tasks)
+        assert front.ticket() == 5
+        after = asyncio.ensure_future(front.wait_turn(5))
+        await _settle()
+        assert after.done()  # the next one waits for no one
         return order
 
-    assert asyncio.run(main()) == [0, 1, 3, 4]
-    assert front.ticket() == 5
-    asyncio.run(asyncio.wait_for(front.wait_turn(5), 10))  # the next one waits for no one
+    loop = _ClockLoop()
+    try:
+        assert loop.run_until_complete(main()) == [0, 1, 3, 4]
+    finally:
+        loop.close()
 
 
-def test_a_request_whose_counting_hangs_does_not_hold_the_ones_after_it(monkeypatch):
+def test_a_request_whose_counting_hangs_does_not_hold_the_ones_after_it():
     """A request stuck before routing (its prompt's counting at a stopped replica) holds the later
-    ones TURN_WAIT_S at most; then they go in their own order, and so does it when it comes."""
+    ones TURN_WAIT_S at most, and until then it holds them; then they go in their own order, and so
+    does it when it comes. TURN_WAIT_S passes on the test's clock, whatever the machine's speed."""
     from schedlab.commands import _cluster
     from schedlab.routers import RoundRobin
 
-    monkeypatch.setattr(_cluster, "TURN_WAIT_S", 0.05)
+    wait_s = _cluster.TURN_WAIT_S
     front = _cluster.Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
+    loop = _ClockLoop()
 
     async def main() -> list[int]:
-        order: list[int] = []
-
-        async def arrive(ticket: int, counted_after: float) -> None:
-            await asyncio.sleep(counted_after)
-            await front.wait_turn(ticket)
-            order.append(ticket)
-            front.pass_turn(ticket)
-
-        t = [front.ticket() for _ in range(4)]
-        await asyncio.gather(arrive(t[0], 0.3), arrive(t[2], 0.0), arrive(t[1], 0.01), arrive(t[3], 0.0))
+        t, counted, tasks, order = _arrivals(front, 4)
+        for x in (t[2], t[1], t[3]):  # counted; the first one's counting hangs
+            counted[x].set()
+            await _settle()
+        await loop.advance(wait_s * 0.999)
+        assert order == []  # held: the first may still come
+        await loop.advance(wait_s * 0.002)
+        assert order == [1, 2, 3]  # its time is up: the others go, in their own order
+        counted[t[0]].set()
+        await _settle()
+        assert all(task.done() for task in tasks)
         return order
 
-    assert asyncio.run(main()) == [1, 2, 3, 0]
+    try:
+        assert loop.run_until_complete(main()) == [1, 2, 3, 0]
+    finally:
+        loop.close()
 
 
-def test_an_idle_connection_stays_open_past_a_clients_pool_expiry():
-    """Our servers (a replica's and the cluster's front: ``server_config``) keep an idle keep-alive
-    connection open past the time an HTTP client drops it from its pool (httpx's, under the openai
-    SDK and the front: 5 s), so the client closes it first. At uvicorn's default (5 s too) a request
-    sent on a connection the server is closing that instant is lost ("Server disconnected without
-    sending a response"): here the same raw connection still answers after the client's expiry."""
+def _answers_after_idle(config, idle_s: float) -> tuple[bytes, bytes]:
+    """The answers to a request on a fresh keep-alive connection to a server of ``config``, and to
+    the same request on the same connection after it lay idle ``idle_s`` seconds of the server's
+    clock (its loop's: moved on, not waited for); b"" where the server had closed the connection."""
     import socket
     import threading
     import time
 
-    import httpx
     import uvicorn
 
-    from schedlab.commands._http import KEEP_ALIVE_S, openai_app, server_config
-
-    app, _ = openai_app("keep-alive")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    hs = uvicorn.Server(server_config(app, "127.0.0.1", port))
-    t = threading.Thread(target=hs.run, daemon=True)
+    hs = uvicorn.Server(config)
+    loop = _ClockLoop(real=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    t = threading.Thread(target=loop.run_until_complete, args=(hs.serve(sockets=[sock]),), daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 30  # (a guard: it starts in well under a second)
     while not hs.started and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    try:
-        expiry = httpx.Limits().keepalive_expiry
-        assert hs.started and KEEP_ALIVE_S > expiry
-        ask = b"GET /v1/no-such-path HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    assert hs.started
+    ask = b"GET /v1/no-such-path HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
-        def response(c) -> bytes:  # one whole response (its headers, then content-length bytes); b"" if closed
-            got = b""
+    def response(c) -> bytes:  # one whole response (its headers, then content-length bytes); b"" if closed
+        got = b""
+        try:
+            c.sendall(ask)
             while b"\r\n\r\n" not in got:
                 part = c.recv(65536)
                 if not part:
@@ -257,16 +299,43 @@ def test_an_idle_connection_stays_open_past_a_clients_pool_expiry():
                 if not part:
                     break
                 body += part
-            return head + b"\r\n\r\n" + body
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+        return head + b"\r\n\r\n" + body
 
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-            c.sendall(ask)
+    try:
+        with socket.create_connection(sock.getsockname(), timeout=10) as c:
             first = response(c)
-            time.sleep(expiry + 0.5)
-            c.sendall(ask)
-            second = response(c)  # b"" had the server closed the connection
-        for got in (first, second):
-            assert got.startswith(b"HTTP/1.1 404") and got.endswith(b'"code":null}}'), (first, second)
+            asyncio.run_coroutine_threadsafe(loop.advance(idle_s), loop).result(timeout=30)
+            second = response(c)
     finally:
         hs.should_exit = True
         t.join(10)
+        loop.close()
+        sock.close()
+    return first, second
+
+
+def test_an_idle_connection_stays_open_past_a_clients_pool_expiry():
+    """Our servers (a replica's and the cluster's front: ``server_config``) keep an idle keep-alive
+    connection open past the time an HTTP client drops it from its pool (httpx's, under the openai
+    SDK and the front: 5 s), so the client closes it first. At uvicorn's default (5 s too) a request
+    sent on a connection the server is closing that instant is lost ("Server disconnected without
+    sending a response"): here the same raw connection still answers after the client's expiry,
+    and at uvicorn's default it would not (the server's clock is moved on, so the idle costs no
+    time)."""
+    import httpx
+    import uvicorn
+
+    from schedlab.commands._http import KEEP_ALIVE_S, openai_app, server_config
+
+    app, _ = openai_app("keep-alive")
+    expiry = httpx.Limits().keepalive_expiry
+    assert KEEP_ALIVE_S > expiry
+    first, second = _answers_after_idle(server_config(app, "127.0.0.1", 0), expiry + 0.5)
+    for got in (first, second):
+        assert got.startswith(b"HTTP/1.1 404") and got.endswith(b'"code":null}}'), (first, second)
+    default = uvicorn.Config(app, log_level="warning")
+    assert default.timeout_keep_alive <= expiry
+    first, second = _answers_after_idle(default, expiry + 0.5)
+    assert first.startswith(b"HTTP/1.1 404") and second == b"", (first, second)
