@@ -35,10 +35,8 @@ ENGINE_FILES = {
     "test_engine_serve",
     "test_fidelity",
     "test_policies",
-    "test_seed003",
     "test_serve_cluster",
     "test_serve_disagg",
-    "test_serve_hybrid",
     "test_server",
     "test_server_cancel",
     "test_server_metrics",
@@ -47,7 +45,7 @@ ENGINE_FILES = {
 # Engine files that share nothing with the rest (their own models: the GGUF files, the notebooks'
 # kernels) and assert no timing: a second engine unit, which the other worker starts with, so that
 # the engine's work is not all on one worker while the other runs out of tests.
-ENGINE2_FILES = {"test_gemma3", "test_gguf", "test_notebooks"}
+ENGINE2_FILES = {"test_gemma3", "test_gguf", "test_notebooks", "test_seed003", "test_serve_hybrid"}
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
 
 
