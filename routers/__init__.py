@@ -26,6 +26,7 @@ from .base import (
     least,
     least_requests,
     least_tokens,
+    route_checked,
 )
 from .least_kv import LeastKV
 from .least_requests import LeastRequests
@@ -66,4 +67,5 @@ __all__ = [
     "least",
     "least_requests",
     "least_tokens",
+    "route_checked",
 ]

@@ -17,6 +17,7 @@ This module imports nothing from ``sim`` or ``engine``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import random
 from operator import add, itemgetter
 from dataclasses import dataclass, field
@@ -98,6 +99,33 @@ class RouterOptionError(ValueError):
 class RouteError(RuntimeError):
     """A router returned something it may not (not an int, no such replica, one that is down)
     or raised. One line naming the router and the request."""
+
+
+def route_checked(router: Any, view: ClusterView, where: str = "") -> int:
+    """``router.route(view)``, checked: the index of a replica of ``view`` that is up, or a
+    ``RouteError`` whose one line names the router, ``where`` (such as "in the prefill pool ")
+    and the request. The one check of a router's answer, in the simulator and the serving front."""
+    name = getattr(router, "name", type(router).__name__)
+    n = len(view.replicas)
+
+    def illegal(what: str) -> RouteError:
+        return RouteError(f"router '{name}' {where}request {view.request.id}: {what}")
+
+    try:
+        j = router.route(view)
+    except Exception as exc:  # the user's router code
+        raise illegal(f"route() raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(j, bool):
+        raise illegal(f"returned {j!r}, not a replica index (0 to {n - 1})")
+    try:
+        j = operator.index(j)
+    except TypeError:
+        raise illegal(f"returned {j!r}, not a replica index (0 to {n - 1})") from None
+    if not 0 <= j < n:
+        raise illegal(f"returned replica {j}, but the cluster has replicas 0 to {n - 1}")
+    if not view.replicas[j].up:
+        raise illegal(f"returned replica {j}, which is down")
+    return j
 
 
 def least(replicas: Sequence[ReplicaSignals], key) -> int:

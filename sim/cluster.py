@@ -28,7 +28,6 @@ the decision.
 from __future__ import annotations
 
 import math
-import operator
 import time
 from bisect import bisect_right
 from heapq import heappop, heappush
@@ -38,7 +37,7 @@ import numpy as np
 import simpy
 
 from schedlab.policies.base import CostModel, Policy
-from schedlab.routers import ClusterView, ReplicaSignals, RouteError
+from schedlab.routers import ClusterView, ReplicaSignals, RouteError, route_checked
 from schedlab.traces.schema import Request
 
 from .clock import SimClock
@@ -223,7 +222,6 @@ def run_cluster(
         histories.append(h)
 
     router_name = getattr(router, "name", type(router).__name__)
-    route = router.route
     delay = float(router_delay)
     requests: list[RequestState] = []  # every request, in arrival order
     replica_of: list[int] = []
@@ -236,9 +234,6 @@ def run_cluster(
         probe = RequestState(req, -1)
         probe._blk = Blocks(caches[0], req.id)
         return [c.lookup(probe)[0] * c.bs for c in caches]
-
-    def illegal(req: Request, what: str) -> RouteError:
-        return RouteError(f"router '{router_name}' request {req.id}: {what}")
 
     # Each replica's signals as last made, and until when they hold (a heap of (time, version,
     # replica)): an arrival remakes only those that have changed since (the replicas whose
@@ -286,20 +281,7 @@ def run_cluster(
             view = ClusterView(now, req, len(requests), tuple(s._replace(prefix_hit=h) for s, h in zip(signals, hits)))
         else:
             view = ClusterView(now, req, len(requests), tuple(signals))
-        try:
-            j = route(view)
-        except Exception as exc:  # the user's router code
-            raise illegal(req, f"route() raised {type(exc).__name__}: {exc}") from exc
-        if isinstance(j, bool):
-            raise illegal(req, f"returned {j!r}, not a replica index (0 to {n - 1})")
-        try:
-            j = operator.index(j)
-        except TypeError:
-            raise illegal(req, f"returned {j!r}, not a replica index (0 to {n - 1})") from None
-        if not 0 <= j < n:
-            raise illegal(req, f"returned replica {j}, but the cluster has replicas 0 to {n - 1}")
-        if not view.replicas[j].up:
-            raise illegal(req, f"returned replica {j}, which is down")
+        j = route_checked(router, view)
         rep = replicas[j]
         r = rep.deliver(req)
         st = rep.state
