@@ -35,7 +35,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from schedlab.policies.base import PassShape
 
@@ -53,6 +53,9 @@ from .hardware import (
 )
 from .modelspec import ModelSpec, load_model_config, model_spec
 from .roofline import AnalyticCostModel, Forward
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PARAMS = ("compute", "bandwidth", "overhead_per_layer_s")
 GIB = float(1 << 30)
@@ -210,10 +213,6 @@ def fit_efficiency(
     for keeps the prior's value, or, where the prior has none, falls back as the model does
     (attention to compute, decode attention to attention, copy to bandwidth, copy overhead 0).
     """
-    import numpy as np
-
-    from schedlab.sim.cost import nnls
-
     samples = list(samples)
     if not samples:
         raise AnalyticError("fit_efficiency needs at least one sample")
@@ -221,16 +220,7 @@ def fit_efficiency(
     for k in optional:
         if k not in OPTIONAL_PARAMS:
             raise AnalyticError(f"unknown optional efficiency factor '{k}' (optional: {', '.join(OPTIONAL_PARAMS)})")
-    default_cm = cost_model
-    if default_cm is None and model is not None:
-        hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware or "cpu-local")
-        default_cm = AnalyticCostModel(hw, _as_model(model), quant, kv_bits=kv_bits, style=style)
-    elif (
-        default_cm is None
-        and isinstance(hardware, Hardware)
-        and any(not (isinstance(s, Mapping) and "cost_model" in s) for s in samples)
-    ):
-        raise AnalyticError("fit_efficiency needs model= for samples without their own cost model")
+    default_cm = _default_cost_model(samples, cost_model, hardware, model, quant, kv_bits, style)
     rows = []
     for smp in samples:
         cm, forwards, secs, label = _sample_forwards(smp, default_cm)
@@ -245,172 +235,281 @@ def fit_efficiency(
         )
         prior = cm0.applied if cm0 is not None else DEFAULT_EFFICIENCY["cpu"]
 
-    # Each factor is free, held (fixed, or the prior's value) or tied to another (an optional
-    # factor neither asked for nor set in the prior). Values: 1/e for efficiencies, seconds
-    # for overheads.
-    def prior_value(name: str) -> float | None:
-        v = getattr(prior, name)
+    factors = _Factors(prior, fixed, optional)
+    v, free_names, notes, it = _Alternation(rows, factors, max_iter).best(starts)
+    factors.fall_back(v, free_names)
+    fitted = tuple(n for n in ALL_PARAMS if n in free_names)
+    factors.note_unidentified(fitted, notes)
+    eff = factors.efficiency(v, fitted, engine or prior.engine, source or f"fit_efficiency on {len(rows)} samples")
+    residuals = []
+    for parts, t, label in rows:
+        pred = _predict_parts(parts, factors.col, v)
+        residuals.append({"label": label, "measured_s": t, "predicted_s": pred, "rel": pred / t - 1.0})
+    return FitResult(efficiency=eff, fitted=fitted, residuals=residuals, iterations=it, notes=notes)
+
+
+def _default_cost_model(
+    samples: Sequence[Any],
+    cost_model: AnalyticCostModel | None,
+    hardware: Hardware | str | None,
+    model: Any,
+    quant: float | None,
+    kv_bits: int,
+    style: str,
+) -> AnalyticCostModel | None:
+    """The cost model of samples that bring none: ``cost_model``, or one built from hardware and model."""
+    if cost_model is None and model is not None:
+        hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware or "cpu-local")
+        return AnalyticCostModel(hw, _as_model(model), quant, kv_bits=kv_bits, style=style)
+    if (
+        cost_model is None
+        and isinstance(hardware, Hardware)
+        and any(not (isinstance(s, Mapping) and "cost_model" in s) for s in samples)
+    ):
+        raise AnalyticError("fit_efficiency needs model= for samples without their own cost model")
+    return cost_model
+
+
+class _Factors:
+    """The factors of one fit and how each takes its value.
+
+    Each factor is free, held (fixed, or the prior's value) or tied to another (an optional
+    factor neither asked for nor set in the prior). Values: 1/e for efficiencies, seconds for
+    overheads. The values solved for are those of the ``roots`` (the factors not tied); ``col``
+    maps each forward part to the index of its value.
+    """
+
+    def __init__(self, prior: Efficiency, fixed: Mapping[str, float], optional: tuple[str, ...]):
+        self.prior = prior
+        self.fixed = fixed
+        self.optional = optional
+        self.status: dict[str, str] = {}
+        self.value: dict[str, float] = {}
+        for name in ALL_PARAMS:
+            self._classify(name)
+        self.roots = [n for n in ALL_PARAMS if self.status[n] != "tied"]
+        self.index = {n: i for i, n in enumerate(self.roots)}
+        self.col = [self.index[self.root(n)] for n in _PART_PARAM]  # value index of each forward part
+
+    def _classify(self, name: str) -> None:
+        if name in self.fixed:
+            self.status[name] = "fixed"
+            self.value[name] = self.to_value(name, self.fixed[name])
+        elif name in PARAMS or name in self.optional:
+            self.status[name] = "free"
+            pv = self.prior_value(name)
+            if pv is None:  # start where the fallback stands
+                pv = 0.0 if name in _OVERHEADS else self.value[self.root(_TIE[name])]
+            self.value[name] = pv
+        else:
+            pv = self.prior_value(name)
+            if pv is not None:
+                self.status[name], self.value[name] = "held", pv
+            elif name in _TIE:
+                self.status[name] = "tied"
+            else:  # copy overhead: 0
+                self.status[name], self.value[name] = "held", 0.0
+
+    @staticmethod
+    def to_value(name: str, x: float) -> float:
+        """A factor as solved for: seconds for an overhead, 1/e for an efficiency."""
+        return float(x) if name in _OVERHEADS else 1.0 / float(x)
+
+    def prior_value(self, name: str) -> float | None:
+        v = getattr(self.prior, name)
         if name in _OVERHEADS:
             return float(v) if (v or name == "overhead_per_layer_s") else None
         return None if v is None else 1.0 / float(v)
 
-    status: dict[str, str] = {}
-    value: dict[str, float] = {}
-
-    def root(name: str) -> str:
+    def root(self, name: str) -> str:
         """The factor whose value ``name`` takes: itself, or the one it is tied to."""
-        while status.get(name) == "tied":
+        while self.status.get(name) == "tied":
             name = _TIE[name]
         return name
 
-    for name in ALL_PARAMS:
-        if name in fixed:
-            status[name] = "fixed"
-            value[name] = float(fixed[name]) if name in _OVERHEADS else 1.0 / float(fixed[name])
-        elif name in PARAMS or name in optional:
-            status[name] = "free"
-            pv = prior_value(name)
-            if pv is None:  # start where the fallback stands
-                pv = 0.0 if name in _OVERHEADS else value[root(_TIE[name])]
-            value[name] = pv
-        else:
-            pv = prior_value(name)
-            if pv is not None:
-                status[name], value[name] = "held", pv
-            elif name in _TIE:
-                status[name] = "tied"
-            else:  # copy overhead: 0
-                status[name], value[name] = "held", 0.0
+    def is_free(self, name: str) -> bool:
+        return self.status[name] == "free"
 
-    def _start_of_fitted(name: str) -> str:
+    def start(self, at: Any = None) -> np.ndarray:
+        """The starting values, with the free factors named in ``at`` (factor -> value) moved there."""
+        import numpy as np
+
+        v = np.array([self.value[n] for n in self.roots], dtype=float)
+        for n, x in at.items() if isinstance(at, Mapping) else ():
+            if n in self.index and self.is_free(n):
+                v[self.index[n]] = self.to_value(n, x)
+        return v
+
+    def _unidentified_fallback(self, name: str, free_names: Sequence[str]) -> str:
         """Where an unidentified optional factor falls back: the first fitted or held one."""
         name = _TIE[name]
-        while name in _TIE and (status[name] == "tied" or (status[name] == "free" and name not in free_names)):
+        while name in _TIE and (self.status[name] == "tied" or (self.is_free(name) and name not in free_names)):
             name = _TIE[name]
         return name
 
-    roots = [n for n in ALL_PARAMS if status[n] != "tied"]
-    ridx = {n: i for i, n in enumerate(roots)}
-    col = [ridx[root(n)] for n in _PART_PARAM]  # value index of each forward part
-    is_eff = np.array([n not in _OVERHEADS for n in roots])
-    y = np.array([t for _, t, _ in rows])
-    w = 1.0 / y
+    def fall_back(self, v: np.ndarray, free_names: Sequence[str]) -> None:
+        """An optional factor asked for but not identified falls back as the model does."""
+        for n in self.roots:
+            if n in OPTIONAL_PARAMS and self.is_free(n) and n not in free_names and self.prior_value(n) is None:
+                if n in _TIE:
+                    v[self.index[n]] = v[self.index[self._unidentified_fallback(n, free_names)]]
+                else:
+                    v[self.index[n]] = 0.0
 
-    def alternate(v: "np.ndarray") -> tuple["np.ndarray", list[str], list[str], int]:
-        """Classify each forward with the current values, solve, repeat until no forward moves."""
+    def note_unidentified(self, fitted: tuple[str, ...], notes: list[str]) -> None:
+        for name in ALL_PARAMS:
+            if (name in PARAMS or name in self.optional) and name not in fitted and name not in self.fixed:
+                pv = getattr(self.prior, name)
+                msg = f"{name} not identified by these samples: prior {pv if pv is not None else 'unset'} kept"
+                if not any(n.startswith(name + " ") for n in notes):
+                    notes.append(msg)
+
+    def efficiency(self, v: np.ndarray, fitted: tuple[str, ...], engine: str, source: str) -> Efficiency:
+        def final(name: str) -> float | None:
+            if self.status[name] == "tied" or (
+                name in OPTIONAL_PARAMS
+                and name not in fitted
+                and name not in self.fixed
+                and self.prior_value(name) is None
+            ):
+                return None
+            x = float(v[self.index[name]])
+            return x if name in _OVERHEADS else 1.0 / x
+
+        copy_ovh = final("copy_overhead_per_layer_s")
+        return Efficiency(
+            compute=final("compute"),
+            bandwidth=final("bandwidth"),
+            overhead_per_layer_s=final("overhead_per_layer_s"),
+            step_overhead_s=self.prior.step_overhead_s,
+            basis="fitted",
+            engine=engine,
+            source=source,
+            attention=final("attention"),
+            decode_attention=final("decode_attention"),
+            copy=final("copy"),
+            copy_overhead_per_layer_s=copy_ovh or 0.0,
+        )
+
+
+_Row = tuple[list[tuple[float, ...]], float, str]  # a sample: its forwards' parts, seconds, label
+
+
+class _Alternation:
+    """Classify each forward with the current values, solve, repeat until no forward moves."""
+
+    def __init__(self, rows: Sequence[_Row], factors: _Factors, max_iter: int):
+        import numpy as np
+
+        self.rows = rows
+        self.factors = factors
+        self.max_iter = max_iter
+        self.is_eff = np.array([n not in _OVERHEADS for n in factors.roots])
+        self.y = np.array([t for _, t, _ in rows])
+        self.w = 1.0 / self.y
+
+    def best(self, starts: Sequence[Mapping[str, float]]) -> tuple[np.ndarray, list[str], list[str], int]:
+        """The alternation from the factors' own values and from each of ``starts`` (it finds a
+        local optimum): the one of least squared relative error."""
+        best = self.run(self.factors.start())
+        for st in starts:
+            cand = self.run(self.factors.start(st))
+            if self.sse(cand[0]) < self.sse(best[0]) - 1e-12:
+                best = cand
+        return best
+
+    def sse(self, v: np.ndarray) -> float:
+        col = self.factors.col
+        return float(sum(((_predict_parts(parts, col, v) - t) / t) ** 2 for parts, t, _ in self.rows))
+
+    def run(self, v: np.ndarray) -> tuple[np.ndarray, list[str], list[str], int]:
+        """(values, the factors fitted, notes, iterations) from the start ``v`` (changed in place)."""
         notes: list[str] = []
         free_names: list[str] = []
         prev = None
         it = 0
-        for it in range(1, max_iter + 1):
-            side = [
-                [sum(v[col[k]] * p[k] for k in _COMPUTE_PARTS) >= v[col[3]] * p[3] for p in parts]
-                for parts, _, _ in rows
-            ]
+        for it in range(1, self.max_iter + 1):
+            side = self._sides(v)
             key = tuple(tuple(s) for s in side)
             if key == prev:
                 break
             prev = key
-            X = np.zeros((len(rows), len(roots)))
-            for i, (parts, _, _) in enumerate(rows):
-                for p, comp in zip(parts, side[i]):
-                    for k in _COMPUTE_PARTS if comp else (3,):
-                        X[i, col[k]] += p[k]
-                    for k in (4, 5, 6):
-                        X[i, col[k]] += p[k]
-            free = [j for j, n in enumerate(roots) if status[n] == "free" and X[:, j].any()]
-            # collinear bandwidth/overhead (one bytes-per-layer ratio in every memory-bound row)
-            jb, jo = ridx["bandwidth"], ridx["overhead_per_layer_s"]
-            if jb in free and jo in free:
-                sub = X[:, [jb, jo]] * w[:, None]
-                sv = np.linalg.svd(sub / np.maximum(np.abs(sub).max(axis=0), 1e-300), compute_uv=False)
-                if sv[-1] < 1e-3 * sv[0]:
-                    free.remove(jo)
-                    v[jo] = prior.overhead_per_layer_s
-                    msg = "overhead_per_layer_s not identified (collinear with bandwidth): prior kept"
-                    if msg not in notes:
-                        notes.append(msg)
-            # any other degeneracy: drop optional factors, last first, until the rest is identified
-            while len(free) > 1:
-                sub = X[:, free] * w[:, None]
-                sv = np.linalg.svd(sub / np.maximum(np.abs(sub).max(axis=0), 1e-300), compute_uv=False)
-                if sv[-1] >= 1e-6 * sv[0]:
-                    break
-                drop = next((j for j in reversed(free) if roots[j] in OPTIONAL_PARAMS), None)
-                if drop is None:
-                    break
-                free.remove(drop)
-                msg = f"{roots[drop]} not identified (collinear with other factors): prior kept"
-                if msg not in notes:
-                    notes.append(msg)
-            # efficiencies enter as 1 + u (u >= 0 keeps them <= 1): move the 1s and held values right
-            rhs = y - X[:, is_eff].sum(axis=1)
-            for j in range(len(roots)):
-                if j not in free:
-                    rhs = rhs - X[:, j] * (v[j] - 1.0 if is_eff[j] else v[j])
-            if free:
-                sol = nnls(X[:, free] * w[:, None], rhs * w)
-                for j, u in zip(free, sol):
-                    v[j] = (1.0 + float(u)) if is_eff[j] else float(u)
-            free_names = [roots[j] for j in free]
+            X = self._design(side)
+            free = self._identified(X, v, notes)
+            self._solve(X, free, v)
+            free_names = [self.factors.roots[j] for j in free]
         return v, free_names, notes, it
 
-    def sse(v: "np.ndarray") -> float:
-        return float(sum(((_predict_parts(parts, col, v) - t) / t) ** 2 for parts, t, _ in rows))
+    def _sides(self, v: np.ndarray) -> list[list[bool]]:
+        """Per sample, per forward: whether compute wins at the values ``v``."""
+        col = self.factors.col
+        return [
+            [sum(v[col[k]] * p[k] for k in _COMPUTE_PARTS) >= v[col[3]] * p[3] for p in parts]
+            for parts, _, _ in self.rows
+        ]
 
-    v0 = np.array([value[n] for n in roots], dtype=float)
-    best = alternate(v0.copy())
-    for st in starts:  # other starting points (the alternation finds a local optimum)
-        vs = v0.copy()
-        for n, x in st.items() if isinstance(st, Mapping) else ():
-            if n not in ridx or status[n] != "free":
-                continue
-            vs[ridx[n]] = float(x) if n in _OVERHEADS else 1.0 / float(x)
-        cand = alternate(vs)
-        if sse(cand[0]) < sse(best[0]) - 1e-12:
-            best = cand
-    v, free_names, notes, it = best
-    for n in roots:  # an optional factor asked for but not identified falls back as the model does
-        if n in OPTIONAL_PARAMS and status[n] == "free" and n not in free_names and prior_value(n) is None:
-            if n in _TIE:
-                v[ridx[n]] = v[ridx[_start_of_fitted(n)]]
-            else:
-                v[ridx[n]] = 0.0
-    fitted = tuple(n for n in ALL_PARAMS if n in free_names)
-    for name in ALL_PARAMS:
-        if (name in PARAMS or name in optional) and name not in fitted and name not in fixed:
-            pv = getattr(prior, name)
-            msg = f"{name} not identified by these samples: prior {pv if pv is not None else 'unset'} kept"
-            if not any(n.startswith(name + " ") for n in notes):
+    def _design(self, side: list[list[bool]]) -> np.ndarray:
+        """The linear system's matrix: per sample, per value, the seconds it multiplies."""
+        import numpy as np
+
+        col = self.factors.col
+        X = np.zeros((len(self.rows), len(self.factors.roots)))
+        for i, (parts, _, _) in enumerate(self.rows):
+            for p, comp in zip(parts, side[i]):
+                for k in _COMPUTE_PARTS if comp else (3,):
+                    X[i, col[k]] += p[k]
+                for k in (4, 5, 6):
+                    X[i, col[k]] += p[k]
+        return X
+
+    def _singular_values(self, X: np.ndarray, cols: list[int]) -> np.ndarray:
+        import numpy as np
+
+        sub = X[:, cols] * self.w[:, None]
+        return np.linalg.svd(sub / np.maximum(np.abs(sub).max(axis=0), 1e-300), compute_uv=False)
+
+    def _identified(self, X: np.ndarray, v: np.ndarray, notes: list[str]) -> list[int]:
+        """The value indices to solve for: the free factors the samples identify."""
+        roots, index = self.factors.roots, self.factors.index
+        free = [j for j, n in enumerate(roots) if self.factors.is_free(n) and X[:, j].any()]
+        # collinear bandwidth/overhead (one bytes-per-layer ratio in every memory-bound row)
+        jb, jo = index["bandwidth"], index["overhead_per_layer_s"]
+        if jb in free and jo in free:
+            sv = self._singular_values(X, [jb, jo])
+            if sv[-1] < 1e-3 * sv[0]:
+                free.remove(jo)
+                v[jo] = self.factors.prior.overhead_per_layer_s
+                msg = "overhead_per_layer_s not identified (collinear with bandwidth): prior kept"
+                if msg not in notes:
+                    notes.append(msg)
+        # any other degeneracy: drop optional factors, last first, until the rest is identified
+        while len(free) > 1:
+            sv = self._singular_values(X, free)
+            if sv[-1] >= 1e-6 * sv[0]:
+                break
+            drop = next((j for j in reversed(free) if roots[j] in OPTIONAL_PARAMS), None)
+            if drop is None:
+                break
+            free.remove(drop)
+            msg = f"{roots[drop]} not identified (collinear with other factors): prior kept"
+            if msg not in notes:
                 notes.append(msg)
+        return free
 
-    def final(name: str) -> float | None:
-        if status[name] == "tied" or (
-            name in OPTIONAL_PARAMS and name not in fitted and name not in fixed and prior_value(name) is None
-        ):
-            return None
-        x = float(v[ridx[name]])
-        return x if name in _OVERHEADS else 1.0 / x
+    def _solve(self, X: np.ndarray, free: list[int], v: np.ndarray) -> None:
+        """Non-negative least squares for the ``free`` values, the others held, into ``v``."""
+        from schedlab.sim.cost import nnls
 
-    copy_ovh = final("copy_overhead_per_layer_s")
-    eff = Efficiency(
-        compute=final("compute"),
-        bandwidth=final("bandwidth"),
-        overhead_per_layer_s=final("overhead_per_layer_s"),
-        step_overhead_s=prior.step_overhead_s,
-        basis="fitted",
-        engine=engine or prior.engine,
-        source=source or f"fit_efficiency on {len(rows)} samples",
-        attention=final("attention"),
-        decode_attention=final("decode_attention"),
-        copy=final("copy"),
-        copy_overhead_per_layer_s=copy_ovh or 0.0,
-    )
-    residuals = []
-    for parts, t, label in rows:
-        pred = _predict_parts(parts, col, v)
-        residuals.append({"label": label, "measured_s": t, "predicted_s": pred, "rel": pred / t - 1.0})
-    return FitResult(efficiency=eff, fitted=fitted, residuals=residuals, iterations=it, notes=notes)
+        is_eff, w = self.is_eff, self.w
+        # efficiencies enter as 1 + u (u >= 0 keeps them <= 1): move the 1s and held values right
+        rhs = self.y - X[:, is_eff].sum(axis=1)
+        for j in range(len(self.factors.roots)):
+            if j not in free:
+                rhs = rhs - X[:, j] * (v[j] - 1.0 if is_eff[j] else v[j])
+        if free:
+            sol = nnls(X[:, free] * w[:, None], rhs * w)
+            for j, u in zip(free, sol):
+                v[j] = (1.0 + float(u)) if is_eff[j] else float(u)
 
 
 # ---------------------------------------------------------------------- published benchmarks
