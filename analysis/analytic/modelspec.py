@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from .errors import AnalyticError
 
@@ -271,20 +271,7 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     if not isinstance(config, Mapping):
         raise AnalyticError(f"model config {name} is not a JSON object")
     cfg = _text_config(config)
-    missing = [
-        k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if cfg.get(k) is None
-    ]
-    if missing:
-        raise AnalyticError(f"model config {name} lacks {', '.join(missing)}")
-    mtype = str(cfg.get("model_type") or "unknown")
-    h = _int(cfg, "hidden_size")
-    n_layers = _int(cfg, "num_hidden_layers")
-    heads = _int(cfg, "num_attention_heads")
-    vocab = _int(cfg, "vocab_size")
-    if not (h and n_layers and heads and vocab):
-        raise AnalyticError(
-            f"model config {name}: hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be > 0"
-        )
+    mtype, h, n_layers, heads, vocab = _required_shape(cfg, name)
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     head_dim = _int(cfg, "head_dim") or h // heads
     opt = mtype == "opt"
@@ -301,66 +288,13 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         embed_dim = proj if proj != h else 0
         extra = (_int(cfg, "max_position_embeddings", 2048) + 2) * h + (2 * h * proj if proj != h else 0)
 
-    # ---- attention
-    kv_lora = _int(cfg, "kv_lora_rank")
-    if kv_lora:  # DeepSeek multi-head latent attention
-        q_lora = _int(cfg, "q_lora_rank")
-        nope = _int(cfg, "qk_nope_head_dim", 128)
-        rope = _int(cfg, "qk_rope_head_dim", 64)
-        v_dim = _int(cfg, "v_head_dim", 128)
-        qk = nope + rope
-        q = (h * q_lora + q_lora * heads * qk) if q_lora else h * heads * qk
-        attn = q + h * (kv_lora + rope) + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
-        kv_dim = kv_lora + rope
-        head_dim = qk
-        norms_per_layer = 2 * h + kv_lora + (q_lora or 0)
-    else:
-        q_out, kv_out = heads * head_dim, kv_heads * head_dim
-        # Qwen3-Next / Qwen3.5's full attention gates its output: q_proj is twice as wide
-        gate = q_out if cfg.get("attn_output_gate", mtype.startswith(("qwen3_next", "qwen3_5"))) else 0
-        attn = h * (q_out + gate) + 2 * h * kv_out + q_out * h
-        if attn_bias:  # (GPT-OSS and OPT: o_proj's too)
-            attn += q_out + gate + 2 * kv_out + (h if mtype in ("gpt_oss", "opt") else 0)
-        kv_dim = 2 * kv_out
-        norms_per_layer = 2 * h + (2 * head_dim if mtype.startswith("qwen3") else 0)
-        if opt and cfg.get("layer_norm_elementwise_affine", True):
-            norms_per_layer = 4 * h  # two LayerNorms, each a weight and a bias
-
-    # ---- MLP / experts
+    attention = _attention(cfg, mtype, h, heads, kv_heads, head_dim, attn_bias)
     inter = _int(cfg, "intermediate_size") or (_int(cfg, "ffn_dim") if opt else None) or 4 * h
     n_exp = _int(cfg, "num_experts") or _int(cfg, "num_local_experts") or _int(cfg, "n_routed_experts") or 0
     top_k = _int(cfg, "num_experts_per_tok") or (_int(cfg, "top_k") or 0)
-    # gated (gate, up, down) everywhere but Phi's and OPT's plain fc1/fc2 MLP (with biases)
-    if mtype == "phi":
-        gated_mlp = lambda width: 2 * h * width + width + h  # noqa: E731
-    elif opt:
-        gated_mlp = lambda width: 2 * h * width + (width + h if mlp_bias else 0)  # noqa: E731
-    else:
-        gated_mlp = lambda width: 3 * h * width + (2 * width + h if mlp_bias else 0)  # noqa: E731
-    dense_mlp = gated_mlp(inter)
-    expert = shared = 0
-    moe_layers = 0
-    if n_exp:
-        if not top_k or top_k > n_exp:
-            raise AnalyticError(f"model config {name}: num_experts_per_tok must be 1..{n_exp}, got {top_k}")
-        moe_width = _int(cfg, "moe_intermediate_size") or inter  # Mixtral: intermediate_size is per expert
-        expert = gated_mlp(moe_width)
-        shared = h * n_exp  # router
-        shared_width = _int(cfg, "shared_expert_intermediate_size")
-        n_shared = _int(cfg, "n_shared_experts") or _int(cfg, "num_shared_experts") or 0
-        if shared_width:
-            shared += gated_mlp(shared_width) + h  # Qwen2-MoE shared expert and its 1-wide gate
-        elif n_shared:
-            shared += n_shared * expert
-        if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:  # DeepSeek layout
-            first = _int(cfg, "first_k_dense_replace", 0)
-            freq = _int(cfg, "moe_layer_freq", 1) or 1
-            moe_layers = sum(1 for i in range(n_layers) if i >= first and i % freq == 0)
-        else:  # Qwen-MoE / Mixtral layout
-            step = _int(cfg, "decoder_sparse_step", 1) or 1
-            only_mlp = set(cfg.get("mlp_only_layers") or [])
-            moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
-    norms = n_layers * norms_per_layer + (2 * h if opt and cfg.get("layer_norm_elementwise_affine", True) else h)
+    mlp = _mlp_params(mtype, h, mlp_bias)
+    experts = _experts(cfg, name, n_layers, h, inter, n_exp, top_k, mlp) if n_exp else _Experts(0, 0, 0)
+    final_norm = 2 * h if opt and cfg.get("layer_norm_elementwise_affine", True) else h
     full, sliding, window = layer_kinds(cfg, n_layers)
     linear = n_layers - full - sliding if full is not None else 0
     lin_params, lin_flops, lin_state = _linear_attention(cfg, h, native_bits) if linear else (0, 0.0, 0.0)
@@ -371,19 +305,19 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         layers=n_layers,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=head_dim,
+        head_dim=attention.head_dim,
         vocab=vocab,
         tied=tied,
         native_bits=native_bits,
-        attn_params=attn,
-        dense_mlp_params=dense_mlp,
-        expert_params=expert,
-        shared_params=shared,
+        attn_params=attention.params,
+        dense_mlp_params=mlp(inter),
+        expert_params=experts.expert_params,
+        shared_params=experts.shared_params,
         n_experts=n_exp,
         top_k=top_k if n_exp else 0,
-        moe_layers=moe_layers,
-        norm_params=norms,
-        kv_dim=kv_dim,
+        moe_layers=experts.moe_layers,
+        norm_params=n_layers * attention.norms_per_layer + final_norm,
+        kv_dim=attention.kv_dim,
         config=dict(config),
         full_layers=full,
         sliding_layers=sliding,
@@ -395,6 +329,107 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         embed_dim=embed_dim,
         extra_params=extra,
     )
+
+
+def _required_shape(cfg: Mapping[str, Any], name: str) -> tuple[str, int, int, int, int]:
+    """(model type, hidden size, layers, attention heads, vocabulary): the fields every config needs."""
+    missing = [
+        k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if cfg.get(k) is None
+    ]
+    if missing:
+        raise AnalyticError(f"model config {name} lacks {', '.join(missing)}")
+    mtype = str(cfg.get("model_type") or "unknown")
+    h = _int(cfg, "hidden_size")
+    n_layers = _int(cfg, "num_hidden_layers")
+    heads = _int(cfg, "num_attention_heads")
+    vocab = _int(cfg, "vocab_size")
+    if not (h and n_layers and heads and vocab):
+        raise AnalyticError(
+            f"model config {name}: hidden_size, num_hidden_layers, num_attention_heads and vocab_size must be > 0"
+        )
+    return mtype, h, n_layers, heads, vocab
+
+
+class _Attention(NamedTuple):
+    params: int  # matrix (and bias) parameters of one layer's attention
+    kv_dim: int  # cached values per token per layer
+    head_dim: int
+    norms_per_layer: int
+
+
+def _attention(
+    cfg: Mapping[str, Any], mtype: str, h: int, heads: int, kv_heads: int, head_dim: int, attn_bias: bool
+) -> _Attention:
+    """One layer's attention: DeepSeek's multi-head latent attention or (grouped-query) multi-head."""
+    kv_lora = _int(cfg, "kv_lora_rank")
+    if kv_lora:  # DeepSeek multi-head latent attention
+        q_lora = _int(cfg, "q_lora_rank")
+        nope = _int(cfg, "qk_nope_head_dim", 128)
+        rope = _int(cfg, "qk_rope_head_dim", 64)
+        v_dim = _int(cfg, "v_head_dim", 128)
+        qk = nope + rope
+        q = (h * q_lora + q_lora * heads * qk) if q_lora else h * heads * qk
+        attn = q + h * (kv_lora + rope) + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
+        return _Attention(attn, kv_lora + rope, qk, 2 * h + kv_lora + (q_lora or 0))
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    # Qwen3-Next / Qwen3.5's full attention gates its output: q_proj is twice as wide
+    gate = q_out if cfg.get("attn_output_gate", mtype.startswith(("qwen3_next", "qwen3_5"))) else 0
+    attn = h * (q_out + gate) + 2 * h * kv_out + q_out * h
+    if attn_bias:  # (GPT-OSS and OPT: o_proj's too)
+        attn += q_out + gate + 2 * kv_out + (h if mtype in ("gpt_oss", "opt") else 0)
+    norms_per_layer = 2 * h + (2 * head_dim if mtype.startswith("qwen3") else 0)
+    if mtype == "opt" and cfg.get("layer_norm_elementwise_affine", True):
+        norms_per_layer = 4 * h  # two LayerNorms, each a weight and a bias
+    return _Attention(attn, 2 * kv_out, head_dim, norms_per_layer)
+
+
+def _mlp_params(mtype: str, h: int, mlp_bias: bool) -> Callable[[int], int]:
+    """Parameters of an MLP of a given width: gated (gate, up, down) everywhere but Phi's and
+    OPT's plain fc1/fc2 MLP (with biases)."""
+    if mtype == "phi":
+        return lambda width: 2 * h * width + width + h
+    if mtype == "opt":
+        return lambda width: 2 * h * width + (width + h if mlp_bias else 0)
+    return lambda width: 3 * h * width + (2 * width + h if mlp_bias else 0)
+
+
+class _Experts(NamedTuple):
+    expert_params: int  # one routed expert's MLP
+    shared_params: int  # per MoE layer, whatever token: the router and any shared expert
+    moe_layers: int
+
+
+def _experts(
+    cfg: Mapping[str, Any],
+    name: str,
+    n_layers: int,
+    h: int,
+    inter: int,
+    n_exp: int,
+    top_k: int,
+    mlp: Callable[[int], int],
+) -> _Experts:
+    """The mixture of experts of a config with ``n_exp`` routed experts, ``top_k`` per token."""
+    if not top_k or top_k > n_exp:
+        raise AnalyticError(f"model config {name}: num_experts_per_tok must be 1..{n_exp}, got {top_k}")
+    moe_width = _int(cfg, "moe_intermediate_size") or inter  # Mixtral: intermediate_size is per expert
+    expert = mlp(moe_width)
+    shared = h * n_exp  # router
+    shared_width = _int(cfg, "shared_expert_intermediate_size")
+    n_shared = _int(cfg, "n_shared_experts") or _int(cfg, "num_shared_experts") or 0
+    if shared_width:
+        shared += mlp(shared_width) + h  # Qwen2-MoE shared expert and its 1-wide gate
+    elif n_shared:
+        shared += n_shared * expert
+    if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:  # DeepSeek layout
+        first = _int(cfg, "first_k_dense_replace", 0)
+        freq = _int(cfg, "moe_layer_freq", 1) or 1
+        moe_layers = sum(1 for i in range(n_layers) if i >= first and i % freq == 0)
+    else:  # Qwen-MoE / Mixtral layout
+        step = _int(cfg, "decoder_sparse_step", 1) or 1
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
+    return _Experts(expert, shared, moe_layers)
 
 
 def _linear_attention(cfg: Mapping[str, Any], h: int, act_bits: int) -> tuple[int, float, float]:
