@@ -1,6 +1,6 @@
 """What the benchmarks share: where results go, the machine and revision they ran on, writing
 a results file (with its provenance: commit, dirty tree, time, machine), and the grid's own
-coefficients of a calibrated profile.
+coefficients of a calibrated profile, and a ``capacity`` table's rows by configuration.
 
 The benches run with the project's environment active, against the installed ``schedlab``
 (``python bench/NAME.py``); each imports this module as ``common`` (Python puts the script's
@@ -15,6 +15,7 @@ import platform
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -113,3 +114,11 @@ def value(summary: dict, path) -> float | None:
             return None
         v = v[k]
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def capacity_rows(table, fields: Sequence[str | tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """A ``schedlab.capacity`` table (a DataFrame, a row per configuration) as
+    ``{configuration: {key: value}}``: ``fields`` in order, each a column kept under its name or a
+    ``(key, column)`` pair (``("per_gpu_rps", "capacity_per_gpu_rps")``)."""
+    pairs = [(f, f) if isinstance(f, str) else f for f in fields]
+    return {r["configuration"]: {key: r[col] for key, col in pairs} for r in table.to_dict("records")}

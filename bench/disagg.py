@@ -70,14 +70,9 @@ def main() -> None:
         table = schedlab.capacity(
             None, args.trace, slo=slo, clusters=[str(f) for f in files], workers=args.workers, block_size=16
         )
-        rows = {}
-        for r in table.to_dict("records"):
-            rows[r["configuration"]] = {
-                "capacity_rps": r["capacity_rps"],
-                "per_gpu_rps": r["capacity_per_gpu_rps"],
-                "binding": r["binding"],
-                "first_failing_rps": r["first_failing_rps"],
-            }
+        rows = common.capacity_rows(
+            table, ("capacity_rps", ("per_gpu_rps", "capacity_per_gpu_rps"), "binding", "first_failing_rps")
+        )
         best = max(rows, key=lambda k: rows[k]["capacity_rps"] or 0.0)
         co = rows[f"co-located-{args.gpus}"]["capacity_rps"] or 0.0
         out["slos"][slo] = {

@@ -274,17 +274,18 @@ def search(files: dict[str, Path], trace, workers: int) -> dict:
         workers=workers,
         block_size=BLOCK_SIZE,
     )
-    rows = {}
-    for r in table.to_dict("records"):
-        rows[r["configuration"]] = {
-            "gpus": r["gpus"],
-            "replicas": r["replicas"],
-            "capacity_rps": r["capacity_rps"],
-            "per_gpu_rps": r["capacity_per_gpu_rps"],
-            "binding": r["binding"],
-            "first_failing_rps": r["first_failing_rps"],
-            "runs": r["runs"],
-        }
+    rows = common.capacity_rows(
+        table,
+        (
+            "gpus",
+            "replicas",
+            "capacity_rps",
+            ("per_gpu_rps", "capacity_per_gpu_rps"),
+            "binding",
+            "first_failing_rps",
+            "runs",
+        ),
+    )
     dis, co = HEADLINE
     per_co = rows[co]["per_gpu_rps"]
     best = max((k for k in rows if k.startswith("pd-")), key=lambda k: rows[k]["per_gpu_rps"] or 0.0)
