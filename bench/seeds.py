@@ -174,11 +174,49 @@ def per_decode_of(run) -> list[float]:
     return out
 
 
+def alternate(cases: dict, reps: int, measure, *, trace, model: str, profile: str, keep: Path | None = None) -> dict:
+    """``cases`` (``{key: (policy, options, max_concurrency)}``) on the real engine, ``reps`` rounds,
+    the cases alternating within each round (this machine drifts: each case sees every spell), all
+    planning with ``profile``; then each simulated on the same trace with the same profile.
+    ``measure(key, run)``: a run's figures, a list (one per request) or a dict. Per key: ``runs``
+    (each real run's figures, in round order), ``median`` and ``spread`` ((max - min) / median; 0
+    where the median is 0) of each figure over the rounds, ``simulated`` (the simulation's figures)
+    and, with ``keep``, ``saved`` (each real run's directory, ``keep/KEY-ROUND``)."""
+    import statistics
+
+    import schedlab
+
+    out = {key: {"runs": [], "saved": []} for key in cases}
+    for rep in range(reps):
+        for key, (policy, opts, conc) in cases.items():
+            real = schedlab.run_real(
+                policy, trace, model=model, options=opts, profile=profile, max_concurrency=conc, ignore_eos=True
+            )
+            assert real.error is None, real.error
+            out[key]["runs"].append(measure(key, real))
+            if keep is not None:
+                out[key]["saved"].append(str(real.save(keep / f"{key}-{rep}")))
+
+    def per_figure(runs: list, fn):
+        if isinstance(runs[0], dict):
+            return {k: fn([r[k] for r in runs]) for k in runs[0]}
+        return [fn([r[i] for r in runs]) for i in range(len(runs[0]))]
+
+    for key, (policy, opts, conc) in cases.items():
+        case = out[key]
+        case["median"] = per_figure(case["runs"], statistics.median)
+        case["spread"] = per_figure(
+            case["runs"], lambda v: (max(v) - min(v)) / statistics.median(v) if statistics.median(v) else 0.0
+        )
+        sim = schedlab.simulate(policy, trace, options=opts, profile=profile, max_concurrency=conc)
+        case["simulated"] = measure(key, sim)
+    return out
+
+
 def seed000_real() -> dict:
     """Both policies on the real engine, alternating, ``reps`` times; the simulation of the same
     trace with the profile the real runs planned with, and with one fitted to the other policy's
     real runs, beside them."""
-    import statistics
     import tempfile
 
     import schedlab
@@ -189,34 +227,23 @@ def seed000_real() -> dict:
     trace = Trace("seed000-real", "", reqs)
     opts = dict(SEED000["options"], prefill_step_size=str(c["step"]))
     out = {"setup": {**c, "options": opts}, "policies": {}}
-    runs: dict[str, list[list[float]]] = {"mlx-default": [], "prefer-prefill": []}
-    saved: dict[str, list[str]] = {p: [] for p in runs}
     work = Path(tempfile.mkdtemp(prefix="seed000-real-"))
     profile = c["profile"] or fresh_profile(c["model"])
-    for rep in range(c["reps"]):
-        for policy in runs:
-            real = schedlab.run_real(policy, trace, model=c["model"], options=opts, profile=profile, ignore_eos=True)
-            assert real.error is None, real.error
-            runs[policy].append(per_decode_of(real))
-            saved[policy].append(str(real.save(work / f"{policy}-{rep}")))
-    # beside the grid profile's prediction, one fitted to the other policy's real runs of this spell (on
-    # top of the grid's fit): nothing of the predicted policy's own runs is in it
-    held_out = {}
-    for policy in runs:
-        other = [d for p, dirs in saved.items() if p != policy for d in dirs]
-        held_out[policy] = schedlab.calibrate(from_runs=other, grid=profile, out=work / f"without-{policy}.json")
-    for policy, reps in runs.items():
-        sim = schedlab.simulate(policy, trace, options=opts, profile=profile)
-        sim_held = per_decode_of(schedlab.simulate(policy, trace, options=opts, profile=held_out[policy]))
-        med = [statistics.median(r[i] for r in reps) for i in range(c["n"])]
-        spread = [
-            (max(r[i] for r in reps) - min(r[i] for r in reps)) / med[i] if med[i] else 0.0 for i in range(c["n"])
-        ]
-        simulated = per_decode_of(sim)
+    cases = {policy: (policy, opts, None) for policy in ("mlx-default", "prefer-prefill")}
+    got = alternate(
+        cases, c["reps"], lambda _, run: per_decode_of(run), trace=trace, model=c["model"], profile=profile, keep=work
+    )
+    for policy, case in got.items():
+        # beside the grid profile's prediction, one fitted to the other policy's real runs of this spell
+        # (on top of the grid's fit): nothing of the predicted policy's own runs is in it
+        other = [d for p, o in got.items() if p != policy for d in o["saved"]]
+        held_out = schedlab.calibrate(from_runs=other, grid=profile, out=work / f"without-{policy}.json")
+        sim_held = per_decode_of(schedlab.simulate(policy, trace, options=opts, profile=held_out))
+        med, simulated = case["median"], case["simulated"]
         out["policies"][policy] = {
             "real_per_decode_median": [round(x, 1) for x in med],
-            "real_per_decode_runs": [[round(x, 1) for x in r] for r in reps],
-            "real_spread_pct": [round(100 * x, 1) for x in spread],
+            "real_per_decode_runs": [[round(x, 1) for x in r] for r in case["runs"]],
+            "real_spread_pct": [round(100 * x, 1) for x in case["spread"]],
             "simulated_per_decode": [round(x, 1) for x in simulated],
             "sim_error_pct": [round(100 * (s / m - 1), 1) if m else None for s, m in zip(simulated, med)],
             "simulated_fitted_to_the_other_policy_per_decode": [round(x, 1) for x in sim_held],
@@ -273,36 +300,24 @@ REAL001 = {"model": "smollm2-135m", "n": 8, "prompt": 128, "max_tokens": 64, "re
 
 
 def seed001_real() -> dict:
-    import statistics
-
-    import schedlab
     from schedlab.traces.schema import Trace
 
     c = REAL001
     trace = Trace("seed001-real", "", [Request(f"q{i}", 0.0, c["prompt"], c["max_tokens"]) for i in range(c["n"])])
     cases = {"static": ("static", {"batch_size": c["n"]}, None)}
     cases.update({f"continuous_{k}": ("mlx-default", {}, k) for k in (1, 2, 4, 8)})
-    runs: dict[str, list[dict]] = {k: [] for k in cases}
     profile = fresh_profile(c["model"])
 
-    def figures(run, whole: bool) -> dict:
+    def figures(key: str, run) -> dict:
         s = run.summary
-        ttft = s["e2e_ms"]["p50"] if whole else s["ttft_ms"]["p50"]  # a static batch returns whole
+        ttft = s["e2e_ms"]["p50"] if key == "static" else s["ttft_ms"]["p50"]  # a static batch returns whole
         return {"ttft_p50_s": round(ttft / 1000, 3), "throughput_tok_s": round(s["output_throughput_tok_s"], 1)}
 
-    for _ in range(c["reps"]):
-        for key, (policy, opts, conc) in cases.items():
-            real = schedlab.run_real(
-                policy, trace, model=c["model"], options=opts, profile=profile, max_concurrency=conc, ignore_eos=True
-            )
-            assert real.error is None, real.error
-            runs[key].append(figures(real, key == "static"))
-            profile = real.meta["profile"]
+    got = alternate(cases, c["reps"], figures, trace=trace, model=c["model"], profile=profile)
     out: dict = {"setup": c, "cases": {}, "profile": Path(str(profile)).name}
-    for key, (policy, opts, conc) in cases.items():
-        sim = schedlab.simulate(policy, trace, options=opts, profile=profile, max_concurrency=conc)
-        med = {k: round(statistics.median(r[k] for r in runs[key]), 3) for k in ("ttft_p50_s", "throughput_tok_s")}
-        out["cases"][key] = {"real_median": med, "real_runs": runs[key], "simulated": figures(sim, key == "static")}
+    for key, case in got.items():
+        med = {k: round(v, 3) for k, v in case["median"].items()}
+        out["cases"][key] = {"real_median": med, "real_runs": case["runs"], "simulated": case["simulated"]}
     return out
 
 
@@ -407,33 +422,23 @@ REAL002 = {
 
 def seed002_real() -> dict:
     """Both budgets on the real engine, alternating; the simulation of the same trace with the
-    profile the real runs planned with (run-real calibrates one on first use), beside them."""
-    import statistics
-
-    import schedlab
+    profile the real runs planned with (calibrated at the start: ``fresh_profile``), beside them."""
     from schedlab.traces.schema import Trace
 
     c = REAL002
     trace = Trace("seed002-real", "", mixed_load(c["qps"], c["long_prompt"], c["background"], c["long"]))
     modes = {"one_step": c["one_step_budget"], "chunked": c["chunked_budget"]}
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    cases = {mode: ("unified", {"token_budget": budget}, None) for mode, budget in modes.items()}
     profile = fresh_profile(c["model"])
-    for _ in range(c["reps"]):
-        for mode, budget in modes.items():
-            real = schedlab.run_real(
-                "unified", trace, model=c["model"], options={"token_budget": budget}, profile=profile, ignore_eos=True
-            )
-            assert real.error is None, real.error
-            runs[mode].append(background_itl(real))
-            profile = real.meta["profile"]
+    got = alternate(
+        cases, c["reps"], lambda _, run: background_itl(run), trace=trace, model=c["model"], profile=profile
+    )
     out: dict = {"setup": c, "modes": {}, "profile": Path(str(profile)).name}
-    for mode, budget in modes.items():
-        sim = schedlab.simulate("unified", trace, options={"token_budget": budget}, profile=profile)
-        med = {k: round(statistics.median(r[k] for r in runs[mode]), 1) for k in ("p50", "p99", "max")}
+    for mode, case in got.items():
         out["modes"][mode] = {
-            "real_itl_ms_median": med,
-            "real_itl_ms_runs": runs[mode],
-            "simulated_itl_ms": background_itl(sim),
+            "real_itl_ms_median": {k: round(v, 1) for k, v in case["median"].items()},
+            "real_itl_ms_runs": case["runs"],
+            "simulated_itl_ms": case["simulated"],
         }
     return out
 
@@ -466,7 +471,11 @@ PUBLISHED_004 = {  # the PR's three `vllm bench serve` outputs
 class RecomputeChunks:
     """A cost model whose prefill chunks recompute their prompt from position 0: a chunk of n
     tokens after s is priced as s + n tokens with nothing before (vllm-metal's runner before the
-    PR). Everything else is the wrapped model's."""
+    PR). Not a general wrapper: it forwards only ``pass_seconds``, ``step_overhead_seconds`` and
+    ``cache_layout``; a cost model's other terms (``idle_seconds``, ``after_wake_seconds``, a
+    ``decode_run_seconds`` formula, ``meta``) take ``CostModel``'s defaults, not the wrapped
+    model's. Exact for what it wraps here, the analytic roofline (``fused`` style), which has none
+    of those terms of its own (its KV capacity is passed apart: ``kv_tokens``)."""
 
     def __init__(self, inner):
         self.inner = inner
