@@ -676,26 +676,11 @@ def plot_timeline(
     formats=FORMATS,
 ) -> dict[str, Any]:
     """Per-request lanes of prefill and decode work over time, with per-step batch panels."""
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     shown, alive = timeline_lanes(run, lanes, window)
     ids = list(shown["id"])
     source = "passes" if run.passes is not None else "tokens"
     segs = pass_segments(run, ids) if source == "passes" else token_segments(run, ids)
-    lane_of = {rid: i for i, rid in enumerate(ids)}
-
-    # time range: the window, else the drawn lanes' lifetimes
-    if window is not None and math.isfinite(window[0]) and math.isfinite(window[1]):
-        x0, x1 = window
-    else:
-        lo = [float(shown["arrival_s"].min())] if len(shown) else [0.0]
-        hi = [e for _, _, _, e in segs] + [float(shown["arrival_s"].max())] + lo
-        x0 = window[0] if window is not None and math.isfinite(window[0]) else min(lo)
-        x1 = window[1] if window is not None and math.isfinite(window[1]) else max(hi)
-        if x1 <= x0:
-            x1 = x0 + 1.0
-    pad = (x1 - x0) * 0.01
+    x0, x1 = _timeline_range(shown, segs, window)
 
     steps = run.steps
     in_range = steps[(steps["end_s"] >= x0) & (steps["start_s"] <= x1)]
@@ -705,45 +690,64 @@ def plot_timeline(
     ax_d = fig.add_subplot(gs[0])
     ax_p = fig.add_subplot(gs[1], sharex=ax_d)
     ax = fig.add_subplot(gs[2], sharex=ax_d)
+    _step_panels(ax_d, ax_p, in_range)
+    _request_lanes(ax, shown, segs, (x0, x1))
+    how = _timeline_legend(fig, source, bool((shown["status"] == "rejected").any()))
+    which = (
+        f"{len(ids)} of {alive} requests alive in {window[0]:g}–{window[1]:g} s"
+        if window
+        else f"first {len(ids)} of {len(run.requests)} requests by arrival"
+    )
+    title = f"{run.label}: step timeline, {which} ({how})"
+    if run.summary.get("error"):
+        title += f"\nthe run stopped early: {run.summary['error']}"
+    ax_d.set_title(title, fontsize=10.5)
+    files = save(fig, out_dir, name or f"timeline_{slug(run.label)}", formats)
+    return {
+        "files": files,
+        "figure": fig,
+        "lanes": ids,
+        "segments": segs,
+        "source": source,
+        "x_range": (x0, x1),
+        "steps_drawn": in_range["step"].to_numpy(),
+    }
 
-    # per-step panels: rectangles spanning each step (gaps = idle replica)
-    st = in_range["start_s"].to_numpy(float)
-    wd = (in_range["end_s"] - in_range["start_s"]).to_numpy(float)
-    edge = "white" if len(in_range) <= 400 else "none"
-    _rects(ax_d, st, wd, in_range["decode_rows"].to_numpy(float), DECODE_COLOR, edge)
-    _rects(ax_p, st, wd, in_range["prefill_tokens"].to_numpy(float), PREFILL_COLOR, edge)
+
+def _timeline_range(shown, segs, window: tuple[float, float] | None) -> tuple[float, float]:
+    """The time range drawn: the window, else the drawn lanes' lifetimes."""
+    if window is not None and math.isfinite(window[0]) and math.isfinite(window[1]):
+        x0, x1 = window
+        return x0, x1
+    lo = [float(shown["arrival_s"].min())] if len(shown) else [0.0]
+    hi = [e for _, _, _, e in segs] + [float(shown["arrival_s"].max())] + lo
+    x0 = window[0] if window is not None and math.isfinite(window[0]) else min(lo)
+    x1 = window[1] if window is not None and math.isfinite(window[1]) else max(hi)
+    if x1 <= x0:
+        x1 = x0 + 1.0
+    return x0, x1
+
+
+def _step_panels(ax_d, ax_p, steps) -> None:
+    """Decode rows and prefill tokens per step: rectangles spanning each step (gaps = idle replica)."""
+    st = steps["start_s"].to_numpy(float)
+    wd = (steps["end_s"] - steps["start_s"]).to_numpy(float)
+    edge = "white" if len(steps) <= 400 else "none"
+    _rects(ax_d, st, wd, steps["decode_rows"].to_numpy(float), DECODE_COLOR, edge)
+    _rects(ax_p, st, wd, steps["prefill_tokens"].to_numpy(float), PREFILL_COLOR, edge)
     ax_d.set_ylabel("decode\nrows", fontsize=9)
     ax_p.set_ylabel("prefill\ntokens", fontsize=9)
     for a in (ax_d, ax_p):
         _style(a)
         a.tick_params(labelbottom=False, labelsize=8)
 
-    # lanes
-    alive_line = []
-    for i, row in enumerate(shown.itertuples(index=False)):
-        end = row.finish_s if row.status == "finished" else None
-        if row.status == "rejected":
-            ax.plot([row.arrival_s], [i], marker="x", color=STARVED_COLOR, markersize=6)
-            continue
-        mine = [s for s in segs if s[0] == row.id]
-        last = max((e for _, _, _, e in mine), default=row.arrival_s)
-        alive_line.append((row.arrival_s, end if end is not None else last, i))
-    if alive_line:
-        from matplotlib.collections import LineCollection
 
-        ax.add_collection(
-            LineCollection([[(a, i), (b, i)] for a, b, i in alive_line], colors="#b0b0b0", linewidths=0.8, zorder=1)
-        )
-    ax.plot(
-        shown["arrival_s"].to_numpy(float),
-        np.arange(len(ids)),
-        linestyle="none",
-        marker="|",
-        color="black",
-        markersize=7,
-        zorder=4,
-    )
-
+def _request_lanes(ax, shown, segs, x_range: tuple[float, float]) -> None:
+    """One lane per request, earliest arrival on top: its arrival, its time in the system, its wait
+    before the first segment drawn, then its prefill and decode segments."""
+    ids = list(shown["id"])
+    lane_of = {rid: i for i, rid in enumerate(ids)}
+    _lifelines(ax, shown, segs)
     first_start: dict[str, float] = {}
     for rid, kind, s, e in segs:
         first_start[rid] = min(first_start.get(rid, math.inf), s)
@@ -763,7 +767,9 @@ def plot_timeline(
             lane, s, e = (np.array(v, dtype=float) for v in zip(*mine))
             _lane_rects(ax, s, e - s, lane, 0.38, color, seg_edge, 3)
 
-    ax.set_ylim(n_lanes - 0.5, -0.5)  # earliest arrival on top
+    x0, x1 = x_range
+    pad = (x1 - x0) * 0.01
+    ax.set_ylim(max(len(ids), 1) - 0.5, -0.5)  # earliest arrival on top
     if len(ids) <= 80:
         ax.set_yticks(range(len(ids)), ids, fontsize=7 if len(ids) > 30 else 8)
     ax.set_ylabel("request (by arrival)")
@@ -771,6 +777,40 @@ def plot_timeline(
     ax.set_xlim(x0 - pad, x1 + pad)
     _style(ax)
     ax.grid(False, axis="y")
+
+
+def _lifelines(ax, shown, segs) -> None:
+    """Each request's time in the system (a grey line; a cross for a rejected one) and its arrival."""
+    alive_line = []
+    for i, row in enumerate(shown.itertuples(index=False)):
+        end = row.finish_s if row.status == "finished" else None
+        if row.status == "rejected":
+            ax.plot([row.arrival_s], [i], marker="x", color=STARVED_COLOR, markersize=6)
+            continue
+        mine = [s for s in segs if s[0] == row.id]
+        last = max((e for _, _, _, e in mine), default=row.arrival_s)
+        alive_line.append((row.arrival_s, end if end is not None else last, i))
+    if alive_line:
+        from matplotlib.collections import LineCollection
+
+        ax.add_collection(
+            LineCollection([[(a, i), (b, i)] for a, b, i in alive_line], colors="#b0b0b0", linewidths=0.8, zorder=1)
+        )
+    ax.plot(
+        shown["arrival_s"].to_numpy(float),
+        np.arange(len(shown)),
+        linestyle="none",
+        marker="|",
+        color="black",
+        markersize=7,
+        zorder=4,
+    )
+
+
+def _timeline_legend(fig, source: str, rejected: bool) -> str:
+    """The legend, worded for what the source records; returns how the lanes were drawn."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     if source == "passes":
         wait_label = "queued: arrived, in no pass yet"
@@ -789,7 +829,7 @@ def plot_timeline(
         Line2D([], [], color="black", marker="|", linestyle="none", markersize=8, label="arrival"),
         Line2D([], [], color="#b0b0b0", label="in system (gaps = stalled)"),
     ]
-    if (shown["status"] == "rejected").any():
+    if rejected:
         handles.append(
             Line2D(
                 [],
@@ -802,26 +842,7 @@ def plot_timeline(
             )
         )
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
-    total = len(run.requests)
-    which = (
-        f"{len(ids)} of {alive} requests alive in {window[0]:g}–{window[1]:g} s"
-        if window
-        else f"first {len(ids)} of {total} requests by arrival"
-    )
-    title = f"{run.label}: step timeline, {which} ({how})"
-    if run.summary.get("error"):
-        title += f"\nthe run stopped early: {run.summary['error']}"
-    ax_d.set_title(title, fontsize=10.5)
-    files = save(fig, out_dir, name or f"timeline_{slug(run.label)}", formats)
-    return {
-        "files": files,
-        "figure": fig,
-        "lanes": ids,
-        "segments": segs,
-        "source": source,
-        "x_range": (x0, x1),
-        "steps_drawn": in_range["step"].to_numpy(),
-    }
+    return how
 
 
 # ------------------------------------------------------------------------ replica load
