@@ -126,7 +126,7 @@ def run_job(
     """Simulate one (policy, rate, concurrency); any failure becomes the row's ``error`` (one line)."""
     from schedlab.policies import make_policy
 
-    from schedlab.sim.loop import run
+    from schedlab.sim import Deployment, run
     from schedlab.sim.metrics import summarize
     from schedlab.sim.sources import clients
 
@@ -138,16 +138,10 @@ def run_job(
         arrivals = clients(
             tr.requests, job.concurrency, st["request_rate"], st["burstiness"], st["think_s"], st["seed"]
         )
-        result = run(
-            arrivals,
-            pol,
-            cost_model,
-            kv_capacity=kv_capacity,
-            trace_name=tr.name,
-            record_steps=False,
-            block_size=st["block_size"],
-            prefix_caching=st["prefix_caching"],
+        deployment = Deployment.one(
+            pol, cost_model, kv_capacity=kv_capacity, block_size=st["block_size"], prefix_caching=st["prefix_caching"]
         )
+        result = run(deployment, arrivals, trace_name=tr.name, record_steps=False)
         row = row_from_summary(label, job.rate, summarize(result, slo=slo or None), job.concurrency)
     except Exception as exc:  # a user's policy or a bad option: keep the other jobs going
         row = {k: None for k in ROW_FIELDS}

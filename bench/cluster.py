@@ -3,7 +3,7 @@
 The hour's requests arrive N times as fast (every arrival time divided by N), so each of N
 replicas behind the router sees about the load one replica sees in the plain hour; a run
 simulates the same requests on N = 1, 4, 16, 64 replicas (``least-requests``, ``unified``, the
-bundled measured profile). Each run is a fresh process (``sim.cluster.run_cluster``, the loop
+bundled measured profile). Each run is a fresh process (``sim.run`` of the deployment, the loop
 alone: the trace is loaded and scaled before the clock starts), so its peak memory is its own.
 Reported per N, medians over ``--repeat`` rounds (the Ns interleaved in each round: this
 machine drifts): wall seconds, simulated requests per wall second, the simulated makespan, peak
@@ -33,7 +33,7 @@ import dataclasses, json, resource, sys, time
 from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.routers import make_router
-from schedlab.sim.cluster import run_cluster
+from schedlab.sim import Deployment, Group, run
 from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
 from schedlab.sim.profiles import resolve_profile
 
@@ -45,8 +45,8 @@ tr = traces.load(trace)
 reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / n) for r in tr.requests]
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-res = run_cluster(reqs, [make_policy(policy) for _ in range(n)], cost, make_router(router),
-                  kv_capacity=capacity, trace_name=tr.name, record_passes=False)
+group = Group(tuple(make_policy(policy) for _ in range(n)), cost, capacity)
+res = run(Deployment((group,), make_router(router)), reqs, trace_name=tr.name, record_passes=False)
 wall = time.perf_counter() - t0
 assert res.error is None, res.error
 done = [r for r in res.requests if r.finish_s is not None]

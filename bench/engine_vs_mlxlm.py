@@ -46,7 +46,7 @@ from mlx_lm.generate import BatchGenerator  # noqa: E402
 from schedlab import traces  # noqa: E402
 from schedlab.policies.mlx_default import MlxDefault  # noqa: E402
 from schedlab.sim.cost import LinearCostModel  # noqa: E402
-from schedlab.sim.loop import run  # noqa: E402
+from schedlab.sim import run_replica  # noqa: E402
 from schedlab.traces.schema import Request  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def metrics(arrivals: dict, times: dict, outputs: dict) -> dict:
 
 def run_ours(info, requests) -> tuple[dict, dict]:
     backend = MLXBackend(info, ignore_eos=True)  # both engines run every request to its max_tokens
-    res = run(
+    res = run_replica(
         requests,
         MlxDefault(),
         LinearCostModel({}),

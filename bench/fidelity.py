@@ -386,7 +386,7 @@ def rescore_model(
     from schedlab.analysis.validation import compare, step_errors
     from schedlab.analysis.residuals import run_speed
     from schedlab.api._validation import speed_matched
-    from schedlab.sim import run, summarize
+    from schedlab.sim import run_replica, summarize
 
     path = kept / "profile.json"
     if not path.is_file():
@@ -417,7 +417,9 @@ def rescore_model(
                     raise SystemExit(f"{old_path}: not kept, and no finished real run beside it")
                 old = {"real_dirs": done, "partial": True}
             reals = [json.loads((pdir / d / "summary.json").read_text()) for d in old["real_dirs"]]
-            sim = summarize(run(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name))
+            sim = summarize(
+                run_replica(tr.requests, make_policy(pname), cost, kv_capacity=capacity, trace_name=tr.name)
+            )
             v = compare(sim, reals, policy=pname, trace=tr.name)
             kept_runs = load_runs([pdir / d for d in old["real_dirs"]])
             if coef is not None or old.get("partial"):  # the kept steps against the refit or the given

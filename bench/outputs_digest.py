@@ -103,9 +103,9 @@ def main() -> None:
     args = ap.parse_args()
     got = digest(args.tree.resolve())
     if args.out:
-        args.out.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        common.write_json(got, args.out)
     if args.against:
-        before = json.loads(args.against.read_text())
+        before = {k: v for k, v in json.loads(args.against.read_text()).items() if k != "provenance"}
         moved = [
             f"{case}/{f}"
             for case in sorted(set(before) | set(got))

@@ -31,7 +31,7 @@ from common import machine, result_path, write_json
 
 from schedlab.analysis.analytic import make_analytic_cost_model
 from schedlab.policies import make_policy
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.traces.schema import Request
 
 SEED000 = {
@@ -77,7 +77,7 @@ def seed000_row(n: int, ctx: int, gap_s: float = GAP_S, max_tokens: int = MAX_TO
     reqs = [Request(f"r{i}", i * gap_s, ctx, max_tokens) for i in range(n)]
     out = {}
     for mode, policy in (("off", "mlx-default"), ("on", "prefer-prefill")):
-        res = run(reqs, make_policy(policy, SEED000["options"]), model, kv_capacity=capacity)
+        res = run_replica(reqs, make_policy(policy, SEED000["options"]), model, kv_capacity=capacity)
         assert res.error is None and not res.rejected, res.error
         per, agg = decode_rates(res)
         out[mode] = {

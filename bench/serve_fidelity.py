@@ -146,7 +146,7 @@ def simulations(policy: str, served: Path, profile: str, speed: float) -> tuple[
     (every pass and the scheduler's work that many times the profile's seconds, the policy
     planning with the profile: ``validate``'s speed-matched)."""
     import schedlab
-    from schedlab.sim import run as run_loop, summarize
+    from schedlab.sim import run_replica as run_loop, summarize
     from schedlab.sim.backend import SimBackend
 
     cm = schedlab.cost_model(profile)

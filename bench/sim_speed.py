@@ -35,7 +35,7 @@ from pathlib import Path
 import common
 from schedlab import traces
 from schedlab.policies import POLICIES, make_policy
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
 from schedlab.sim.profiles import resolve_profile
 
@@ -95,7 +95,7 @@ def _typer(tree: Path) -> str:
 def loop_seconds(tr, policy: str, cost, capacity: int):
     gc.collect()
     t0 = time.perf_counter()
-    res = run(tr.requests, make_policy(policy), cost, kv_capacity=capacity, trace_name=tr.name)
+    res = run_replica(tr.requests, make_policy(policy), cost, kv_capacity=capacity, trace_name=tr.name)
     return time.perf_counter() - t0, res
 
 

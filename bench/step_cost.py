@@ -52,7 +52,7 @@ from schedlab.policies import make_policy
 from schedlab.policies.base import Plan
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.features import step_table
-from schedlab.sim.loop import run as run_loop
+from schedlab.sim import run_replica as run_loop
 
 TRACES = {
     "tiny": ("random:n=24,input_len=216,output_len=27,range_ratio=0.8,rate=1.5", 39),

@@ -71,7 +71,7 @@ from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.policies.base import Pass, Plan
 from schedlab.policies.vllm import Vllm
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.traces.schema import Request, Trace
 
 MAX_TOKENS = 4096
@@ -264,7 +264,9 @@ def simulate(policy: str, tr: Trace, cost, blocks: int) -> tuple[dict, object]:
         if policy == "sarathi-vidur"
         else make_policy("unified", {"token_budget": str(CHUNK), "max_batch": str(BATCH_CAP)})
     )
-    s = summarize(run(tr.requests, pol, cost, kv_capacity=blocks * BLOCK, trace_name=tr.name, record_steps=False))
+    s = summarize(
+        run_replica(tr.requests, pol, cost, kv_capacity=blocks * BLOCK, trace_name=tr.name, record_steps=False)
+    )
     return {
         "makespan_s": s["makespan_s"],
         "finished": s["finished"],

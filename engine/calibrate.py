@@ -40,7 +40,7 @@ from schedlab.policies.base import Pass, Plan
 from schedlab.sim.cost import DEFAULT_KV_TOKENS, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
 from schedlab.analysis.fit import fit_profile, merge_rounds, report_markdown
 from schedlab.analysis.samples import Sample
-from schedlab.sim.loop import run as run_loop
+from schedlab.sim import run_replica as run_loop
 from schedlab.sim.state import ReplicaState
 from schedlab.traces.schema import Request
 
@@ -736,7 +736,7 @@ def replay_trace(
     arriving ``WAKE_GAPS_S`` after the one before is predicted to end (wakes of an idle replica
     after known gaps, whatever the model's speed; shortened in proportion below ``WAKE_SCALE_S``
     of replay)."""
-    from schedlab.sim.loop import run as simulate
+    from schedlab.sim import Deployment, run
 
     def make(n: int) -> list[Request]:
         rng = random.Random(seed)
@@ -754,7 +754,7 @@ def replay_trace(
         ]
 
     def sim(reqs: list[Request]):
-        return simulate(reqs, make_policy("unified"), cost, kv_capacity=10**9, trace_name="replay")
+        return run(Deployment.one(make_policy("unified"), cost, kv_capacity=10**9), reqs, trace_name="replay")
 
     def ends(reqs: list[Request]) -> float:
         return max(r.finish_s for r in sim(reqs).requests)

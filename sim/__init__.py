@@ -1,17 +1,24 @@
 """The simulator core: the replica loop, clocks, arrival sources, the request state machine,
-the backend protocol and ``SimBackend``, the cost model, metrics and run outputs; several
-replicas behind a router (``run_cluster``); prefill and decode on different replicas, the KV moved
-between them (``run_disaggregated``, ``KVTransfer``).
+the backend protocol and ``SimBackend``, the cost model, metrics and run outputs.
+
+What runs is a ``Deployment`` (replica groups, router, faults, KV transfer; ``sim.deployment``)
+and ``run(deployment, arrivals)`` simulates it: one replica, several behind a router
+(``Cluster``), or prefill and decode on different replicas with the KV moved between them
+(``KVTransfer``). ``run_replica`` drives one replica's loop with any backend and clock (the
+real engine's runs).
 
 Never imports mlx: a simulation runs where MLX is absent.
 """
 
 from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
-from .cluster import run_cluster
-from .disagg import DisaggError, Pool, run_disaggregated
+from .cluster import Cluster
+from .deployment import Deployment, DeploymentError, Group
+from .disagg import DisaggError
 from .cost import LinearCostModel, ProfileError
-from .loop import PolicyError, RunResult, run
+from .loop import PolicyError, RunResult
+from .loop import run as run_replica
+from .runner import run
 from .sources import ArrivalSource, ClientSource, LiveSource, SourceClosed, TraceSource
 from .metrics import format_summary, summarize
 from .state import PlanError, ReplicaState, RequestState
@@ -29,7 +36,10 @@ __all__ = [
     "DisaggError",
     "KVTransfer",
     "Link",
-    "Pool",
+    "Cluster",
+    "Deployment",
+    "DeploymentError",
+    "Group",
     "TransferError",
     "LinearCostModel",
     "PlanError",
@@ -41,7 +51,6 @@ __all__ = [
     "SimBackend",
     "format_summary",
     "run",
-    "run_cluster",
-    "run_disaggregated",
+    "run_replica",
     "summarize",
 ]

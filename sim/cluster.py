@@ -27,7 +27,6 @@ the decision.
 
 from __future__ import annotations
 
-import math
 import time
 from bisect import bisect_right
 from heapq import heappop, heappush
@@ -36,11 +35,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import simpy
 
-from schedlab.policies.base import CostModel, Policy
 from schedlab.routers import ClusterView, ReplicaSignals, RouteError, route_checked
 from schedlab.traces.schema import Request
 
 from .clock import SimClock
+from .deployment import Deployment
 from .gcpause import gc_paused
 from .loop import PassLog, PolicyError, ReplicaLoop, RunResult, StepLog
 from .prefix import Blocks
@@ -123,28 +122,10 @@ class _History:
 _INF = float("inf")
 
 
-def run_cluster(
-    arrivals: Sequence[Request] | ArrivalSource,
-    policies: Sequence[Policy],
-    cost_model: CostModel | Sequence[CostModel],
-    router: Any,
-    *,
-    kv_capacity: int | Sequence[int],
-    router_delay: float = 0.0,
-    trace_name: str = "trace",
-    block_size: int = 1,
-    prefix_caching: bool = False,
-    token_keys: Callable[[Any], Sequence[int] | None] | None = None,
-    record_passes: bool = True,
-    router_options: dict | None = None,
-    fail: Sequence[tuple[int, float]] = (),
-) -> RunResult:
-    """Simulate ``len(policies)`` replicas, replica i running ``policies[i]`` (each its own
-    object), behind ``router`` (an object with ``name`` and ``route(view) -> int``), over
-    ``arrivals``. Every replica has ``kv_capacity`` tokens of KV in blocks of ``block_size`` and
-    the cost model ``cost_model`` (either may be a sequence, one per replica: a heterogeneous
-    cluster); ``router_delay``: the router sees each replica as it was that
-    many seconds before the arrival.
+class Cluster:
+    """A deployment's replicas behind its router, over one arrival source, in one SimPy
+    environment: ``Cluster(deployment, arrivals).run()`` (``sim.run`` makes one for every
+    deployment with a router).
 
     The result is the whole cluster's (every request, in arrival order, with ``replica``: the
     replica that served each; the steps and passes of all replicas, by replica); ``replicas``
@@ -152,197 +133,208 @@ def run_cluster(
     index of a replica that is up, stops the run (``error``: one line naming the router and the
     request), as a plan the state machine refuses does.
 
-    ``fail``: ``(replica, seconds)`` pairs: that replica dies at that time (no pass that would
-    end after it happens). From then on the router sees it down. Its unfinished requests that
-    had no token yet are routed again at once (once: the router chooses among the replicas up;
-    their arrival time stays theirs, so the time lost shows in their TTFT); one that had tokens
-    already, or was retried already, or finds no replica up, is refused with the reason (a
-    client that saw tokens cannot be answered again without repeating them)."""
-    policies = list(policies)
-    n = len(policies)
-    if n < 1:
-        raise ValueError(f"a cluster has at least one replica, got {n}")
-    if isinstance(router_delay, bool) or not (isinstance(router_delay, (int, float)) and router_delay >= 0):
-        raise ValueError(f"router_delay must be a number of seconds >= 0, got {router_delay!r}")
-    if not math.isfinite(router_delay):
-        raise ValueError(f"router_delay must be finite, got {router_delay!r}")
-    costs = list(cost_model) if isinstance(cost_model, (list, tuple)) else [cost_model] * n
-    capacities = list(kv_capacity) if isinstance(kv_capacity, (list, tuple)) else [kv_capacity] * n
-    if len(costs) != n or len(capacities) != n:
-        raise ValueError(
-            f"one cost model and one KV capacity per replica: {n} replicas, {len(costs)} cost models, "
-            f"{len(capacities)} KV capacities"
-        )
-    faults = _checked_faults(fail, n)
-    source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
-    env = simpy.Environment()
-    sending = [True]  # the source may still send
-    pending_faults = sorted(faults.values())  # (a failure sends its requests elsewhere: an arrival)
-    if n == 1 and not faults:
-        next_arrival = source.next_arrival_s
-    elif n == 1:
+    Failures (the deployment's ``fail``): that replica dies at that time (no pass that would end
+    after it happens). From then on the router sees it down. Its unfinished requests that had no
+    token yet are routed again at once (once: the router chooses among the replicas up; their
+    arrival time stays theirs, so the time lost shows in their TTFT); one that had tokens
+    already, or was retried already, or finds no replica up, is refused with the reason (a client
+    that saw tokens cannot be answered again without repeating them)."""
 
-        def next_arrival(_next=source.next_arrival_s):
-            t = _next()
-            f = pending_faults[0] if pending_faults else None
-            return f if t is None or (f is not None and f < t) else t
-    else:
+    def __init__(
+        self,
+        deployment: Deployment,
+        arrivals: Sequence[Request] | ArrivalSource,
+        *,
+        trace_name: str = "trace",
+        record_steps: bool = True,
+        record_passes: bool = True,
+        token_keys: Callable[[Any], Sequence[int] | None] | None = None,
+    ) -> None:
+        if deployment.router is None or deployment.disaggregated:
+            raise ValueError("a Cluster runs a deployment with a router and no pools (sim.run runs any)")
+        self.deployment = d = deployment
+        self.trace_name = trace_name
+        self.router = d.router
+        self.n = n = d.replicas
+        self.delay = d.router_delay
+        self.faults = dict(d.fail)
+        self.source = source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
+        self.env = simpy.Environment()
+        self.sending = True  # the source may still send
+        self.pending_faults = sorted(self.faults.values())  # (a failure sends its requests elsewhere: an arrival)
+        next_arrival = self._next_arrival_fn()
+        self.replicas: list[ReplicaLoop] = []
+        self.histories: list[_History] = []
+        self.dirty: set[int] = set()  # replicas with history entries recorded since their signals were made
+        for i, (pol, cost, capacity) in enumerate(zip(d.policies, d.cost_models, d.kv_capacities)):
+            h = _History(None, i, self.dirty)
+            rep = ReplicaLoop(
+                pol,
+                cost,
+                kv_capacity=capacity,
+                next_arrival=next_arrival,  # the cluster's next arrival: any may come here
+                finished=source.finished,
+                clock=SimClock(self.env),
+                record_steps=record_steps,
+                block_size=d.block_size,
+                prefix_caching=d.prefix_caching,
+                token_keys=token_keys,
+                record_passes=record_passes,
+                on_change=(h.record, h.record_run),
+            )
+            h.state = rep.state
+            rep.fail_at = self.faults.get(i)
+            self.replicas.append(rep)
+            self.histories.append(h)
+        self.requests: list[RequestState] = []  # every request, in arrival order
+        self.replica_of: list[int] = []
+        self.rejected: list[tuple[RequestState, str]] = []
+        self.capacities = [rep.state.kv_capacity for rep in self.replicas]
+        self.caches = [rep.state.prefix for rep in self.replicas]
+        # Each replica's signals as last made, and until when they hold (a heap of (time, version,
+        # replica)): an arrival remakes only those that have changed since (the replicas whose
+        # history has a new entry, or whose signals ran out), so what a decision costs grows with
+        # what happened since the last one, not with the number of replicas.
+        self.signals = [ReplicaSignals(i, kv_capacity=self.capacities[i]) for i in range(n)]
+        self.version = [0] * n
+        self.expiry: list[tuple[float, int, int]] = []
+        self.up = [True] * n
+        self.position: dict[str, int] = {}  # request id -> its place in requests
+        self.retried: dict[str, int] = {}  # request id -> the replica it was first sent to
+        self.failures: list[dict[str, Any]] = []
 
-        def next_arrival(_next=source.next_arrival_s):
+    def _next_arrival_fn(self) -> Callable[[], float | None]:
+        """When the cluster's next arrival is due (a failure counts: it sends its requests
+        elsewhere), as the replicas ask it to know how far they may run ahead of SimPy."""
+        source_next, pending = self.source.next_arrival_s, self.pending_faults
+        if self.n == 1 and not self.faults:
+            return source_next
+        if self.n == 1:
+
+            def next_arrival():
+                t = source_next()
+                f = pending[0] if pending else None
+                return f if t is None or (f is not None and f < t) else t
+
+            return next_arrival
+        env = self.env
+
+        def next_arrival():
             # Unknown while the source is open (closed-loop clients wait on a finish): it may come
             # from another replica's finish at any time, so no replica runs ahead of SimPy (one
             # replica alone may: only its own finishes can send it more).
-            t = _next()
-            if t is None and sending[0]:
+            t = source_next()
+            if t is None and self.sending:
                 return env.now
-            f = pending_faults[0] if pending_faults else None
+            f = pending[0] if pending else None
             return f if t is None or (f is not None and f < t) else t
 
-    replicas: list[ReplicaLoop] = []
-    histories: list[_History] = []
-    dirty: set[int] = set()  # replicas with history entries recorded since their signals were made
-    for i, (pol, cost, capacity) in enumerate(zip(policies, costs, capacities)):
-        h = _History(None, i, dirty)
-        rep = ReplicaLoop(
-            pol,
-            cost,
-            kv_capacity=capacity,
-            next_arrival=next_arrival,  # the cluster's next arrival: any may come here
-            finished=source.finished,
-            clock=SimClock(env),
-            block_size=block_size,
-            prefix_caching=prefix_caching,
-            token_keys=token_keys,
-            record_passes=record_passes,
-            on_change=(h.record, h.record_run),
-        )
-        h.state = rep.state
-        rep.fail_at = faults.get(i)
-        replicas.append(rep)
-        histories.append(h)
+        return next_arrival
 
-    router_name = getattr(router, "name", type(router).__name__)
-    delay = float(router_delay)
-    requests: list[RequestState] = []  # every request, in arrival order
-    replica_of: list[int] = []
-    rejected: list[tuple[RequestState, str]] = []
-    capacities = [rep.state.kv_capacity for rep in replicas]
-    caches = [rep.state.prefix for rep in replicas]
-
-    def prefix_hits(req: Request) -> list[int]:
+    def _prefix_hits(self, req: Request) -> list[int]:
         # one probe for every replica: the prompt's block hashes are made once
+        caches = self.caches
         probe = RequestState(req, -1)
         probe._blk = Blocks(caches[0], req.id)
         return [c.lookup(probe)[0] * c.bs for c in caches]
 
-    # Each replica's signals as last made, and until when they hold (a heap of (time, version,
-    # replica)): an arrival remakes only those that have changed since (the replicas whose
-    # history has a new entry, or whose signals ran out), so what a decision costs grows with
-    # what happened since the last one, not with the number of replicas.
-    signals = [ReplicaSignals(i, kv_capacity=capacities[i]) for i in range(n)]
-    version = [0] * n
-    expiry: list[tuple[float, int, int]] = []
-    up = [True] * n
-
-    def refresh(i: int, x: float) -> None:
-        vals, hi = histories[i].at(x)
-        signals[i] = ReplicaSignals(i, *vals, capacities[i], 0, up[i])
-        version[i] += 1
+    def _refresh(self, i: int, x: float) -> None:
+        vals, hi = self.histories[i].at(x)
+        self.signals[i] = ReplicaSignals(i, *vals, self.capacities[i], 0, self.up[i])
+        self.version[i] += 1
         if hi != _INF:
-            heappush(expiry, (hi, version[i], i))
+            heappush(self.expiry, (hi, self.version[i], i))
 
-    position: dict[str, int] = {}  # request id -> its place in requests
-    retried: dict[str, int] = {}  # request id -> the replica it was first sent to
-    failures: list[dict[str, Any]] = []
-
-    def deliver(req: Request, retry: bool = False) -> RequestState | None:
-        """Route ``req`` now; its state on the replica chosen (None: refused)."""
-        now = env.now
-        if faults and not any(up):  # no router can choose: refused (replica -1: none)
-            r = RequestState(req, -1)
-            if retry:
-                k = position[req.id]
-                requests[k], replica_of[k] = r, -1
-            else:
-                position[req.id] = len(requests)
-                requests.append(r)
-                replica_of.append(-1)
-            refuse(r, "no replica is up")
-            return None
-        x = now - delay
+    def _view(self, req: Request) -> ClusterView:
+        """The cluster as the router sees it now: each replica ``router_delay`` seconds ago."""
+        now = self.env.now
+        x = now - self.delay
+        dirty, expiry, version, refresh = self.dirty, self.expiry, self.version, self._refresh
         while dirty:
             refresh(dirty.pop(), x)
         while expiry and expiry[0][0] <= x:
             _, v, i = heappop(expiry)
             if v == version[i]:
                 refresh(i, x)
-        if prefix_caching:
-            hits = prefix_hits(req)
-            view = ClusterView(now, req, len(requests), tuple(s._replace(prefix_hit=h) for s, h in zip(signals, hits)))
+        if self.deployment.prefix_caching:
+            hits = self._prefix_hits(req)
+            signals = tuple(s._replace(prefix_hit=h) for s, h in zip(self.signals, hits))
+            return ClusterView(now, req, len(self.requests), signals)
+        return ClusterView(now, req, len(self.requests), tuple(self.signals))
+
+    def _place(self, req: Request, r: RequestState, j: int, retry: bool) -> None:
+        """Where ``req``'s state is found: its place among the arrivals (kept on a retry)."""
+        if retry:
+            k = self.position[req.id]
+            self.requests[k], self.replica_of[k] = r, j
         else:
-            view = ClusterView(now, req, len(requests), tuple(signals))
-        j = route_checked(router, view)
-        rep = replicas[j]
+            self.position[req.id] = len(self.requests)
+            self.requests.append(r)
+            self.replica_of.append(j)
+
+    def deliver(self, req: Request, retry: bool = False) -> RequestState | None:
+        """Route ``req`` now; its state on the replica chosen (None: refused)."""
+        if self.faults and not any(self.up):  # no router can choose: refused (replica -1: none)
+            r = RequestState(req, -1)
+            self._place(req, r, -1, retry)
+            self.refuse(r, "no replica is up")
+            return None
+        j = route_checked(self.router, self._view(req))
+        rep = self.replicas[j]
         r = rep.deliver(req)
         st = rep.state
-        if retry:
-            k = position[req.id]
-            requests[k] = st.requests[-1]
-            replica_of[k] = j
-        else:
-            position[req.id] = len(requests)
-            requests.append(st.requests[-1])
-            replica_of.append(j)
+        self._place(req, st.requests[-1], j, retry)
         if r is None:
-            rejected.append(st.rejected[-1])
+            self.rejected.append(st.rejected[-1])
         else:
-            histories[j].sent_one(now, req)
+            self.histories[j].sent_one(self.env.now, req)
         return r
 
-    def refuse(r: RequestState, why: str) -> None:
-        rejected.append((r, why))
-        source.finished(r, env.now)
+    def refuse(self, r: RequestState, why: str) -> None:
+        self.rejected.append((r, why))
+        self.source.finished(r, self.env.now)
 
-    def fault(i: int, at: float):
-        yield env.timeout(at)
-        pending_faults.remove(at)
-        rep = replicas[i]
+    def _fault(self, i: int, at: float):
+        yield self.env.timeout(at)
+        self.pending_faults.remove(at)
+        rep = self.replicas[i]
         rep.kill()
-        up[i] = False
-        dirty.add(i)
+        self.up[i] = False
+        self.dirty.add(i)
         refused = {id(r) for r, _ in rep.state.rejected}
         # its unfinished requests (those it refused on arrival were answered then)
         lost = [
             r
             for r in rep.state.requests
-            if r.finish_s is None and id(r) not in refused and requests[position[r.id]] is r
+            if r.finish_s is None and id(r) not in refused and self.requests[self.position[r.id]] is r
         ]
         again = failed = 0
         for r in lost:
             if r.first_token_s is not None:
-                refuse(r, f"replica {i} failed at {at:g} s after {len(r.token_times)} token(s)")
-                failed += 1
-            elif r.id in retried:
-                refuse(r, f"replica {i} failed at {at:g} s, and the request was retried once already")
-                failed += 1
-            elif not any(up):
-                refuse(r, f"replica {i} failed at {at:g} s and no replica is up")
-                failed += 1
+                why = f"replica {i} failed at {at:g} s after {len(r.token_times)} token(s)"
+            elif r.id in self.retried:
+                why = f"replica {i} failed at {at:g} s, and the request was retried once already"
+            elif not any(self.up):
+                why = f"replica {i} failed at {at:g} s and no replica is up"
             else:
-                retried[r.id] = i
-                deliver(r.request, retry=True)
+                self.retried[r.id] = i
+                self.deliver(r.request, retry=True)
                 again += 1
-        failures.append({"replica": i, "at_s": at, "retried": again, "refused": failed})
+                continue
+            self.refuse(r, why)
+            failed += 1
+        self.failures.append({"replica": i, "at_s": at, "retried": again, "refused": failed})
 
-    def arrivals_process():
-        yield from source.process(env, deliver)
+    def _arrivals(self, dying):
+        yield from self.source.process(self.env, self.deliver)
         if dying:  # a failure to come may send requests to the others: they stay open till then
-            yield env.all_of(dying)
-        sending[0] = False
-        for rep in replicas:
+            yield self.env.all_of(dying)
+        self.sending = False
+        for rep in self.replicas:
             rep.close()
 
-    def tagged(i: int, rep: ReplicaLoop):
+    @staticmethod
+    def _tagged(i: int, rep: ReplicaLoop):
         try:
             yield from rep.process()
         except PlanError as exc:
@@ -350,76 +342,64 @@ def run_cluster(
         except PolicyError as exc:
             raise PolicyError(f"replica {i}: {exc}") from exc
 
-    wall0 = time.perf_counter()
-    for rep in replicas:
-        rep.backend.start(rep.state, source.requests)
-        rep.clock.start()
-    dying = [env.process(fault(i, at)) for i, at in faults.items()]
-    sending_done = env.process(arrivals_process())
-    if n == 1 and not faults:
-        until = env.process(replicas[0].process())
-    else:  # (after failures the source may go on sending: into a cluster with no replica up)
-        until = env.all_of([sending_done, *dying] + [env.process(tagged(i, rep)) for i, rep in enumerate(replicas)])
-    error = None
-    try:
-        with gc_paused():
-            env.run(until=until)
-    except (PlanError, PolicyError, RouteError) as exc:
-        error = str(exc)
-    except RuntimeError as exc:
-        if "No scheduled events left" not in str(exc):
-            raise
-        stuck = next((rep for rep in replicas if not rep.state.done and not rep.failed), replicas[0])
-        error = stuck.stalled()
-    parts = [rep.result(None, trace_name, wall0, None) for rep in replicas]
-    describe = getattr(source, "describe", None)
-    one = parts[0]
-    return RunResult(
-        policy=one.policy,
-        mode=one.mode,
-        trace=trace_name,
-        requests=requests,
-        rejected=rejected,
-        steps=one.steps if n == 1 else merged_steps([p.steps for p in parts]),
-        passes=one.passes if n == 1 else merged_passes([p.passes for p in parts]),
-        wall_s=time.perf_counter() - wall0,
-        meta=one.meta,
-        error=error,
-        kv_capacity=one.kv_capacity,
-        wakes=one.wakes if n == 1 else {},
-        block_size=one.block_size,
-        prefix_cache=one.prefix_cache if n == 1 else merged_prefix_stats(caches),
-        source=describe() if describe is not None else None,
-        scheduled_s=getattr(source, "scheduled_s", None),
-        passes_recorded=one.passes_recorded,
-        replica=replica_of,
-        replicas=parts,
-        cluster={
-            "replicas": n,
-            "router": router_name,
-            "router_options": dict(router_options or {}),
-            "router_delay": delay,
-            **({"failures": failures, "retried": dict(retried)} if faults else {}),
-        },
-    )
-
-
-def _checked_faults(fail: Sequence[tuple[int, float]], n: int) -> dict[int, float]:
-    """``fail`` as {replica: seconds}, or a ValueError naming what is wrong."""
-    out: dict[int, float] = {}
-    for item in fail:
+    def run(self) -> RunResult:
+        env, replicas = self.env, self.replicas
+        wall0 = time.perf_counter()
+        for rep in replicas:
+            rep.backend.start(rep.state, self.source.requests)
+            rep.clock.start()
+        dying = [env.process(self._fault(i, at)) for i, at in self.faults.items()]
+        sending_done = env.process(self._arrivals(dying))
+        if self.n == 1 and not self.faults:
+            until = env.process(replicas[0].process())
+        else:  # (after failures the source may go on sending: into a cluster with no replica up)
+            procs = [env.process(self._tagged(i, rep)) for i, rep in enumerate(replicas)]
+            until = env.all_of([sending_done, *dying, *procs])
+        error = None
         try:
-            i, at = item
-        except (TypeError, ValueError):
-            raise ValueError(f"a failure is (replica, seconds), got {item!r}") from None
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-            raise ValueError(f"a failure names replica 0 to {n - 1}, got {i!r}")
-        if isinstance(at, bool) or not isinstance(at, (int, float)) or not (math.isfinite(at) and at >= 0):
-            raise ValueError(f"replica {i} fails at a finite time >= 0 s, got {at!r}")
-        if i in out:
-            raise ValueError(f"replica {i} fails twice (at {out[i]:g} s and {at:g} s); a replica fails once")
-        out[i] = float(at)
-    return out
+            with gc_paused():
+                env.run(until=until)
+        except (PlanError, PolicyError, RouteError) as exc:
+            error = str(exc)
+        except RuntimeError as exc:
+            if "No scheduled events left" not in str(exc):
+                raise
+            stuck = next((rep for rep in replicas if not rep.state.done and not rep.failed), replicas[0])
+            error = stuck.stalled()
+        return self._result(wall0, error)
+
+    def _result(self, wall0: float, error: str | None) -> RunResult:
+        parts = [rep.result(None, self.trace_name, wall0, None) for rep in self.replicas]
+        describe = getattr(self.source, "describe", None)
+        one, n = parts[0], self.n
+        return RunResult(
+            policy=one.policy,
+            mode=one.mode,
+            trace=self.trace_name,
+            requests=self.requests,
+            rejected=self.rejected,
+            steps=one.steps if n == 1 else merged_steps([p.steps for p in parts]),
+            passes=one.passes if n == 1 else merged_passes([p.passes for p in parts]),
+            wall_s=time.perf_counter() - wall0,
+            meta=one.meta,
+            error=error,
+            kv_capacity=one.kv_capacity,
+            wakes=one.wakes if n == 1 else {},
+            block_size=one.block_size,
+            prefix_cache=one.prefix_cache if n == 1 else merged_prefix_stats(self.caches),
+            source=describe() if describe is not None else None,
+            scheduled_s=getattr(self.source, "scheduled_s", None),
+            passes_recorded=one.passes_recorded,
+            replica=self.replica_of,
+            replicas=parts,
+            cluster={
+                "replicas": n,
+                "router": getattr(self.router, "name", type(self.router).__name__),
+                "router_options": self.deployment.router_options(),
+                "router_delay": self.delay,
+                **({"failures": self.failures, "retried": dict(self.retried)} if self.faults else {}),
+            },
+        )
 
 
 def merged_steps(logs: Sequence[StepLog]) -> StepLog:

@@ -22,20 +22,21 @@ client's slot) would need both pools in one clock, and are refused here, as are 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from schedlab.policies.base import CostModel, Policy
 from schedlab.traces.schema import Request
 
-from .cluster import merged_passes, merged_steps, run_cluster
+from .cluster import Cluster, merged_passes, merged_steps
+from .deployment import Deployment, DeploymentError
 from .loop import RunResult
 from .state import FINISHED, RequestState
 from .transfer import KVTransfer
 
 
-class DisaggError(ValueError):
+class DisaggError(DeploymentError):
     """A disaggregated run that cannot be made: its message is one line for a user."""
 
 
@@ -45,22 +46,6 @@ class TransferredRequest(Request):
     with it (the rest, one token, is computed there)."""
 
     kv_transferred: int = 0
-
-
-@dataclass
-class Pool:
-    """One pool's replicas: ``policies`` (one object per replica), their ``cost_model`` and
-    ``kv_capacity`` (one, or one per replica), and the ``router`` that picks among them."""
-
-    policies: Sequence[Policy]
-    cost_model: CostModel | Sequence[CostModel]
-    router: Any
-    kv_capacity: int | Sequence[int]
-    router_options: dict | None = None
-
-    def check(self, what: str) -> None:
-        if not self.policies:
-            raise DisaggError(f"the {what} pool has no replica")
 
 
 def _partial(req: Request, index: int, p: RequestState) -> RequestState:
@@ -90,43 +75,30 @@ def _merged(req: Request, index: int, p: RequestState, d: RequestState | None) -
 
 
 def run_disaggregated(
-    arrivals: Sequence[Request],
-    prefill: Pool,
-    decode: Pool,
-    transfer: KVTransfer | None,
-    *,
-    trace_name: str = "trace",
-    block_size: int = 1,
-    router_delay: float = 0.0,
+    deployment: Deployment, arrivals: Sequence[Request] | Any, *, trace_name: str = "trace"
 ) -> RunResult:
-    """Simulate ``arrivals`` on a prefill pool and a decode pool with ``transfer`` between them
-    (None: a free move). The result is the whole run's, every request as its client saw it (in
-    arrival order; ``replica``: the decode replica that finished it, numbered after the prefill
-    pool's, or its prefill replica when it had one output token); ``replicas``: the prefill
-    pool's results, then the decode pool's; ``cluster["transfer_s"]``: each request's exposed
-    transfer seconds."""
+    """Simulate ``arrivals`` on ``deployment``'s prefill pool and decode pool (its groups'
+    ``pool``; each pool behind its own copy of the deployment's router) with its ``transfer``
+    between them (None: a free move). The result is the whole run's, every request as its client
+    saw it (in arrival order; ``replica``: the decode replica that finished it, numbered after the
+    prefill pool's, or its prefill replica when it had one output token); ``replicas``: the
+    prefill pool's results, then the decode pool's; ``cluster["transfer_s"]``: each request's
+    exposed transfer seconds."""
     if hasattr(arrivals, "process"):
         raise DisaggError("a disaggregated run replays a trace's arrivals; closed-loop clients are not supported yet")
     reqs = list(arrivals)
     if any(r.cancel_after_s is not None for r in reqs):
         raise DisaggError("a disaggregated run does not support cancellations (cancel_after_s) yet")
-    prefill.check("prefill")
-    decode.check("decode")
+    transfer = deployment.transfer
     if transfer is not None and not isinstance(transfer, KVTransfer):
         raise DisaggError(f"transfer must be a KVTransfer or None, got {type(transfer).__name__}")
+    # each pool its own router object (routers keep state), both as the deployment's was made
+    prefill = deployment.pool("prefill", copy.deepcopy(deployment.router))
+    decode = deployment.pool("decode", copy.deepcopy(deployment.router))
+    router_delay = deployment.router_delay
 
-    def pool_run(pool: Pool, trace: list[Request]) -> RunResult:
-        return run_cluster(
-            trace,
-            pool.policies,
-            pool.cost_model,
-            pool.router,
-            kv_capacity=pool.kv_capacity,
-            router_delay=router_delay,
-            trace_name=trace_name,
-            block_size=block_size,
-            router_options=pool.router_options,
-        )
+    def pool_run(pool: Deployment, trace: list[Request]) -> RunResult:
+        return Cluster(pool, trace, trace_name=trace_name).run()
 
     first = pool_run(prefill, [dataclasses.replace(r, output_tokens=1) for r in reqs])
     by_p = {r.id: r for r in first.requests}
@@ -154,7 +126,7 @@ def run_disaggregated(
     second = pool_run(decode, moved) if moved else None
     by_d = {r.id: r for r in second.requests} if second is not None else {}
     d_replica = dict(zip((r.id for r in second.requests), second.replica)) if second is not None else {}
-    n_p = len(prefill.policies)
+    n_p = prefill.replicas
     why = {r.id: w for r, w in first.rejected}
     if second is not None:
         why.update({r.id: w for r, w in second.rejected})
@@ -183,7 +155,7 @@ def run_disaggregated(
         meta=first.meta,
         error=first.error or (second.error if second is not None else None),
         kv_capacity=first.kv_capacity,
-        block_size=block_size,
+        block_size=deployment.block_size,
         replica=replica,
         replicas=parts,
         cluster={
@@ -192,7 +164,7 @@ def run_disaggregated(
             "disaggregated": True,
             "prefill": {"replicas": n_p, "router": (first.cluster or {}).get("router")},
             "decode": {
-                "replicas": len(decode.policies),
+                "replicas": decode.replicas,
                 "router": (second.cluster or {}).get("router") if second is not None else None,
             },
             "transfer": None

@@ -14,7 +14,7 @@ import pytest
 import schedlab
 from schedlab.policies import make_policy
 from schedlab.policies.base import CostModel, PassShape
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.analysis.analytic import (
     AnalyticCostModel,
     AnalyticError,
@@ -661,7 +661,7 @@ def test_the_simulator_runs_on_an_analytic_model_and_faster_hardware_is_faster()
     for hw in ("m1", "h100-sxm"):
         cost, kv, _ = make_analytic_cost_model(hw, "llama-3.1-8b", 4)
         for pol in ("mlx-default", "chunked-prefill"):
-            res = run(reqs, make_policy(pol), cost, kv_capacity=kv)
+            res = run_replica(reqs, make_policy(pol), cost, kv_capacity=kv)
             assert res.error is None and not res.rejected
             assert all(r.finish_s is not None for r in res.requests) and len(res.requests) == len(reqs)
             makespans[hw, pol] = max(r.finish_s for r in res.requests)

@@ -14,7 +14,7 @@ import pytest
 
 from schedlab.policies import make_policy
 from schedlab.policies.base import PassShape
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.analysis.analytic import AnalyticError, Efficiency, analytic_from_config, fit_efficiency
 from schedlab.analysis.analytic.hardware import DEFAULT_EFFICIENCY, Hardware, read_hardware_file
 from schedlab.analysis.analytic.local import BLOCK_KEY, efficiency_from_block, fit_local, shape_from_sample
@@ -450,7 +450,7 @@ def test_validate_hardware_cpu_local_end_to_end(tmp_path):
         cm = analytic_from_config("cpu-local", preset("micro"), 32, name="micro", kv_bits=32)
     finally:
         del os.environ["SCHEDLAB_CACHE_DIR"]
-    res = run(reqs, make_policy("mlx-default"), cm, kv_capacity=262144, trace_name="tiny-trace")
+    res = run_replica(reqs, make_policy("mlx-default"), cm, kv_capacity=262144, trace_name="tiny-trace")
     sim_pred = [float(r["predicted_s"]) for r in read_table(out / "sim" / "steps.parquet")]
     assert sim_pred == pytest.approx([s.predicted_s for s in res.steps], rel=1e-9)
     # ...and the real run's first step (the same plan at t = 0) was predicted by it too

@@ -11,7 +11,7 @@ import pytest
 from schedlab import traces
 from schedlab.policies import POLICIES, make_policy
 from schedlab.policies.base import Pass, Plan
-from schedlab.sim import ProfileError, run
+from schedlab.sim import ProfileError, run_replica
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.layout import CacheLayout, LayoutError
 from schedlab.sim.state import PlanError
@@ -110,7 +110,7 @@ def fifo_concurrency(layout, capacity, n=12, prompt=100, output=20):
         most[0] = max(most[0], len(state.running))
 
     cost = LinearCostModel(KNOWN, meta={"cache_layout": layout} if layout else {})
-    res = run(reqs, make_policy("static", {"batch_size": "64"}), cost, kv_capacity=capacity, on_step=watch)
+    res = run_replica(reqs, make_policy("static", {"batch_size": "64"}), cost, kv_capacity=capacity, on_step=watch)
     assert res.error is None and all(r.phase.value == "finished" for r in res.requests)
     return most[0]
 
@@ -141,7 +141,9 @@ def test_every_policy_keeps_the_memory_of_such_a_model_within_capacity(policy, l
         seen.append(len(state.running))
 
     cost = LinearCostModel(KNOWN, meta={"cache_layout": layout})
-    res = run(tr.requests, make_policy(policy), cost, kv_capacity=capacity, block_size=block_size, on_step=watch)
+    res = run_replica(
+        tr.requests, make_policy(policy), cost, kv_capacity=capacity, block_size=block_size, on_step=watch
+    )
     assert res.error is None and not res.rejected
     assert all(r.phase.value == "finished" and r.generated == r.output_tokens for r in res.requests)
     assert seen and max(seen) >= 2

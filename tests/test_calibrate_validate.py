@@ -403,7 +403,7 @@ def test_speed_points_come_from_the_profile_and_the_speed_line_reads_them():
 
 def test_a_scaled_cost_model_scales_every_second_and_the_whole_schedule():
     from schedlab.policies import make_policy
-    from schedlab.sim import run
+    from schedlab.sim import run_replica
     from schedlab.sim.cost import ScaledCostModel
     from simkit import cost_model, req
 
@@ -414,8 +414,8 @@ def test_a_scaled_cost_model_scales_every_second_and_the_whole_schedule():
     assert twice.step_overhead_seconds(2, 5) == pytest.approx(2 * base.step_overhead_seconds(2, 5))
     # every request there at 0 s: the same plans, each step twice as long
     reqs = [req(i, 40 + 17 * i, 5 + i) for i in range(6)]
-    a = run(reqs, make_policy("chunked-prefill"), base, kv_capacity=10**6)
-    b = run(reqs, make_policy("chunked-prefill"), twice, kv_capacity=10**6)
+    a = run_replica(reqs, make_policy("chunked-prefill"), base, kv_capacity=10**6)
+    b = run_replica(reqs, make_policy("chunked-prefill"), twice, kv_capacity=10**6)
     assert len(a.steps) == len(b.steps)
     assert b.steps[-1].end_s == pytest.approx(2 * a.steps[-1].end_s)
     for bad in (0, -1.0, float("nan")):

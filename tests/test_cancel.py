@@ -17,7 +17,7 @@ from schedlab import SchedlabError, simulate, traces
 from schedlab.policies import POLICIES, make_policy
 from schedlab.sim import metrics
 from schedlab.sim.cost import LinearCostModel
-from schedlab.sim.loop import run
+from schedlab.sim import run_replica
 from schedlab.traces.schema import Trace
 
 # A Qwen3.5-like hybrid (seed 002's model): 8 full-attention layers of 4 KV heads x 256 at 16 bits
@@ -49,7 +49,7 @@ def test_a_partial_prefill_stops_taking_budget_and_frees_its_kv_at_once(layout):
     # a 3000-token prompt in 256-token chunks (~12 steps) next to a short request decoding; on the
     # hybrid each also holds its recurrent state's blocks from its admission to its end
     reqs = [req("long", 3000, 20), req("short", 10, 400)]
-    base = run(reqs, make_policy("chunked-prefill", {"budget": 256}), layout_cost(layout), kv_capacity=100_000)
+    base = run_replica(reqs, make_policy("chunked-prefill", {"budget": 256}), layout_cost(layout), kv_capacity=100_000)
     long_steps = _steps_with(base, "long")
     at = long_steps[4]  # the long prompt is mid-prefill
     assert base.requests[0].first_token_s > at
@@ -64,7 +64,7 @@ def test_a_partial_prefill_stops_taking_budget_and_frees_its_kv_at_once(layout):
             held.append((state.kv_used, state.by_id["long"].kv_tokens, state.by_id["short"].kv_tokens))
 
     policy = make_policy("chunked-prefill", {"budget": 256})
-    res = run(reqs, policy, layout_cost(layout), kv_capacity=100_000, on_step=watch)
+    res = run_replica(reqs, policy, layout_cost(layout), kv_capacity=100_000, on_step=watch)
     assert res.error is None
     long, short = res.requests
     fixed = 1572 if layout else 0  # the recurrent state, in tokens of capacity
@@ -93,13 +93,13 @@ def test_cancelled_while_waiting_and_mid_decode_under_every_bundled_policy():
     reqs = [req(i, 300, 60, arrival=0.01 * i) for i in range(6)]
     for name in ("mlx-default", "prefer-prefill", "static", "slots", "chunked-prefill", "unified", "vllm"):
         opts = {"batch_size": 2} if name == "static" else {"n_slots": 2} if name == "slots" else {}
-        base = run(reqs, make_policy(name, opts), cost_model(), kv_capacity=100_000)
+        base = run_replica(reqs, make_policy(name, opts), cost_model(), kv_capacity=100_000)
         one = base.requests[1]
         mid = (one.first_token_s + one.finish_s) / 2 - one.arrival_s  # request 1 is decoding then
         cut = list(reqs)
         cut[1] = replace(reqs[1], cancel_after_s=mid)
         cut[5] = replace(reqs[5], cancel_after_s=0.0)  # gone before any step could serve it
-        res = run(cut, make_policy(name, opts), cost_model(), kv_capacity=100_000)
+        res = run_replica(cut, make_policy(name, opts), cost_model(), kv_capacity=100_000)
         assert res.error is None, (name, res.error)
         by = {r.id: r for r in res.requests}
         assert by["5"].cancelled_s is not None and by["5"].token_times == [], name
@@ -113,9 +113,9 @@ def test_cancelled_while_waiting_and_mid_decode_under_every_bundled_policy():
 
 def test_a_cancellation_after_the_end_changes_nothing():
     reqs = [req(i, 100, 30, arrival=0.02 * i) for i in range(4)]
-    base = run(reqs, make_policy("vllm"), cost_model(), kv_capacity=100_000)
+    base = run_replica(reqs, make_policy("vllm"), cost_model(), kv_capacity=100_000)
     late = [replace(r, cancel_after_s=100.0) for r in reqs]
-    res = run(late, make_policy("vllm"), cost_model(), kv_capacity=100_000)
+    res = run_replica(late, make_policy("vllm"), cost_model(), kv_capacity=100_000)
     assert [r.token_times for r in res.requests] == [r.token_times for r in base.requests]
     assert list(res.steps) == list(base.steps)
 
@@ -161,7 +161,7 @@ def test_an_empty_prompt_is_refused_in_one_line_and_wedges_nothing(tmp_path):
     reqs = [req("b", 300, 20), req("z", 0, 5, arrival=0.001), req("c", 50, 10, arrival=0.002)]
     for name in sorted(POLICIES):
         opts = {"budget": 32} if name == "chunked-prefill" else {"max_num_batched_tokens": 32} if name == "vllm" else {}
-        res = run(reqs, make_policy(name, opts), layout_cost(QWEN35_LAYOUT), kv_capacity=100_000, block_size=16)
+        res = run_replica(reqs, make_policy(name, opts), layout_cost(QWEN35_LAYOUT), kv_capacity=100_000, block_size=16)
         assert res.error is None, (name, res.error)
         ((z, why),) = res.rejected
         assert z.id == "z" and why == "request z has an empty prompt (0 tokens)", name

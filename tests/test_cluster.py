@@ -17,12 +17,18 @@ from hypothesis import strategies as st
 import schedlab
 from schedlab.policies import make_policy
 from schedlab.routers import ROUTERS, make_router
-from schedlab.sim import run
-from schedlab.sim.cluster import run_cluster
+from schedlab.sim import Deployment, Group, run, run_replica
 from schedlab.sim.sources import ClientSource
 from schedlab.traces.schema import Request
 from simkit import command, cost_model, read_table
 from test_properties import POLICY_OPTIONS, traces_
+
+
+def run_cluster(arrivals, policies, cost, router, *, kv_capacity, router_delay=0.0, fail=(), block_size=1, **kw):
+    """``sim.run`` of one group of replicas (one policy object each) behind ``router``."""
+    group = Group(tuple(policies), cost, kv_capacity)
+    deployment = Deployment((group,), router, router_delay, fail, block_size=block_size, **kw)
+    return run(deployment, arrivals)
 
 
 def cluster(reqs, router, n, policy="unified", **kw):
@@ -407,7 +413,7 @@ def test_the_work_counters_are_what_is_outstanding_at_every_step(d):
         # (as sent: a cancelled request's output_tokens are what it produced before its end)
         assert sum(r.request.output_tokens for r in sent) - state.output_done == sum(r.tokens_left for r in live)
 
-    res = run(
+    res = run_replica(
         d["reqs"],
         make_policy(name, opts),
         cost_model(),
@@ -485,8 +491,8 @@ def test_the_command_fails_a_replica_and_says_what_became_of_its_requests(tmp_pa
 
 def test_bad_failures_are_one_line_errors():
     for fail, fragment in [
-        ([(2, 1.0)], "replica 0 to 1"),
-        ([(0, -1.0)], "finite time >= 0"),
+        ([(2, 1.0)], "replicas 0 to 1"),
+        ([(0, -1.0)], "finite number of seconds >= 0"),
         ([(0, 1.0), (0, 2.0)], "fails twice"),
         ([(0,)], "(replica, seconds)"),
     ]:

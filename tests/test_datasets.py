@@ -180,11 +180,11 @@ def test_random_defaults_are_vllms():
 
 def test_random_runs_in_the_simulator():
     from schedlab.policies import make_policy
-    from schedlab.sim import run
+    from schedlab.sim import run_replica
     from simkit import cost_model
 
     tr = traces.load("random:n=40,input_len=64,output_len=8,range_ratio=0.5,rate=20", seed=3)
-    res = run(tr.requests, make_policy("unified", {}), cost_model(), kv_capacity=100_000, trace_name=tr.name)
+    res = run_replica(tr.requests, make_policy("unified", {}), cost_model(), kv_capacity=100_000, trace_name=tr.name)
     assert len(res.requests) == 40 and all(r.finish_s is not None for r in res.requests)
 
 

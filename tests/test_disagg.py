@@ -6,13 +6,14 @@ on the decode side; one-line errors."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
 from schedlab.policies import POLICIES, make_policy
 from schedlab.routers import make_router
 from schedlab.sim.cost import LinearCostModel
-from schedlab.sim.disagg import DisaggError, Pool, run_disaggregated
+from schedlab.sim import Deployment, DeploymentError, Group, run
 from schedlab.sim.metrics import summarize
 from schedlab.sim.sources import ClientSource
 from schedlab.sim.transfer import KVTransfer, Link
@@ -23,6 +24,28 @@ COST = LinearCostModel({"s_step": S, "p_pass": PP, "p_tokens": PT, "d_pass": DP}
 LINK = Link(1.0, 0.001)  # 1 GB/s, 1 ms
 BYTES = 1000.0  # KV bytes per token
 TRACE = [Request(f"r{i}", 10.0 * i, 100 + 50 * i, 5) for i in range(3)]  # 10 s apart: no overlap
+
+
+@dataclass
+class Pool:
+    """One pool as these tests build it: a policy object per replica, their cost model, router
+    and KV capacity (changed by a test before the run)."""
+
+    policies: list
+    cost_model: object
+    router: object
+    kv_capacity: int
+
+
+def run_disaggregated(arrivals, prefill: Pool, decode: Pool, transfer, *, block_size: int = 1):
+    """``sim.run`` of the deployment of the two pools (each pool gets its own copy of the prefill
+    pool's router: the tests give both pools the same kind)."""
+    groups = tuple(
+        Group(tuple(p.policies), p.cost_model, p.kv_capacity, name)
+        for p, name in ((prefill, "prefill"), (decode, "decode"))
+        if p.policies
+    )
+    return run(Deployment(groups, prefill.router, transfer=transfer, block_size=block_size), arrivals)
 
 
 def pools(policy: str, n_p: int = 1, n_d: int = 1, kv: int = 100_000, **options):
@@ -110,14 +133,14 @@ def test_decode_side_kv_pressure_preempts_and_recomputes_to_the_end():
 def test_bad_disaggregated_runs_are_one_line_errors():
     p, d = pools("unified")
     cases = [
-        (lambda: run_disaggregated(TRACE, Pool([], COST, make_router("round-robin"), 1000), d, None), "prefill pool"),
-        (lambda: run_disaggregated(TRACE, p, Pool([], COST, make_router("round-robin"), 1000), None), "decode pool"),
+        (lambda: run_disaggregated(TRACE, Pool([], COST, make_router("round-robin"), 1000), d, None), "no prefill"),
+        (lambda: run_disaggregated(TRACE, p, Pool([], COST, make_router("round-robin"), 1000), None), "no decode"),
         (lambda: run_disaggregated(ClientSource(TRACE, max_concurrency=2), p, d, None), "closed-loop"),
         (lambda: run_disaggregated([Request("c", 0.0, 10, 5, cancel_after_s=1.0)], p, d, None), "cancel"),
         (lambda: run_disaggregated(TRACE, p, d, "nvlink4"), "KVTransfer"),
     ]
     for call, words in cases:
-        with pytest.raises(DisaggError) as exc:
+        with pytest.raises(DeploymentError) as exc:
             call()
         assert words in str(exc.value) and "\n" not in str(exc.value)
 

@@ -26,7 +26,7 @@ from schedlab.policies import make_policy
 from schedlab.policies.base import Pass, Plan
 from schedlab.policies.mlx_default import MlxDefault
 from schedlab.sim.cost import LinearCostModel
-from schedlab.sim.loop import run
+from schedlab.sim import run_replica
 from schedlab.sim.state import ReplicaState
 from schedlab.traces.schema import Request
 
@@ -65,7 +65,7 @@ def references(micro):
 
 def run_real(model, policy, requests=None, **backend_kw):
     backend = MLXBackend(model, **backend_kw)
-    result = run(requests or trace(), policy, NO_COST, kv_capacity=100_000, backend=backend)
+    result = run_replica(requests or trace(), policy, NO_COST, kv_capacity=100_000, backend=backend)
     assert result.error is None, result.error
     assert result.mode == "real"
     return result, backend
@@ -346,7 +346,7 @@ def test_a_steady_step_hands_simpy_nothing_and_checks_nothing(micro):
     checks = []
     check = backend._check
     backend._check = lambda p, state: (checks.append(p), check(p, state))[1]
-    res = run(reqs, make_policy("unified"), NO_COST, kv_capacity=100_000, backend=backend, clock=clock)
+    res = run_replica(reqs, make_policy("unified"), NO_COST, kv_capacity=100_000, backend=backend, clock=clock)
     assert res.error is None, res.error
     for r in reqs:
         ref = reference_tokens(micro, prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size), r.output_tokens)
@@ -377,7 +377,7 @@ def test_kv_handed_from_a_prefill_engine_to_a_decode_engine_gives_the_reference_
     pre = [dataclasses.replace(r, output_tokens=1) for r in requests]
     prefill = MLXBackend(micro)
     prefill.export_kv = {r.id: str(tmp_path / f"{r.id}.kv") for r in requests}
-    first = run(pre, make_policy(name, options), NO_COST, kv_capacity=100_000, backend=prefill)
+    first = run_replica(pre, make_policy(name, options), NO_COST, kv_capacity=100_000, backend=prefill)
     assert first.error is None, first.error
     for r in pre:
         assert prefill.tokens[r.id] == references[r.id][:1]
@@ -396,7 +396,7 @@ def test_kv_handed_from_a_prefill_engine_to_a_decode_engine_gives_the_reference_
         )
     # (exports were asked for every request: the one-token request too)
     assert set(prefill.exported) == {r.id for r in requests}
-    result = run(moved, make_policy(name, options), NO_COST, kv_capacity=100_000, backend=decode)
+    result = run_replica(moved, make_policy(name, options), NO_COST, kv_capacity=100_000, backend=decode)
     assert result.error is None, result.error
     for r in onward:
         assert prefill.tokens[r.id] + decode.tokens[r.id] == references[r.id], r.id
@@ -419,7 +419,7 @@ def test_a_bfloat16_kv_goes_through_its_file_bit_for_bit(tmp_path):
     prefill.export_kv = {r.id: str(tmp_path / f"{r.id}.kv") for r in requests}
     policy = make_policy("unified", {})
     first = [dataclasses.replace(r, output_tokens=1) for r in requests]
-    assert run(first, policy, NO_COST, kv_capacity=10_000, backend=prefill).error is None
+    assert run_replica(first, policy, NO_COST, kv_capacity=10_000, backend=prefill).error is None
     decode = MLXBackend(model)
     for r in requests:
         head, kv = kvfile.read(prefill.exported[r.id]["path"])
@@ -429,7 +429,7 @@ def test_a_bfloat16_kv_goes_through_its_file_bit_for_bit(tmp_path):
         TransferredRequest(r.id, 0.0, r.prompt_tokens + 1, r.output_tokens - 1, kv_transferred=r.prompt_tokens)
         for r in requests
     ]
-    assert run(moved, make_policy("unified", {}), NO_COST, kv_capacity=10_000, backend=decode).error is None
+    assert run_replica(moved, make_policy("unified", {}), NO_COST, kv_capacity=10_000, backend=decode).error is None
     for r in requests:
         ref = reference_tokens(model, prompt_ids(0, r.id, r.prompt_tokens, model.vocab_size), r.output_tokens)
         assert prefill.tokens[r.id] + decode.tokens[r.id] == ref

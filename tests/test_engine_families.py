@@ -29,7 +29,7 @@ from mlx_lm.generate import generate_step
 from schedlab.policies import make_policy
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.layout import CacheLayout
-from schedlab.sim.loop import run
+from schedlab.sim import run_replica
 from schedlab.sim.sources import TraceSource
 from schedlab.traces.schema import Request
 
@@ -82,7 +82,7 @@ def family(name):
 def run_real(model, policy, requests=None, source=None, backend=None, **kw):
     backend = backend or MLXBackend(model)
     kv = kw.pop("kv_capacity", 100_000)
-    result = run(source or requests or trace(), policy, NO_COST, kv_capacity=kv, backend=backend, **kw)
+    result = run_replica(source or requests or trace(), policy, NO_COST, kv_capacity=kv, backend=backend, **kw)
     assert result.error is None, result.error
     return result, backend
 
@@ -138,7 +138,7 @@ def test_preemption_under_a_small_kv_and_by_hand_recomputes_to_the_reference(nam
     # same admissions, preemptions and tokens, request by request (the schedule is the machine's
     # speed's no more: everything arrived at once)
     profile = LinearCostModel({}, meta={"cache_layout": m.layout} if layout else {})
-    sim = run(at_once, make_policy("vllm", {}), profile, kv_capacity=kv)
+    sim = run_replica(at_once, make_policy("vllm", {}), profile, kv_capacity=kv)
     assert [(r.id, r.preemptions, r.generated) for r in sim.requests] == [
         (r.id, r.preemptions, r.generated) for r in result.requests
     ]
@@ -246,7 +246,9 @@ def test_an_empty_prompt_is_refused_on_arrival_and_the_others_stay_exact(policy,
 def test_prefix_caching_is_refused_in_one_line(name):
     m, _ = family(name)
     with pytest.raises(EngineError) as err:
-        run(trace(), make_policy("vllm", {}), NO_COST, kv_capacity=10_000, backend=MLXBackend(m), prefix_caching=True)
+        run_replica(
+            trace(), make_policy("vllm", {}), NO_COST, kv_capacity=10_000, backend=MLXBackend(m), prefix_caching=True
+        )
     msg = str(err.value)
     assert "\n" not in msg and "prefix caching" in msg and ("ArraysCache" in msg or "RotatingKVCache" in msg)
 
@@ -264,7 +266,9 @@ def test_caches_handed_from_a_prefill_engine_to_a_decode_engine_give_the_referen
     pre = [dataclasses.replace(r, output_tokens=1) for r in requests]
     prefill = MLXBackend(m)
     prefill.export_kv = {r.id: str(tmp_path / f"{r.id}.kv") for r in requests}
-    first = run(pre, make_policy("chunked-prefill", {"budget": "24"}), NO_COST, kv_capacity=100_000, backend=prefill)
+    first = run_replica(
+        pre, make_policy("chunked-prefill", {"budget": "24"}), NO_COST, kv_capacity=100_000, backend=prefill
+    )
     assert first.error is None, first.error
     onward = [r for r in requests if r.output_tokens > 1]
     decode = MLXBackend(m)
@@ -278,7 +282,7 @@ def test_caches_handed_from_a_prefill_engine_to_a_decode_engine_give_the_referen
                 r.id, r.arrival_s, r.prompt_tokens + 1, r.output_tokens - 1, kv_transferred=r.prompt_tokens
             )
         )
-    result = run(moved, make_policy("mlx-default", {}), NO_COST, kv_capacity=100_000, backend=decode)
+    result = run_replica(moved, make_policy("mlx-default", {}), NO_COST, kv_capacity=100_000, backend=decode)
     assert result.error is None, result.error
     for r in onward:
         assert prefill.tokens[r.id] + decode.tokens[r.id] == refs[r.id], r.id

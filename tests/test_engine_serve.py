@@ -19,7 +19,7 @@ from schedlab.engine.models import load_model
 from schedlab.engine.sampling import prompt_ids
 
 from schedlab.policies import make_policy
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.sources import ClientSource
 from test_engine import trace
@@ -68,7 +68,7 @@ def shared_references(micro):
 
 def run_real(model, policy, requests, kv=100_000, **kw):
     backend = MLXBackend(model)
-    result = run(requests, policy, NO_COST, kv_capacity=kv, backend=backend, **kw)
+    result = run_replica(requests, policy, NO_COST, kv_capacity=kv, backend=backend, **kw)
     assert result.error is None, result.error
     return result, backend
 
@@ -153,7 +153,7 @@ def test_a_copied_block_is_checked_against_its_owner(micro):
 
     backend._ids = lying_ids
     with pytest.raises(EngineStateError, match="differ from those of request x"):
-        run(
+        run_replica(
             reqs, make_policy("vllm"), NO_COST, kv_capacity=100_000, backend=backend, block_size=16, prefix_caching=True
         )
 

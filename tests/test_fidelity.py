@@ -14,7 +14,7 @@ import pytest
 
 from schedlab.policies import make_policy
 from schedlab.policies.base import PassShape
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.sim.cost import IDLE_CAP_S, LinearCostModel
 from schedlab.sim.features import COLUMNS, STEP_TERMS, step_table
 from simkit import command, KNOWN
@@ -37,20 +37,20 @@ def test_idle_terms_charge_only_the_step_after_a_wait():
     plain = LinearCostModel({"d_pass": 0.001, "p_pass": 0.002, "s_step": 0.0005})
     idle = LinearCostModel({**plain.coefficients, "i_wake": 0.25, "i_step": 0.5, "i_gap": 0.125})
     # a measuring backend (no step overhead, its own seconds): the prediction carries the extra
-    a = run(reqs, make_policy("unified"), plain, kv_capacity=1000, backend=FixedBackend())
-    b = run(reqs, make_policy("unified"), idle, kv_capacity=1000, backend=FixedBackend())
+    a = run_replica(reqs, make_policy("unified"), plain, kv_capacity=1000, backend=FixedBackend())
+    b = run_replica(reqs, make_policy("unified"), idle, kv_capacity=1000, backend=FixedBackend())
     assert [s.start_s for s in a.steps] == [s.start_s for s in b.steps]  # a wall clock is not moved
     assert b.wakes == a.wakes == {3: (10.0 - 2.25, 0.0)}
     extra = [y.predicted_s - x.predicted_s for x, y in zip(a.steps, b.steps)]
     assert extra[:3] == [0.0, 0.0, 0.0] and extra[3] == pytest.approx(0.5 + 0.125 * IDLE_CAP_S)
     # a simulation: the replica starts i_wake after the arrival, and the step costs the extra
-    sim = run(reqs, make_policy("unified"), idle, kv_capacity=1000)
+    sim = run_replica(reqs, make_policy("unified"), idle, kv_capacity=1000)
     last = sim.steps[-1]
     assert last.start_s == pytest.approx(10.25)
     assert last.end_s - last.start_s == pytest.approx(0.0005 + 0.002 + 0.5 + 0.125)
     assert sim.wakes[last.index] == pytest.approx((10.0 - sim.steps[-2].end_s, 0.0))
     # without idle terms a simulation is what it always was
-    base = run(reqs, make_policy("unified"), plain, kv_capacity=1000)
+    base = run_replica(reqs, make_policy("unified"), plain, kv_capacity=1000)
     assert base.steps[-1].start_s == 10.0 and not base.shapes
 
 
@@ -64,8 +64,8 @@ def test_the_steps_after_a_wake_pay_i_after_halving_and_runs_of_repeats_stay_exa
     reqs = [Request("A", 0.0, 10, 9), Request("B", 5.0, 6, 9), Request("C", 5.05, 6, 4), Request("D", 20.0, 3, 12)]
     plain = LinearCostModel({"d_pass": 0.001, "p_pass": 0.002, "s_step": 0.0005, "i_step": 0.01})
     after = LinearCostModel({**plain.coefficients, "i_after": 0.004})
-    a = run(reqs, make_policy("unified"), plain, kv_capacity=1000, backend=FixedBackend())
-    b = run(reqs, make_policy("unified"), after, kv_capacity=1000, backend=FixedBackend())
+    a = run_replica(reqs, make_policy("unified"), plain, kv_capacity=1000, backend=FixedBackend())
+    b = run_replica(reqs, make_policy("unified"), after, kv_capacity=1000, backend=FixedBackend())
     assert a.wakes.keys() == b.wakes.keys() and len(b.wakes) == 2  # B's arrival, D's (A's is at 0)
 
     def charged(res):
@@ -81,16 +81,16 @@ def test_the_steps_after_a_wake_pay_i_after_halving_and_runs_of_repeats_stay_exa
     t = step_table(b)  # what a fit reads: the feature, from the wakes alone
     assert np.allclose(0.004 * t["i_after"], want, atol=1e-12)
     # a simulation: the steps take that much longer
-    sa = run(reqs, make_policy("unified"), plain, kv_capacity=1000)
-    sb = run(reqs, make_policy("unified"), after, kv_capacity=1000)
+    sa = run_replica(reqs, make_policy("unified"), plain, kv_capacity=1000)
+    sb = run_replica(reqs, make_policy("unified"), after, kv_capacity=1000)
     assert [(s.decode_rows, s.prefill_tokens) for s in sa.steps] == [
         (s.decode_rows, s.prefill_tokens) for s in sb.steps
     ]
     durations = [(y.end_s - y.start_s) - (x.end_s - x.start_s) for x, y in zip(sa.steps, sb.steps)]
     assert durations == pytest.approx(charged(sb), abs=1e-9) and sum(d > 0 for d in durations) >= 2 * AFTER_WAKE_STEPS
     for name in ("mlx-default", "static", "vllm"):  # policies that plan runs of repeats
-        bulk = run(reqs, make_policy(name), after, kv_capacity=1000)
-        one_by_one = run(reqs, make_policy(name), after, kv_capacity=1000, on_step=lambda state: None)
+        bulk = run_replica(reqs, make_policy(name), after, kv_capacity=1000)
+        one_by_one = run_replica(reqs, make_policy(name), after, kv_capacity=1000, on_step=lambda state: None)
         assert [(s.start_s, s.end_s, s.decode_rows) for s in bulk.steps] == [
             (s.start_s, s.end_s, s.decode_rows) for s in one_by_one.steps
         ], name
@@ -110,7 +110,7 @@ def test_a_measured_run_keeps_every_pass_shape_and_its_features_sum_to_the_predi
         }
     )
     for name in ("chunked-prefill", "mlx-default", "unified"):
-        res = run(reqs, make_policy(name), cm, kv_capacity=10**6, backend=FixedBackend())
+        res = run_replica(reqs, make_policy(name), cm, kv_capacity=10**6, backend=FixedBackend())
         assert len(res.shapes) == len(res.passes) and all(isinstance(s, PassShape) for s in res.shapes)
         t = step_table(res)
         assert set(t) == set(COLUMNS) and len(t["step"]) == len(res.steps)
@@ -334,7 +334,7 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
     reals, speeds, steps = [], [], []
     for f in planted:
         machine = LinearCostModel(dict(cost.coefficients), meta=cost.meta)  # not the policy's object: a measured run
-        res = run(
+        res = run_replica(
             tr.requests,
             make_policy("chunked-prefill"),
             cost,
@@ -348,7 +348,7 @@ def test_speed_matched_takes_out_the_speed_a_real_run_ran_at_and_nothing_else():
         steps.append(res.steps)
     assert speeds == pytest.approx(planted, rel=1e-3)
     plain = compare(
-        summarize(run(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap, trace_name=tr.name)),
+        summarize(run_replica(tr.requests, make_policy("chunked-prefill"), cost, kv_capacity=cap, trace_name=tr.name)),
         reals[:1],
         policy="chunked-prefill",
         trace=tr.name,

@@ -289,7 +289,7 @@ def test_gemma3_answers_paris_through_the_engine(gemma):
     from schedlab.engine.backend import MLXBackend, reference_tokens
     from schedlab.policies import make_policy
     from schedlab.sim.cost import LinearCostModel
-    from schedlab.sim.loop import run
+    from schedlab.sim import run_replica
     from schedlab.traces import tokenize
     from schedlab.traces.schema import Request, Trace
 
@@ -300,7 +300,7 @@ def test_gemma3_answers_paris_through_the_engine(gemma):
     req = tokenize(Trace("q", "", [req]), gemma.tokenizer).requests[0]
     assert req.prompt_tokens == len(ids)  # the template's <bos> is not doubled by encode
     backend = MLXBackend(gemma, warmup=False, ignore_eos=True)
-    result = run([req], make_policy("unified", {}), LinearCostModel({}), kv_capacity=100_000, backend=backend)
+    result = run_replica([req], make_policy("unified", {}), LinearCostModel({}), kv_capacity=100_000, backend=backend)
     assert result.error is None, result.error
     ours = backend.tokens["q"]
     assert ours == reference_tokens(gemma, ids, n)

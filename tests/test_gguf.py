@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from schedlab.policies import make_policy
 from schedlab.sim.cost import LinearCostModel
-from schedlab.sim.loop import run
+from schedlab.sim import run_replica
 from schedlab.traces import tokenize
 from schedlab.traces.schema import Request, Trace
 
@@ -72,7 +72,7 @@ def chat_request(info, rid: str, max_tokens: int) -> Request:
 def engine_tokens(info, requests, policy, ignore_eos=True) -> dict[str, list[int]]:
     """Each request's generated ids from the engine (chat requests tokenized by the engine)."""
     backend = MLXBackend(info, warmup=False, ignore_eos=ignore_eos)
-    result = run(requests, policy, LinearCostModel({}), kv_capacity=100_000, backend=backend)
+    result = run_replica(requests, policy, LinearCostModel({}), kv_capacity=100_000, backend=backend)
     assert result.error is None, result.error
     return backend.tokens
 

@@ -123,14 +123,14 @@ def test_the_analytic_model_hands_the_simulator_each_requests_state(base):
     """Simulated on a hybrid analytic model, requests hold their recurrent states: a KV cache that
     fits ten of them as plain KV fits fewer."""
     from schedlab.policies import make_policy
-    from schedlab.sim import run
+    from schedlab.sim import run_replica
     from schedlab.traces.schema import Request
 
     hyb = analytic(dict(base, full_attention_interval=4, **DELTANET))
     state = hyb.cache_layout["state_bytes"] / hyb.kv_bytes_per_token
     reqs = [Request(str(i), 0.0, 300, 20) for i in range(12)]
     most = []
-    res = run(
+    res = run_replica(
         reqs,
         make_policy("static", {"batch_size": "64"}),
         hyb,

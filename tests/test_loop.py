@@ -1,6 +1,6 @@
 """The loop itself: a backend that owns time, a clock, arrival sources.
 
-A fake backend returning fixed seconds drives ``run()`` with the bundled ``unified`` policy,
+A fake backend returning fixed seconds drives ``run_replica()`` with the bundled ``unified`` policy,
 and every timestamp is checked against a hand-worked schedule: whatever the loop does with
 the seconds a backend returns (overhead, pass order, idle waiting, arrivals during a step)
 shows up here.
@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from schedlab.policies import make_policy
-from schedlab.sim import SimClock, run
+from schedlab.sim import SimClock, run_replica
 from schedlab.sim.cost import LinearCostModel
 from schedlab import traces
 from schedlab.traces.schema import Request
@@ -61,7 +61,7 @@ def cost():
 def test_fixed_seconds_give_every_timestamp():
     reqs = [Request("A", 0.0, 10, 3), Request("B", 0.5, 5, 2), Request("C", 10.0, 4, 1)]
     backend = FixedBackend()
-    res = run(reqs, make_policy("unified"), cost(), kv_capacity=1000, backend=backend)
+    res = run_replica(reqs, make_policy("unified"), cost(), kv_capacity=1000, backend=backend)
     assert res.error is None and res.mode == "fake" and res.meta == {"fake": True}
     assert backend.known == ["A", "B", "C"]
     by = {r.id: r for r in res.requests}
@@ -102,7 +102,7 @@ def test_fixed_seconds_give_every_timestamp():
 
 def test_the_sim_backend_is_the_same_loop_with_predicted_seconds():
     reqs = [Request("A", 0.0, 10, 3), Request("B", 0.5, 5, 2)]
-    res = run(reqs, make_policy("unified"), cost(), kv_capacity=1000)
+    res = run_replica(reqs, make_policy("unified"), cost(), kv_capacity=1000)
     assert res.mode == "sim" and all(s.measured_s is None for s in res.steps)
     # overhead, then the pass: 0.0005 + 0.002 for a prefill-only step
     assert res.requests[0].token_times[0] == 0.0005 + 0.002
@@ -142,7 +142,7 @@ class OneAtATime:
 def test_an_arrival_source_feeds_the_same_loop():
     reqs = [Request("A", 0.0, 10, 3), Request("B", 0.0, 5, 2)]
     backend = FixedBackend()
-    res = run(OneAtATime(reqs), make_policy("unified"), cost(), kv_capacity=1000, backend=backend)
+    res = run_replica(OneAtATime(reqs), make_policy("unified"), cost(), kv_capacity=1000, backend=backend)
     assert backend.known is None and res.error is None
     by = {r.id: r for r in res.requests}
     assert by["A"].token_times == [1.0, 1.25, 1.5]
@@ -152,7 +152,7 @@ def test_an_arrival_source_feeds_the_same_loop():
 def test_a_backend_can_end_a_request_at_eos_and_the_kv_is_returned():
     reqs = [Request("A", 0.0, 10, 5), Request("B", 0.0, 6, 4)]
     seen = []
-    res = run(
+    res = run_replica(
         reqs,
         make_policy("unified"),
         cost(),
@@ -168,7 +168,7 @@ def test_a_backend_can_end_a_request_at_eos_and_the_kv_is_returned():
 
 def test_requests_too_big_are_refused_on_arrival_and_the_rest_run():
     reqs = [Request("ok", 0.0, 10, 3), Request("huge", 0.1, 900, 200), Request("ok2", 0.2, 5, 2)]
-    res = run(reqs, make_policy("unified"), cost(), kv_capacity=100, backend=FixedBackend())
+    res = run_replica(reqs, make_policy("unified"), cost(), kv_capacity=100, backend=FixedBackend())
     assert [r.id for r, _ in res.rejected] == ["huge"] and res.kv_capacity == 100
     assert "capacity is 100" in res.rejected[0][1]
     assert {r.id for r in res.requests if r.finish_s is not None} == {"ok", "ok2"}
@@ -188,12 +188,14 @@ def test_repeated_decode_steps_in_bulk_equal_planning_every_step():
         pol = make_policy(name)
         calls = []
         counted = type("Counted", (), {"name": name, "plan": lambda self, v: calls.append(1) or pol.plan(v)})()
-        bulk = run(tr, counted, cm, kv_capacity=200_000)
+        bulk = run_replica(tr, counted, cm, kv_capacity=200_000)
         # most steps ran without asking (vllm under this KV pressure: its repeats end where the
         # free blocks would run out, so it is asked more often)
         assert len(calls) < len(bulk.steps) / (1.2 if name == "vllm" else 2), name
         steps_seen = []
-        one_by_one = run(tr, make_policy(name), cm, kv_capacity=200_000, on_step=lambda st: steps_seen.append(1))
+        one_by_one = run_replica(
+            tr, make_policy(name), cm, kv_capacity=200_000, on_step=lambda st: steps_seen.append(1)
+        )
         assert [r.token_times for r in bulk.requests] == [r.token_times for r in one_by_one.requests], name
         assert list(bulk.steps) == list(one_by_one.steps), name
         assert list(bulk.passes) == list(one_by_one.passes), name
@@ -271,7 +273,7 @@ def test_a_real_backends_warm_up_is_not_part_of_the_run(monkeypatch):
             sleep(PREFILL_S if p.prefill else DECODE_S)
             return PREFILL_S if p.prefill else DECODE_S
 
-    res = run([Request("A", 0.0, 4, 2)], make_policy("unified"), cost(), kv_capacity=100, backend=WarmBackend())
+    res = run_replica([Request("A", 0.0, 4, 2)], make_policy("unified"), cost(), kv_capacity=100, backend=WarmBackend())
     assert [(s.start_s, s.end_s) for s in res.steps] == [(0.0, PREFILL_S), (PREFILL_S, PREFILL_S + DECODE_S)]
     assert res.requests[0].first_token_s == PREFILL_S
 
@@ -299,10 +301,10 @@ def test_a_cost_model_without_a_run_formula_is_asked_once_per_pass_in_bulk_runs(
 
     tr = traces.load("mixed.json").requests
     for name in ("mlx-default", "static", "vllm"):
-        plain = run(tr, make_policy(name), cost_model(), kv_capacity=200_000)
+        plain = run_replica(tr, make_policy(name), cost_model(), kv_capacity=200_000)
         for kind in (Recording, RecordingModel):
             rec = kind(cost_model())
-            res = run(tr, make_policy(name), rec, kv_capacity=200_000)
+            res = run_replica(tr, make_policy(name), rec, kv_capacity=200_000)
             assert len(rec.shapes) == len(res.passes), (name, kind)
             assert [r.token_times for r in res.requests] == [r.token_times for r in plain.requests], (name, kind)
 
@@ -348,11 +350,11 @@ def test_the_loop_charges_the_terms_a_cost_model_declares_and_a_plain_object_has
             seen.append(view.cost_model.meta["kv_tokens"])
             return self.inner.plan(view)
 
-    plain = run(reqs, Reading(), Plain(), kv_capacity=1000)
+    plain = run_replica(reqs, Reading(), Plain(), kv_capacity=1000)
     assert seen and set(seen) == {7}
-    same = run(reqs, make_policy("unified"), base, kv_capacity=1000)
+    same = run_replica(reqs, make_policy("unified"), base, kv_capacity=1000)
     assert [(s.start_s, s.end_s) for s in plain.steps] == [(s.start_s, s.end_s) for s in same.steps]
-    with_after, without = (run(reqs, make_policy("unified"), Terms(a), kv_capacity=1000) for a in (True, False))
+    with_after, without = (run_replica(reqs, make_policy("unified"), Terms(a), kv_capacity=1000) for a in (True, False))
     woke = [i for i, s in enumerate(plain.steps) if s.index in plain.wakes and s.start_s > 0]
     assert len(woke) == 1
     w = woke[0]
@@ -382,7 +384,7 @@ def test_a_profile_with_an_old_step_jitter_entry_simulates_as_without_it(tmp_pat
     a, b = LinearCostModel.from_profile(plain), LinearCostModel.from_profile(old)
     assert a.coefficients == b.coefficients
     tr = traces.load("real-smoke").requests
-    ra, rb = (run(tr, make_policy("unified"), m, kv_capacity=a.meta["kv_tokens"]) for m in (a, b))
+    ra, rb = (run_replica(tr, make_policy("unified"), m, kv_capacity=a.meta["kv_tokens"]) for m in (a, b))
     assert list(ra.steps) == list(rb.steps) and len(ra.steps) > 10
     assert [r.token_times for r in ra.requests] == [r.token_times for r in rb.requests]
     assert ra.meta == rb.meta == {}  # nothing of it reaches the run's metadata

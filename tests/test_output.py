@@ -7,7 +7,7 @@ import pytest
 
 from schedlab import traces
 from schedlab.policies import make_policy
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.sim.output import passes_table, steps_table, tokens_table
 from simkit import cost_model
 
@@ -15,7 +15,7 @@ from simkit import cost_model
 @pytest.mark.parametrize("policy", ["static", "unified", "chunked-prefill", "vllm"])
 def test_tables_hold_every_logged_row_in_order(policy):
     tr = traces.load("mixed.json").requests
-    res = run(tr, make_policy(policy), cost_model(), kv_capacity=200_000, block_size=16)
+    res = run_replica(tr, make_policy(policy), cost_model(), kv_capacity=200_000, block_size=16)
     # Plan.repeat runs log the same Pass object many times in a row: the table expands each
     assert len(res.passes) > len({id(p) for *_, p in res.passes})
     expected = []

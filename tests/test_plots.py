@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 from schedlab.policies import make_policy
-from schedlab.sim import WallClock, run, summarize
+from schedlab.sim import WallClock, run_replica, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.output import write_run
 from schedlab.analysis import plots
@@ -60,7 +60,7 @@ def make_requests():
 
 def simulate_to(out: Path, policy: str, requests, cost=None, **opts):
     cost = cost or LinearCostModel(dict(COEFFS))
-    result = run(requests, make_policy(policy, opts), cost, kv_capacity=100_000, trace_name="t")
+    result = run_replica(requests, make_policy(policy, opts), cost, kv_capacity=100_000, trace_name="t")
     write_run(out, result, summarize(result))
     return result
 
@@ -143,7 +143,7 @@ def test_a_summary_computed_while_the_tables_are_written_is_the_same(tmp_path):
     not yet copied out), the files equal those written from a summary made beforehand."""
 
     def stopped():
-        return run(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
+        return run_replica(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
 
     eager = stopped()
     write_run(tmp_path / "eager", eager, summarize(eager))
@@ -165,7 +165,7 @@ def test_a_summary_computed_while_the_tables_are_written_is_the_same(tmp_path):
 
 
 def test_cdfs_of_a_run_that_stopped_early_leave_out_unfinished_requests(tmp_path):
-    res = run(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
+    res = run_replica(make_requests(), StopsAtStep(40), LinearCostModel(dict(COEFFS)), kv_capacity=100_000)
     assert res.error and any(r.finish_s is None and r.token_times for r in res.requests)
     write_run(tmp_path / "r", res, summarize(res))
     r = plots.load_run(tmp_path / "r")
@@ -336,9 +336,9 @@ def validation_dir(tmp_path_factory):
     reqs = [Request(f"v{i}", 0.01 * i, p, o) for i, (p, o) in enumerate([(40, 4), (90, 3), (20, 5), (60, 2)])]
     predict = LinearCostModel({"d_pass": 0.002, "d_rows": 0.0002, "p_pass": 0.002, "p_tokens": 2e-5, "s_step": 0.0002})
     truth = LinearCostModel({"d_pass": 0.003, "p_pass": 0.001, "p_tokens": 4e-5})
-    sim_res = run(reqs, make_policy("chunked-prefill", {"budget": 64}), predict, kv_capacity=10_000)
+    sim_res = run_replica(reqs, make_policy("chunked-prefill", {"budget": 64}), predict, kv_capacity=10_000)
     write_run(base / "sim", sim_res, summarize(sim_res))
-    real_res = run(
+    real_res = run_replica(
         reqs, make_policy("chunked-prefill", {"budget": 64}), predict, kv_capacity=10_000, backend=SleepBackend(truth)
     )
     write_run(base / "real", real_res, summarize(real_res))

@@ -8,7 +8,7 @@ import pytest
 from schedlab import traces
 from schedlab.policies import POLICIES, make_policy
 from schedlab.policies.base import Pass, Plan
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.profiles import resolve_profile
 from schedlab.sim.state import ReplicaState, ReplicaView
@@ -128,8 +128,8 @@ def test_a_block_computed_twice_stays_private_and_references_are_counted():
 def test_preempted_requests_find_their_own_blocks_again():
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("azure2023_conv").requests[:600]
-    plain = summarize(run(tr, make_policy("vllm"), cm, kv_capacity=16_384, block_size=16))
-    cached = summarize(run(tr, make_policy("vllm"), cm, kv_capacity=16_384, block_size=16, prefix_caching=True))
+    plain = summarize(run_replica(tr, make_policy("vllm"), cm, kv_capacity=16_384, block_size=16))
+    cached = summarize(run_replica(tr, make_policy("vllm"), cm, kv_capacity=16_384, block_size=16, prefix_caching=True))
     assert plain["preemptions"] > 50 and cached["preemptions"] > 50
     # nothing is shared between Azure requests: every hit is a resumption finding its own KV
     assert cached["prefix_cache"]["prompt_tokens_hit"] == 0
@@ -142,8 +142,8 @@ def test_every_policy_runs_with_prefix_caching_and_shared_prefixes_lower_ttft(po
     cm = LinearCostModel.from_profile(resolve_profile(None))
     # 60 prompts of 1536 shared + 100-300 own tokens, 2 a second
     tr = traces.load("random:n=60,input_len=200,output_len=40,range_ratio=0.5,prefix_len=1536,rate=2", seed=1)
-    off = run(tr.requests, make_policy(policy), cm, kv_capacity=200_000, block_size=16)
-    on = run(tr.requests, make_policy(policy), cm, kv_capacity=200_000, block_size=16, prefix_caching=True)
+    off = run_replica(tr.requests, make_policy(policy), cm, kv_capacity=200_000, block_size=16)
+    on = run_replica(tr.requests, make_policy(policy), cm, kv_capacity=200_000, block_size=16, prefix_caching=True)
     assert off.error is None and on.error is None
     assert all(r.finish_s is not None and len(r.token_times) == r.output_tokens for r in on.requests)
     s_off, s_on = summarize(off), summarize(on)
@@ -181,7 +181,9 @@ def test_mooncake_window_hit_rate_grows_with_capacity_up_to_the_trace_bound():
     cm = LinearCostModel({"p_pass": 0.01, "d_pass": 0.001})
 
     def rate(kv):
-        res = run(tr, make_policy("slots", {"n_slots": "1"}), cm, kv_capacity=kv, block_size=16, prefix_caching=True)
+        res = run_replica(
+            tr, make_policy("slots", {"n_slots": "1"}), cm, kv_capacity=kv, block_size=16, prefix_caching=True
+        )
         return summarize(res)["prefix_cache"]["hit_rate"]
 
     big = rate(10**8)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from schedlab.policies import make_policy
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.sim.sources import ClientSource
 from simkit import cost_model
 from schedlab.traces.schema import Request
@@ -127,7 +127,7 @@ def setups(draw, pressure=False):
 
 def go(d: Draw, on_step=None):
     arrivals = ClientSource(d.reqs, d.clients) if d.clients else d.reqs
-    return run(
+    return run_replica(
         arrivals,
         make_policy(d.policy, d.options),
         cost_model(),

@@ -13,7 +13,7 @@ import pytest
 
 from schedlab.policies import make_policy
 from schedlab.policies.base import PassShape
-from schedlab.sim import run
+from schedlab.sim import run_replica
 from schedlab.sim.cost import LinearCostModel, idle_features, pass_features, step_features
 from schedlab.sim.features import COLUMNS, STEP_TERMS, after_wake_column
 from simkit import KNOWN
@@ -157,7 +157,7 @@ def test_the_default_replay_ends_with_lone_requests_after_known_idle_gaps():
     for scale, seconds in ((1.0, 8.0), (20.0, 8.0), (1.0, 1.0)):
         cost = LinearCostModel({k: v * scale for k, v in KNOWN.items()})
         trace = replay_trace(cost, seconds, seed=0)
-        res = run(trace, make_policy("unified"), cost, kv_capacity=10**9)
+        res = run_replica(trace, make_policy("unified"), cost, kv_capacity=10**9)
         # each lone request wakes the idle replica after the gap planned before it
         gaps = [idle_s for idle_s, _ in res.wakes.values()]
         for g in WAKE_GAPS_S[:WAKE_TAIL]:

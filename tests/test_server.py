@@ -339,14 +339,14 @@ def test_the_engine_hands_each_token_over_as_its_pass_ends():
     decode pass must not wait for the prefill), in the order of the tokens the run records."""
     from schedlab.engine.backend import MLXBackend
     from schedlab.policies import make_policy
-    from schedlab.sim import run
+    from schedlab.sim import run_replica
     from schedlab.sim.cost import LinearCostModel
     from test_engine import trace
 
     backend = MLXBackend(load_model("micro"))
     seen = []
     backend.on_token = lambda rid, tok: seen.append((rid, tok, backend.stats["passes"]))
-    res = run(trace(), make_policy("mlx-default"), LinearCostModel({}), kv_capacity=100_000, backend=backend)
+    res = run_replica(trace(), make_policy("mlx-default"), LinearCostModel({}), kv_capacity=100_000, backend=backend)
     assert res.error is None
     ids = {r.id for r in res.requests}
     seen = [s for s in seen if s[0] in ids]  # (the warm-up's own requests are not the run's)

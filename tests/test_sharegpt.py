@@ -386,11 +386,11 @@ def test_bad_options_through_the_cli(tmp_path):
 
 def test_runs_in_the_simulator():
     from schedlab.policies import make_policy
-    from schedlab.sim import run
+    from schedlab.sim import run_replica
     from simkit import cost_model
 
     tr = traces.load("sharegpt:n=60,rate=20", seed=3)
-    res = run(tr.requests, make_policy("vllm", {}), cost_model(), kv_capacity=200_000, trace_name=tr.name)
+    res = run_replica(tr.requests, make_policy("vllm", {}), cost_model(), kv_capacity=200_000, trace_name=tr.name)
     assert len(res.requests) == 60 and all(r.finish_s is not None for r in res.requests)
 
 

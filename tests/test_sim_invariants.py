@@ -7,7 +7,7 @@ import pytest
 
 from schedlab import traces
 from schedlab.policies import POLICIES, make_policy
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.backend import SimBackend
 from simkit import cost_model
 
@@ -50,7 +50,9 @@ class KvWatch:
 def test_every_request_finishes_once_with_its_tokens(policy, case):
     name, tr = case
     watch = KvWatch(CAPACITY)
-    res = run(tr.requests, make_policy(policy), cost_model(), kv_capacity=CAPACITY, trace_name=name, on_step=watch)
+    res = run_replica(
+        tr.requests, make_policy(policy), cost_model(), kv_capacity=CAPACITY, trace_name=name, on_step=watch
+    )
     assert res.error is None
     assert not res.rejected
     assert len(res.requests) == len(tr.requests)
@@ -80,7 +82,7 @@ def test_schedules_differ_on_mixed():
     admission order, filling the same 2048-token budget."""
     tr = traces.load("mixed")
     results = {
-        p: summarize(run(tr.requests, make_policy(p), cost_model(), kv_capacity=CAPACITY, block_size=16))
+        p: summarize(run_replica(tr.requests, make_policy(p), cost_model(), kv_capacity=CAPACITY, block_size=16))
         for p in POLICIES
     }
     fingerprints = {
@@ -96,7 +98,7 @@ def test_kv_capacity_limits_concurrency_without_losing_requests():
     small = max(r.prompt_tokens + r.output_tokens - 1 for r in tr.requests)
     for policy in POLICIES:
         watch = KvWatch(small)
-        res = run(tr.requests, make_policy(policy), cost_model(), kv_capacity=small, on_step=watch)
+        res = run_replica(tr.requests, make_policy(policy), cost_model(), kv_capacity=small, on_step=watch)
         assert res.error is None and all(r.finish_s is not None for r in res.requests)
         assert watch.max_used <= small
 

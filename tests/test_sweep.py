@@ -22,7 +22,7 @@ import pytest
 
 from schedlab import traces
 from schedlab.policies import make_policy
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.analysis.sweep import ROW_FIELDS, format_table, max_sustained_rate, sweep
 
@@ -82,7 +82,7 @@ def test_rows_equal_direct_runs_of_the_rescaled_trace(cost):
         reqs = by_hand(tr, row["rate_rps"])
         span = reqs[-1].arrival_s - reqs[0].arrival_s
         assert (len(reqs) - 1) / span == pytest.approx(row["rate_rps"], rel=1e-12)
-        res = run(reqs, make_policy(row["policy"]), cost, kv_capacity=100_000)
+        res = run_replica(reqs, make_policy(row["policy"]), cost, kv_capacity=100_000)
         s = summarize(res, slo=SLO)
         assert row["error"] is None and row["finished"] == len(reqs)
         for key, want in (

@@ -17,7 +17,7 @@ from schedlab import traces
 from schedlab.analysis.validation import compare, format_table
 from schedlab.api._validation import drift_adjusted, drift_explains
 from schedlab.policies import make_policy
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.cost import LinearCostModel, ScaledCostModel
 from schedlab.sim.profiles import resolve_profile
 
@@ -38,7 +38,7 @@ def setting():
 def _real(setting, slow: float):
     """A 'real run': the simulation with every step measured at ``slow`` x its prediction."""
     cost, tr = setting
-    res = run(tr.requests, make_policy("unified"), cost, kv_capacity=4096, trace_name=tr.name)
+    res = run_replica(tr.requests, make_policy("unified"), cost, kv_capacity=4096, trace_name=tr.name)
     steps = [s._replace(measured_s=s.predicted_s * slow) for s in res.steps]
     return summarize(res), steps
 
@@ -70,7 +70,7 @@ def test_the_drift_adjustment_needs_the_machines_speed_to_explain_the_bias(setti
 def test_the_headline_is_the_held_out_prediction_beside_the_machines_repeat_error(setting):
     cost, tr = setting
     summary, steps = _real(setting, 1.0)
-    faster = summarize(run(tr.requests, make_policy("unified"), ScaledCostModel(cost, 0.9), kv_capacity=4096))
+    faster = summarize(run_replica(tr.requests, make_policy("unified"), ScaledCostModel(cost, 0.9), kv_capacity=4096))
     reals = [summary, summary, faster]
     v = compare(summary, reals, policy="unified", trace=tr.name, real_steps=steps)
     lines = format_table(v).splitlines()
@@ -143,7 +143,7 @@ def test_the_drift_adjustment_per_run_simulates_each_run_at_the_speed_probed_aro
     reals, run_steps = [], []
     for f in planted:
         machine = LinearCostModel(dict(cost.coefficients), meta=cost.meta)  # a measured run's machine
-        res = run(
+        res = run_replica(
             tr.requests, make_policy("unified"), cost, kv_capacity=200_000, backend=SimBackend(machine, time_scale=f)
         )
         reals.append(summarize(res))

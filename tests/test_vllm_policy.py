@@ -14,7 +14,7 @@ from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.policies.base import UNTIL_CHANGE
 from schedlab.policies.vllm import Vllm
-from schedlab.sim import run, summarize
+from schedlab.sim import run_replica, summarize
 from schedlab.sim.cost import LinearCostModel
 from schedlab.sim.output import write_run
 from schedlab.sim.profiles import resolve_profile
@@ -149,8 +149,8 @@ def test_bulk_repeats_equal_planning_every_step_under_kv_pressure(block_size, pr
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("mooncake_conv_10min").requests[:80]  # 3,000+ steps, 30-300 preemptions
     kw = dict(kv_capacity=150_000, block_size=block_size, prefix_caching=prefix)
-    bulk = run(tr, make_policy("vllm"), cm, **kw)
-    one = run(tr, make_policy("vllm"), cm, on_step=lambda st: None, **kw)
+    bulk = run_replica(tr, make_policy("vllm"), cm, **kw)
+    one = run_replica(tr, make_policy("vllm"), cm, on_step=lambda st: None, **kw)
     assert bulk.error is None and sum(r.preemptions for r in bulk.requests) > 0
     assert [r.token_times for r in bulk.requests] == [r.token_times for r in one.requests]
     assert list(bulk.steps) == list(one.steps) and len(bulk.steps) > 1000
@@ -167,8 +167,10 @@ def test_no_bulk_repeats_while_a_head_refused_for_blocks_may_gain_from_an_evicti
     reqs += [Request("5", 0.0, 40, 1, (1,)), Request("6", 0.0, 44, 2, (1,))]
     reqs += [req(7, 1, 1), req(8, 1, 1), req(9, 1, 1)]
     kw = dict(kv_capacity=66, block_size=1, prefix_caching=True)
-    bulk = run(reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), **kw)
-    one = run(reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), on_step=lambda st: None, **kw)
+    bulk = run_replica(reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), **kw)
+    one = run_replica(
+        reqs, make_policy("vllm", {"max_num_batched_tokens": 4}), cost_model(), on_step=lambda st: None, **kw
+    )
     assert [r.token_times for r in bulk.requests] == [r.token_times for r in one.requests]
     assert list(bulk.passes) == list(one.passes)
     assert (
@@ -181,7 +183,7 @@ def test_no_bulk_repeats_while_a_head_refused_for_blocks_may_gain_from_an_evicti
 def test_kv_pressure_on_the_azure_hour_head_finishes_everything(tmp_path):
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("azure2023_conv").requests[:1500]
-    res = run(tr, make_policy("vllm"), cm, kv_capacity=16_384, block_size=16)
+    res = run_replica(tr, make_policy("vllm"), cm, kv_capacity=16_384, block_size=16)
     assert res.error is None and not res.rejected
     assert all(r.finish_s is not None and len(r.token_times) == r.output_tokens for r in res.requests)
     s = summarize(res)

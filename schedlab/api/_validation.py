@@ -55,7 +55,7 @@ def validate_many(
     from schedlab.analysis.validation import compare as compare_runs
     from schedlab.engine.backend import MLXBackend
     from schedlab.engine.calibrate import has_replay, replay_speed_check, speed_check
-    from schedlab.sim import run as run_loop
+    from schedlab.sim import run_replica as run_loop
     from schedlab.sim.features import step_table
     from schedlab.sim.metrics import summarize
 
@@ -197,7 +197,7 @@ def drift_adjusted(
     predictions at its speed (``step_ratio_median``). The speeds come from probes, not from the
     runs' own steps: a per-step cost the model misses still shows (unlike ``speed_matched``)."""
     from schedlab.analysis.validation import compare as compare_runs, median_summary, repeat_summary
-    from schedlab.sim import run as run_loop
+    from schedlab.sim import run_replica as run_loop
     from schedlab.sim.backend import SimBackend
     from schedlab.sim.cost import ScaledCostModel
     from schedlab.sim.metrics import summarize
@@ -269,7 +269,7 @@ def speed_matched(
     and mean measured/(predicted x their run's speed), ``step_ratio_median``/``_mean``: what is
     left of the per-step error once each run's speed is known exactly."""
     from schedlab.analysis.validation import compare as compare_runs, median_summary
-    from schedlab.sim import run as run_loop
+    from schedlab.sim import run_replica as run_loop
     from schedlab.sim.backend import SimBackend
     from schedlab.sim.metrics import summarize
 

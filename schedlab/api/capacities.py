@@ -277,8 +277,8 @@ def capacity(
     opts = dict(options or {})
     r_opts = dict(router_options or {}) or None
 
+    from .deployments import build
     from .profiles import pick_cost
-    from .simulation import _build_groups
 
     cost_spec = (profile, rep.kv_tokens, hardware, model_config, quant, cost)
     cost_meta: dict[str, Any] = {}
@@ -323,9 +323,9 @@ def capacity(
     for cu, stem in splits:
         for rt in rts:
             c = cu if rt is None else dataclasses.replace(cu, router=rt, router_options=r_opts)
-            c.make_router()
-            groups = _build_groups(c)
-            names = "+".join(dict.fromkeys(groups.names()))
+            names = "+".join(
+                dict.fromkeys(str(getattr(p, "name", type(p).__name__)) for p in build(None, None, cluster=c).policies)
+            )
             label = stem if rt is None else f"{stem} {_router_name(rt)}"
             configs.append(
                 _Config(
@@ -470,72 +470,30 @@ def _pd_splits(cu: ClusterOptions, wanted: bool, stem: str) -> list[tuple[Cluste
 
 
 def _runner(cfg: _Config, block_size: int, prefix_caching: bool):
-    """``run_fn(arrivals, name)``: one simulation of the configuration (fresh policy objects and
-    router every run: they keep state)."""
-    from schedlab.sim import run, run_cluster
+    """``run_fn(arrivals, name)``: one simulation of the configuration, its deployment built
+    afresh every run (policies and routers keep state)."""
+    from schedlab.sim import run
 
+    from .deployments import build
     from .profiles import pick_cost
-    from .simulation import _build_groups, _disaggregated
 
-    def policy():
-        p = cfg.policy
-        if isinstance(p, (str, Path, type)):
-            return as_policy(p, cfg.options)
-        return as_policy(copy.deepcopy(p))
+    replica = ReplicaOptions(block_size=block_size, prefix_caching=prefix_caching)
+    cu = cfg.cluster
+    if cu is None and (cfg.router is not None or cfg.replicas > 1):
+        cu = ClusterOptions(replicas=cfg.replicas, router=cfg.router, router_options=cfg.router_options)
+    picked = pick_cost(*cfg.cost) if cfg.cluster is None else None  # (once: its model is the same every run)
+    policy = cfg.policy
 
-    def cluster(arrivals, name, cu, policies, costs, capacities):
-        """One simulation of the cluster ``cu`` (a fresh router: routers keep state)."""
-        rt = cu.make_router()
-        get = getattr(rt, "options", None)
-        return run_cluster(
-            arrivals,
-            policies,
-            costs,
-            rt,
-            kv_capacity=capacities,
-            router_delay=cu.router_delay,
-            trace_name=name,
-            block_size=block_size,
-            prefix_caching=prefix_caching,
-            record_passes=False,
-            router_options=get() if callable(get) else dict(cu.router_options or {}),
-        )
+    fresh = isinstance(policy, (str, Path, type))
 
-    if cfg.cluster is not None:
-        cu = cfg.cluster
+    def run_fn(arrivals, name):
+        spec, opts = (policy, cfg.options) if fresh else (copy.deepcopy(policy), None)
+        deployment = build(spec, opts, replica=replica, cluster=cu, picked=picked)
+        if deployment.disaggregated:  # (the pools run in turn: on the whole trace, no early stop)
+            arrivals = arrivals.requests if hasattr(arrivals, "process") else arrivals
+        return run(deployment, arrivals, trace_name=name, record_steps=False, record_passes=False)
 
-        def run_file(arrivals, name):
-            groups = _build_groups(cu)
-            if cu.disaggregated:  # (the pools run in turn: on the whole trace, no early stop)
-                reqs = arrivals.requests if hasattr(arrivals, "process") else arrivals
-                return _disaggregated(cu, groups, reqs, name, block_size, prefix_caching)
-            return cluster(arrivals, name, cu, groups.policies, groups.costs, groups.capacities)
-
-        return run_file
-
-    model, kv, _ = pick_cost(*cfg.cost)
-    if cfg.router is None and cfg.replicas == 1:
-
-        def run_one(arrivals, name):
-            return run(
-                arrivals,
-                policy(),
-                model,
-                kv_capacity=kv,
-                trace_name=name,
-                record_steps=False,
-                block_size=block_size,
-                prefix_caching=prefix_caching,
-                record_passes=False,
-            )
-
-        return run_one
-    cu = ClusterOptions(replicas=cfg.replicas, router=cfg.router, router_options=cfg.router_options)
-
-    def run_many(arrivals, name):
-        return cluster(arrivals, name, cu, [policy() for _ in range(cfg.replicas)], model, kv)
-
-    return run_many
+    return run_fn
 
 
 def _search_config(cfg: _Config, shared: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,35 +23,34 @@ from ._base import check_kv_tokens, check_seed, fail
 
 
 def _checked_failures(value: Any, n: int) -> tuple[tuple[int, float], ...]:
-    """``fail`` as ((replica, seconds), ...): each a pair or a string ``REPLICA@SECONDS``; one
-    line naming the bad one otherwise."""
+    """``fail`` as ((replica, seconds), ...): each a pair or a string ``REPLICA@SECONDS``, read
+    here and checked by the deployment's own rule (``sim.deployment.check_faults``); one line
+    naming the bad one otherwise."""
+    from schedlab.sim.deployment import DeploymentError, check_faults
+
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         fail(f"{opt('fail')} is REPLICA@SECONDS (or a list of them), got {value!r}", 2)
-    out: list[tuple[int, float]] = []
-    for item in items:
+    pairs: list[Any] = []
+    for given in items:
+        item = given
         if isinstance(item, str):
             head, at, tail = item.strip().partition("@")
             try:
-                i, t = int(head), float(tail)
+                item = (int(head), float(tail))
             except ValueError:
-                i = t = None
-            if not at or i is None:
+                at = ""
+            if not at:
                 fail(f"{opt('fail')} is REPLICA@SECONDS such as 1@30, got {item!r}", 2)
-        elif isinstance(item, (list, tuple)) and len(item) == 2:
-            i, t = item
-        else:
+        elif not (isinstance(item, (list, tuple)) and len(item) == 2):
             fail(f"{opt('fail')} is REPLICA@SECONDS such as 1@30, got {item!r}", 2)
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-            fail(f"{opt('fail')} {item!r}: the cluster has replicas 0 to {n - 1}", 2)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
-            fail(f"{opt('fail')} {item!r}: the time must be a finite number of seconds >= 0", 2)
-        if any(j == i for j, _ in out):
-            fail(f"{opt('fail')}: replica {i} fails twice; a replica fails once", 2)
-        out.append((i, float(t)))
-    return tuple(out)
+        pairs.append(tuple(item))
+    try:
+        return check_faults(pairs, n, opt("fail"), items)
+    except DeploymentError as exc:
+        fail(str(exc), 2)
 
 
 def _number(value: Any, name: str) -> float:
@@ -329,7 +328,7 @@ class ClusterOptions:
     ``fail``: replicas that die during the run, ``(replica, seconds)`` pairs or strings
     ``"REPLICA@SECONDS"`` (``--fail 1@30``): from then on the router sees the replica down, its
     requests with no token yet go to another replica (once), those with tokens are refused
-    (``sim.cluster.run_cluster``)."""
+    (``sim.cluster.Cluster``)."""
 
     replicas: int = 1
     router: Any = None
@@ -349,10 +348,12 @@ class ClusterOptions:
             fail(f"{opt('replicas')} must be an integer, got {n!r}", 2)
         if n < 1:
             fail(f"{opt('replicas')} must be >= 1, got {n}", 2)
-        d = _number(self.router_delay, "router_delay")
-        if not (d >= 0 and math.isfinite(d)):
-            fail(f"{opt('router_delay')} must be a finite number of seconds >= 0, got {d:g}", 2)
-        object.__setattr__(self, "router_delay", d)
+        from schedlab.sim.deployment import DeploymentError, check_router_delay
+
+        try:
+            object.__setattr__(self, "router_delay", check_router_delay(self.router_delay, opt("router_delay")))
+        except DeploymentError as exc:
+            fail(str(exc), 2)
         ro = self.router_options
         if ro is not None:
             if not isinstance(ro, Mapping):

@@ -226,7 +226,7 @@ class Engine:
 
     def _run(self, pol, arrivals, trace_name: str, slos: dict, on_step, clock, backend) -> Run:
         from schedlab.analysis.residuals import bias
-        from schedlab.sim import run as run_loop
+        from schedlab.sim import run_replica as run_loop
         from schedlab.sim.features import step_table
         from schedlab.sim.metrics import summarize
 

@@ -1,0 +1,216 @@
+"""Building a deployment (``sim.Deployment``) from what a user gives, in one place.
+
+A run is given a policy and its options, a cost source (a profile, a hardware preset and a
+model config, or a cost model object) and the KV cache's settings (``ReplicaOptions``), and,
+for several replicas, ``ClusterOptions`` (a router and its options, the delay of its signals,
+failures; or replica groups, from Python or a cluster file, with a prefill/decode transfer).
+``build`` looks every name up (policies, routers, profiles, hardware presets), makes each
+replica its own policy object and the run its router, and returns the ``sim.Deployment`` that
+``sim.run`` runs; whatever is wrong is one line (``SchedlabError``, exit status 2), naming the
+cluster file and the group where there is one. ``simulate`` and ``capacity`` build their
+runs here; the summary's per-replica labels and meta.json's ``cluster`` come from the
+deployment (``label_summary``, ``cluster_meta``).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+from ._base import fail
+from .inputs import as_policy
+from .options import ClusterOptions, ReplicaOptions
+from .profiles import pick_cost
+
+
+def _copies(policy: Any, options: Any, count: int) -> list[Any]:
+    """``count`` policy objects: a name, file or class made afresh each time; an object itself
+    first, then copies of it (policies keep state between steps)."""
+    first = as_policy(policy, options)
+    fresh = isinstance(policy, (str, Path, type))
+    return [first] + [as_policy(policy, options) if fresh else copy.deepcopy(first) for _ in range(count - 1)]
+
+
+def _groups(cu: ClusterOptions):
+    """Each group of a cluster of groups as a ``sim.Group``: a policy object per replica and the
+    group's cost model; a name that is not found is one line naming the file and the group."""
+    from schedlab.sim import Group
+
+    from ..errors import _CLI, SchedlabError, user_error_types
+
+    where = f"{cu.file}: " if cu.file else ""
+    token = _CLI.set(False)  # the groups' keys, not the command's flags
+    out = []
+    try:
+        for k, g in enumerate(cu.groups, 1):
+            try:
+                spec = g.policy if isinstance(g.policy, (str, Path, type)) else copy.deepcopy(g.policy)
+                pols = _copies(spec, g.options, g.count)
+                model, capacity, meta = pick_cost(g.profile, g.kv_tokens, g.hardware, g.model_config, g.quant, g.cost)
+            except user_error_types() as exc:
+                raise SchedlabError(f"{where}group {k}: {exc}", getattr(exc, "code", 1)) from None
+            out.append(Group(tuple(pols), model, capacity, g.pool, meta))
+    finally:
+        _CLI.reset(token)
+    return tuple(out)
+
+
+def build(
+    policy: Any,
+    options: Any,
+    cost: tuple = (None, None, None, None, None, None),
+    replica: ReplicaOptions | None = None,
+    cluster: ClusterOptions | None = None,
+    picked: tuple | None = None,
+):
+    """The ``sim.Deployment`` of a run: ``policy`` (a name, ``file.py:Class``, a class or an
+    object) with ``options`` on the cost source ``cost`` = (profile, kv_tokens, hardware,
+    model_config, quant, cost object) — or ``picked``, a ``pick_cost`` answer made before —
+    ``replica`` (the KV cache) and ``cluster`` (None or default: one replica, no router; with
+    groups, ``policy`` and ``cost`` are not used)."""
+    from schedlab.sim import Deployment, DeploymentError, Group
+
+    replica = replica or ReplicaOptions()
+    cu = cluster or ClusterOptions()
+    if cu.groups:
+        groups = _groups(cu)
+    else:
+        model, capacity, meta = picked if picked is not None else pick_cost(*cost)
+        groups = (Group(tuple(_copies(policy, options, cu.replicas)), model, capacity, None, meta),)
+    where = f"{cu.file}: " if cu.file else ""
+    try:
+        return Deployment(
+            groups,
+            router=cu.make_router() if cu.used else None,
+            router_delay=cu.router_delay,
+            fail=cu.fail,
+            transfer=_transfer(cu, where) if cu.disaggregated else None,
+            block_size=replica.block_size,
+            prefix_caching=replica.prefix_caching,
+            file=cu.file,
+        )
+    except DeploymentError as exc:
+        fail(f"{where}{exc}", 2)
+
+
+def _transfer(cu: ClusterOptions, where: str):
+    """The ``KVTransfer`` of a disaggregated cluster's ``transfer`` table: its link (a preset, the
+    groups' one hardware preset's own, or a bandwidth and latency) and the KV bytes of its model
+    config (given, or the groups' one model config)."""
+    from schedlab.analysis.analytic import AnalyticError, kv_transfer, link_preset, split_hardware
+    from schedlab.sim.transfer import KVTransfer, Link, TransferError
+
+    t = dict(cu.transfer or {})
+    link = t.get("link")
+    if link is None and t.get("bandwidth_gbs") is None:
+        try:  # (the presets, not their ':tp=N': a TP-2 prefill and a TP-1 decode group share one link)
+            hws = {split_hardware(str(g.hardware))[0] for g in cu.groups if g.hardware is not None}
+        except AnalyticError as exc:
+            fail(f"{where}transfer: {exc}", 2)
+        if len(hws) != 1:
+            fail(
+                f"{where}transfer: give link (a preset: nvlink4, pcie5-x16, ib-ndr-400, ...) or bandwidth_gbs; "
+                f"the groups name no one hardware preset whose link it would be",
+                2,
+            )
+        link = hws.pop()
+    mode = t.get("mode", "layerwise")
+    try:
+        lk = (
+            link_preset(link, t.get("latency_s"))
+            if link
+            else Link(t["bandwidth_gbs"], t.get("latency_s", 0.0), "given")
+        )
+        if t.get("kv_bytes_per_token") is not None:  # (a model with no config: its KV's size given)
+            return KVTransfer(t["kv_bytes_per_token"], t.get("layers", 1), lk, mode)
+        mc = t.get("model_config")
+        if mc is None:
+            mcs = {str(g.model_config) for g in cu.groups if g.model_config is not None}
+            if len(mcs) != 1:
+                fail(
+                    f"{where}transfer: give model_config (the model whose KV moves) or kv_bytes_per_token: the groups "
+                    "name no one model config",
+                    2,
+                )
+            mc = mcs.pop()
+        return kv_transfer(mc, lk, mode, kv_bits=t.get("kv_bits", 16))
+    except (AnalyticError, TransferError) as exc:
+        fail(f"{where}transfer: {exc}", 2)
+
+
+def _cost_label(meta: Mapping[str, Any]) -> str:
+    """A cost model in a few words, as each replica's summary names it."""
+    if "profile" in meta:
+        return Path(meta["profile"]).name
+    a = meta.get("analytic")
+    if isinstance(a, Mapping):
+        bits = a.get("quant_bits")
+        return " ".join(
+            str(x) for x in (a.get("hardware"), a.get("model_config"), f"{bits}-bit" if bits else None) if x
+        )
+    return str(meta.get("cost_model", "cost model"))
+
+
+def _names(d) -> list[str]:
+    return [str(getattr(p, "name", type(p).__name__)) for p in d.policies]
+
+
+def common_meta(d) -> dict[str, Any]:
+    """The cost model's meta when every group has the same one, else none (meta.json's
+    ``cluster.groups`` has each group's)."""
+    first = d.groups[0].meta
+    return dict(first) if all(g.meta == first for g in d.groups) else {}
+
+
+def common_options(d) -> dict[str, Any] | None:
+    """The policies' options when every replica runs the same policy alike, else None
+    (meta.json's ``cluster.groups`` has each group's)."""
+    from ._base import policy_options
+
+    opts = [policy_options(p) for p in d.policies]
+    names = _names(d)
+    same = all(o == opts[0] and n == names[0] for o, n in zip(opts, names))
+    return dict(opts[0]) if same else None
+
+
+def kv_tokens_of(result) -> int | list[int]:
+    """The KV capacity the replicas had (whole blocks): one number, or one per replica when they differ."""
+    caps = [p.kv_capacity for p in result.replicas or ()] or [result.kv_capacity]
+    return caps[0] if len(set(caps)) == 1 else caps
+
+
+def cluster_meta(d, result) -> dict[str, Any]:
+    """meta.json's ``cluster``: the run's (router, its options, delay, failures), then the file
+    and each group's replicas (first, last), policy, its options, cost model and KV capacity."""
+    groups = [{k: v for k, v in g.items() if k != "pool"} for g in d.describe()["groups"]]
+    return {**dict(result.cluster), **({"file": d.file} if d.file else {}), "groups": groups}
+
+
+def label_summary(s: dict[str, Any], d, result) -> dict[str, Any]:
+    """The summary with each replica's group, policy, cost model and KV capacity in its own
+    summary (and its pool in a disaggregated deployment), and the policies' names joined when
+    they differ."""
+    names = _names(d)
+    group_of, caps = d.group_of, [p.kv_capacity for p in result.replicas]
+    n_prefill = sum(g.count for g in d.groups if g.pool == "prefill")
+    parts = s.get("replicas")
+    if parts:
+        s["replicas"] = [
+            {
+                "replica": p["replica"],
+                "group": group_of[p["replica"]],
+                "policy": names[p["replica"]],
+                "cost": _cost_label(d.groups[group_of[p["replica"]] - 1].meta),
+                "kv_tokens": caps[p["replica"]],
+                **{k: v for k, v in p.items() if k != "replica"},
+            }
+            for p in parts
+        ]
+        if d.disaggregated:
+            for part in s["replicas"]:
+                part["pool"] = "prefill" if part["replica"] < n_prefill else "decode"
+    distinct = list(dict.fromkeys(names))
+    if len(distinct) > 1:
+        s["policy"] = "+".join(distinct)
+    return s
