@@ -372,6 +372,7 @@ class ReplicaLoop:
         self.wakes: dict[int, tuple[float, float]] = {}
         self.log_passes = record_steps and (record_passes or self.measured)
         self._wake = None  # the event the idle replica waits on, if it is waiting
+        self._idle_from = 0.0  # when the replica last ran out of work (the run's start at first)
         self.fail_at: float | None = None
         self.failed = False
         # cancellations to come, a min-heap of (time, order, request id): a request's client goes
@@ -404,7 +405,8 @@ class ReplicaLoop:
             wake.succeed()
 
     def _cancel_due(self, t: float) -> bool:
-        """End the requests whose cancellation is due by ``t``; whether any was ended."""
+        """End the requests whose cancellation is due by ``t``; whether any was ended (then the
+        change is recorded at ``t`` for ``on_change``, as a step's is)."""
         cancels, state = self._cancels, self.state
         ended = False
         while cancels and cancels[0][0] <= t:
@@ -413,6 +415,8 @@ class ReplicaLoop:
                 ended = True
                 self.backend.release(r)
                 self.finished(r, t)
+        if ended and self.on_change is not None:
+            self.on_change[0](t)
         return ended
 
     def close(self) -> None:
@@ -439,48 +443,206 @@ class ReplicaLoop:
         )
 
     def process(self):
-        """The replica loop, a SimPy process generator: plan, check, run the passes, repeat."""
-        state, clock, backend, policy = self.state, self.clock, self.backend, self.policy
-        env = self.env
-        policy_name = self.policy_name
-        cost_model = self.cost_model
-        steps = self.steps
-        s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = steps._lists
+        """The replica loop, a SimPy process generator. A step: plan, apply the admissions, execute
+        the passes (the clock advances; the state applies each), record; then any bulk repeats. A
+        step starts where the previous one ended (on a wall clock the hops between steps count)."""
+        state, clock, backend, policy, cost_model = self.state, self.clock, self.backend, self.policy, self.cost_model
+        measured, log_passes, record_steps, cancels = self.measured, self.log_passes, self.record_steps, self._cancels
+        s_index, s_start, s_end, s_pred, s_meas, s_rows, s_ptoks, s_passes, s_kv = self.steps._lists
         p_step, p_k, p_start, p_end, p_pass = self.pass_log._lists
-        measured = self.measured
-        record_steps = self.record_steps
-        log_passes = self.log_passes
-        on_step = self.on_step
-        record, record_run = self.on_change if self.on_change is not None else (None, None)
-        wakes = self.wakes
+        on_step, next_arrival, finished = self.on_step, self.next_arrival, self.finished
+        record = self.on_change[0] if self.on_change is not None else None
         view = ReplicaView(state, cost_model)
-        overhead = cost_model.step_overhead_seconds
-        predict = cost_model.pass_seconds
-        execute = backend.execute
-        if measured and record_steps:
-            # a real run: keep every pass's shape for fits (a simulation never comes here)
-            def execute(p, shape, state, _run=backend.execute, _keep=self.shapes.append):
-                _keep(shape)
-                return _run(p, shape, state)
+        overhead, predict, execute = cost_model.step_overhead_seconds, cost_model.pass_seconds, self._executor()
+        deadline = self.fail_at if self.fail_at is not None else float("inf")
+        run_repeats = self._bulk_runner(deadline)  # None: every step is planned on its own
+        # when the previous step ended (None after waiting idle); the after-idle cost the next step
+        # carries; the steps run since the last wake (None: none to charge any more)
+        t_end, pending, since_wake = None, 0.0, None
+        while not state.done:
+            t0 = clock.now() if t_end is None else t_end
+            if t0 >= deadline or self.failed:
+                return self._fail()
+            if cancels and cancels[0][0] <= t0 and self._cancel_due(t0):
+                continue  # (the queues changed: the policy sees them as they are now)
+            view.now = t0
+            view.step_index = state.step_index
+            try:
+                plan = policy.plan(view)
+            except (PlanError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # the user's policy code
+                raise self._policy_error(exc) from exc
+            for r in state.apply_admin(plan, t0):
+                backend.release(r)
+            passes = [p for p in plan.passes if p.decode or p.prefill]
+            if not passes:  # nothing to run: plan again at once if the state changed, else wait idle
+                if not (plan.admit or plan.preempt):
+                    t_end, pending, since_wake = yield from self._idle(t_end, pending, since_wake)
+                continue
+            n_rows = 0
+            for p in passes:
+                n_rows += len(p.decode) + len(p.prefill)
+            predicted = overhead(len(passes), n_rows)
+            if pending or since_wake is not None:  # the steps just after a wake cost more
+                predicted, pending, since_wake = self._wake_charges(predicted, pending, since_wake)
+            clock.advance(backend.step_overhead(predicted))  # planning comes first
+            rows = ptoks = 0
+            ended, prefilling = False, len(state.prefilling)
+            for k, p in enumerate(passes):
+                shape = state.shape(p)
+                t_pass = clock.now()
+                seconds = execute(p, shape, state)
+                clock.advance(seconds)
+                t = clock.now()
+                if t > deadline:  # the replica dies while this pass runs: it never ends
+                    return self._fail()
+                predicted += predict(shape) if measured else seconds
+                rows += len(p.decode)
+                if p.prefill:
+                    ptoks += shape.prefill_tokens
+                if log_passes:
+                    p_step.append(state.step_index)
+                    p_k.append(k)
+                    p_start.append(t_pass)
+                    p_end.append(t)
+                    p_pass.append(p)
+                for r in state.apply_pass(p, t):
+                    ended = True
+                    backend.release(r)
+                    finished(r, t)
+            t_end = clock.now()
+            if record_steps:
+                s_index.append(state.step_index)
+                s_start.append(t0)
+                s_end.append(t_end)
+                s_pred.append(predicted)
+                s_meas.append((t_end - t0) if measured else None)
+                s_rows.append(rows)
+                s_ptoks.append(ptoks)
+                s_passes.append(len(passes))
+                s_kv.append(state.kv_used)
+            state.step_index += 1
+            if record is not None:
+                record(t_end)
+            if on_step is not None:
+                on_step(state)
+            if plan.repeat and run_repeats is not None and not ended and since_wake is None:
+                # (one decode pass, no row finished, none handed off from prefilling: queues as planned)
+                if len(passes) == 1 and not passes[0].prefill and len(state.prefilling) == prefilling:
+                    t_end = run_repeats(plan.repeat, passes[0], shape, t_end)
+            if state.open:  # (once the source is done nothing can arrive: no hop to make)
+                ev = clock.sync(next_arrival())
+                if ev is not None:
+                    yield ev
 
-        idle_cost = cost_model.idle_seconds
-        # the steps after a wake are counted only for a model that charges them
-        after_wake = cost_model.after_wake_seconds if cost_model.has_after_wake else None
+    def _executor(self) -> Callable:
+        """``backend.execute``; in a real run that records its steps, one that also keeps every
+        pass's shape (``shapes``, for fits; a simulation never needs it)."""
+        backend = self.backend
+        if not (self.measured and self.record_steps):
+            return backend.execute
+
+        def execute(p, shape, state, _run=backend.execute, _keep=self.shapes.append):
+            _keep(shape)
+            return _run(p, shape, state)
+
+        return execute
+
+    def _policy_error(self, exc: Exception) -> PolicyError:
+        """The one-line error of a policy whose own code raised ``exc`` at this step."""
+        return PolicyError(
+            f"policy '{self.policy_name}' step {self.state.step_index} raised {type(exc).__name__}: {exc}"
+        )
+
+    def _fail(self) -> None:
+        """The replica dies here (its ``fail_at`` has come, or it was killed): its process ends
+        (``return self._fail()``); no step starts and no pass that would end later is applied."""
+        self.failed = True
+
+    def _idle(self, t_end: float | None, pending: float, since_wake: int | None):
+        """Nothing to run now (a generator, ``yield from`` it): only the next arrival, or a
+        cancellation's time, can change the policy's mind; a ``PlanError`` if the source is done.
+
+        ``t_end``: when the previous step ended (None: the replica was already idle). Returns the
+        new ``(t_end, pending, since_wake)``: ``t_end`` None (no step just ended), and the
+        after-idle charges the next steps carry, unchanged after a wait that a cancellation's time
+        ended (or a ``kill``: then ``failed``, and the loop ends at its top); after an arrival the
+        wait is logged in ``wakes`` and charged by the cost model's ``idle_seconds`` (the replica
+        starts ``wake_s`` late; ``pending``: the wake's own step's extra) and, where it
+        ``has_after_wake``, ``after_wake_seconds`` (``since_wake`` 0: the next step is the wake's)."""
+        state, env, clock, cancels = self.state, self.env, self.clock, self._cancels
+        if not state.open:
+            raise PlanError(
+                f"policy '{self.policy_name}' step {state.step_index}: planned nothing with "
+                f"{state.n_accepted - state.finished} request(s) unfinished and no arrivals left"
+            )
+        if t_end is not None:
+            self._idle_from = t_end
+        self._wake = wake = env.event()
+        if cancels:  # ... or a cancellation's time
+            yield env.any_of([wake, env.timeout(max(cancels[0][0] - env.now, 0.0))])
+        else:
+            yield wake
+        self._wake = None
+        if self.failed:
+            return None, pending, since_wake
+        clock.woke()
+        if not wake.triggered:  # woken by a cancellation's time, not an arrival
+            return None, pending, since_wake
+        cost_model = self.cost_model
+        if cost_model.has_after_wake:  # the steps after a wake are counted only for a model that charges them
+            since_wake = 0
+        arrived = env.now  # the arrival's time (the wall clock is a little later)
+        late = clock.now() - arrived
+        self.wakes[state.step_index] = (arrived - self._idle_from, late)
+        w, pending = cost_model.idle_seconds(arrived - self._idle_from)
+        w = self.backend.step_overhead(w) if w else 0.0  # 0 on a wall clock
+        if w:
+            clock.advance(w)
+            ev = clock.sync(self.next_arrival())  # arrivals due meanwhile come first
+            if ev is not None:
+                yield ev
+        return None, pending, since_wake
+
+    def _wake_charges(self, predicted: float, pending: float, since_wake: int | None) -> tuple:
+        """A step after a wake: ``predicted`` plus the wake's ``pending`` extra and the cost
+        model's ``after_wake_seconds(k)`` for the k-th step after the wake's own (counting stops
+        where it charges nothing); the new ``(predicted, pending, since_wake)``."""
+        if pending:
+            predicted += pending
+            pending = 0.0
+        if since_wake is not None:
+            if since_wake:
+                extra = self.cost_model.after_wake_seconds(since_wake)
+                if not extra:  # past the steps it charges
+                    since_wake = None
+                predicted += extra
+            if since_wake is not None:
+                since_wake += 1
+        return predicted, pending, since_wake
+
+    def _bulk_runner(self, deadline: float) -> Callable | None:
+        """``run_repeats(repeat, p, shape, t_end) -> t_end``: the steps a ``Plan.repeat`` allows
+        after the step that ran the decode pass ``p``, in bulk; None where they run one by one:
+        the backend can't say their seconds at once, they are measured, or a callback (``on_step``)
+        wants to see every step. The replica dies at ``deadline`` (``fail_at``)."""
+        state, clock, backend, steps, cancels = self.state, self.clock, self.backend, self.steps, self._cancels
+        repeat_decode = getattr(backend, "repeat_decode", None) if self.on_step is None and not self.measured else None
+        if repeat_decode is None:
+            return None
         next_arrival = self.next_arrival
-        finished = self.finished
-        # Plan.repeat runs in bulk where the backend can say their seconds at once, they are the
-        # cost model's predictions, and no callback wants to see every step
-        repeat_decode = getattr(backend, "repeat_decode", None) if on_step is None and not measured else None
+        overhead = self.cost_model.step_overhead_seconds
         # a cost model's own run formula is pure and may be evaluated ahead; any other is asked
         # exactly once per step, as if the steps were planned one by one
-        lookahead = cost_model.has_run_formula
-        deadline = self.fail_at if self.fail_at is not None else float("inf")
-        cancels = self._cancels
+        lookahead = self.cost_model.has_run_formula
+        record_steps, log_passes = self.record_steps, self.log_passes
+        p_step, p_k, p_start, p_end, p_pass = self.pass_log._lists
+        record_run = self.on_change[1] if self.on_change is not None else None
 
         def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
-            """The steps a ``Plan.repeat`` allows after the step that ran ``p``, in bulk: the same
-            decode pass until a row is about to finish, a request arrives, or ``repeat`` runs out.
-            Every step is recorded (and timed) as if it had been planned on its own."""
+            """The same decode pass until a row is about to finish, a request arrives, or
+            ``repeat`` runs out. Every step is recorded (and timed) as if planned on its own."""
             nxt = next_arrival()
             if cancels and (nxt is None or cancels[0][0] < nxt):
                 nxt = cancels[0][0]  # (a cancellation ends the run as an arrival does)
@@ -518,144 +680,7 @@ class ReplicaLoop:
                 record_run(ends, rows)
             return t
 
-        t_end = None  # when the previous step ended (None after waiting idle)
-        idle_from = 0.0  # when the replica last ran out of work (the run's start at first)
-        pending = 0.0  # the after-idle cost the next step carries
-        since_wake = None  # steps run since the last wake (None: none to charge any more)
-        while not state.done:
-            # A step starts where the previous one ended: on a wall clock the SimPy hops and
-            # arrival handling between two steps belong to its time, as they do to a user.
-            t0 = clock.now() if t_end is None else t_end
-            if t0 >= deadline or self.failed:
-                self.failed = True
-                return
-            if cancels and cancels[0][0] <= t0 and self._cancel_due(t0):
-                if record is not None:
-                    record(t0)
-                continue  # (the queues changed: the policy sees them as they are now)
-            view.now = t0
-            view.step_index = state.step_index
-            try:
-                plan = policy.plan(view)
-            except (PlanError, KeyboardInterrupt):
-                raise
-            except Exception as exc:  # the user's policy code
-                raise PolicyError(
-                    f"policy '{policy_name}' step {state.step_index} raised {type(exc).__name__}: {exc}"
-                ) from exc
-            for r in state.apply_admin(plan, t0):
-                backend.release(r)
-            passes = [p for p in plan.passes if p.decode or p.prefill]
-            if not passes:
-                if plan.admit or plan.preempt:
-                    continue  # the state changed: plan again at the same instant
-                if state.open:
-                    # nothing to run now: only the next arrival can change the policy's mind
-                    if t_end is not None:
-                        idle_from = t_end
-                    self._wake = wake = env.event()
-                    if cancels:  # ... or a cancellation's time
-                        yield env.any_of([wake, env.timeout(max(cancels[0][0] - env.now, 0.0))])
-                    else:
-                        yield wake
-                    self._wake = None
-                    if self.failed:
-                        return
-                    t_end = None
-                    clock.woke()
-                    if not wake.triggered:  # woken by a cancellation's time, not an arrival
-                        continue
-                    if after_wake is not None:
-                        since_wake = 0  # the next step is the wake's own
-                    arrived = env.now  # the arrival's time (the wall clock is a little later)
-                    late = clock.now() - arrived
-                    wakes[state.step_index] = (arrived - idle_from, late)
-                    w, pending = idle_cost(arrived - idle_from)
-                    w = backend.step_overhead(w) if w else 0.0  # 0 on a wall clock
-                    if w:
-                        clock.advance(w)
-                        ev = clock.sync(next_arrival())  # arrivals due meanwhile come first
-                        if ev is not None:
-                            yield ev
-                    continue
-                raise PlanError(
-                    f"policy '{policy_name}' step {state.step_index}: planned nothing with "
-                    f"{state.n_accepted - state.finished} request(s) unfinished and no arrivals left"
-                )
-            n_rows = 0
-            for p in passes:
-                n_rows += len(p.decode) + len(p.prefill)
-            predicted = overhead(len(passes), n_rows)
-            if pending:
-                predicted += pending
-                pending = 0.0
-            if since_wake is not None:
-                if since_wake:
-                    extra = after_wake(since_wake)
-                    if not extra:  # past the steps it charges
-                        since_wake = None
-                    predicted += extra
-                if since_wake is not None:
-                    since_wake += 1
-            clock.advance(backend.step_overhead(predicted))  # planning comes first
-            rows = ptoks = 0
-            ended = False
-            prefilling = len(state.prefilling)
-            for k, p in enumerate(passes):
-                shape = state.shape(p)
-                t_pass = clock.now()
-                seconds = execute(p, shape, state)
-                clock.advance(seconds)
-                t = clock.now()
-                if t > deadline:  # the replica dies while this pass runs: it never ends
-                    self.failed = True
-                    return
-                predicted += predict(shape) if measured else seconds
-                rows += len(p.decode)
-                if p.prefill:
-                    ptoks += shape.prefill_tokens
-                if log_passes:
-                    p_step.append(state.step_index)
-                    p_k.append(k)
-                    p_start.append(t_pass)
-                    p_end.append(t)
-                    p_pass.append(p)
-                for r in state.apply_pass(p, t):
-                    ended = True
-                    backend.release(r)
-                    finished(r, t)
-            t_end = clock.now()
-            if record_steps:
-                s_index.append(state.step_index)
-                s_start.append(t0)
-                s_end.append(t_end)
-                s_pred.append(predicted)
-                s_meas.append((t_end - t0) if measured else None)
-                s_rows.append(rows)
-                s_ptoks.append(ptoks)
-                s_passes.append(len(passes))
-                s_kv.append(state.kv_used)
-            state.step_index += 1
-            if record is not None:
-                record(t_end)
-            if on_step is not None:
-                on_step(state)
-            if (
-                plan.repeat
-                and repeat_decode is not None
-                and not ended
-                and len(passes) == 1
-                and not passes[0].prefill
-                and len(state.prefilling) == prefilling
-                and since_wake is None
-            ):
-                # (no row finished and none was handed off from prefilling: the queues are
-                # as the policy saw them)
-                t_end = run_repeats(plan.repeat, passes[0], shape, t_end)
-            if state.open:  # (once the source is done nothing can arrive: no hop to make)
-                ev = clock.sync(next_arrival())
-                if ev is not None:
-                    yield ev
+        return run_repeats
 
     def result(self, source: Any, trace_name: str, wall0: float, error: str | None) -> RunResult:
         """The run's result, once its process has ended (or stopped on ``error``)."""
