@@ -307,10 +307,7 @@ def plot_sweep(
     """Latency against load: p50/p99 TTFT and ITL vs request rate (or, for a sweep of client
     concurrency at one rate, vs the number of clients), one colour per policy (per policy and
     concurrency when both vary)."""
-    import numpy as np
-    from matplotlib.lines import Line2D
-
-    from .plots import _new_figure, _plain_log_axis, _style, _wide, save
+    from .plots import _new_figure, _style, save
 
     rates_seen = {r.get("rate_rps") for r in rows}
     concs_seen = {r.get("max_concurrency") for r in rows}
@@ -320,106 +317,126 @@ def plot_sweep(
         offered_tok_per_req = None
     elif len(concs_seen) > 1:  # a grid: one line per (policy, concurrency)
         rows = [{**r, "policy": f"{r['policy']} C={r.get('max_concurrency')}"} for r in rows]
-    xlabel = "clients (max concurrency)" if by_clients else "offered request rate (req/s)"
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
     fig = _new_figure(12.5, 8.6)
     axes = fig.subplots(2, 2)
-    data: dict[str, Any] = {}
-    color = {p: f"C{i % 10}" for i, p in enumerate(policies)}
+    panels = _SweepPanels(rows)
+    for ax, metric, name in ((axes[0, 0], "ttft", "Time to first token"), (axes[0, 1], "itl", "Inter-token latency")):
+        panels.latency(ax, metric, name, (slo or {}).get("ttft_ms" if metric == "ttft" else "tpot_ms"))
+    panels.output_throughput(axes[1, 0], offered_tok_per_req)
+    if slo:
+        panels.attainment(axes[1, 1], slo, attainment, sustained)
+    else:
+        panels.request_throughput(axes[1, 1], by_clients)
+    xlabel = "clients (max concurrency)" if by_clients else "offered request rate (req/s)"
+    for ax in axes.flat:
+        ax.set_xlabel(xlabel)
+        _style(ax)
+    panels.legend(fig)
+    if title:
+        fig.suptitle(title, fontsize=12)
+    files = save(fig, out_dir, "latency_vs_load", formats)
+    return {"files": files, "figure": fig, "series": panels.data}
 
-    def series(pol, key):
-        mine = sorted((r for r in rows if r["policy"] == pol and not r.get("error")), key=lambda r: r["rate_rps"])
+
+class _SweepPanels:
+    """The panels of the sweep figure: one line per policy (x: ``rate_rps``), each series drawn
+    kept in ``data`` under ``POLICY/COLUMN``."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]]):
+        self.rows = rows
+        self.policies = list(dict.fromkeys(r["policy"] for r in rows))
+        self.color = {p: f"C{i % 10}" for i, p in enumerate(self.policies)}
+        self.data: dict[str, Any] = {}
+
+    def series(self, pol: str, key: str):
+        import numpy as np
+
+        mine = sorted((r for r in self.rows if r["policy"] == pol and not r.get("error")), key=lambda r: r["rate_rps"])
         x = np.array([r["rate_rps"] for r in mine], dtype=float)
         y = np.array([np.nan if r.get(key) is None else r[key] for r in mine], dtype=float)
         return x, y
 
-    for ax, metric, name in ((axes[0, 0], "ttft", "Time to first token"), (axes[0, 1], "itl", "Inter-token latency")):
+    def _line(self, ax, pol: str, key: str, scale: float = 1) -> None:
+        """Column ``key`` of one policy's rows (drawn times ``scale``)."""
+        x, y = self.series(pol, key)
+        ax.plot(x, y * scale if scale != 1 else y, marker="o", markersize=4.5, color=self.color[pol], linewidth=1.6)
+        self.data[f"{pol}/{key}"] = (x, y)
+
+    def _lines(self, ax, key: str) -> None:
+        for pol in self.policies:
+            self._line(ax, pol, key)
+
+    def _offered(self, ax, per_request: float, label: str) -> None:
+        """The offered load: each rate swept times ``per_request``, dotted grey."""
+        import numpy as np
+
+        rates = np.array(sorted({r["rate_rps"] for r in self.rows}), dtype=float)
+        ax.plot(
+            rates,
+            rates * per_request,
+            color="#888888",
+            linestyle=":",
+            linewidth=1.2,
+            label=label,
+        )
+        ax.legend(loc="upper left", fontsize=8, frameon=False)
+
+    def latency(self, ax, metric: str, name: str, limit: float | None) -> None:
+        """p50 (solid) and p99 (dashed) of ``metric``, with the SLO's ``limit`` as a line."""
+        import numpy as np
+
+        from .plots import _plain_log_axis, _wide
+
         ys = []
-        for pol in policies:
+        for pol in self.policies:
             for p, ls, mk in (("p50", "-", "o"), ("p99", "--", "s")):
-                x, y = series(pol, f"{metric}_{p}_ms")
-                ax.plot(x, y, linestyle=ls, marker=mk, markersize=4.5, color=color[pol], linewidth=1.6)
-                data[f"{pol}/{metric}_{p}_ms"] = (x, y)
+                x, y = self.series(pol, f"{metric}_{p}_ms")
+                ax.plot(x, y, linestyle=ls, marker=mk, markersize=4.5, color=self.color[pol], linewidth=1.6)
+                self.data[f"{pol}/{metric}_{p}_ms"] = (x, y)
                 ys.append(y[np.isfinite(y)])
-        limit = (slo or {}).get("ttft_ms" if metric == "ttft" else "tpot_ms")
         if limit is not None:
             ax.axhline(limit, color="#444444", linestyle=":", linewidth=1.2)
-            ax.text(
-                0.99,
-                limit,
-                f"SLO: {'TTFT' if metric == 'ttft' else 'TPOT'} ≤ {limit:g} ms",
-                transform=ax.get_yaxis_transform(),
-                va="center",
-                ha="right",
-                fontsize=8,
-                color="#444444",
-                zorder=6,
-                bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"},
-            )
+            _line_label(ax, limit, f"SLO: {'TTFT' if metric == 'ttft' else 'TPOT'} ≤ {limit:g} ms")
         allv = np.concatenate(ys) if ys else np.array([])
         if _wide(allv, 20):
             _plain_log_axis(ax.yaxis)
         ax.set_title(f"{name} (ms) vs load: p50 solid, p99 dashed", fontsize=10.5)
         ax.set_ylabel(f"{metric.upper()} (ms)" + (", log scale" if ax.get_yscale() == "log" else ""))
 
-    ax = axes[1, 0]
-    for pol in policies:
-        x, y = series(pol, "output_throughput_tok_s")
-        ax.plot(x, y, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
-        data[f"{pol}/output_throughput_tok_s"] = (x, y)
-    if offered_tok_per_req:
-        rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
-        ax.plot(
-            rates,
-            rates * offered_tok_per_req,
-            color="#888888",
-            linestyle=":",
-            linewidth=1.2,
-            label="offered: rate × mean output tokens",
-        )
-        ax.legend(loc="upper left", fontsize=8, frameon=False)
-    ax.set_title("Output token throughput vs load", fontsize=10.5)
-    ax.set_ylabel("output throughput (tok/s)")
-    ax.set_ylim(bottom=0)
+    def output_throughput(self, ax, offered_tok_per_req: float | None) -> None:
+        self._lines(ax, "output_throughput_tok_s")
+        if offered_tok_per_req:
+            self._offered(ax, offered_tok_per_req, "offered: rate × mean output tokens")
+        ax.set_title("Output token throughput vs load", fontsize=10.5)
+        ax.set_ylabel("output throughput (tok/s)")
+        ax.set_ylim(bottom=0)
 
-    ax = axes[1, 1]
-    if slo:
-        for pol in policies:
-            x, y = series(pol, "slo_attainment")
-            ax.plot(x, y * 100, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
-            data[f"{pol}/slo_attainment"] = (x, y)
+    def attainment(
+        self,
+        ax,
+        slo: Mapping[str, float],
+        attainment: float,
+        sustained: Mapping[str, Mapping[str, Any]] | None,
+    ) -> None:
+        """The share of requests meeting every SLO, the threshold, each policy's highest
+        sustained rate (a dotted line, and listed in a box)."""
+        for pol in self.policies:
+            self._line(ax, pol, "slo_attainment", scale=100)
             best = (sustained or {}).get(pol, {}).get("rate_rps")
             if best is not None:
-                ax.axvline(best, color=color[pol], linestyle=":", linewidth=1.2)
+                ax.axvline(best, color=self.color[pol], linestyle=":", linewidth=1.2)
         ax.axhline(attainment * 100, color="#444444", linestyle="--", linewidth=1)
-        ax.text(
-            0.99,
-            attainment * 100,
-            f"threshold {attainment:.0%}",
-            transform=ax.get_yaxis_transform(),
-            va="center",
-            ha="right",
-            fontsize=8,
-            color="#444444",
-            zorder=6,
-            bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"},
-        )
+        _line_label(ax, attainment * 100, f"threshold {attainment:.0%}")
         ax.set_ylim(-3, 103)
         slo_text = ", ".join(f"{k} ≤ {v:g}" for k, v in slo.items())
         ax.set_title(f"SLO attainment ({slo_text})", fontsize=10.5)
         if sustained:
             lines = ["highest sustained rate (dotted):"]
-            for pol in policies:
+            for pol in self.policies:
                 s_ = sustained.get(pol, {})
                 r_ = s_.get("rate_rps")
-                lines.append(
-                    f"{pol}: "
-                    + (
-                        "none"
-                        if r_ is None
-                        else f"{r_:g} req/s" + (" (sweep max)" if s_.get("limited_by_sweep") else "")
-                    )
-                )
+                sweep_max = " (sweep max)" if s_.get("limited_by_sweep") else ""
+                lines.append(f"{pol}: " + ("none" if r_ is None else f"{r_:g} req/s{sweep_max}"))
             ax.text(
                 0.02,
                 0.03,
@@ -432,15 +449,11 @@ def plot_sweep(
                 zorder=6,
             )
         ax.set_ylabel("requests meeting every SLO (%)")
-    else:
-        for pol in policies:
-            x, y = series(pol, "request_throughput_rps")
-            ax.plot(x, y, marker="o", markersize=4.5, color=color[pol], linewidth=1.6)
-            data[f"{pol}/request_throughput_rps"] = (x, y)
+
+    def request_throughput(self, ax, by_clients: bool) -> None:
+        self._lines(ax, "request_throughput_rps")
         if not by_clients:
-            rates = np.array(sorted({r["rate_rps"] for r in rows}), dtype=float)
-            ax.plot(rates, rates, color="#888888", linestyle=":", linewidth=1.2, label="offered rate (y = x)")
-            ax.legend(loc="upper left", fontsize=8, frameon=False)
+            self._offered(ax, 1, "offered rate (y = x)")
         ax.set_title(
             "Completed requests/s vs " + ("clients" if by_clients else "offered rate") + " (give --slo for attainment)",
             fontsize=10.5,
@@ -448,16 +461,28 @@ def plot_sweep(
         ax.set_ylabel("request throughput (req/s)")
         ax.set_ylim(bottom=0)
 
-    for ax in axes.flat:
-        ax.set_xlabel(xlabel)
-        _style(ax)
-    handles = [Line2D([], [], color=color[p], linewidth=2, label=p) for p in policies]
-    handles += [
-        Line2D([], [], color="black", linestyle="-", marker="o", markersize=4, label="p50"),
-        Line2D([], [], color="black", linestyle="--", marker="s", markersize=4, label="p99"),
-    ]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=9, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=12)
-    files = save(fig, out_dir, "latency_vs_load", formats)
-    return {"files": files, "figure": fig, "series": data}
+    def legend(self, fig) -> None:
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=self.color[p], linewidth=2, label=p) for p in self.policies]
+        handles += [
+            Line2D([], [], color="black", linestyle="-", marker="o", markersize=4, label="p50"),
+            Line2D([], [], color="black", linestyle="--", marker="s", markersize=4, label="p99"),
+        ]
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=9, frameon=False)
+
+
+def _line_label(ax, y: float, text: str) -> None:
+    """A boxed label at the right end of a horizontal line at ``y``."""
+    ax.text(
+        0.99,
+        y,
+        text,
+        transform=ax.get_yaxis_transform(),
+        va="center",
+        ha="right",
+        fontsize=8,
+        color="#444444",
+        zorder=6,
+        bbox={"facecolor": "white", "edgecolor": "#bbbbbb", "boxstyle": "round,pad=0.2"},
+    )
