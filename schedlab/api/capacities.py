@@ -1,6 +1,21 @@
 """``capacity``: for every configuration (policy x router x replicas, and cluster files), the
 highest request rate at which the share of requests meeting every SLO stays at or above the
-attainment (``analysis.capacity``: the definition, the search and its early stop)."""
+attainment (``analysis.capacity``: the definition, the search and its early stop).
+
+``capacity`` returns one row per configuration: ``configuration``, ``policy``, ``router``, ``replicas``,
+``gpus`` (the replicas' GPUs: a replica on ``PRESET:tp=N`` spans N, any other one), ``capacity_rps``,
+``capacity_per_replica_rps``, ``capacity_per_gpu_rps`` (capacity_rps / gpus: DistServe's goodput
+per GPU), ``price_usd_per_hour`` (of one replica:
+given, else the preset's, else None), ``requests_per_usd`` (capacity_rps x 3600 / (replicas
+x price): requests within the SLOs per dollar; None without a price or a capacity), ``limited``
+(no failing rate found up to 2^10 x the start: the capacity is at least that, and so are its
+requests per dollar), ``first_failing_rps``, ``binding`` (the SLO most requests missed at
+the failing bound; ``unfinished``: requests never finished), ``attainment_at_capacity``, ``runs``, ``early_stops``, ``simulated_s`` (simulated seconds
+of all its runs), ``saved_s_min`` (simulated seconds the early stops saved, at least),
+``error``. ``df.attrs["points"]``: each configuration's search points (rate, attainment,
+passed, stopped early, ...); ``df.attrs["info"]``: what capacity.json holds besides
+(``price_source``: "preset NAME (URL)", "given" or None).
+"""
 
 from __future__ import annotations
 
@@ -204,30 +219,138 @@ def capacity(
     replica of ``PRESET:tp=N``; quotes vary widely, so give yours) and is the only price a cluster
     file's configurations get.
 
-    Returns one row per configuration: ``configuration``, ``policy``, ``router``, ``replicas``,
-    ``gpus`` (the replicas' GPUs: a replica on ``PRESET:tp=N`` spans N, any other one), ``capacity_rps``,
-    ``capacity_per_replica_rps``, ``capacity_per_gpu_rps`` (capacity_rps / gpus: DistServe's goodput
-    per GPU), ``price_usd_per_hour`` (of one replica:
-    given, else the preset's, else None), ``requests_per_usd`` (capacity_rps x 3600 / (replicas
-    x price): requests within the SLOs per dollar; None without a price or a capacity), ``limited``
-    (no failing rate found up to 2^10 x the start: the capacity is at least that, and so are its
-    requests per dollar), ``first_failing_rps``, ``binding`` (the SLO most requests missed at
-    the failing bound; ``unfinished``: requests never finished), ``attainment_at_capacity``, ``runs``, ``early_stops``, ``simulated_s`` (simulated seconds
-    of all its runs), ``saved_s_min`` (simulated seconds the early stops saved, at least),
-    ``error``. ``df.attrs["points"]``: each configuration's search points (rate, attainment,
-    passed, stopped early, ...); ``df.attrs["info"]``: what capacity.json holds besides
-    (``price_source``: "preset NAME (URL)", "given" or None).
-    ``out``: also write capacity.csv, capacity.json and the figures (capacity.png,
+    Returns one row per configuration (its columns: this module's docstring). ``out``: also
+    write capacity.csv, capacity.json and the figures (capacity.png,
     attainment_vs_rate.png) there. A configuration for which no rate meets the SLOs has
     ``error`` "no rate meets the SLOs even at X req/s (the lowest tried): ..."; when every
     configuration has an error, that is raised instead (``SchedlabError``)."""
-    import pandas as pd
 
     from schedlab import traces
-    from schedlab.analysis.capacity import TABLE_FIELDS, requests_per_usd, write_results
-    from schedlab.analysis.executors import default_workers, run_jobs
+    from schedlab.analysis.capacity import requests_per_usd
     from schedlab.analysis.sweep import rescale
 
+    slos, att, tol, price = _checked_search(slo, attainment, tolerance, start_rps, price_per_hour, workers)
+    executor, seed, fmts = executor_name(executor, ray_address), check_seed(seed), parse_formats(formats)
+    rep = merged(
+        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
+    )
+    own = (profile, hardware, model_config, quant, cost, kv_tokens, options)  # (the policy configurations')
+    pols, rts, counts, files = _selection(policies, routers, replicas, clusters, router_options, own)
+    opts = dict(options or {})
+    r_opts = dict(router_options or {}) or None
+    cost_spec = (profile, rep.kv_tokens, hardware, model_config, quant, cost)
+    cost_meta = _cost_meta(cost_spec) if pols else {}  # (a bad profile or preset fails here, once)
+    preset_price, price_source = _preset_price(price, hardware) if pols else (None, _given(price))
+    tr = as_trace(trace, seed=seed)
+    rescale(tr, 1.0)  # a trace whose rate cannot be set fails here
+    # (default: one doubling above the trace's own rate: a passing run simulates the whole trace and
+    # costs most at low rates, where batches are small; a failing one stops early)
+    base = start_rps if start_rps is not None else START_FACTOR * traces.mean_rate(tr)
+
+    configs = _policy_configs(pols, rts, counts, opts, r_opts, cost_spec, hardware, base)
+    configs += _file_configs(files, rts, r_opts, pd_splits, base)
+    n_workers = _workers(configs, workers, executor)
+    out = Path(out) if out is not None else None
+    if out is not None and out.exists() and not out.is_dir():
+        fail(f"{opt('out')} {out} exists and is not a directory")
+    shared = {
+        "trace": tr,
+        "slo": slos,
+        "attainment": att,
+        "tolerance": tol,
+        "early_stop": bool(early_stop),
+        "block_size": rep.block_size,
+        "prefix_caching": rep.prefix_caching,
+    }
+    rows = _search_all(configs, shared, n_workers, on_done, on_start, executor, ray_address)
+    for cfg, row in zip(configs, rows):  # (a cluster file's configurations: only a given price)
+        p = price if price is not None else (preset_price["value"] if preset_price and cfg.cluster is None else None)
+        row.update(price_usd_per_hour=p, requests_per_usd=requests_per_usd(row.get("capacity_rps"), cfg.replicas, p))
+    if all(r.get("error") for r in rows):  # nothing to report: the (first) reason, in one line
+        first, rest = rows[0], [r["configuration"] for r in rows[1:]]
+        more = f" (no capacity either: {', '.join(rest)})" if rest else ""
+        fail(first["error"] if not rest else f"{first['configuration']}: {first['error']}{more}")
+    info = _info(tr, slos, att, tol, bool(early_stop), base, price, preset_price, price_source, cost_meta, configs)
+    info.update(block_size=rep.block_size, prefix_caching=rep.prefix_caching, seed=seed)
+    table = _table(rows, info)
+    table.attrs["files"] = _write(out, rows, info, f"{tr.name}: {len(tr)} requests", att, slos, fmts)
+    return table
+
+
+def _selection(policies, routers, replicas, clusters, router_options, own) -> tuple[list, list, list[int], list]:
+    """The policies, routers (``[None]``: none given), replica counts and cluster files searched
+    (``own``: the settings of the policy configurations, given only with policies)."""
+    if policies is None and clusters is None:
+        fail(f"give {opt('policy')} and/or {opt('cluster')} (the configurations to search)", 2)
+    pols = _names(policies, "policy", "policy") if policies is not None else []
+    if not pols and any(x is not None for x in own):
+        fail(
+            f"a cluster file names each group's policy, options, cost model and kv_tokens: {opt('profile')}, "
+            f"{opt('hardware')}, {opt('kv_tokens')} and {opt('option')} go with {opt('policy')}",
+            2,
+        )
+    if router_options and routers is None:
+        fail(f"{opt('router_option')} goes with {opt('router')}: name the router too", 2)
+    rts = _names(routers, "router", "router") if routers is not None else [None]
+    files = _names(clusters, "cluster", "cluster file") if clusters is not None else []
+    return pols, rts, parse_replicas(replicas), files
+
+
+def _cost_meta(cost_spec: tuple) -> dict[str, Any]:
+    """The policy configurations' cost model as capacity.json records it, with its KV capacity."""
+    from .profiles import pick_cost
+
+    _, kv_capacity, meta = pick_cost(*cost_spec)
+    return {**meta, "kv_tokens": kv_capacity}
+
+
+def _search_all(configs: list[_Config], shared: dict, n_workers, on_done, on_start, executor, ray_address) -> list:
+    """Every configuration's search, in ``n_workers`` processes; the rows in the configurations' order."""
+    from schedlab.analysis.executors import run_jobs
+
+    # the largest deployments first (their runs are the longest): the workers finish together
+    order = sorted(range(len(configs)), key=lambda i: -configs[i].replicas)
+    with executor_errors():
+        ran = run_jobs(
+            _search_config, [configs[i] for i in order], shared, n_workers, on_done, on_start, executor, ray_address
+        )
+    return [row for _, row in sorted(zip(order, ran))]
+
+
+def _workers(configs: list[_Config], workers: int | None, executor: str) -> int | None:
+    """How many worker processes search the configurations (None: as many as Ray gives); one
+    line if a label is given twice, or if classes and objects (which run here) are sent away."""
+    from schedlab.analysis.executors import default_workers
+
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels):
+        dup = next(x for x in labels if labels.count(x) > 1)
+        fail(f"the configuration {dup!r} is given twice", 2)
+    in_process = any(not isinstance(c.policy, (str, Path, type(None))) for c in configs)
+    if in_process and (workers not in (None, 1) or executor != "local"):
+        fail(
+            "classes and policy objects run in this process: give workers=1 and the local executor "
+            "(or a 'file.py:Class' spec)",
+            2,
+        )
+    return 1 if in_process else (workers or (None if executor == "ray" else default_workers(len(configs))))
+
+
+def _write(out: Path | None, rows, info, title: str, att: float, slos, fmts) -> list[Path]:
+    """capacity.csv, capacity.json and the figures in ``out`` (None: nothing); the files written."""
+    if out is None:
+        return []
+    from schedlab.analysis.capacity import plot_capacity, write_results
+
+    try:
+        written = write_results(out, rows, info)
+        return written + plot_capacity(rows, out, attainment=att, slo=slos, title=title, formats=fmts)["files"]
+    except OSError as exc:
+        fail(f"cannot write to {out}: {exc.strerror or exc}")
+
+
+def _checked_search(slo, attainment, tolerance, start_rps, price_per_hour, workers) -> tuple:
+    """The search's settings checked: (SLOs, attainment, tolerance, price per hour or None)."""
     slos = parse_slo(slo)
     if not slos:
         fail(f"give {opt('slo')}, e.g. ttft_ms=2000,tpot_ms=100 (the SLOs whose capacity is searched)", 2)
@@ -254,53 +377,31 @@ def capacity(
             )
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
-    executor = executor_name(executor, ray_address)
-    seed = check_seed(seed)
-    fmts = parse_formats(formats)
-    rep = merged(
-        ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
-    )
-    if policies is None and clusters is None:
-        fail(f"give {opt('policy')} and/or {opt('cluster')} (the configurations to search)", 2)
-    pols = _names(policies, "policy", "policy") if policies is not None else []
-    rts = _names(routers, "router", "router") if routers is not None else [None]
-    counts = parse_replicas(replicas)
-    files = _names(clusters, "cluster", "cluster file") if clusters is not None else []
-    if not pols and any(x is not None for x in (profile, hardware, model_config, quant, cost, kv_tokens, options)):
-        fail(
-            f"a cluster file names each group's policy, options, cost model and kv_tokens: {opt('profile')}, "
-            f"{opt('hardware')}, {opt('kv_tokens')} and {opt('option')} go with {opt('policy')}",
-            2,
-        )
-    if router_options and routers is None:
-        fail(f"{opt('router_option')} goes with {opt('router')}: name the router too", 2)
-    opts = dict(options or {})
-    r_opts = dict(router_options or {}) or None
+    return slos, att, tol, price
 
-    from .deployments import build
-    from .profiles import pick_cost
 
-    cost_spec = (profile, rep.kv_tokens, hardware, model_config, quant, cost)
-    cost_meta: dict[str, Any] = {}
-    if pols:  # (a bad profile or preset fails here, once)
-        _, kv_capacity, cost_meta = pick_cost(*cost_spec)
-        cost_meta = {**cost_meta, "kv_tokens": kv_capacity}
-    preset_price = None  # the policy configurations' price from the --hardware preset
-    if pols and price is None and hardware is not None:
+def _given(price: float | None) -> str | None:
+    return "given" if price is not None else None  # (capacity.json's info)
+
+
+def _preset_price(price: float | None, hardware: Any) -> tuple[dict | None, str | None]:
+    """The policy configurations' price from the ``hardware`` preset (one replica's: a replica of
+    ``PRESET:tp=N`` costs N GPUs), when no price is given; and where the price comes from."""
+    preset_price = None
+    if price is None and hardware is not None:
         from schedlab.analysis.analytic.hardware import preset_price as read_price
 
         preset_price = read_price(hardware)
-    price_source = "given" if price is not None else None  # (capacity.json's info)
+    price_source = _given(price)
     if preset_price:  # (one GPU's: a replica of PRESET:tp=N costs N times that)
         preset_price = {**preset_price, "value": preset_price["value"] * _tp(hardware)}
         urls = ", ".join(x["url"] for x in preset_price["sources"])
         price_source = f"preset {str(hardware).strip().lower()}" + (f" ({urls})" if urls else "")
-    tr = as_trace(trace, seed=seed)
-    rescale(tr, 1.0)  # a trace whose rate cannot be set fails here
-    # (default: one doubling above the trace's own rate: a passing run simulates the whole trace and
-    # costs most at low rates, where batches are small; a failing one stops early)
-    base = start_rps if start_rps is not None else START_FACTOR * traces.mean_rate(tr)
+    return preset_price, price_source
 
+
+def _policy_configs(pols, rts, counts, opts, r_opts, cost_spec, hardware, base: float) -> list[_Config]:
+    """Every policy x router x replica count (bad names and options fail here, at once)."""
     configs: list[_Config] = []
     for p in pols:
         pol = as_policy(p, opts if isinstance(p, (str, Path, type)) else None)  # bad names, options: here
@@ -313,6 +414,14 @@ def capacity(
                 configs.append(
                     _Config(_label(name, rt, n), p, opts, rt, r_opts, n, gpus, None, cost_spec, base * n, name)
                 )
+    return configs
+
+
+def _file_configs(files, rts, r_opts, pd_splits: bool, base: float) -> list[_Config]:
+    """Every cluster file (each prefill:decode split of it with ``pd_splits``) x router."""
+    from .deployments import build
+
+    configs: list[_Config] = []
     splits = []
     for f in files:
         cu = f if isinstance(f, ClusterOptions) else ClusterOptions.from_file(f)
@@ -342,47 +451,14 @@ def capacity(
                     names,
                 )
             )
-    labels = [c.label for c in configs]
-    if len(set(labels)) != len(labels):
-        dup = next(x for x in labels if labels.count(x) > 1)
-        fail(f"the configuration {dup!r} is given twice", 2)
-    in_process = any(not isinstance(c.policy, (str, Path, type(None))) for c in configs)
-    if in_process and (workers not in (None, 1) or executor != "local"):
-        fail(
-            "classes and policy objects run in this process: give workers=1 and the local executor "
-            "(or a 'file.py:Class' spec)",
-            2,
-        )
-    n_workers = 1 if in_process else (workers or (None if executor == "ray" else default_workers(len(configs))))
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists() and not out.is_dir():
-        fail(f"{opt('out')} {out} exists and is not a directory")
+    return configs
 
-    shared = {
-        "trace": tr,
-        "slo": slos,
-        "attainment": att,
-        "tolerance": tol,
-        "early_stop": bool(early_stop),
-        "block_size": rep.block_size,
-        "prefix_caching": rep.prefix_caching,
-    }
-    # the largest deployments first (their runs are the longest): the workers finish together
-    order = sorted(range(len(configs)), key=lambda i: -configs[i].replicas)
-    with executor_errors():
-        ran = run_jobs(
-            _search_config, [configs[i] for i in order], shared, n_workers, on_done, on_start, executor, ray_address
-        )
-    rows = [row for _, row in sorted(zip(order, ran))]
-    for cfg, row in zip(configs, rows):
-        p = price if price is not None else (preset_price["value"] if preset_price and cfg.cluster is None else None)
-        row["price_usd_per_hour"] = p
-        row["requests_per_usd"] = requests_per_usd(row.get("capacity_rps"), cfg.replicas, p)
-    if all(r.get("error") for r in rows):  # nothing to report: the (first) reason, in one line
-        first, rest = rows[0], [r["configuration"] for r in rows[1:]]
-        more = f" (no capacity either: {', '.join(rest)})" if rest else ""
-        fail(first["error"] if not rest else f"{first['configuration']}: {first['error']}{more}")
-    info: dict[str, Any] = {
+
+def _info(tr, slos, att, tol, early_stop, base, price, preset_price, price_source, cost_meta, configs) -> dict:
+    """What capacity.json holds besides the rows: the trace, the definitions, the prices."""
+    from schedlab import traces
+
+    return {
         "trace": tr.name,
         "trace_requests": len(tr),
         "trace_rate_rps": traces.mean_rate(tr),
@@ -395,7 +471,7 @@ def capacity(
             f"(vllm bench serve --goodput rule); the passing bound of a bracket [capacity, first failing) "
             f"narrowed by geometric bisection until (hi - lo) / lo <= {tol:g}"
         ),
-        "early_stop": bool(early_stop),
+        "early_stop": early_stop,
         "early_stop_rule": (
             "a run stops once (N - certain misses) / N < attainment: a request is a certain miss when it "
             "finished or was refused and missed an SLO, has no first token more than the TTFT SLO after "
@@ -411,10 +487,15 @@ def capacity(
         ),
         "cost": cost_meta or None,  # the policy configurations' (a cluster file names its own)
         "clusters": [str(c.cluster.file) for c in configs if c.cluster is not None and c.cluster.file] or None,
-        "block_size": rep.block_size,
-        "prefix_caching": rep.prefix_caching,
-        "seed": seed,
     }
+
+
+def _table(rows: list[dict], info: dict) -> "pd.DataFrame":
+    """The rows as the returned table (numbers as numbers), with its info and search points."""
+    import pandas as pd
+
+    from schedlab.analysis.capacity import TABLE_FIELDS
+
     table = pd.DataFrame([{k: r.get(k) for k in TABLE_FIELDS} for r in rows], columns=list(TABLE_FIELDS))
     for c in (
         "capacity_rps",
@@ -428,17 +509,8 @@ def capacity(
         table[c] = pd.to_numeric(table[c], errors="coerce")
     table.attrs["info"] = info
     table.attrs["points"] = {r["configuration"]: r["points"] for r in rows}
-    written: list[Path] = []
-    if out is not None:
-        from schedlab.analysis.capacity import plot_capacity
-
-        try:
-            written = write_results(out, rows, info)
-            slo_title = f"{tr.name}: {len(tr)} requests"
-            written += plot_capacity(rows, out, attainment=att, slo=slos, title=slo_title, formats=fmts)["files"]
-        except OSError as exc:
-            fail(f"cannot write to {out}: {exc.strerror or exc}")
-    table.attrs["files"] = written
+    table.attrs["info"] = info
+    table.attrs["points"] = {r["configuration"]: r["points"] for r in rows}
     return table
 
 
