@@ -4,7 +4,7 @@ Both run in this process, alternating A/B/A/B for ``--reps`` repetitions, on the
 model (a synthetic preset, ``tiny`` by default), the same prompt token ids and output
 lengths, and the same arrival times:
 
-- ours: ``sim.loop.run(trace, MlxDefault(defaults), backend=MLXBackend(model))``, the
+- ours: ``sim.loop.run_replica(trace, MlxDefault(defaults), backend=MLXBackend(model))``, the
   real-time loop; token times are the loop's wall-clock times.
 - mlx-lm: ``BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8,
   prefill_step_size=2048)`` (its defaults, which are mlx-default's); requests are inserted

@@ -2,7 +2,7 @@
 
 What a user pays for is the whole command: ``simulate --policy P --trace azure2023_conv --out
 DIR`` (start-up, loading the trace, the run, the metrics, writing the files). This times that
-command (a fresh process each run) and, apart, the loop alone (``sim.run`` in-process), for
+command (a fresh process each run) and, apart, the loop alone (``sim.run`` of a one-replica deployment, in-process), for
 every bundled policy, medians over ``--repeat`` rounds. Targets: every policy's command at
 most 3 s wall; the loop at least 500x faster than the simulated makespan.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import common
 from schedlab import traces
 from schedlab.policies import POLICIES, make_policy
-from schedlab.sim import run_replica, summarize
+from schedlab.sim import Deployment, run, summarize
 from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
 from schedlab.sim.profiles import resolve_profile
 
@@ -95,7 +95,7 @@ def _typer(tree: Path) -> str:
 def loop_seconds(tr, policy: str, cost, capacity: int):
     gc.collect()
     t0 = time.perf_counter()
-    res = run_replica(tr.requests, make_policy(policy), cost, kv_capacity=capacity, trace_name=tr.name)
+    res = run(Deployment.one(make_policy(policy), cost, kv_capacity=capacity), tr.requests, trace_name=tr.name)
     return time.perf_counter() - t0, res
 
 

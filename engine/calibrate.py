@@ -14,7 +14,7 @@ Groups, each fitted apart (decode and prefill terms fitted apart fit best here):
   c_join, c_join_row, c_join_ctx, c_extend, c_leave, on top of the decode terms
 - prefill: one chunk (size x context grid), and padded multi-prompt passes -> p_pass,
   p_tokens, p_attn
-- step: the real loop (``sim.loop.run`` with the MLX backend on a small trace, several
+- step: the real loop (``sim.loop.run_replica`` with the MLX backend on a small trace, several
   policies): step wall time minus the passes' time -> s_step, s_row
 - mixed: decode rows + a prefill chunk in one pass: never fitted, only checked
 

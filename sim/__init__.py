@@ -16,8 +16,7 @@ from .cluster import Cluster
 from .deployment import Deployment, DeploymentError, Group
 from .disagg import DisaggError
 from .cost import LinearCostModel, ProfileError
-from .loop import PolicyError, RunResult
-from .loop import run as run_replica
+from .loop import PolicyError, RunResult, run_replica
 from .runner import run
 from .sources import ArrivalSource, ClientSource, LiveSource, SourceClosed, TraceSource
 from .metrics import format_summary, summarize

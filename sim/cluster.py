@@ -1,6 +1,6 @@
 """Several replicas behind a router: N replica loops in one SimPy environment, one arrival source.
 
-Each replica is a ``loop.ReplicaLoop`` as ``run`` drives one: its own policy object, state,
+Each replica is a ``loop.ReplicaLoop`` as ``run_replica`` drives one: its own policy object, state,
 ``SimBackend``, KV cache and ``SimClock`` (all the clocks share the one environment; each keeps
 its own replica's time). The arrival source's ``deliver`` is the dispatcher: at each arrival it
 shows the router (``routers``) a frozen view of the cluster, checks the replica index it

@@ -234,7 +234,7 @@ class RunResult:
         return self.replicas is not None and len(self.replicas) > 1
 
 
-def run(
+def run_replica(
     arrivals: Sequence[Request] | ArrivalSource,
     policy: Policy,
     cost_model: CostModel,
@@ -304,7 +304,7 @@ def run(
 class ReplicaLoop:
     """One replica: its state, policy, backend and clock, and its loop as a SimPy process.
 
-    ``run`` drives one of them with an arrival source; ``sim.cluster`` drives several in one
+    ``run_replica`` drives one of them with an arrival source; ``sim.cluster`` drives several in one
     SimPy environment, each fed by a router. Whoever drives it hands it its requests
     (``deliver``) at their arrival times and says when no more will come (``close``);
     ``next_arrival()`` says when the next request is due to whoever feeds it (a simulated

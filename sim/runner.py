@@ -16,8 +16,7 @@ from schedlab.traces.schema import Request
 from .cluster import Cluster
 from .deployment import Deployment, DeploymentError
 from .disagg import run_disaggregated
-from .loop import RunResult
-from .loop import run as run_replica
+from .loop import RunResult, run_replica
 from .sources import ArrivalSource
 
 

@@ -207,7 +207,7 @@ class LiveSource:
         self.received: list[Request] = []
         # request id -> when its client went away (the clock's time), as ``cancel`` heard it
         self.cancelled: dict[str, float] = {}
-        # where cancellations go: the replica loop's ``cancel`` (``sim.loop.run`` sets it)
+        # where cancellations go: the replica loop's ``cancel`` (``sim.loop.run_replica`` sets it)
         self.replica_cancel: Callable[[str], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()

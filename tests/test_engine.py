@@ -1,6 +1,6 @@
 """The real MLX engine: every policy's tokens equal single-sequence references, cache states.
 
-Everything runs the real parts: the SimPy loop in real-time mode (``sim.loop.run`` with
+Everything runs the real parts: the SimPy loop in real-time mode (``sim.loop.run_replica`` with
 ``MLXBackend``), real MLX on CPU, the ``micro`` preset (2 layers, hidden 64, seeded random
 weights). A reference is the model alone on one prompt (mlx-lm's plain KVCache, whole
 prompt, batch of one, full logits); the engine's greedy tokens must equal it exactly,
