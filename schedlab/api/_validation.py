@@ -6,8 +6,9 @@ sides (``validation_cost``, ``analytic_cost``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ._base import Log, fail, policy_options
 from .profiles import ProfileLike, profile_path
@@ -49,106 +50,172 @@ def validate_many(
     The real runs plan and predict with the same cost model as the simulation: the policy
     sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)
     is that model's, analytic with ``hardware``."""
-    import json
-
-    from schedlab.analysis.residuals import bias, concat, residual_table, step_split
-    from schedlab.analysis.validation import compare as compare_runs
-    from schedlab.engine.backend import MLXBackend
-    from schedlab.engine.calibrate import has_replay, replay_speed_check, speed_check
-    from schedlab.sim import run_replica as run_loop
-    from schedlab.sim.features import step_table
-    from schedlab.sim.metrics import summarize
-
     if speed_probe not in ("passes", "replay"):
         raise ValueError(f"speed_probe: 'passes' or 'replay', not {speed_probe!r}")
-    sims: dict[str, Run] = {}
-    metas = {}
-    for name, pol in pols.items():
-        metas[name] = {
-            "cost_model": cost_meta,
-            "kv_tokens": capacity,
-            "seed": seed,
-            "policy_options": policy_options(pol),
-        }
-        say(f"{pol.name}: simulating")
-        sim_res = run_loop(tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name)
-        sims[name] = Run(sim_res, summarize(sim_res), metas[name])
-        if dirs.get(name) is not None:
-            sims[name].save(dirs[name] / "sim")
-    speed_ref = _speed_reference(cost_meta) if speed_check_runs else None
-    replay = speed_probe == "replay" and has_replay(speed_ref)
+    job = _Validation(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say)
+    sims = job.simulate()
+    ref = _speed_reference(cost_meta) if speed_check_runs else None
+    probes = _SpeedProbes(info, ref, seed, speed_probe, speed_every_run, pols)
+    probes.before(say)
+    reals = job.real_rounds(probes)
+    probes.after()
+    return {name: job.compare(name, sims[name], reals[name], probes) for name in pols}
 
-    def time_speed():
-        got = replay_speed_check(info, speed_ref) if replay else None
-        return got if got is not None else speed_check(info, speed_ref, seed=seed)
 
-    speed: dict[str, Any] = {}
-    probes: list = []  # in the order timed
-    brackets: dict[str, list[tuple[int, int]]] = {name: [] for name in pols}  # per real run
-    every = speed_ref is not None and speed_every_run
-    if speed_ref is not None:
+class _SpeedProbes:
+    """The machine's speed, timed against the profile ``ref`` (none timed without one): before
+    the first real run and after the last, or (``every``) after every real run too, each run
+    then bracketed by the probes just before and just after it."""
+
+    def __init__(self, info, ref: dict | None, seed: int, probe: str, every: bool, names):
+        from schedlab.engine.calibrate import has_replay
+
+        self.info = info
+        self.ref = ref
+        self.seed = seed
+        self.replay = probe == "replay" and has_replay(ref)
+        self.every = ref is not None and every
+        self.speed: dict[str, Any] = {}
+        self.probes: list = []  # in the order timed
+        self.brackets: dict[str, list[tuple[int, int]]] = {name: [] for name in names}  # per real run
+
+    def _time(self):
+        from schedlab.engine.calibrate import replay_speed_check, speed_check
+
+        got = replay_speed_check(self.info, self.ref) if self.replay else None
+        return got if got is not None else speed_check(self.info, self.ref, seed=self.seed)
+
+    def before(self, say) -> None:
+        if self.ref is None:
+            return
         say(
-            ("running the profile's replay again" if replay else "timing the profile's reference passes")
-            + (" (the machine's speed now, and again after every real run)" if every else " (the machine's speed now)")
-        )
-        speed["before"] = time_speed()
-        probes.append(speed["before"])
-    reals: dict[str, list[Run]] = {name: [] for name in pols}
-    for k in range(repeat):
-        for name, pol in pols.items():
-            say(f"{pol.name}: real run {k + 1}/{repeat}")
-            res = run_loop(
-                tr.requests,
-                pol,
-                cost,
-                kv_capacity=capacity,
-                backend=MLXBackend(info, seed=seed, ignore_eos=True),
-                trace_name=tr.name,
+            ("running the profile's replay again" if self.replay else "timing the profile's reference passes")
+            + (
+                " (the machine's speed now, and again after every real run)"
+                if self.every
+                else " (the machine's speed now)"
             )
-            real = Run(res, summarize(res), metas[name])
-            if dirs.get(name) is not None:
-                real.save(dirs[name] / real_dir_name(k))
-            if res.error:
-                fail(f"{pol.name}: real run stopped: {res.error}")
-            reals[name].append(real)
-            if every:
-                probes.append(time_speed())
-                brackets[name].append((len(probes) - 2, len(probes) - 1))
-    if speed_ref is not None:
-        speed["after"] = probes[-1] if every else time_speed()
-        if every:
-            speed["probes"] = probes
-    out = {}
-    for name, pol in pols.items():
-        summaries = [r._summary for r in reals[name]]
-        steps = [st for r in reals[name] for st in r._result.steps]
-        v = compare_runs(sims[name]._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
-        tables = [step_table(r._result) for r in reals[name]]
+        )
+        self.speed["before"] = self._time()
+        self.probes.append(self.speed["before"])
+
+    def after_run(self, name: str) -> None:
+        if self.every:
+            self.probes.append(self._time())
+            self.brackets[name].append((len(self.probes) - 2, len(self.probes) - 1))
+
+    def after(self) -> None:
+        if self.ref is None:
+            return
+        self.speed["after"] = self.probes[-1] if self.every else self._time()
+        if self.every:
+            self.speed["probes"] = self.probes
+
+    def machine_speed(self, name: str) -> dict:
+        """validation.json's ``machine_speed`` for policy ``name``."""
+        return dict(self.speed, runs=self.brackets[name]) if self.every else self.speed
+
+    def run_factors(self, name: str) -> list[float] | None:
+        return run_factors(self.probes, self.brackets[name]) if self.every else None
+
+
+@dataclass
+class _Validation:
+    """The policies' simulations, their real runs, and each policy's comparison of the two."""
+
+    pols: Mapping[str, Any]
+    tr: Any
+    info: Any
+    cost: Any
+    capacity: Any
+    dirs: Mapping[str, Path | None]
+    repeat: int
+    seed: int
+    cost_meta: dict
+    say: Callable[[str], Any]
+    metas: dict[str, dict] = field(default_factory=dict)
+
+    def simulate(self) -> dict[str, Run]:
+        from schedlab.sim import run_replica as run_loop
+        from schedlab.sim.metrics import summarize
+
+        sims: dict[str, Run] = {}
+        for name, pol in self.pols.items():
+            self.metas[name] = {
+                "cost_model": self.cost_meta,
+                "kv_tokens": self.capacity,
+                "seed": self.seed,
+                "policy_options": policy_options(pol),
+            }
+            self.say(f"{pol.name}: simulating")
+            sim_res = run_loop(self.tr.requests, pol, self.cost, kv_capacity=self.capacity, trace_name=self.tr.name)
+            sims[name] = Run(sim_res, summarize(sim_res), self.metas[name])
+            if self.dirs.get(name) is not None:
+                sims[name].save(self.dirs[name] / "sim")
+        return sims
+
+    def real_rounds(self, probes: _SpeedProbes) -> dict[str, list[Run]]:
+        """The real runs, round by round: run k of every policy before run k + 1 of any."""
+        from schedlab.engine.backend import MLXBackend
+        from schedlab.sim import run_replica as run_loop
+        from schedlab.sim.metrics import summarize
+
+        reals: dict[str, list[Run]] = {name: [] for name in self.pols}
+        for k in range(self.repeat):
+            for name, pol in self.pols.items():
+                self.say(f"{pol.name}: real run {k + 1}/{self.repeat}")
+                res = run_loop(
+                    self.tr.requests,
+                    pol,
+                    self.cost,
+                    kv_capacity=self.capacity,
+                    backend=MLXBackend(self.info, seed=self.seed, ignore_eos=True),
+                    trace_name=self.tr.name,
+                )
+                real = Run(res, summarize(res), self.metas[name])
+                if self.dirs.get(name) is not None:
+                    real.save(self.dirs[name] / real_dir_name(k))
+                if res.error:
+                    fail(f"{pol.name}: real run stopped: {res.error}")
+                reals[name].append(real)
+                probes.after_run(name)
+        return reals
+
+    def compare(self, name: str, sim: Run, reals: list[Run], probes: _SpeedProbes) -> tuple[dict, Run, list[Run]]:
+        """(validation.json's content, written under the policy's directory when given, the
+        simulated run, the real runs)."""
+        import json
+
+        from schedlab.analysis.residuals import bias, concat, residual_table, step_split
+        from schedlab.analysis.validation import compare as compare_runs
+        from schedlab.sim.features import step_table
+
+        pol, tr, cost, capacity = self.pols[name], self.tr, self.cost, self.capacity
+        summaries = [r._summary for r in reals]
+        steps = [st for r in reals for st in r._result.steps]
+        v = compare_runs(sim._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
+        tables = [step_table(r._result) for r in reals]
         feats = concat(tables)
         v["step_bias"] = bias(feats)
         v["residuals"] = residual_table(feats)
         v["step_split"] = step_split(feats, getattr(cost, "coefficients", None))
-        if speed_ref is not None:
-            v["machine_speed"] = dict(speed, runs=brackets[name]) if every else speed
-            factors = run_factors(probes, brackets[name]) if every else None
-            adj = drift_adjusted(
-                pol, tr, cost, capacity, speed, summaries, steps, factors, [r._result.steps for r in reals[name]]
-            )
+        run_steps = [r._result.steps for r in reals]
+        if probes.ref is not None:
+            v["machine_speed"] = probes.machine_speed(name)
+            factors = probes.run_factors(name)
+            adj = drift_adjusted(pol, tr, cost, capacity, probes.speed, summaries, steps, factors, run_steps)
             if adj is not None:
                 v["drift_adjusted"] = adj
-        matched = speed_matched(
-            pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables], [r._result.steps for r in reals[name]]
-        )
+        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables], run_steps)
         if matched is not None:
             v["speed_matched"] = matched
-        v["model"] = info.name
-        v["cost_model"] = cost_meta
+        v["model"] = self.info.name
+        v["cost_model"] = self.cost_meta
         v["sim_dir"] = "sim"
-        v["real_dirs"] = [real_dir_name(k) for k in range(repeat)]
-        if dirs.get(name) is not None:
-            (dirs[name] / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
-        out[name] = (v, sims[name], reals[name])
-    return out
+        v["real_dirs"] = [real_dir_name(k) for k in range(self.repeat)]
+        if self.dirs.get(name) is not None:
+            (self.dirs[name] / "validation.json").write_text(json.dumps(v, indent=2) + "\n")
+        return v, sim, reals
 
 
 def drift_explains(speed_factor: float, step_ratio: float | None) -> bool:
