@@ -205,3 +205,23 @@ def policy_options(pol) -> dict:
     """A policy's options as meta.json records them."""
     get = getattr(pol, "options", None)
     return get() if callable(get) else {}
+
+
+def worker_count(in_process: bool, workers: Any, executor: str, n_jobs: int) -> int | None:
+    """How many worker processes run ``n_jobs`` jobs (``sweep``, ``capacity``): ``workers``
+    (>= 1) or, not given, one per job up to the CPUs (Ray: None, as many as it gives); 1 when a
+    job holds a class or a policy object, which runs in this process (one line if ``workers`` or
+    the executor says otherwise)."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
+    if in_process and (workers not in (None, 1) or executor != "local"):
+        fail(
+            "classes and policy objects run in this process: give workers=1 and the local executor "
+            "(or a 'file.py:Class' spec)",
+            2,
+        )
+    if in_process:
+        return 1
+    from schedlab.analysis.executors import default_workers
+
+    return workers or (None if executor == "ray" else default_workers(n_jobs))

@@ -37,6 +37,7 @@ from ._base import (
     parse_formats,
     parse_slo,
     public,
+    worker_count,
 )
 from .inputs import as_policy, as_trace
 from .options import ClusterOptions, ReplicaOptions, merged
@@ -229,7 +230,7 @@ def capacity(
     from schedlab.analysis.capacity import requests_per_usd
     from schedlab.analysis.sweep import rescale
 
-    slos, att, tol, price = _checked_search(slo, attainment, tolerance, start_rps, price_per_hour, workers)
+    slos, att, tol, price = _checked_search(slo, attainment, tolerance, start_rps, price_per_hour)
     executor, seed, fmts = executor_name(executor, ray_address), check_seed(seed), parse_formats(formats)
     rep = merged(
         ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
@@ -318,22 +319,13 @@ def _search_all(configs: list[_Config], shared: dict, n_workers, on_done, on_sta
 
 
 def _workers(configs: list[_Config], workers: int | None, executor: str) -> int | None:
-    """How many worker processes search the configurations (None: as many as Ray gives); one
-    line if a label is given twice, or if classes and objects (which run here) are sent away."""
-    from schedlab.analysis.executors import default_workers
-
+    """How many worker processes search the configurations; one line if a label is given twice."""
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
         dup = next(x for x in labels if labels.count(x) > 1)
         fail(f"the configuration {dup!r} is given twice", 2)
     in_process = any(not isinstance(c.policy, (str, Path, type(None))) for c in configs)
-    if in_process and (workers not in (None, 1) or executor != "local"):
-        fail(
-            "classes and policy objects run in this process: give workers=1 and the local executor "
-            "(or a 'file.py:Class' spec)",
-            2,
-        )
-    return 1 if in_process else (workers or (None if executor == "ray" else default_workers(len(configs))))
+    return worker_count(in_process, workers, executor, len(configs))
 
 
 def _write(out: Path | None, rows, info, title: str, att: float, slos, fmts) -> list[Path]:
@@ -349,7 +341,7 @@ def _write(out: Path | None, rows, info, title: str, att: float, slos, fmts) -> 
         fail(f"cannot write to {out}: {exc.strerror or exc}")
 
 
-def _checked_search(slo, attainment, tolerance, start_rps, price_per_hour, workers) -> tuple:
+def _checked_search(slo, attainment, tolerance, start_rps, price_per_hour) -> tuple:
     """The search's settings checked: (SLOs, attainment, tolerance, price per hour or None)."""
     slos = parse_slo(slo)
     if not slos:
@@ -375,8 +367,6 @@ def _checked_search(slo, attainment, tolerance, start_rps, price_per_hour, worke
                 f"{opt('price_per_hour')} must be a finite number > 0 (USD per hour of one replica), got {price:g}",
                 2,
             )
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
     return slos, att, tol, price
 
 

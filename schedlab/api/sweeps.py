@@ -19,6 +19,7 @@ from ._base import (
     parse_formats,
     parse_slo,
     public,
+    worker_count,
 )
 from .inputs import as_policy, as_trace
 from .options import ClientOptions, ReplicaOptions, merged, parse_rate
@@ -166,67 +167,22 @@ def sweep(
     highest rate each policy sustains; ``out``: also write sweep.csv, sweep.json and the
     latency-vs-load figure there. ``on_start(jobs, workers)`` and ``on_done(row)`` report
     progress."""
-    import pandas as pd
 
-    from schedlab import traces
-    from schedlab.analysis.executors import default_workers
-    from schedlab.analysis.sweep import ROW_FIELDS, max_sustained_rate, rescale, write_results
+    from schedlab.analysis.sweep import max_sustained_rate, rescale
     from schedlab.analysis.sweep import sweep as run_sweep
 
-    if isinstance(policies, str):
-        pols: list = list(dict.fromkeys(p.strip() for p in policies.split(",") if p.strip()))
-    elif isinstance(policies, (list, tuple)):
-        pols = list(policies)
-    else:
-        pols = [policies]
-    if not pols:
-        fail(f"{opt('policy')} needs at least one policy", 2)
-    if rates is None and concurrency is None:
-        fail(
-            f"give {opt('rates')} (request rates to rescale the trace to) and/or {opt('concurrency')} "
-            f"(numbers of clients)",
-            2,
-        )
-    rate_list = parse_rates(rates) if rates is not None else None
-    conc_list = parse_concurrency(concurrency) if concurrency is not None else None
-    client_rate = parse_rate(request_rate)
-    if (client_rate is not None or think_time is not None) and conc_list is None:
-        fail(
-            f"{opt('request_rate')} and {opt('think_time')} shape the clients of {opt('concurrency')}: "
-            f"give {opt('concurrency')} too",
-            2,
-        )
-    if client_rate is not None and rate_list is not None:
-        fail(
-            f"give either {opt('rates')} (rescale the trace) or {opt('request_rate')} (the clients' schedule), "
-            f"not both",
-            2,
-        )
-    clients = ClientOptions(conc_list[0] if conc_list else None, client_rate, burstiness, think_time)
+    pols = _policy_list(policies)
+    rate_list, conc_list, clients = _grid(rates, concurrency, request_rate, burstiness, think_time)
     rep = merged(
         ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
     )
     fmts = parse_formats(formats)
     opts = dict(options or {})
     slos = parse_slo(slo)
-    if isinstance(attainment, bool) or not isinstance(attainment, (int, float)) or not 0 < attainment <= 1:
-        fail(
-            f"{opt('attainment')} must be in (0, 1], got {attainment:g}"
-            if isinstance(attainment, (int, float))
-            else f"{opt('attainment')} must be in (0, 1], got {attainment!r}",
-            2,
-        )
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        fail(f"{opt('workers')} must be >= 1, got {workers}", 2)
+    _check_attainment(attainment)
     executor = executor_name(executor, ray_address)
     seed = check_seed(seed)
     in_process = any(not isinstance(p, str) for p in pols)
-    if in_process and (workers not in (None, 1) or executor != "local"):
-        fail(
-            "classes and policy objects run in this process: give workers=1 and the local executor "
-            "(or a 'file.py:Class' spec)",
-            2,
-        )
     labels = []
     for p in pols:  # bad names and options fail here, once, not in every worker
         pol = as_policy(p, opts if isinstance(p, (str, type)) else None)
@@ -241,12 +197,8 @@ def sweep(
     if out is not None and out.exists() and not out.is_dir():
         fail(f"{opt('out')} {out} exists and is not a directory")
     n_jobs = len(pols) * len(rate_list or [None]) * len(conc_list or [None])
-    if in_process:
-        jobs_pols = [p if isinstance(p, str) else _Built(p, opts, label) for p, label in zip(pols, labels)]
-        n_workers = 1
-    else:
-        jobs_pols = pols
-        n_workers = workers or (None if executor == "ray" else default_workers(n_jobs))
+    n_workers = worker_count(in_process, workers, executor, n_jobs)
+    jobs_pols = [p if isinstance(p, str) else _Built(p, opts, label) for p, label in zip(pols, labels)]
     settings = {
         "block_size": rep.block_size,
         "prefix_caching": rep.prefix_caching,
@@ -273,7 +225,70 @@ def sweep(
             ray_address=ray_address,
         )
     sustained = max_sustained_rate(rows, attainment) if slos and rate_list and not conc_list else None
-    info: dict[str, Any] = {
+    info = _info(tr, profile_path, capacity, seed, labels, rate_list, opts, slos, conc_list, rep, clients)
+    if sustained is not None:
+        info.update(_sustained(attainment, sustained))
+    table = _table(rows, info, tr)
+    files = _write(out, rows, info, table, fmts)
+    table.attrs["files"] = files
+    return table
+
+
+def _policy_list(policies) -> list:
+    """The policies, as a list: ``"a,b"`` split (each once), a list as it is, one policy alone."""
+    if isinstance(policies, str):
+        pols: list = list(dict.fromkeys(p.strip() for p in policies.split(",") if p.strip()))
+    elif isinstance(policies, (list, tuple)):
+        pols = list(policies)
+    else:
+        pols = [policies]
+    if not pols:
+        fail(f"{opt('policy')} needs at least one policy", 2)
+    return pols
+
+
+def _grid(rates, concurrency, request_rate, burstiness, think_time):
+    """The rates and client counts swept, and the clients' options, checked together."""
+    if rates is None and concurrency is None:
+        fail(
+            f"give {opt('rates')} (request rates to rescale the trace to) and/or {opt('concurrency')} "
+            f"(numbers of clients)",
+            2,
+        )
+    rate_list = parse_rates(rates) if rates is not None else None
+    conc_list = parse_concurrency(concurrency) if concurrency is not None else None
+    client_rate = parse_rate(request_rate)
+    if (client_rate is not None or think_time is not None) and conc_list is None:
+        fail(
+            f"{opt('request_rate')} and {opt('think_time')} shape the clients of {opt('concurrency')}: "
+            f"give {opt('concurrency')} too",
+            2,
+        )
+    if client_rate is not None and rate_list is not None:
+        fail(
+            f"give either {opt('rates')} (rescale the trace) or {opt('request_rate')} (the clients' schedule), "
+            f"not both",
+            2,
+        )
+    clients = ClientOptions(conc_list[0] if conc_list else None, client_rate, burstiness, think_time)
+    return rate_list, conc_list, clients
+
+
+def _check_attainment(attainment: Any) -> None:
+    if isinstance(attainment, bool) or not isinstance(attainment, (int, float)) or not 0 < attainment <= 1:
+        fail(
+            f"{opt('attainment')} must be in (0, 1], got {attainment:g}"
+            if isinstance(attainment, (int, float))
+            else f"{opt('attainment')} must be in (0, 1], got {attainment!r}",
+            2,
+        )
+
+
+def _info(tr, profile_path, capacity, seed, labels, rate_list, opts, slos, conc_list, rep, clients) -> dict[str, Any]:
+    """What sweep.json holds besides the rows."""
+    from schedlab import traces
+
+    return {
         "trace": tr.name,
         "trace_requests": len(tr),
         "trace_rate_rps": traces.mean_rate(tr),
@@ -296,28 +311,44 @@ def sweep(
         if conc_list
         else None,
     }
-    if sustained is not None:
-        info["attainment"] = attainment
-        info["max_sustained_rate"] = sustained
-        info["max_sustained_rate_definition"] = (
+
+
+def _sustained(attainment: float, sustained: Any) -> dict[str, Any]:
+    return {
+        "attainment": attainment,
+        "max_sustained_rate": sustained,
+        "max_sustained_rate_definition": (
             f"largest swept rate r such that at r and at every lower swept rate at least {attainment:g} "
             f"of all requests finished and met every SLO (vllm bench serve --goodput rule)"
-        )
+        ),
+    }
+
+
+def _table(rows: list[dict], info: dict, tr) -> "pd.DataFrame":
+    """The rows as the returned table (absent numbers as NaN, as the CSV reads back)."""
+    import pandas as pd
+
+    from schedlab.analysis.sweep import ROW_FIELDS
+
     table = pd.DataFrame(rows, columns=list(ROW_FIELDS))
     for c in ("max_concurrency", "peak_concurrency", "preemptions", "recomputed_tokens", "prefix_hit_rate"):
         if c in table.columns:  # (absent values are NaN, as the CSV reads back)
             table[c] = pd.to_numeric(table[c], errors="coerce")
     table.attrs["info"] = info
     table.attrs["offered_tok_per_req"] = sum(r.output_tokens for r in tr.requests) / len(tr)
-    files: list[Path] = []
-    if out is not None:
-        try:
-            files = write_results(out, rows, info)
-            files += _sweep_figure(table, out, fmts)[1]
-        except OSError as exc:
-            fail(f"cannot write to {out}: {exc.strerror or exc}")
-    table.attrs["files"] = files
     return table
+
+
+def _write(out: Path | None, rows, info, table, fmts) -> list[Path]:
+    """sweep.csv, sweep.json and the latency-vs-load figure in ``out`` (None: nothing)."""
+    if out is None:
+        return []
+    from schedlab.analysis.sweep import write_results
+
+    try:
+        return write_results(out, rows, info) + _sweep_figure(table, out, fmts)[1]
+    except OSError as exc:
+        fail(f"cannot write to {out}: {exc.strerror or exc}")
 
 
 def _sweep_figure(table, out: Path | None, formats: Sequence[str]):
