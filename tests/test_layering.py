@@ -34,11 +34,15 @@ LAYERS: dict[str, int] = {
     "schedlab.sim": 2,
     "schedlab.analysis": 3,
     "schedlab.engine": 4,
-    "schedlab": 5,  # the API: schedlab/*.py, schedlab/api/, ...
-    "schedlab.cli": 6,  # the commands
-    "schedlab.commands": 6,
+    # the serving runtime: run by the API (schedlab.serve, run_real(replicas=...)) and the commands,
+    # handed a loaded engine or a replica's serve options; it never imports the API
+    "schedlab.serving": 5,
+    "schedlab.errors": 5,  # the one exception type, of the serving layer, the API and the commands
+    "schedlab": 6,  # the API: schedlab/*.py, schedlab/api/, ...
+    "schedlab.cli": 7,  # the commands
+    "schedlab.commands": 7,
 }
-LAYER_NAMES = {0: "traces", 1: "policies", 2: "sim", 3: "analysis", 4: "engine", 5: "API", 6: "commands"}
+LAYER_NAMES = {0: "traces", 1: "policies", 2: "sim", 3: "analysis", 4: "engine", 5: "serving", 6: "API", 7: "commands"}
 
 
 def package_dirs(root: Path = ROOT) -> dict[str, Path]:
@@ -205,11 +209,13 @@ def test_every_module_is_in_a_layer_and_none_is_missed():
         "schedlab.engine.gguf",
         "schedlab.traces.schema",
         "schedlab.cli",
+        "schedlab.serving.front",
     ):
         assert m in files
     for m in files:
         layer(m)  # raises for a module outside every layer
-    assert layer("schedlab.sim.loop") == 2 and layer("schedlab.cli") == 6 and layer("schedlab.results") == 5
+    assert layer("schedlab.sim.loop") == 2 and layer("schedlab.cli") == 7 and layer("schedlab.results") == 6
+    assert layer("schedlab.serving.front") == 5 and layer("schedlab.serving") < layer("schedlab.api.real")
 
 
 def test_no_upward_import_and_no_cycle():

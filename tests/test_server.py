@@ -267,7 +267,7 @@ def test_stop_strings_end_the_answer_before_them(server, smol):
 
 
 def test_text_delta_holds_back_what_may_become_a_stop_string(smol):
-    from schedlab.commands._http import TextDelta
+    from schedlab.serving.bridge import TextDelta
 
     tok = smol.tokenizer
     ids = tok.encode("The answer is forty-two, my friend.")

@@ -10,7 +10,10 @@ from types import SimpleNamespace as NS
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from schedlab.commands._http import APIError, Bridge, Metrics, Server, request_latencies, step_time_ratio
+from schedlab.serving.bridge import Bridge
+from schedlab.serving.http import APIError
+from schedlab.serving.metrics import Metrics, request_latencies, step_time_ratio
+from schedlab.serving.server import Server
 
 
 def test_step_time_ratio_is_total_measured_over_total_predicted():
@@ -142,7 +145,7 @@ def test_check_queue_answers_429_with_retry_after_and_frees_the_id():
 
 
 def test_a_cluster_front_relays_a_replicas_429_with_its_retry_after():
-    from schedlab.commands._cluster import _upstream_error
+    from schedlab.serving.front import _upstream_error
 
     body = b'{"error": {"message": "the server\'s queue is full", "type": "rate_limit_exceeded", "code": "queue_full"}}'
     e = _upstream_error(429, body, "3")
@@ -201,7 +204,7 @@ def test_a_cluster_front_routes_requests_first_in_the_order_they_arrived():
     routed or dropped (a refused request passes its turn unrouted); passing twice changes nothing.
     Here the countings end in an order unlike the arrivals', the first one's last, and none is held
     back long enough to lose its place (TURN_WAIT_S: the test's clock does not move)."""
-    from schedlab.commands._cluster import Front
+    from schedlab.serving.front import Front
     from schedlab.routers import RoundRobin
 
     front = Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
@@ -232,11 +235,11 @@ def test_a_request_whose_counting_hangs_does_not_hold_the_ones_after_it():
     """A request stuck before routing (its prompt's counting at a stopped replica) holds the later
     ones TURN_WAIT_S at most, and until then it holds them; then they go in their own order, and so
     does it when it comes. TURN_WAIT_S passes on the test's clock, whatever the machine's speed."""
-    from schedlab.commands import _cluster
+    from schedlab.serving import front as _front
     from schedlab.routers import RoundRobin
 
-    wait_s = _cluster.TURN_WAIT_S
-    front = _cluster.Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
+    wait_s = _front.TURN_WAIT_S
+    front = _front.Front([], RoundRobin(), {}, "m", "vllm", log=lambda *a: None)
     loop = _ClockLoop()
 
     async def main() -> list[int]:
@@ -327,7 +330,7 @@ def test_an_idle_connection_stays_open_past_a_clients_pool_expiry():
     import httpx
     import uvicorn
 
-    from schedlab.commands._http import KEEP_ALIVE_S, openai_app, server_config
+    from schedlab.serving.http import KEEP_ALIVE_S, openai_app, server_config
 
     app, _ = openai_app("keep-alive")
     expiry = httpx.Limits().keepalive_expiry

@@ -225,7 +225,8 @@ def test_bad_sampling_parameters_are_400s_naming_them_and_lose_nothing(server, s
 
 
 def test_request_sampling_takes_the_servers_defaults_and_checks_each_field():
-    from schedlab.commands._http import APIError, request_sampling
+    from schedlab.serving.http import APIError
+    from schedlab.serving.params import request_sampling
     from schedlab.engine.sampling import Sampling, parse_sampling
 
     default = parse_sampling("temperature=0.7,seed=1,top_p=0.95")

@@ -161,10 +161,13 @@ def run_real(
 
 
 def _cluster(a: dict) -> None:
-    """``--replicas N`` (N > 1): the trace through a real cluster (``schedlab.commands._cluster``)."""
+    """``--replicas N`` (N > 1): the trace through a real cluster (``schedlab.serving.cluster``)."""
     import schedlab
 
     from ..errors import SchedlabError
+    from ..serving.cluster import run_real_cluster
+    from ..serving.replicas import serve_args
+    from ._app import Interrupted
 
     cluster = schedlab.ClusterOptions(
         replicas=a["replicas"], router=a["router"], router_options=parse_options(a["router_option"])
@@ -186,31 +189,41 @@ def _cluster(a: dict) -> None:
         raise SchedlabError(f"--out {a['out']} exists and is not a directory")
     pol = schedlab.policy(a["policy"], **parse_options(a["option"]))
     tr = schedlab.load_trace(a["trace"], seed=a["seed"], tokenizer=_Uncounted())  # (the replicas count)
-    args = ["--policy", a["policy"], "--model", a["model"], "--dtype", a["dtype"], "--block-size", str(a["block_size"])]
-    args += ["--sampling", a["sampling"], "--seed", str(a["seed"]), "--model-seed", str(a["model_seed"])]
-    args += [x for o in a["option"] or [] for x in ("-o", o)]
-    for flag, value in (("--profile", a["profile"]), ("--kv-tokens", a["kv_tokens"]), ("--noise", a["noise"])):
-        args += [flag, str(value)] if value is not None else []
     # run-real calibrates first where no profile matches, as with one replica (serve only with --calibrate)
     calibrate = a["profile"] is None and not a["no_calibrate"]
-    args += ["--calibrate"] * calibrate + ["--prefix-caching"] * a["prefix_caching"]
-    from ._cluster import run_real_cluster
-
-    problems = run_real_cluster(
-        tr,
-        sum(split) if split else a["replicas"],
-        the_router,
-        dict(cluster.router_options or {}),
-        args,
-        out=a["out"],
-        policy_name=getattr(pol, "name", type(pol).__name__),
-        ignore_eos=a["ignore_eos"],
-        quiet=a["quiet"],
-        sequential=calibrate,  # (the first replica calibrates, the others find its profile)
-        log=log_to_stderr("run-real", a["quiet"]),
-        pools=split,
-        decode_router=cluster.make_router() if split else None,
+    args = serve_args(
+        a["policy"],
+        parse_options(a["option"]),
+        model=a["model"],
+        dtype=a["dtype"],
+        sampling=a["sampling"],
+        seed=a["seed"],
+        model_seed=a["model_seed"],
+        block_size=a["block_size"],
+        prefix_caching=a["prefix_caching"],
+        profile=a["profile"],
+        kv_tokens=a["kv_tokens"],
+        noise=a["noise"],
+        calibrate=calibrate,
     )
+    try:
+        problems = run_real_cluster(
+            tr,
+            sum(split) if split else a["replicas"],
+            the_router,
+            dict(cluster.router_options or {}),
+            args,
+            out=a["out"],
+            policy_name=getattr(pol, "name", type(pol).__name__),
+            ignore_eos=a["ignore_eos"],
+            quiet=a["quiet"],
+            sequential=calibrate,  # (the first replica calibrates, the others find its profile)
+            log=log_to_stderr("run-real", a["quiet"]),
+            pools=split,
+            decode_router=cluster.make_router() if split else None,
+        )
+    except KeyboardInterrupt:
+        raise Interrupted("the replicas were stopped") from None
     for line in problems:
         print(f"run-real: error: {line}", file=sys.stderr)
     if problems:

@@ -17,7 +17,7 @@ once the engine has warmed up and the clock runs. Between the two:
   the server saw, for ``simulate``/``validate`` to replay under any policy.
 
 ``--replicas N`` (N > 1) runs N such servers as processes behind a front that routes each
-request with the simulator's routers (``schedlab.commands._cluster``); each replica answers
+request with the simulator's routers (``schedlab.serving.cluster``); each replica answers
 ``GET /state`` (what a router reads) and ``POST /prepare/...`` (a request checked and counted).
 
 Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
@@ -47,18 +47,16 @@ records when it left, ``cancel_after_s``, for ``simulate`` to replay).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import typer
 
 from ..errors import SchedlabError
+from ..serving.cluster import serve_cluster
+from ..serving.http import DEFAULT_MAX_TOKENS
+from ..serving.replicas import serve_args
+from ..serving.single import check_address, exit_with_front, serve_replica
 from ._app import (
     BLOCK_SIZE_HELP,
     DECODE_HELP,
@@ -66,12 +64,12 @@ from ._app import (
     PREFILL_HELP,
     PREFIX_HELP,
     log_to_stderr,
+    Interrupted,
     make_app,
     parse_options,
     pools,
     run_app,
 )
-from ._http import DEFAULT_MAX_TOKENS, APIError, Bridge, Server, listening, server_config
 
 # ---------------------------------------------------------------------------- the command
 
@@ -166,6 +164,80 @@ def serve(
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
 
+    _check(port, max_tokens, max_waiting, calibrate, no_calibrate, profile, out, kv_dir)
+    split = pools(prefill, decode, replicas, prefix_caching)
+    engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
+    replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
+    pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
+    n = sum(split) if split is not None else replicas
+    cluster = schedlab.ClusterOptions(replicas=n, router=router, router_options=parse_options(router_option))
+    the_router = cluster.make_router()  # and a bad router
+    check_address(host, port)  # and so does an address in use (loading a model takes seconds)
+    log = log_to_stderr("serve", quiet)
+    if n > 1:  # N single-replica serves behind a front (schedlab.serving.cluster)
+        return _serve_cluster(locals(), pol, cluster, the_router, split)
+    exit_with_front()
+    eng = schedlab.load_engine(
+        engine,
+        replica=replica,
+        profile=profile,
+        no_calibrate=not calibrate,  # serving needs no calibration; predictions do (--calibrate)
+        seed=seed,
+        require_tokenizer=True,
+        log=log,
+    )
+    name = served_model_name or eng.info.name
+    run, error = serve_replica(eng, pol, host, port, name, max_tokens, out, log, max_waiting=max_waiting, kv_dir=kv_dir)
+    if run is not None and not quiet:
+        print(run.report())
+    if error:
+        raise SchedlabError(error)
+
+
+def _serve_cluster(a: dict, pol, cluster, the_router, split) -> None:
+    """``--replicas N`` (or ``--prefill P --decode D``): N ``serve`` processes behind a front,
+    ``a`` the command's flags."""
+    args = serve_args(
+        a["policy"],
+        parse_options(a["option"]),
+        model=a["model"],
+        dtype=a["dtype"],
+        sampling=a["sampling"],
+        seed=a["seed"],
+        model_seed=a["model_seed"],
+        block_size=a["block_size"],
+        prefix_caching=a["prefix_caching"],
+        profile=a["profile"],
+        kv_tokens=a["kv_tokens"],
+        noise=a["noise"],
+        calibrate=a["calibrate"],
+        max_tokens=a["max_tokens"],
+        served_name=a["served_model_name"],
+        max_waiting=a["max_waiting"],
+    )
+    try:
+        serve_cluster(
+            cluster.replicas,
+            the_router,
+            dict(cluster.router_options or {}),
+            args,
+            host=a["host"],
+            port=a["port"],
+            out=a["out"],
+            policy_name=getattr(pol, "name", type(pol).__name__),
+            served_name=a["served_model_name"],
+            quiet=a["quiet"],
+            sequential=a["profile"] is None and a["calibrate"],  # the first calibrates, the rest find its profile
+            log=a["log"],
+            pools=split,
+            decode_router=cluster.make_router() if split else None,
+        )
+    except KeyboardInterrupt:
+        raise Interrupted("the replicas were stopped") from None
+
+
+def _check(port, max_tokens, max_waiting, calibrate, no_calibrate, profile, out, kv_dir) -> None:
+    """What the flags alone tell: one-line errors before anything loads."""
     if not (0 <= port <= 65535):
         raise SchedlabError(f"--port must be 0..65535, got {port}", 2)
     if max_tokens < 1:
@@ -176,223 +248,8 @@ def serve(
         raise SchedlabError(f"--calibrate does not go with {'--no-calibrate' if no_calibrate else '--profile'}", 2)
     if out is not None and out.exists() and not out.is_dir():
         raise SchedlabError(f"--out {out} exists and is not a directory")
-    split = pools(prefill, decode, replicas, prefix_caching)
-    if split is not None:
-        replicas = sum(split)
-    engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
-    replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
-    pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
-    cluster = schedlab.ClusterOptions(replicas=replicas, router=router, router_options=parse_options(router_option))
-    the_router = cluster.make_router()  # and a bad router
-    _check_address(host, port)  # and so does an address in use (loading a model takes seconds)
     if kv_dir is not None and not kv_dir.is_dir():
         raise SchedlabError(f"--kv-dir {kv_dir}: no such directory")
-    if replicas > 1:  # N single-replica serves behind a front (schedlab.commands._cluster)
-        from ._cluster import serve_cluster
-
-        args = ["--policy", policy, "--model", model, "--dtype", dtype, "--max-tokens", str(max_tokens)]
-        args += ["--block-size", str(block_size), "--sampling", sampling, "--seed", str(seed)]
-        args += ["--model-seed", str(model_seed)] + [x for o in option or [] for x in ("-o", o)]
-        for flag, value in (
-            ("--served-model-name", served_model_name),
-            ("--profile", profile),
-            ("--kv-tokens", kv_tokens),
-            ("--noise", noise),
-            ("--max-waiting", max_waiting),
-        ):
-            args += [flag, str(value)] if value is not None else []
-        args += ["--calibrate"] * calibrate + ["--prefix-caching"] * prefix_caching
-        serve_cluster(
-            replicas,
-            the_router,
-            dict(cluster.router_options or {}),
-            args,
-            host=host,
-            port=port,
-            out=out,
-            policy_name=getattr(pol, "name", type(pol).__name__),
-            served_name=served_model_name,
-            quiet=quiet,
-            sequential=profile is None and calibrate,  # the first calibrates, the rest find its profile
-            log=log_to_stderr("serve", quiet),
-            pools=split,
-            decode_router=cluster.make_router() if split else None,
-        )
-        return
-    _exit_with_front()
-    eng = schedlab.load_engine(
-        engine,
-        replica=replica,
-        profile=profile,
-        no_calibrate=not calibrate,  # serving needs no calibration; predictions do (--calibrate)
-        seed=seed,
-        require_tokenizer=True,
-        log=log_to_stderr("serve", quiet),
-    )
-    run, error = _serve(
-        eng,
-        pol,
-        host,
-        port,
-        served_model_name or eng.info.name,
-        max_tokens,
-        out,
-        log_to_stderr("serve", quiet),
-        max_waiting=max_waiting,
-        kv_dir=kv_dir,
-    )
-    if run is not None and not quiet:
-        print(run.report())
-    if error:
-        raise SchedlabError(error)
-
-
-def _exit_with_front() -> None:
-    """A replica a front started (``SCHEDLAB_FRONT_PID``) ends when the front is gone, whatever it
-    is doing: Linux kills it then (PR_SET_PDEATHSIG); elsewhere (macOS) a thread watches."""
-    front = os.environ.get("SCHEDLAB_FRONT_PID")
-    if not front or sys.platform.startswith("linux"):
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(front):
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="front-watch", daemon=True).start()
-
-
-def _check_address(host: str, port: int) -> None:
-    """Fail at once when ``host:port`` cannot be listened on (a port in use, an address not of this
-    machine), before the model loads; uvicorn's own bind, later, still reports a port taken since."""
-    import socket
-
-    if port == 0:
-        return
-    message = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError):
-        raise SchedlabError(message) from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError:
-            raise SchedlabError(message) from None
-
-
-def _serve(
-    eng,
-    pol,
-    host: str,
-    port: int,
-    name: str,
-    max_tokens: int,
-    out: Path | None,
-    log,
-    max_waiting: int | None = None,
-    kv_dir: Path | None = None,
-):
-    """Serve ``pol`` on the loaded engine ``eng`` until SIGINT/SIGTERM: (the run, an error or None)."""
-    import uvicorn
-
-    from schedlab.sim import LiveSource, WallClock
-
-    info = eng.info
-    backend = eng.make_backend()
-    clock = WallClock()
-    bridge = Bridge(backend, eng.kv_tokens, info.tokenizer, frozenset(info.eos_token_ids or ()))
-    http: dict[str, Any] = {}
-
-    def start_http() -> None:  # the clock runs: from now on arrivals are the run's
-        srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting, kv_dir=kv_dir)
-        config = server_config(srv.app, host, port)
-        hs = uvicorn.Server(config)
-        t = threading.Thread(target=hs.run, name="schedlab-http", daemon=True)
-        t.start()
-        while not hs.started and t.is_alive():
-            time.sleep(0.01)
-        http.update(server=hs, thread=t)
-        where = listening(hs) if hs.started else None
-        if where is None:
-            http["error"] = f"cannot listen on {host}:{port} (in use, or not an address of this machine?)"
-            source.close()
-            return
-        prof = Path(str(eng.cost_model.source.get("profile"))).name
-        elsewhere = any(n.startswith("no cost profile for model") for n in eng.notes)
-        print(
-            f"serve: listening on http://{where[0]}:{where[1]} (policy {getattr(pol, 'name', type(pol).__name__)}, "
-            f"model {name}, KV {eng.kv_tokens} tokens, profile {prof}"
-            f"{' (bundled: not measured on this model and machine; --calibrate measures one)' if elsewhere else ''})",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    source = LiveSource(clock, on_ready=start_http, on_finish=bridge.on_finish)
-    bridge.on_cancel = source.cancel
-    stopping = {"n": 0}
-
-    def stop(signum, frame) -> None:
-        stopping["n"] += 1
-        if stopping["n"] > 1:
-            raise KeyboardInterrupt
-        source.close()
-        log("progress", f"shutting down: finishing {bridge.in_flight()} request(s) in flight")
-
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    run = None
-    try:
-        run = eng.run(pol, source, trace_name="served", clock=clock, backend=backend)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        why = (run.error if run is not None else None) or "the replica stopped"
-        bridge.fail_all(APIError(500, f"the server could not finish this request: {why}", kind="server_error"))
-        hs = http.get("server")
-        if hs is not None:
-            hs.should_exit = True
-            http["thread"].join(timeout=10)
-    if http.get("error"):
-        return None, http["error"]
-    if out is not None:
-        run.save(out)
-        _write_served_trace(Path(out) / "trace.json", run, source.received, pol, name, source.cancelled)
-    return run, run.error
-
-
-def _write_served_trace(path: Path, run, received, pol, name: str, cancelled_at: dict[str, float]) -> None:
-    """trace.json: the requests as served, for simulate/validate to replay. A request that
-    stopped at EOS has the tokens it generated as its output (what a replay must generate); one
-    refused keeps its max_tokens (refused again), as does one whose client went away, with its
-    ``cancel_after_s`` (cancelled again at that time); times from the first arrival (a replay on the
-    real engine need not sit idle first)."""
-    from dataclasses import replace
-
-    from schedlab.traces.schema import Trace
-
-    req = run.requests
-    done = req[req["status"] == "finished"]
-    made = {str(i): int(n) for i, n in zip(done["id"], done["output_tokens"])}
-    status = {str(i): s for i, s in zip(req["id"], req["status"])}
-    t0 = received[0].arrival_s if received else 0.0
-
-    def served(r):
-        at = round(r.arrival_s - t0, 6)
-        if status.get(r.id) == "cancelled":  # keeps its max_tokens; its client left this long after
-            left = max(cancelled_at.get(r.id, r.arrival_s) - r.arrival_s, 0.0)
-            return replace(r, arrival_s=at, cancel_after_s=round(left, 6))
-        return replace(r, arrival_s=at, output_tokens=made.get(r.id, r.output_tokens))
-
-    trace = Trace(
-        name="served",
-        description=f"requests served by schedlab serve (policy "
-        f"{getattr(pol, 'name', type(pol).__name__)}, model {name}); "
-        f"arrival_s from the first arrival ({t0:.3f} s into the run); "
-        f"output_tokens: the tokens each generated",
-        requests=[served(r) for r in received],
-    )
-    path.write_text(json.dumps(trace.to_json(), ensure_ascii=False, indent=1) + "\n")
 
 
 def main() -> None:
