@@ -136,7 +136,7 @@ class _Validation:
     metas: dict[str, dict] = field(default_factory=dict)
 
     def simulate(self) -> dict[str, Run]:
-        from schedlab.sim import run_replica as run_loop
+        from schedlab.sim import Deployment, run
         from schedlab.sim.metrics import summarize
 
         sims: dict[str, Run] = {}
@@ -148,7 +148,8 @@ class _Validation:
                 "policy_options": policy_options(pol),
             }
             self.say(f"{pol.name}: simulating")
-            sim_res = run_loop(self.tr.requests, pol, self.cost, kv_capacity=self.capacity, trace_name=self.tr.name)
+            deployment = Deployment.one(pol, self.cost, kv_capacity=self.capacity)
+            sim_res = run(deployment, self.tr.requests, trace_name=self.tr.name)
             sims[name] = Run(sim_res, summarize(sim_res), self.metas[name])
             if self.dirs.get(name) is not None:
                 sims[name].save(self.dirs[name] / "sim")
@@ -264,7 +265,7 @@ def drift_adjusted(
     predictions at its speed (``step_ratio_median``). The speeds come from probes, not from the
     runs' own steps: a per-step cost the model misses still shows (unlike ``speed_matched``)."""
     from schedlab.analysis.validation import compare as compare_runs, median_summary, repeat_summary
-    from schedlab.sim import run_replica as run_loop
+    from schedlab.sim import Deployment, run, run_replica as run_loop
     from schedlab.sim.backend import SimBackend
     from schedlab.sim.cost import ScaledCostModel
     from schedlab.sim.metrics import summarize
@@ -281,7 +282,8 @@ def drift_adjusted(
         return {"speed_factor": factor, "step_ratio": step_ratio, "applied": False}
     out: dict[str, Any] = {"speed_factor": factor, "step_ratio": step_ratio, "applied": True}
     if factors is None:
-        res = run_loop(tr.requests, pol, ScaledCostModel(cost, factor), kv_capacity=capacity, trace_name=tr.name)
+        scaled_model = Deployment.one(pol, ScaledCostModel(cost, factor), kv_capacity=capacity)
+        res = run(scaled_model, tr.requests, trace_name=tr.name)
         scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
         c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
     else:
