@@ -220,9 +220,7 @@ class Front:
                 self.pass_turn(rec.ticket)
 
     async def _route(self, rec: Record, pool: str | None):
-        import operator
-
-        from schedlab.routers import ClusterView, ReplicaSignals
+        from schedlab.routers import ClusterView, ReplicaSignals, RouteError, route_checked
 
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -266,31 +264,11 @@ class Front:
             now = self.now()
             request = rec.request(now, pool)
             view = ClusterView(now, request, rec.arrival_index, tuple(signals))
-            n = len(members)
-
-            def illegal(what: str) -> APIError:
+            try:
+                j = route_checked(self.routers[pool], view, where)
+            except RouteError as exc:  # the user's router code: that request's 500, the others go on
                 self.route_errors += 1
-                return APIError(
-                    500,
-                    f"router '{self.router_name}' {where}request {rec.id}: {what}",
-                    kind="server_error",
-                    code="router_error",
-                )
-
-            try:
-                j = self.routers[pool].route(view)
-            except Exception as exc:  # the user's router code
-                raise illegal(f"route() raised {type(exc).__name__}: {exc}") from None
-            if isinstance(j, bool):
-                raise illegal(f"returned {j!r}, not a replica index (0 to {n - 1})")
-            try:
-                j = operator.index(j)
-            except TypeError:
-                raise illegal(f"returned {j!r}, not a replica index (0 to {n - 1})") from None
-            if not 0 <= j < n:
-                raise illegal(f"returned replica {j}, but the cluster has replicas 0 to {n - 1}")
-            if not signals[j].up:
-                raise illegal(f"returned replica {j}, which is down")
+                raise APIError(500, str(exc), kind="server_error", code="router_error") from None
             r = members[j]
             r.routed += 1
             self._sent(r, request, 1)
