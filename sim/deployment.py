@@ -63,6 +63,15 @@ def check_faults(
     return tuple(out)
 
 
+def check_block_size(value: Any, name: str = "block_size") -> int:
+    """``value`` as the KV cache's block size: an integer >= 1 (tokens)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DeploymentError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise DeploymentError(f"{name} must be >= 1, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class Group:
     """``len(policies)`` replicas alike: replica k of the group runs ``policies[k]`` (each its own
@@ -124,9 +133,7 @@ class Deployment:
         n = self.replicas
         set_(self, "router_delay", check_router_delay(self.router_delay))
         set_(self, "fail", check_faults(self.fail, n))
-        b = self.block_size
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise DeploymentError(f"block_size must be an integer >= 1, got {b!r}")
+        check_block_size(self.block_size)
         set_(self, "prefix_caching", bool(self.prefix_caching))
         if self.router is None and (n > 1 or self.fail or self.router_delay):
             raise DeploymentError(f"a deployment of {n} replica(s) with failures or a delay needs a router")

@@ -32,7 +32,7 @@ from schedlab.traces.schema import Request
 from .cluster import Cluster, merged_passes, merged_steps
 from .deployment import Deployment, DeploymentError
 from .loop import RunResult
-from .state import FINISHED, RequestState
+from .state import RequestState
 from .transfer import KVTransfer
 
 
@@ -50,28 +50,24 @@ class TransferredRequest(Request):
 
 def _partial(req: Request, index: int, p: RequestState) -> RequestState:
     """A request that did not finish: as its client saw it, its first token at most."""
-    r = RequestState(req, index)
-    if p.first_token_s is not None:
-        r.admitted_s = p.admitted_s
-        r.first_token_s = p.first_token_s
-        r._tt = [p.first_token_s]
-        r._left = req.output_tokens - 1
-    return r
+    if p.first_token_s is None:
+        return RequestState(req, index)
+    return RequestState.as_seen(req, index, p.admitted_s, [p.first_token_s])
 
 
 def _merged(req: Request, index: int, p: RequestState, d: RequestState | None) -> RequestState:
     """One request as its client saw it: admitted and first token from the prefill pool, every
     later token from the decode pool."""
-    r = _partial(req, index, p)
-    r._phase = FINISHED
-    r._prefilled = req.prompt_tokens
-    r._left = 0
-    if d is not None:
-        r._tt += d.token_times
-    r.finish_s = d.finish_s if d is not None else p.finish_s
-    r.preemptions = p.preemptions + (d.preemptions if d is not None else 0)
-    r.recomputed_tokens = p.recomputed_tokens + (d.recomputed_tokens if d is not None else 0)
-    return r
+    times = [p.first_token_s] + (d.token_times if d is not None else [])
+    return RequestState.as_seen(
+        req,
+        index,
+        p.admitted_s,
+        times,
+        d.finish_s if d is not None else p.finish_s,
+        p.preemptions + (d.preemptions if d is not None else 0),
+        p.recomputed_tokens + (d.recomputed_tokens if d is not None else 0),
+    )
 
 
 def run_disaggregated(

@@ -189,6 +189,35 @@ class RequestState:
                 self._seg = len(times)
         return self._tt
 
+    @classmethod
+    def as_seen(
+        cls,
+        req: Request,
+        index: int,
+        admitted_s: float | None,
+        token_times: list[float],
+        finish_s: float | None = None,
+        preemptions: int = 0,
+        recomputed_tokens: int = 0,
+    ) -> "RequestState":
+        """``req`` as its client saw it when its tokens came from more than one replica (a
+        prefill replica's first token, a decode replica's others: ``sim.disagg``): admitted at
+        ``admitted_s``, its ``token_times``, finished at ``finish_s`` (None: it did not finish,
+        and its KV holds its prompt only if a token came)."""
+        r = cls(req, index)
+        r.admitted_s = admitted_s
+        r._tt = list(token_times)
+        r.first_token_s = token_times[0] if token_times else None
+        r._left = req.output_tokens - len(token_times)
+        if finish_s is not None:
+            r._phase = FINISHED
+            r._prefilled = req.prompt_tokens
+            r._left = 0
+            r.finish_s = finish_s
+        r.preemptions = preemptions
+        r.recomputed_tokens = recomputed_tokens
+        return r
+
     def __repr__(self) -> str:
         return (
             f"<request {self.id} {self._phase.value} prefilled={self._prefilled}/"

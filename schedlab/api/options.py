@@ -72,10 +72,12 @@ class ReplicaOptions:
 
     def __post_init__(self) -> None:
         check_kv_tokens(self.kv_tokens)
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            fail(f"{opt('block_size')} must be an integer, got {self.block_size!r}", 2)
-        if self.block_size < 1:
-            fail(f"{opt('block_size')} must be >= 1, got {self.block_size}", 2)
+        from schedlab.sim.deployment import DeploymentError, check_block_size
+
+        try:
+            check_block_size(self.block_size, opt("block_size"))
+        except DeploymentError as exc:
+            fail(str(exc), 2)
         object.__setattr__(self, "prefix_caching", bool(self.prefix_caching))
 
 
