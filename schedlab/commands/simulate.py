@@ -124,33 +124,8 @@ def simulate(
     clients = schedlab.ClientOptions(
         max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
     )
-    if cluster_file is not None:
-        given = {
-            "--policy": policy is not None,
-            "-o/--option": bool(option),
-            "--profile": profile is not None,
-            "--hardware": hardware is not None,
-            "--model-config": model_config is not None,
-            "--quant": quant is not None,
-            "--kv-tokens": kv_tokens is not None,
-            "--replicas": replicas != 1,
-        }
-        clash = [flag for flag, g in given.items() if g]
-        if clash:
-            fail(f"--cluster {cluster_file} says {_CLUSTER_SAYS[clash[0]]}: drop {clash[0]}, or change the file", 2)
-        cluster = _from_file(cluster_file, router, router_option, router_delay)
-        if fail_at:
-            import dataclasses
-
-            cluster = dataclasses.replace(cluster, fail=tuple(fail_at))
-    else:
-        cluster = schedlab.ClusterOptions(
-            replicas=replicas,
-            router=router,
-            router_options=parse_options(router_option),
-            router_delay=router_delay if router_delay is not None else 0.0,
-            fail=tuple(fail_at or ()),
-        )
+    _refuse_beside_file(cluster_file, policy, option, profile, hardware, model_config, quant, kv_tokens, replicas)
+    cluster = _cluster_options(cluster_file, replicas, router, router_option, router_delay, fail_at)
     run = schedlab.simulate(
         policy,
         trace,
@@ -171,6 +146,45 @@ def simulate(
     if not quiet:
         print(run.report())
     report_problems(run)
+
+
+def _refuse_beside_file(cluster_file, policy, option, profile, hardware, model_config, quant, kv_tokens, replicas):
+    """A cluster file names the policies and cost models: the first flag given that would too
+    is an error (exit 2) beside it."""
+    if cluster_file is None:
+        return
+    given = {
+        "--policy": policy is not None,
+        "-o/--option": bool(option),
+        "--profile": profile is not None,
+        "--hardware": hardware is not None,
+        "--model-config": model_config is not None,
+        "--quant": quant is not None,
+        "--kv-tokens": kv_tokens is not None,
+        "--replicas": replicas != 1,
+    }
+    clash = [flag for flag, g in given.items() if g]
+    if clash:
+        fail(f"--cluster {cluster_file} says {_CLUSTER_SAYS[clash[0]]}: drop {clash[0]}, or change the file", 2)
+
+
+def _cluster_options(cluster_file, replicas, router, router_option, router_delay, fail_at):
+    """The replicas, router and faults: the cluster file's (the command line's router settings
+    and --fail over its), or the flags' alone."""
+    import dataclasses
+
+    import schedlab
+
+    if cluster_file is not None:
+        cluster = _from_file(cluster_file, router, router_option, router_delay)
+        return dataclasses.replace(cluster, fail=tuple(fail_at)) if fail_at else cluster
+    return schedlab.ClusterOptions(
+        replicas=replicas,
+        router=router,
+        router_options=parse_options(router_option),
+        router_delay=router_delay if router_delay is not None else 0.0,
+        fail=tuple(fail_at or ()),
+    )
 
 
 _CLUSTER_SAYS = {
