@@ -84,7 +84,6 @@ def sweep(
 ) -> None:
     """Sweep POLICIES x RATES (x CONCURRENCY) on TRACE and report latency against load."""
     import schedlab
-    from schedlab.analysis.sweep import format_table
     from schedlab.api.sweeps import parse_concurrency, parse_rates, sweep_rows
 
     pols = list(dict.fromkeys(p.strip() for p in policy.split(",") if p.strip()))
@@ -93,29 +92,9 @@ def sweep(
     tr = schedlab.load_trace(trace, seed=seed)
     if out is None:
         out = Path(f"sweep-{tr.name}")
-    n_jobs = len(pols) * max(n_rates, 1) * max(n_conc, 1)
-    dims = (
-        f"{len(pols)} policies"
-        + (f" x {n_rates} rates" if n_rates else "")
-        + (f" x {n_conc} concurrencies" if n_conc else "")
-    )
-
-    def started(jobs: int, used: int) -> None:  # after the workers exist (see analysis.executors)
-        if not quiet:
-            print(
-                f"sweep: {dims} = {jobs} simulations of {tr.name} ({len(tr)} requests) on {used} worker(s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    finished = [0]
+    jobs = _Jobs(tr, len(pols), n_rates, n_conc, quiet)
 
     def work(cb):
-        def done(row):
-            finished[0] += 1
-            if cb is not None:
-                cb(row)
-
         return schedlab.sweep(
             policy,
             tr,
@@ -135,37 +114,86 @@ def sweep(
             ray_address=ray_address,
             out=out,
             formats=fmt,
-            on_start=started,
-            on_done=done,
+            on_start=jobs.started,
+            on_done=jobs.counting(cb),
         )
 
     try:
-        table = _with_progress(quiet, n_jobs, work)
+        table = _with_progress(quiet, jobs.total, work)
     except KeyboardInterrupt:
         # typer turns Ctrl-C into a silent exit 130; say what was dropped, in one line
-        raise Interrupted(f"{finished[0]} of {n_jobs} simulations done, the rest cancelled; nothing written") from None
+        raise Interrupted(
+            f"{jobs.finished} of {jobs.total} simulations done, the rest cancelled; nothing written"
+        ) from None
+    rows = sweep_rows(table)
+    if not quiet:
+        _print_results(table, rows)
+    if _print_problems(rows, table.attrs["info"]):
+        raise typer.Exit(1)
+
+
+class _Jobs:
+    """The sweep's simulations (policies x rates x concurrencies of one trace): how many, and how
+    many are done."""
+
+    def __init__(self, tr, n_pols: int, n_rates: int, n_conc: int, quiet: bool):
+        self.tr = tr
+        self.quiet = quiet
+        self.total = n_pols * max(n_rates, 1) * max(n_conc, 1)
+        self.dims = (
+            f"{n_pols} policies"
+            + (f" x {n_rates} rates" if n_rates else "")
+            + (f" x {n_conc} concurrencies" if n_conc else "")
+        )
+        self.finished = 0
+
+    def started(self, jobs: int, used: int) -> None:  # after the workers exist (see analysis.executors)
+        if not self.quiet:
+            print(
+                f"sweep: {self.dims} = {jobs} simulations of {self.tr.name} ({len(self.tr)} requests) on {used} "
+                "worker(s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def counting(self, cb):
+        """``cb`` (or nothing) for each finished simulation, counted."""
+
+        def done(row):
+            self.finished += 1
+            if cb is not None:
+                cb(row)
+
+        return done
+
+
+def _print_results(table, rows) -> None:
+    """The table, each policy's highest sustained rate (with SLOs), the files written."""
+    from schedlab.analysis.sweep import format_table
 
     info = table.attrs["info"]
-    rows = sweep_rows(table)
     sustained = info.get("max_sustained_rate")
-    if not quiet:
-        print(format_table(rows, slo=bool(info.get("slo"))))
-        if sustained:
-            print(
-                f"\nHighest sustained rate (>= {info['attainment']:.0%} of requests meet every SLO at it and at every "
-                f"lower swept rate):"
-            )
-            for pol, s in sustained.items():
-                if s["rate_rps"] is None:
-                    text = f"none: fails at the lowest swept rate, {s['first_failing_rate_rps']:g} req/s"
-                elif s["limited_by_sweep"]:
-                    text = f">= {s['rate_rps']:g} req/s (the highest swept rate; sweep higher to find the limit)"
-                else:
-                    text = f"{s['rate_rps']:g} req/s (fails at {s['first_failing_rate_rps']:g})"
-                print(f"  {pol}: {text}")
-        print()
-        for f in table.attrs["files"]:
-            print(f)
+    print(format_table(rows, slo=bool(info.get("slo"))))
+    if sustained:
+        print(
+            f"\nHighest sustained rate (>= {info['attainment']:.0%} of requests meet every SLO at it and at every "
+            f"lower swept rate):"
+        )
+        for pol, s in sustained.items():
+            if s["rate_rps"] is None:
+                text = f"none: fails at the lowest swept rate, {s['first_failing_rate_rps']:g} req/s"
+            elif s["limited_by_sweep"]:
+                text = f">= {s['rate_rps']:g} req/s (the highest swept rate; sweep higher to find the limit)"
+            else:
+                text = f"{s['rate_rps']:g} req/s (fails at {s['first_failing_rate_rps']:g})"
+            print(f"  {pol}: {text}")
+    print()
+    for f in table.attrs["files"]:
+        print(f)
+
+
+def _print_problems(rows, info) -> bool:
+    """The first errors and the rejected requests, on stderr; whether any simulation failed."""
     errors = [r for r in rows if r.get("error")]
     for r in errors[:5]:
         where = [] if r.get("rate_rps") is None else [f"{r['rate_rps']:g} req/s"]
@@ -178,8 +206,7 @@ def sweep(
             f"output exceeds the KV capacity of {info['kv_tokens']} tokens (they count as SLO misses)",
             file=sys.stderr,
         )
-    if errors:
-        raise typer.Exit(1)
+    return bool(errors)
 
 
 def _with_progress(quiet: bool, total: int, work):
