@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -505,38 +506,46 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("how, phase", [("SIGTERM", "serving"), ("SIGKILL", "calibrating")])
-def test_run_real_ends_its_replicas_at_once_when_it_is_stopped(how, phase, tmp_path):
-    """``run-real --replicas 2`` stopped as a job scheduler or the OOM killer stops it (SIGTERM,
-    handled as Ctrl-C's SIGINT is; SIGKILL), its replicas serving with requests in flight or the
-    first still calibrating (a fresh profile cache; the second starts once it listens): no replica
-    it started is left. Handled, it ends them before it exits itself; killed, the kernel ends them
-    as it dies. What is checked is that none is left, not how long that took."""
+@pytest.mark.parametrize(
+    "cmd, how, phase",
+    [("run-real", "SIGTERM", "serving"), ("serve", "SIGINT", "calibrating"), ("run-real", "SIGKILL", "calibrating")],
+)
+def test_the_parent_ends_its_replicas_at_once_however_it_is_stopped(cmd, how, phase, tmp_path):
+    """``run-real --replicas 2`` or ``serve --replicas 2`` stopped as a job scheduler, a terminal or
+    the OOM killer stops it (SIGTERM, SIGINT, SIGKILL), its replicas serving with requests in
+    flight or the first still calibrating (a fresh profile cache; the second starts once it
+    listens): no replica it started is left. Handled, it ends them before it exits itself; killed,
+    the kernel ends them as it dies. What is checked is that none is left, not how long that took."""
     env = dict(os.environ, SCHEDLAB_CACHE_DIR=str(tmp_path / "cache"))
-    argv = [*command("run-real"), "--policy", "vllm", "--model", MODEL, "--trace", "sonnet", "--replicas", "2", "-q"]
+    argv = [*command(cmd), "--policy", "vllm", "--model", MODEL, "--replicas", "2"]
+    argv += ["--trace", "sonnet"] if cmd == "run-real" else ["--port", "0"]
+    if phase == "serving":
+        argv += ["--no-calibrate"]
+    elif cmd == "serve":
+        argv += ["--calibrate"]  # (run-real calibrates where no profile matches)
     want = 2 if phase == "serving" else 1
-    parent = subprocess.Popen(
-        argv + ["--no-calibrate"] * (phase == "serving"),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    parent = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(parent.stderr), daemon=True)
+    reader.start()
     try:
-        deadline = time.monotonic() + 60
-        kids: list[int] = []
-        while len(kids) < want and time.monotonic() < deadline and parent.poll() is None:
-            time.sleep(0.2)
-            kids = _replicas_of(parent.pid)
-        assert len(kids) == want, f"replicas did not start: {parent.stderr.read() if parent.poll() is not None else ''}"
-        time.sleep(3.0)  # (loaded: serving the trace's first requests, or calibrating)
-        assert parent.poll() is None and all(map(_alive, kids)) and len(_replicas_of(parent.pid)) == want
+        kids = until(
+            f"{want} replica(s) started", lambda: parent.poll() is None and len(_replicas_of(parent.pid)) == want
+        )
+        kids = _replicas_of(parent.pid)
+        if phase == "serving":  # every replica listens and the trace's first requests are sent
+            until("the replicas up", lambda: any("replicas up" in x for x in lines) or parent.poll() is not None)
+        else:
+            time.sleep(3.0)  # (loaded, or loading: calibrating next)
+        assert parent.poll() is None and all(map(_alive, kids)) and len(_replicas_of(parent.pid)) == want, lines
         parent.send_signal(getattr(signal, how))
         if how != "SIGKILL":
             # handled: it kills every replica's session and reaps them before it exits, so none is
             # left the moment it has gone (no wait: a replica left to notice by itself fails here)
-            assert parent.wait(timeout=60) != 0
+            assert parent.wait(timeout=60) == 130
             assert not [k for k in kids if _alive(k)], f"replicas left after {how}"
+            reader.join(timeout=10)
+            assert "interrupted: the replicas were stopped" in lines[-1], lines
         else:
             # the kernel sends each replica SIGKILL as the parent dies (PR_SET_PDEATHSIG); the guard
             # only bounds the wait for that kill to land (a replica calibrating on ran for minutes)

@@ -5,6 +5,7 @@ times); prefill and decode apart, with the link between them measured first (``p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -129,10 +130,9 @@ class Cluster:
             self._last_probe = time.monotonic()
             _probe(self.front, self.replicas)
 
-    def shutdown(self, aborting=lambda: False) -> None:
+    def shutdown(self) -> None:
         """No new requests (503); the replicas get SIGTERM, finish what they hold and exit; until
-        they have and the front's requests in flight ended. ``aborting()`` true: SIGTERM again
-        (the replicas abort), then KeyboardInterrupt."""
+        they have and the front's requests in flight ended."""
         front = self.front
         front.closing = True
         self.log("progress", f"shutting down: finishing {front.in_flight} request(s) in flight")
@@ -141,10 +141,6 @@ class Cluster:
         gone_at = None
         while True:
             _watch(front, self.replicas)
-            if aborting():
-                for r in self.replicas:
-                    r.signal(signal.SIGTERM)  # a second signal: the replicas abort
-                raise KeyboardInterrupt
             if all(r.dead for r in self.replicas):
                 gone_at = gone_at or time.monotonic()
                 # what is left in flight ends as the replicas' connections close (bounded: a response
@@ -152,6 +148,13 @@ class Cluster:
                 if front.in_flight <= 0 or time.monotonic() - gone_at > 5:
                     break
             time.sleep(POLL_S)
+
+    def kill(self) -> None:
+        """End every replica now, whatever it is doing (loading, calibrating, serving): each one's
+        session killed, then reaped."""
+        for r in self.replicas:
+            r.kill()
+        _reap(self.replicas, 10)
 
     def close(self) -> None:
         """Stop the front's server and every replica left (SIGTERM, then SIGKILL after 30 s)."""
@@ -167,8 +170,8 @@ class Cluster:
 
             shutil.rmtree(self.kv_dir, ignore_errors=True)
 
-    def finish(self, quiet: bool) -> dict[str, Any]:
-        """Write ``OUT/trace.json`` and ``OUT/cluster.json``; print the summary; the summary."""
+    def finish(self) -> dict[str, Any]:
+        """Write ``OUT/trace.json`` and ``OUT/cluster.json``; the summary."""
         front = self.front
         summary = cluster_summary(front)
         if self.out is not None:
@@ -179,15 +182,44 @@ class Cluster:
             if self.link is not None:
                 data["link"] = self.link
             (out / "cluster.json").write_text(json.dumps(data, indent=1) + "\n")
-        if not quiet:
-            from schedlab.sim.metrics import format_summary
-
-            print(format_summary(summary))
-            print(
-                f"Cluster: {front.retries} request(s) retried on another replica, {front.failures} failed; "
-                + ", ".join(f"replica {r.index}: {_ended(r)}" for r in self.replicas)
-            )
         return summary
+
+    def report(self, summary: dict[str, Any]) -> str:
+        """The summary as ``vllm bench serve`` prints it, and a line of how the replicas fared."""
+        from schedlab.sim.metrics import format_summary
+
+        front = self.front
+        return (
+            format_summary(summary)
+            + f"\nCluster: {front.retries} request(s) retried on another replica, {front.failures} failed; "
+            + ", ".join(f"replica {r.index}: {_ended(r)}" for r in self.replicas)
+        )
+
+
+@contextlib.contextmanager
+def owned(cluster: Cluster, on_signal):
+    """While the block runs the cluster owns its replicas: SIGINT and SIGTERM go to ``on_signal``
+    (in the main thread: Python hands signals to no other, and there the default handlers stay);
+    a ``KeyboardInterrupt`` (raised by it, or Ctrl-C's) ends every replica at once, calibrating or
+    not, and goes on up. Whichever way the block ends, the front stops and no replica is left.
+    The replicas also die with this process (``replicas.Replica``: PR_SET_PDEATHSIG)."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            yield cluster
+        except KeyboardInterrupt:
+            cluster.kill()
+            raise
+        finally:
+            cluster.close()
+    except KeyboardInterrupt:  # (a signal while closing: no waiting for anyone)
+        cluster.kill()
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def serve_cluster(
@@ -228,11 +260,10 @@ def serve_cluster(
 
     def on_signal(signum, frame) -> None:
         state["signals"] += 1
-        if not state["serving"]:
-            raise KeyboardInterrupt  # still starting: stop now
+        if not state["serving"] or state["signals"] > 1:
+            raise KeyboardInterrupt  # still starting, or a second signal: stop now
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with owned(cluster, on_signal):
         url = cluster.start(sequential)
         state["serving"] = True
         front = cluster.front
@@ -246,15 +277,10 @@ def serve_cluster(
         while state["signals"] == 0:
             time.sleep(POLL_S)
             cluster.watch()
-        cluster.shutdown(lambda: state["signals"] > 1)
-    except KeyboardInterrupt:
-        cluster.close()
-        raise
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        cluster.close()
-    cluster.finish(quiet)
+        cluster.shutdown()  # the first signal: the replicas finish what they hold
+    summary = cluster.finish()
+    if not quiet:
+        print(cluster.report(summary))
 
 
 def run_real_cluster(
@@ -300,12 +326,8 @@ def run_real_cluster(
         decode_router=decode_router,
     )
     errors: dict[str, str] = {}
-    # SIGTERM (timeout, a job scheduler, a container stop) ends the run as Ctrl-C does: every
-    # replica it started, at once, calibrating or not
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    # SIGTERM (timeout, a job scheduler, a container stop) ends the run as Ctrl-C does
+    with owned(cluster, _interrupt):
         url = cluster.start(sequential)
         cluster.front.trace_name = trace.name
         replay = threading.Thread(
@@ -318,16 +340,9 @@ def run_real_cluster(
             time.sleep(POLL_S)
             cluster.watch()
         cluster.shutdown()
-    except KeyboardInterrupt:
-        for r in cluster.replicas:
-            r.kill()
-        cluster.close()
-        raise
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        cluster.close()
-    cluster.finish(quiet)
+    summary = cluster.finish()
+    if not quiet:
+        print(cluster.report(summary))
     return [f"request {rid}: {why}" for rid, why in errors.items()]
 
 

@@ -79,17 +79,19 @@ class Replica:
     def start(self, echo) -> None:
         cpus = self.cpus
         threads = str(len(cpus))
-        env = dict(
-            os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, SCHEDLAB_FRONT_PID=str(os.getpid())
-        )
+        parent = os.getpid()
+        env = dict(os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, SCHEDLAB_FRONT_PID=str(parent))
 
         def preexec() -> None:  # in the child, before exec: its cores; killed when the front dies
             if hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cpus)
             if _PRCTL is not None and sys.platform.startswith("linux"):
-                # PR_SET_PDEATHSIG: nobody is left to answer to, so nothing to finish (a SIGTERM
-                # would let a replica that is still calibrating go on for minutes)
-                _PRCTL(1, signal.SIGKILL)
+                # PR_SET_PDEATHSIG (of the thread that starts it, which waits for it): nobody is
+                # left to answer to, so nothing to finish (a SIGTERM would let a replica that is
+                # still calibrating go on for minutes)
+                _PRCTL(1, int(signal.SIGKILL))
+                if os.getppid() != parent:  # the front died before that: no signal will come
+                    os._exit(1)
 
         self.proc = subprocess.Popen(
             self.argv,
