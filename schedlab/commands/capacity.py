@@ -29,6 +29,30 @@ capacity_app = make_app(
 )
 
 
+#: the flags' longer help texts
+_SLO_HELP = (
+    "the SLOs in ms, e.g. ttft_ms=2000,tpot_ms=100 (keys: ttft_ms, tpot_ms, e2e_ms; or vllm bench "
+    "serve --goodput's ttft, tpot, e2el)"
+)
+_ROUTER_HELP = (
+    "comma-separated routers (round-robin, least-requests, least-tokens, ... or file.py:Class); "
+    "default: none for one replica, round-robin for more"
+)
+_PD_SPLITS_HELP = (
+    "a --cluster file of one prefill and one decode group stands for every prefill:decode split "
+    "of its replicas (1:N-1 ... N-1:1)"
+)
+_PRICE_HELP = (
+    "hourly price of ONE replica, for the requests-per-dollar column (req/$); overrides the "
+    "--hardware preset's (h100-sxm, a100-*: one provider's on-demand price) and applies to --cluster "
+    "configurations too"
+)
+_WORKERS_HELP = (
+    "worker processes (default: min(CPU count, configurations)); with --executor ray: searches in "
+    "flight at once (default: all; a local Ray gets this many CPUs)"
+)
+
+
 @capacity_app.command()
 def capacity(
     policy: Optional[str] = typer.Option(
@@ -38,24 +62,14 @@ def capacity(
         help="comma-separated policies (bundled names or file.py:Class); required unless --cluster",
     ),
     trace: str = typer.Option(..., "--trace", "-t", help="trace file, or a bundled trace's bare name"),
-    slo: str = typer.Option(
-        ...,
-        "--slo",
-        help="the SLOs in ms, e.g. ttft_ms=2000,tpot_ms=100 (keys: ttft_ms, tpot_ms, e2e_ms; or vllm bench "
-        "serve --goodput's ttft, tpot, e2el)",
-    ),
+    slo: str = typer.Option(..., "--slo", help=_SLO_HELP),
     attainment: float = typer.Option(
         0.99, "--attainment", help="share of ALL requests that must finish and meet every SLO, in (0, 1]"
     ),
     tolerance: float = typer.Option(
         0.02, "--tolerance", help="bisect until (hi - lo) / lo <= this (lo passes, hi fails)"
     ),
-    router: Optional[str] = typer.Option(
-        None,
-        "--router",
-        help="comma-separated routers (round-robin, least-requests, least-tokens, ... or file.py:Class); "
-        "default: none for one replica, round-robin for more",
-    ),
+    router: Optional[str] = typer.Option(None, "--router", help=_ROUTER_HELP),
     router_option: Optional[List[str]] = typer.Option(
         None, "--router-option", help="router option key=value, for every router (repeatable)"
     ),
@@ -65,12 +79,7 @@ def capacity(
         "--cluster",
         help="a cluster file (TOML, see docs/cluster.md; or a bundled one's name), its own configuration (repeatable)",
     ),
-    pd_splits: bool = typer.Option(
-        False,
-        "--pd-splits",
-        help="a --cluster file of one prefill and one decode group stands for every prefill:decode split "
-        "of its replicas (1:N-1 ... N-1:1)",
-    ),
+    pd_splits: bool = typer.Option(False, "--pd-splits", help=_PD_SPLITS_HELP),
     option: Optional[List[str]] = typer.Option(
         None, "--option", "-o", help="policy option key=value, applied to every policy (repeatable)"
     ),
@@ -94,21 +103,8 @@ def capacity(
         "--start-rps",
         help="first rate tried, per replica (default: twice the trace's own mean rate; n replicas start at n times it)",
     ),
-    price_per_hour: Optional[float] = typer.Option(
-        None,
-        "--price-per-hour",
-        metavar="USD",
-        help="hourly price of ONE replica, for the requests-per-dollar column (req/$); overrides the "
-        "--hardware preset's (h100-sxm, a100-*: one provider's on-demand price) and applies to --cluster "
-        "configurations too",
-    ),
-    workers: Optional[int] = typer.Option(
-        None,
-        "--workers",
-        "-j",
-        help="worker processes (default: min(CPU count, configurations)); with --executor ray: searches in "
-        "flight at once (default: all; a local Ray gets this many CPUs)",
-    ),
+    price_per_hour: Optional[float] = typer.Option(None, "--price-per-hour", metavar="USD", help=_PRICE_HELP),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", help=_WORKERS_HELP),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for trace loading (Mooncake tick jitter)"),
@@ -123,27 +119,7 @@ def capacity(
 
     if policy is None and not cluster:
         fail("give --policy and/or --cluster FILE (the configurations to search)", 2)
-    done = [0]
-    total = [0]
-    progress = not quiet and sys.stderr.isatty()  # (piped: stderr holds only errors)
-
-    def started(jobs: int, used: int) -> None:
-        total[0] = jobs
-        if progress:
-            print(f"capacity: {jobs} configuration(s) on {used} worker(s)", file=sys.stderr, flush=True)
-
-    def finished(row) -> None:
-        done[0] += 1
-        if progress:
-            cap = row.get("capacity_rps")
-            text = "none" if cap is None else ((">= " if row.get("limited") else "") + f"{cap:.4g} req/s")
-            print(
-                f"capacity: [{done[0]}/{total[0]}] {row['configuration']}: {text} "
-                f"({row.get('runs', 0)} runs, {row.get('early_stops', 0)} stopped early)",
-                file=sys.stderr,
-                flush=True,
-            )
-
+    progress = _Progress(quiet)
     try:
         table = schedlab.capacity(
             policy,
@@ -172,30 +148,61 @@ def capacity(
             ray_address=ray_address,
             out=out,
             formats=fmt,
-            on_start=started,
-            on_done=finished,
+            on_start=progress.started,
+            on_done=progress.finished,
         )
     except KeyboardInterrupt:
         raise Interrupted(
-            f"{done[0]} of {total[0] or '?'} configurations done, the rest cancelled; nothing written"
+            f"{progress.done} of {progress.total or '?'} configurations done, the rest cancelled; nothing written"
         ) from None
-
-    info = table.attrs["info"]
     rows = table.astype(object).where(table.notna(), None).to_dict("records")
     if not quiet:
-        slo_text = ", ".join(f"{k} <= {v:g}" for k, v in info["slo"].items())
-        print(
-            f"SLO capacity on {info['trace']} ({info['trace_requests']} requests): the highest rate at which at "
-            f"least {info['attainment']:.4g} of all requests meet {slo_text} (within {info['tolerance']:.2%})"
-        )
-        _print_table(rows)
-        for f in table.attrs["files"]:
-            print(f)
+        _print_results(table, rows)
     errors = [r for r in rows if r.get("error")]
     for r in errors:
         print(f"capacity: error: {r['configuration']}: {r['error']}", file=sys.stderr)
     if errors:
         raise typer.Exit(1)
+
+
+class _Progress:
+    """A line on stderr as the search starts and as each configuration's ends (on a terminal
+    only: piped, stderr holds only errors), and the count of configurations searched."""
+
+    def __init__(self, quiet: bool):
+        self.show = not quiet and sys.stderr.isatty()
+        self.done = 0
+        self.total = 0
+
+    def started(self, jobs: int, used: int) -> None:
+        self.total = jobs
+        if self.show:
+            print(f"capacity: {jobs} configuration(s) on {used} worker(s)", file=sys.stderr, flush=True)
+
+    def finished(self, row) -> None:
+        self.done += 1
+        if self.show:
+            cap = row.get("capacity_rps")
+            text = "none" if cap is None else ((">= " if row.get("limited") else "") + f"{cap:.4g} req/s")
+            print(
+                f"capacity: [{self.done}/{self.total}] {row['configuration']}: {text} "
+                f"({row.get('runs', 0)} runs, {row.get('early_stops', 0)} stopped early)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _print_results(table, rows) -> None:
+    """What was searched, the table, the files written."""
+    info = table.attrs["info"]
+    slo_text = ", ".join(f"{k} <= {v:g}" for k, v in info["slo"].items())
+    print(
+        f"SLO capacity on {info['trace']} ({info['trace_requests']} requests): the highest rate at which at "
+        f"least {info['attainment']:.4g} of all requests meet {slo_text} (within {info['tolerance']:.2%})"
+    )
+    _print_table(rows)
+    for f in table.attrs["files"]:
+        print(f)
 
 
 def _print_table(rows) -> None:
