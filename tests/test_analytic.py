@@ -549,7 +549,7 @@ def test_a_bad_tp_is_one_line(hardware, fragment):
 
 def test_a_cluster_group_takes_a_tp_hardware_and_its_transfer_the_presets_link(tmp_path):
     from schedlab.api.options import ClusterOptions
-    from schedlab.api.simulation import _transfer
+    from schedlab.api.deployments import _transfer
 
     f = tmp_path / "pd.toml"
     f.write_text(
