@@ -9,13 +9,16 @@ called)::
     run = schedlab.simulate("unified", "mixed")           # a Run
     run.summary, run.requests, run.tokens, run.steps, run.passes, run.plot(), run.save("out")
     schedlab.run_real("unified", "real-smoke", model="tiny")
+    schedlab.run_real("vllm", "sonnet", model="smollm2-135m", replicas=2, out="runs/two")   # a ClusterRun
+    schedlab.serve("vllm", model="smollm2-135m", port=8000)   # until SIGINT/SIGTERM: the Run served
     schedlab.calibrate(model="tiny", quick=True)           # a Profile
     schedlab.validate("unified", "real-smoke")             # a Validation
     schedlab.sweep(["unified", "static"], "mixed", rates=[0.2, 0.4])   # a DataFrame
     schedlab.capacity("unified,vllm", "mixed", slo="ttft_ms=2000", replicas=[1, 2])  # a DataFrame
 
 The commands (``schedlab COMMAND``: ``simulate``, ``run-real``, ``serve``, ``calibrate``,
-``validate``, ``plot``, ``sweep``, ``capacity``, ``export-mlx``) are thin wrappers over it, one module each in
+``validate``, ``plot``, ``sweep``, ``capacity``, ``export-mlx``) are thin wrappers over it (and over the
+serving runtime, ``schedlab.serving``), one module each in
 ``schedlab.commands`` (with ``schedlab.cli``, the command layer: everything else in this package
 is the API, which never imports it). Bad input raises ``SchedlabError`` (a ``ValueError``) with
 a one-line message.
@@ -60,6 +63,8 @@ _API = (
     "simulate",
     "load_engine",
     "run_real",
+    "serve",
+    "ClusterRun",
     "calibrate",
     "validate",
     "validate_served",

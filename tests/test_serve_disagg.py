@@ -78,15 +78,15 @@ def test_a_bad_kv_hand_off_is_a_400_at_the_replica(pd):
 
 
 def test_bad_pool_options_are_one_line_errors(tmp_path):
-    from schedlab.commands._app import pools
+    from schedlab.api.replicas import pools
     from schedlab.errors import SchedlabError
 
     assert pools(0, 0, 1, False) is None and pools(2, 3, 1, False) == (2, 3)
-    for args, said in [
-        ((1, 0, 1, False), "--prefill and --decode go together"),
-        ((2, -1, 1, False), "--prefill and --decode go together"),
-        ((1, 1, 3, False), "--replicas does not go with"),
-        ((1, 1, 1, True), "--prefix-caching does not go with"),
+    for args, said in [  # (called from Python: the options' Python names)
+        ((1, 0, 1, False), "^prefill and decode go together"),
+        ((2, -1, 1, False), "^prefill and decode go together"),
+        ((1, 1, 3, False), "^replicas does not go with"),
+        ((1, 1, 1, True), "^prefix_caching does not go with"),
     ]:
         with pytest.raises(SchedlabError, match=said):
             pools(*args)

@@ -18,7 +18,8 @@ DataFrame with the trace columns (id, arrival_s, prompt_tokens, output_tokens). 
 :class:`SchedlabError` (a ``ValueError``) with a one-line message.
 
 One module per command: ``inputs`` (policies, traces), ``profiles`` (cost models),
-``simulation``, ``real`` (the engine: ``run_real``, ``load_engine``), ``calibration``,
+``simulation``, ``real`` (the engine: ``run_real``, ``load_engine``), ``serving`` (``serve``, ``run_real``'s
+several replicas: ``schedlab.serving``), ``calibration``,
 ``validation``, ``sweeps``, ``capacities``, ``figures`` (``plot``), ``runs`` (``Run``, ``load_run``) and
 ``options``. Nothing here imports mlx until a real-engine function is called, nor the command
 layer (``schedlab.commands``, typer) ever.
@@ -36,6 +37,7 @@ from .options import ClientOptions, ClusterOptions, EngineOptions, ReplicaGroup,
 from .profiles import Profile, ReplicaCostModel, cost_model, load_profile, profile_mismatch
 from .real import Engine, load_engine, model_info, run_real
 from .runs import Run, load_run
+from .serving import ClusterRun, serve
 from .simulation import simulate
 from .sweeps import plot_sweep, sweep
 from .validation import Validation, compare, validate
@@ -65,6 +67,8 @@ __all__ = [
     "simulate",
     "load_engine",
     "run_real",
+    "serve",
+    "ClusterRun",
     "calibrate",
     "validate",
     "validate_served",

@@ -1,4 +1,5 @@
-"""The real MLX engine: ``run_real`` (the ``run-real`` command), and under it ``load_engine``,
+"""The real MLX engine: ``run_real`` (the ``run-real`` command; with several replicas,
+``serving.run_real_cluster``), and under it ``load_engine``,
 a model loaded with the cost model its policy plans with (an ``Engine``), which runs a policy
 over a trace or a live arrival source (``serve``'s). ``model_info`` describes a model.
 
@@ -11,7 +12,19 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ._base import Log, PolicyLike, TraceLike, check_model, check_seed, fail, logger, parse_slo, policy_options, public
+from ._base import (
+    Log,
+    PolicyLike,
+    TraceLike,
+    check_model,
+    check_seed,
+    fail,
+    logger,
+    opt,
+    parse_slo,
+    policy_options,
+    public,
+)
 from .inputs import as_policy, as_trace
 from .options import ClientOptions, EngineOptions, ReplicaOptions, merged
 from .profiles import ProfileLike, ReplicaCostModel, linear_model, profile_path
@@ -19,6 +32,7 @@ from .runs import Run
 
 if TYPE_CHECKING:  # pragma: no cover
     from schedlab.engine.backend import MLXBackend
+    from schedlab.serving.result import ClusterRun
     from schedlab.engine.models import ModelInfo
     from schedlab.engine.noise import Noise
 
@@ -396,9 +410,25 @@ def run_real(
     engine: EngineOptions | None = None,
     replica: ReplicaOptions | None = None,
     clients: ClientOptions | None = None,
-) -> Run:
+    replicas: int = 1,
+    router: Any = None,
+    router_options: Mapping[str, Any] | None = None,
+    prefill: int = 0,
+    decode: int = 0,
+    out: str | Path | None = None,
+) -> "Run | ClusterRun":
     """Run ``policy`` on ``trace`` with a real MLX model (the ``run-real`` command): the same
-    loop as ``simulate``, every pass a real forward, the clock wall time.
+    loop as ``simulate``, every pass a real forward, the clock wall time. ``out``: the run
+    directory is written there too.
+
+    ``replicas`` N > 1 (or ``prefill`` P and ``decode`` D: prefill and decode apart), as
+    ``run-real --replicas``: N replica processes behind a front that routes each request with
+    ``router`` (and its ``router_options``, as ``ClusterOptions``; default round-robin), the
+    trace's requests sent to it over HTTP at their arrival times; ``policy`` is then a bundled
+    name or ``"file.py:Class"`` (each replica loads it), and the result a ``ClusterRun`` (the
+    front's summary, the requests that failed; ``out``: ``trace.json``, ``cluster.json`` and each
+    replica's run directory). SIGINT and SIGTERM end every replica at once (``KeyboardInterrupt``;
+    ``schedlab.serving``).
 
     ``engine`` (or ``model``, ``dtype``, ``sampling``, ``noise``, ``model_seed``,
     ``ignore_eos``), ``replica`` (or ``kv_tokens``, ``block_size``, ``prefix_caching``) and
@@ -434,6 +464,16 @@ def run_real(
         burstiness=burstiness,
         think_time=think_time,
     )
+    if replicas != 1 or router is not None or router_options or prefill or decode:
+        from .replicas import cluster_of, run_real_cluster
+
+        cluster, split = cluster_of(replicas, router, router_options, prefill, decode, rep.prefix_caching)
+        if cluster.replicas > 1:
+            _one_replica_only(cl, slo, on_step)
+            _engine_checks(opts)
+            return run_real_cluster(policy, trace, options=options, engine=opts, replica=rep, cluster=cluster,
+                                    split=split, profile=profile, no_calibrate=no_calibrate, seed=seed, out=out,
+                                    log=log)  # fmt: skip
     pol = as_policy(policy, options)
     sampler = _engine_checks(opts)
     slos = parse_slo(slo)
@@ -445,7 +485,23 @@ def run_real(
     with noise_env(opts.noise) as settings:
         eng = _load(opts, rep, profile, no_calibrate, seed, log, sampler, settings, before_cost=read_trace)
     tr = got["trace"]
-    return eng._run(pol, cl.arrivals(tr.requests, seed), tr.name, slos, on_step, None, None)
+    run = eng._run(pol, cl.arrivals(tr.requests, seed), tr.name, slos, on_step, None, None)
+    if out is not None:
+        run.save(out)
+    return run
+
+
+def _one_replica_only(clients: ClientOptions, slo, on_step) -> None:
+    """What goes with one replica only (yet): a cluster is sent the trace at its arrival times."""
+    for key in ("max_concurrency", "request_rate", "burstiness", "think_time"):
+        if getattr(clients, key) is not None:
+            fail(f"{opt(key)} does not go with {opt('replicas')} (yet): the requests are sent at the trace's "
+                 f"arrival times", 2)  # fmt: skip
+    if slo is not None:
+        fail(f"{opt('slo')} does not go with {opt('replicas')} (yet): the requests are sent at the trace's "
+             f"arrival times", 2)  # fmt: skip
+    if on_step is not None:
+        fail(f"on_step goes with one replica (the replicas are other processes), not {opt('replicas')}", 2)
 
 
 def _model_trace(info, trace: TraceLike, seed: int):

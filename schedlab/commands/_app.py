@@ -4,6 +4,7 @@ runs. The work itself is the API's (``schedlab``'s public functions)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -37,21 +38,6 @@ PREFILL_HELP = (
 DECODE_HELP = "with --prefill: this many decode replicas (each request's other tokens)"
 
 
-def pools(prefill: int, decode: int, replicas: int, prefix_caching: bool) -> tuple[int, int] | None:
-    """``--prefill P --decode D``: (P, D), or None when neither is given; one-line errors."""
-    if not (prefill or decode):
-        return None
-    if prefill < 1 or decode < 1:
-        raise SchedlabError(
-            f"--prefill and --decode go together, each >= 1 (got --prefill {prefill} --decode {decode})", 2
-        )
-    if replicas != 1:
-        raise SchedlabError("--replicas does not go with --prefill/--decode (the replicas are their sum)", 2)
-    if prefix_caching:
-        raise SchedlabError("--prefix-caching does not go with --prefill/--decode yet", 2)
-    return prefill, decode
-
-
 NOISE_HELP = (
     "settings that may lower the real runs' spread, to compare: gc-off, pin=CPUS (0-1), warmup=N, "
     "malloc-keep, mlx-cache=SIZE (comma-separated; see engine/noise.py; also $SCHEDLAB_NOISE)"
@@ -75,6 +61,18 @@ class Interrupted(UserError):
 
     def __init__(self, detail: str = ""):
         super().__init__(detail, 130)
+
+
+@contextlib.contextmanager
+def replicas_stopped(cluster: bool):
+    """A ``KeyboardInterrupt`` (Ctrl-C, SIGTERM) while replica processes ran: each was ended at
+    once (``schedlab.serving``); said as ``prog: interrupted: the replicas were stopped``."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not cluster:
+            raise
+        raise Interrupted("the replicas were stopped") from None
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

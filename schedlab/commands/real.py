@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import SchedlabError
 from ._app import (
     BLOCK_SIZE_HELP,
     BURST_HELP,
@@ -29,8 +30,8 @@ from ._app import (
     log_to_stderr,
     make_app,
     parse_options,
-    pools,
     report_problems,
+    replicas_stopped,
     run_app,
 )
 
@@ -123,26 +124,48 @@ def run_real(
     clients = schedlab.ClientOptions(
         max_concurrency=max_concurrency, request_rate=request_rate, burstiness=burstiness, think_time=think_time
     )
-    if replicas != 1 or router is not None or router_option or prefill or decode:
-        _cluster(locals())
-        if replicas > 1 or prefill or decode:
-            return
-    run = schedlab.run_real(
-        policy,
-        trace,
-        options=parse_options(option),
-        profile=profile,
-        no_calibrate=no_calibrate,
-        seed=seed,
-        slo=slo,
-        log=log_to_stderr("run-real", quiet),
-        on_step=_progress(quiet),
-        engine=engine,
-        replica=replica,
-        clients=clients,
-    )
-    if out is not None:
-        run.save(out)
+    cluster = replicas > 1 or bool(prefill or decode)
+    if cluster and residuals:
+        raise SchedlabError("--residuals does not go with --replicas (yet): see each replica's run directory", 2)
+    with replicas_stopped(cluster):
+        run = schedlab.run_real(
+            policy,
+            trace,
+            options=parse_options(option),
+            profile=profile,
+            no_calibrate=no_calibrate,
+            seed=seed,
+            slo=slo,
+            log=log_to_stderr("run-real", quiet),
+            on_step=None if cluster else _progress(quiet),
+            engine=engine,
+            replica=replica,
+            clients=clients,
+            replicas=replicas,
+            router=router,
+            router_options=parse_options(router_option),
+            prefill=prefill,
+            decode=decode,
+            out=out,
+        )
+    if cluster:  # (schedlab.serving.cluster: the front's summary; each replica's run directory in OUT)
+        _cluster_report(run, quiet)
+    else:
+        _report(run, quiet, residuals)
+
+
+def _cluster_report(run, quiet: bool) -> None:
+    """A cluster's summary; the requests that failed, one line each, and exit status 1 if any."""
+    if not quiet:
+        print(run.report())
+    for line in run.problems:
+        print(f"run-real: error: {line}", file=sys.stderr)
+    if run.problems:
+        raise typer.Exit(1)
+
+
+def _report(run, quiet: bool, residuals: bool) -> None:
+    """One replica's summary, its steps' bias (and residuals); rejected requests and aborted runs."""
     if not quiet:
         from schedlab.analysis.residuals import bias_line, format_residuals
 
@@ -158,87 +181,6 @@ def run_real(
                 )
             )
     report_problems(run)
-
-
-def _cluster(a: dict) -> None:
-    """``--replicas N`` (N > 1): the trace through a real cluster (``schedlab.serving.cluster``)."""
-    import schedlab
-
-    from ..errors import SchedlabError
-    from ..serving.cluster import run_real_cluster
-    from ..serving.replicas import serve_args
-    from ._app import Interrupted
-
-    cluster = schedlab.ClusterOptions(
-        replicas=a["replicas"], router=a["router"], router_options=parse_options(a["router_option"])
-    )
-    the_router = cluster.make_router()
-    split = pools(a["prefill"], a["decode"], a["replicas"], a["prefix_caching"])
-    if a["replicas"] == 1 and split is None:
-        return
-    for key in ("max_concurrency", "request_rate", "burstiness", "think_time", "slo"):
-        if a[key] is not None:
-            raise SchedlabError(
-                f"--{key.replace('_', '-')} does not go with --replicas (yet): the requests are sent at the trace's "
-                f"arrival times",
-                2,
-            )
-    if a["residuals"]:
-        raise SchedlabError("--residuals does not go with --replicas (yet): see each replica's run directory", 2)
-    if a["out"] is not None and a["out"].exists() and not a["out"].is_dir():
-        raise SchedlabError(f"--out {a['out']} exists and is not a directory")
-    pol = schedlab.policy(a["policy"], **parse_options(a["option"]))
-    tr = schedlab.load_trace(a["trace"], seed=a["seed"], tokenizer=_Uncounted())  # (the replicas count)
-    # run-real calibrates first where no profile matches, as with one replica (serve only with --calibrate)
-    calibrate = a["profile"] is None and not a["no_calibrate"]
-    args = serve_args(
-        a["policy"],
-        parse_options(a["option"]),
-        model=a["model"],
-        dtype=a["dtype"],
-        sampling=a["sampling"],
-        seed=a["seed"],
-        model_seed=a["model_seed"],
-        block_size=a["block_size"],
-        prefix_caching=a["prefix_caching"],
-        profile=a["profile"],
-        kv_tokens=a["kv_tokens"],
-        noise=a["noise"],
-        calibrate=calibrate,
-    )
-    try:
-        problems = run_real_cluster(
-            tr,
-            sum(split) if split else a["replicas"],
-            the_router,
-            dict(cluster.router_options or {}),
-            args,
-            out=a["out"],
-            policy_name=getattr(pol, "name", type(pol).__name__),
-            ignore_eos=a["ignore_eos"],
-            quiet=a["quiet"],
-            sequential=calibrate,  # (the first replica calibrates, the others find its profile)
-            log=log_to_stderr("run-real", a["quiet"]),
-            pools=split,
-            decode_router=cluster.make_router() if split else None,
-        )
-    except KeyboardInterrupt:
-        raise Interrupted("the replicas were stopped") from None
-    for line in problems:
-        print(f"run-real: error: {line}", file=sys.stderr)
-    if problems:
-        raise typer.Exit(1)
-
-
-class _Uncounted:
-    """A stand-in tokenizer for a trace sent to a cluster as text: the replicas count its prompts
-    with the model's tokenizer; the counts it gives (one per byte) are never used."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode()) or [0]
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return [b for m in messages for b in (m["role"] + m["content"]).encode()] or [0]
 
 
 def _progress(quiet: bool):

@@ -53,10 +53,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import SchedlabError
-from ..serving.cluster import serve_cluster
 from ..serving.http import DEFAULT_MAX_TOKENS
-from ..serving.replicas import serve_args
-from ..serving.single import check_address, exit_with_front, serve_replica
 from ._app import (
     BLOCK_SIZE_HELP,
     DECODE_HELP,
@@ -64,10 +61,9 @@ from ._app import (
     PREFILL_HELP,
     PREFIX_HELP,
     log_to_stderr,
-    Interrupted,
     make_app,
     parse_options,
-    pools,
+    replicas_stopped,
     run_app,
 )
 
@@ -164,92 +160,42 @@ def serve(
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
 
-    _check(port, max_tokens, max_waiting, calibrate, no_calibrate, profile, out, kv_dir)
-    split = pools(prefill, decode, replicas, prefix_caching)
-    engine = schedlab.EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
-    replica = schedlab.ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
-    pol = schedlab.policy(policy, **parse_options(option))  # a bad policy fails before the model loads
-    n = sum(split) if split is not None else replicas
-    cluster = schedlab.ClusterOptions(replicas=n, router=router, router_options=parse_options(router_option))
-    the_router = cluster.make_router()  # and a bad router
-    check_address(host, port)  # and so does an address in use (loading a model takes seconds)
-    log = log_to_stderr("serve", quiet)
-    if n > 1:  # N single-replica serves behind a front (schedlab.serving.cluster)
-        return _serve_cluster(locals(), pol, cluster, the_router, split)
-    exit_with_front()
-    eng = schedlab.load_engine(
-        engine,
-        replica=replica,
-        profile=profile,
-        no_calibrate=not calibrate,  # serving needs no calibration; predictions do (--calibrate)
-        seed=seed,
-        require_tokenizer=True,
-        log=log,
-    )
-    name = served_model_name or eng.info.name
-    run, error = serve_replica(eng, pol, host, port, name, max_tokens, out, log, max_waiting=max_waiting, kv_dir=kv_dir)
-    if run is not None and not quiet:
-        print(run.report())
-    if error:
-        raise SchedlabError(error)
-
-
-def _serve_cluster(a: dict, pol, cluster, the_router, split) -> None:
-    """``--replicas N`` (or ``--prefill P --decode D``): N ``serve`` processes behind a front,
-    ``a`` the command's flags."""
-    args = serve_args(
-        a["policy"],
-        parse_options(a["option"]),
-        model=a["model"],
-        dtype=a["dtype"],
-        sampling=a["sampling"],
-        seed=a["seed"],
-        model_seed=a["model_seed"],
-        block_size=a["block_size"],
-        prefix_caching=a["prefix_caching"],
-        profile=a["profile"],
-        kv_tokens=a["kv_tokens"],
-        noise=a["noise"],
-        calibrate=a["calibrate"],
-        max_tokens=a["max_tokens"],
-        served_name=a["served_model_name"],
-        max_waiting=a["max_waiting"],
-    )
-    try:
-        serve_cluster(
-            cluster.replicas,
-            the_router,
-            dict(cluster.router_options or {}),
-            args,
-            host=a["host"],
-            port=a["port"],
-            out=a["out"],
-            policy_name=getattr(pol, "name", type(pol).__name__),
-            served_name=a["served_model_name"],
-            quiet=a["quiet"],
-            sequential=a["profile"] is None and a["calibrate"],  # the first calibrates, the rest find its profile
-            log=a["log"],
-            pools=split,
-            decode_router=cluster.make_router() if split else None,
+    if calibrate and no_calibrate:
+        raise SchedlabError("--calibrate does not go with --no-calibrate", 2)
+    cluster = replicas > 1 or bool(prefill or decode)
+    with replicas_stopped(cluster):
+        run = schedlab.serve(
+            policy,
+            model=model,
+            dtype=dtype,
+            options=parse_options(option),
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            max_tokens=max_tokens,
+            profile=profile,
+            calibrate=calibrate,
+            kv_tokens=kv_tokens,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            sampling=sampling,
+            seed=seed,
+            model_seed=model_seed,
+            noise=noise,
+            out=out,
+            max_waiting=max_waiting,
+            replicas=replicas,
+            router=router,
+            router_options=parse_options(router_option),
+            prefill=prefill,
+            decode=decode,
+            log=log_to_stderr("serve", quiet),
+            kv_dir=kv_dir,
         )
-    except KeyboardInterrupt:
-        raise Interrupted("the replicas were stopped") from None
-
-
-def _check(port, max_tokens, max_waiting, calibrate, no_calibrate, profile, out, kv_dir) -> None:
-    """What the flags alone tell: one-line errors before anything loads."""
-    if not (0 <= port <= 65535):
-        raise SchedlabError(f"--port must be 0..65535, got {port}", 2)
-    if max_tokens < 1:
-        raise SchedlabError(f"--max-tokens must be >= 1, got {max_tokens}", 2)
-    if max_waiting is not None and max_waiting < 1:
-        raise SchedlabError(f"--max-waiting must be >= 1 (leave it out for no limit), got {max_waiting}", 2)
-    if calibrate and (no_calibrate or profile is not None):
-        raise SchedlabError(f"--calibrate does not go with {'--no-calibrate' if no_calibrate else '--profile'}", 2)
-    if out is not None and out.exists() and not out.is_dir():
-        raise SchedlabError(f"--out {out} exists and is not a directory")
-    if kv_dir is not None and not kv_dir.is_dir():
-        raise SchedlabError(f"--kv-dir {kv_dir}: no such directory")
+    if not quiet:
+        print(run.report())
+    if not cluster and run.error:
+        raise SchedlabError(run.error)
 
 
 def main() -> None:

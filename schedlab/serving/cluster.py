@@ -21,6 +21,7 @@ from schedlab.errors import SchedlabError
 from .front import Front
 from .http import listening, server_config
 from .record import cluster_json, cluster_summary, write_served_trace
+from .result import ClusterRun
 from .replicas import POLL_S, Replica, _cpus, _ended, _reap, _wait_listening, cpu_shares, replica_command
 
 PROBE_S = 0.5  # how often a replica down after a connection error (its process alive) is tried again
@@ -233,13 +234,12 @@ def serve_cluster(
     out: Path | None,
     policy_name: str,
     served_name: str | None,
-    quiet: bool,
     sequential: bool,
     log,
     pools: tuple[int, int] | None = None,
     decode_router=None,
-) -> None:
-    """``serve --replicas N``: run the cluster until SIGINT/SIGTERM; print its summary. ``pools``:
+) -> ClusterRun:
+    """``serve --replicas N``: run the cluster until SIGINT/SIGTERM; what it served. ``pools``:
     (P, D), ``serve --prefill P --decode D``: the first P replicas prefill, the other D decode
     (``decode_router`` routes among those)."""
     cluster = Cluster(
@@ -279,8 +279,7 @@ def serve_cluster(
             cluster.watch()
         cluster.shutdown()  # the first signal: the replicas finish what they hold
     summary = cluster.finish()
-    if not quiet:
-        print(cluster.report(summary))
+    return ClusterRun(summary, [], out, cluster.report(summary))
 
 
 def run_real_cluster(
@@ -293,16 +292,14 @@ def run_real_cluster(
     out: Path | None,
     policy_name: str,
     ignore_eos: bool,
-    quiet: bool,
     sequential: bool,
     log,
     pools: tuple[int, int] | None = None,
     decode_router=None,
-) -> list[str]:
+) -> ClusterRun:
     """``run-real --replicas N``: the cluster of ``serve --replicas N`` on 127.0.0.1, fed ``trace``
     at its arrival times by an HTTP client (each request's text, ``max_tokens`` its output tokens,
-    the trace's ids), then shut down; its summary printed, ``OUT`` as ``serve --replicas`` writes
-    it. The requests that failed, one line each."""
+    the trace's ids), then shut down; ``OUT`` as ``serve --replicas`` writes it."""
     uncounted = [r.id for r in trace.requests if not r.has_text]
     if uncounted:
         raise SchedlabError(
@@ -341,9 +338,8 @@ def run_real_cluster(
             cluster.watch()
         cluster.shutdown()
     summary = cluster.finish()
-    if not quiet:
-        print(cluster.report(summary))
-    return [f"request {rid}: {why}" for rid, why in errors.items()]
+    problems = [f"request {rid}: {why}" for rid, why in errors.items()]
+    return ClusterRun(summary, problems, out, cluster.report(summary))
 
 
 def _interrupt(signum, frame) -> None:
