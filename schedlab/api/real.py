@@ -1,6 +1,6 @@
-"""The real MLX engine: ``run_real`` (the ``run-real`` command; with several replicas,
-``serving.run_real_cluster``), and under it ``load_engine``,
-a model loaded with the cost model its policy plans with (an ``Engine``), which runs a policy
+"""The real MLX engine: ``run_real`` (the ``run-real`` command; several replicas:
+``replicas.run_real_cluster``, over ``schedlab.serving``), and under it ``load_engine``, a model
+loaded with the cost model its policy plans with (an ``Engine``), which runs a policy
 over a trace or a live arrival source (``serve``'s). ``model_info`` describes a model.
 
 Nothing here imports mlx until one of these is called; ``engine`` is imported first there, so
