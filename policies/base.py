@@ -77,23 +77,38 @@ class _PassFields(NamedTuple):
     decode: tuple[str, ...]
     prefill: tuple[tuple[str, int], ...]
     padded: bool
+    draft: tuple[int, ...] = ()
 
 
 class Pass(_PassFields):
     """One forward call. ``decode``: request ids, one token each. ``prefill``: chunks
     ``(request id, n_tokens)``. ``padded``: run the chunks as one right-padded batch.
 
+    ``draft``: speculative decoding, one number per decode row (empty: none): row i also
+    verifies ``draft[i]`` draft tokens, k + 1 positions in the same forward. The pass reserves
+    KV for all of them; the row then keeps its accepted drafts and one more token (the target's
+    own at the first rejected position, or after the last draft): 1 to k + 1 tokens, all out at
+    the pass's end. A draft is at most the row's tokens left - 1; a hand-off row drafts none.
+
     Immutable (a tuple); lists given by a policy are stored as tuples.
     """
 
     __slots__ = ()
 
-    def __new__(cls, decode: Sequence[str] = (), prefill: Sequence[tuple[str, int]] = (), padded: bool = False):
+    def __new__(
+        cls,
+        decode: Sequence[str] = (),
+        prefill: Sequence[tuple[str, int]] = (),
+        padded: bool = False,
+        draft: Sequence[int] = (),
+    ):
         if type(decode) is not tuple:
             decode = tuple(decode)
         if type(prefill) is not tuple:
             prefill = tuple(tuple(c) if isinstance(c, list) else c for c in prefill)
-        return tuple.__new__(cls, (decode, prefill, padded))
+        if type(draft) is not tuple:
+            draft = tuple(draft)
+        return tuple.__new__(cls, (decode, prefill, padded, draft))
 
 
 class _PlanFields(NamedTuple):
@@ -144,6 +159,9 @@ class PassShape(NamedTuple):
       costs ~1/3 more. Empty when unknown (treated as not completing).
     join_context: the joining rows' contexts, summed: what merging their own caches copies
       (each row its own length, however long the longest row is). 0 when nothing joins.
+    decode_drafts: speculative decoding, for each decode row the draft tokens it verifies
+      (its k + 1 positions in the forward; empty: none). A cost model that does not price them
+      itself is charged ``verify_seconds`` on top (``SimBackend``).
     """
 
     decode_contexts: tuple[int, ...] = ()
@@ -154,6 +172,7 @@ class PassShape(NamedTuple):
     leaves: int = 0
     prefill_done: tuple[bool, ...] = ()
     join_context: int = 0
+    decode_drafts: tuple[int, ...] = ()
 
     @property
     def decode_rows(self) -> int:
@@ -171,6 +190,21 @@ class PassShape(NamedTuple):
         if self.padded:
             return len(self.prefill) * max(n for n, _ in self.prefill)
         return self.prefill_tokens
+
+
+def verify_seconds(model: Any, shape: PassShape) -> float:
+    """What the draft positions of a pass's verify rows add to its seconds (``decode_drafts``):
+    priced as one more padded prefill of those rows, k draft positions each at the row's
+    context, the cost model's own marginal price of such a forward (its seconds less those of
+    an empty pass). An approximation until ``calibrate`` measures verify passes of its own: it
+    charges the positions' compute and attention as a prefill does, and the forward's fixed
+    cost once."""
+    drafts = shape.decode_drafts
+    if not drafts or not any(drafts):
+        return 0.0
+    chunks = tuple((k, c) for k, c in zip(drafts, shape.decode_contexts) if k)
+    predict = model.pass_seconds
+    return max(predict(PassShape((), chunks, True)) - predict(PassShape()), 0.0)
 
 
 class CostModel:

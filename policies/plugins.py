@@ -195,7 +195,7 @@ def coerce_options(cls: type, options: Mapping[str, Any] | None, word: str, erro
             out[key] = None
             continue
         try:
-            out[key] = parse_option(raw, kind) if isinstance(raw, str) else _checked(raw, kind)
+            out[key] = parse_option(raw, kind) if isinstance(raw, str) else checked_option(raw, kind)
         except ValueError:
             raise error(f"{word} '{name}': option {key}={raw!r} is not a valid {kind.__name__}") from None
     return out
@@ -221,7 +221,7 @@ def parse_option(raw: str, kind: type) -> Any:
     return raw
 
 
-def _checked(value: Any, kind: type) -> Any:
+def checked_option(value: Any, kind: type) -> Any:
     """A Python value (not a string) of an option of type ``kind``: ValueError when it is not one."""
     if kind is bool:
         ok = isinstance(value, bool)

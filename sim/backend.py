@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Protocol, Sequence
 
-from schedlab.policies.base import CostModel, Pass, PassShape, as_cost_model
+from schedlab.policies.base import CostModel, Pass, PassShape, as_cost_model, verify_seconds
 
 from .clock import SimClock
+from .speculation import Acceptance
 
 
 class Backend(Protocol):
@@ -56,16 +57,33 @@ class SimBackend:
 
     mode = "sim"
 
-    def __init__(self, cost_model: CostModel, time_scale: float = 1.0):
+    def __init__(self, cost_model: CostModel, time_scale: float = 1.0, acceptance: Acceptance | None = None):
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0):
             raise ValueError(f"time_scale must be a positive number, got {time_scale!r}")
         self.cost_model = cost_model
         self._model = model = as_cost_model(cost_model)
         self.time_scale = f = float(time_scale)
-        if f == 1.0:
+        self.acceptance = acceptance
+        if acceptance is not None:
+            self._draws: dict = {}  # each request's generator of acceptance draws (this run's)
+            self.execute = self._execute_speculative
+        elif f == 1.0:
             self.execute = lambda p, shape, state, _predict=model.pass_seconds: _predict(shape)
         else:
             self.execute = lambda p, shape, state, _predict=model.pass_seconds: f * _predict(shape)
+
+    def _execute_speculative(self, p: Pass, shape: PassShape, state) -> float:
+        """A pass whose rows may verify drafts: each row's accepted drafts drawn from the
+        acceptance profile (``state.accept``), the draft positions priced on top of the pass
+        (``verify_seconds``)."""
+        seconds = self._model.pass_seconds(shape)
+        if p.draft:
+            acceptance, draws = self.acceptance, self._draws
+            for rid, k in zip(p.decode, p.draft):
+                if k:
+                    state.accept(rid, acceptance.accepted(rid, k, draws))
+            seconds += verify_seconds(self._model, shape)
+        return self.time_scale * seconds
 
     def make_clock(self) -> SimClock:
         return SimClock()

@@ -41,7 +41,7 @@ from schedlab.traces.schema import Request
 from .clock import SimClock
 from .deployment import Deployment
 from .gcpause import gc_paused
-from .loop import PassLog, PolicyError, ReplicaLoop, RunResult, StepLog
+from .loop import PassLog, PolicyError, ReplicaLoop, RunResult, StepLog, speculation_counts
 from .prefix import Blocks
 from .sources import ArrivalSource, TraceSource
 from .state import PlanError, RequestState
@@ -181,6 +181,7 @@ class Cluster:
                 token_keys=token_keys,
                 record_passes=record_passes,
                 on_change=(h.record, h.record_run),
+                acceptance=d.acceptance,
             )
             h.state = rep.state
             rep.fail_at = self.faults.get(i)
@@ -392,6 +393,7 @@ class Cluster:
             passes_recorded=one.passes_recorded,
             replica=self.replica_of,
             replicas=parts,
+            speculative=speculation_counts([rep.state for rep in self.replicas]),
             cluster={
                 "replicas": n,
                 "router": getattr(self.router, "name", type(self.router).__name__),

@@ -114,7 +114,9 @@ class Deployment:
     seconds; ``fail``: ``(replica, seconds)`` pairs, that replica dies then; ``transfer``: the
     ``KVTransfer`` between the prefill and the decode pool (None: a free move); every replica's
     KV in blocks of ``block_size`` tokens, with ``prefix_caching`` (vLLM's automatic prefix
-    caching); ``file``: the cluster file it was read from, if any."""
+    caching); ``file``: the cluster file it was read from, if any; ``acceptance``: speculative
+    decoding's acceptance profile (``sim.speculation.Acceptance``), which a deployment whose
+    policies draft needs."""
 
     groups: tuple[Group, ...]
     router: Any = None
@@ -124,6 +126,7 @@ class Deployment:
     block_size: int = 1
     prefix_caching: bool = False
     file: str | None = None
+    acceptance: Any = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -140,6 +143,18 @@ class Deployment:
         if self.router is not None and not callable(getattr(self.router, "route", None)):
             raise DeploymentError(f"a router is an object with route(view), got {self.router!r}")
         self._check_pools()
+        drafting = [p for p in self.policies if getattr(p, "drafts", False)]
+        if drafting and self.acceptance is None:
+            raise DeploymentError(
+                f"policy '{drafting[0].name}' drafts tokens (speculative decoding): a simulation needs an acceptance "
+                "profile (accept=P1/P2/...: the probability of each draft position)"
+            )
+        if self.acceptance is not None and not hasattr(self.acceptance, "accepted"):
+            raise DeploymentError(
+                f"acceptance is an acceptance profile (sim.speculation.Acceptance), got {self.acceptance!r}"
+            )
+        if drafting and self.prefix_caching:
+            raise DeploymentError("speculative decoding with a prefix cache is not supported yet: drop prefix caching")
 
     def _check_pools(self) -> None:
         pools = [g.pool for g in self.groups]
@@ -221,7 +236,9 @@ class Deployment:
         )
         if not groups:
             raise DeploymentError(f"the {name} pool has no replica")
-        return Deployment(groups, router, self.router_delay, (), None, self.block_size, False, self.file)
+        return Deployment(
+            groups, router, self.router_delay, (), None, self.block_size, False, self.file, self.acceptance
+        )
 
     def describe(self) -> dict[str, Any]:
         """The deployment as meta.json records it: each group (its replicas, policy and options,
@@ -267,4 +284,6 @@ class Deployment:
             }
         if self.file:
             out["file"] = self.file
+        if self.acceptance is not None:
+            out["acceptance"] = self.acceptance.describe()
         return out

@@ -154,6 +154,7 @@ def run_disaggregated(
         block_size=deployment.block_size,
         replica=replica,
         replicas=parts,
+        speculative=second.speculative if second is not None else None,
         cluster={
             "replicas": len(parts),
             "router": (first.cluster or {}).get("router"),

@@ -227,11 +227,36 @@ class RunResult:
     replica: list[int] | None = None
     replicas: list["RunResult"] | None = None
     cluster: dict[str, Any] | None = None
+    # speculative decoding, when a pass verified drafts: vLLM's counts (``speculation_counts``)
+    speculative: dict[str, Any] | None = None
 
     @property
     def several(self) -> bool:
         """A run of more than one replica (its files say which replica served what)."""
         return self.replicas is not None and len(self.replicas) > 1
+
+
+def speculation_counts(states) -> dict[str, Any] | None:
+    """What the verify rows of ``states`` (one replica's, or a cluster's) did, as vLLM's
+    spec-decode counters count it: rows that verified drafts (``drafts``), draft tokens, accepted
+    ones, and per position the rows that accepted it; None when none verified a draft."""
+    drafts = sum(st.spec_drafts for st in states)
+    if not drafts:
+        return None
+    width = max(len(st.spec_accepted_per_pos) for st in states)
+    per_pos = [
+        sum(st.spec_accepted_per_pos[i] for st in states if i < len(st.spec_accepted_per_pos)) for i in range(width)
+    ]
+    tokens = sum(st.spec_draft_tokens for st in states)
+    accepted = sum(st.spec_accepted_tokens for st in states)
+    return {
+        "drafts": drafts,
+        "draft_tokens": tokens,
+        "accepted_tokens": accepted,
+        "accepted_per_position": per_pos,
+        "acceptance_rate": accepted / tokens if tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts,
+    }
 
 
 def run_replica(
@@ -249,6 +274,7 @@ def run_replica(
     prefix_caching: bool = False,
     token_keys: Callable[[Any], Sequence[int] | None] | None = None,
     record_passes: bool = True,
+    acceptance: Any = None,
 ) -> RunResult:
     """Run ``policy`` on one replica over ``arrivals`` (a trace's requests, or a source).
 
@@ -258,6 +284,8 @@ def run_replica(
     ``prefix_caching`` full blocks are cached and shared (``sim.prefix``). ``record_passes=False``
     keeps no pass log in a simulation (``RunResult.passes`` stays empty: less memory and time on
     long traces when nothing wants the per-pass timeline); a real run always keeps it.
+    ``acceptance``: the acceptance profile of a simulation whose policy drafts (speculative
+    decoding: ``sim.speculation``).
     """
     source = arrivals if hasattr(arrivals, "process") else TraceSource(arrivals)
     replica = ReplicaLoop(
@@ -274,6 +302,7 @@ def run_replica(
         prefix_caching=prefix_caching,
         token_keys=token_keys,
         record_passes=record_passes,
+        acceptance=acceptance,
     )
     if hasattr(source, "replica_cancel"):  # a source that hears of clients going away (LiveSource)
         source.replica_cancel = replica.cancel
@@ -338,9 +367,10 @@ class ReplicaLoop:
         token_keys: Callable[[Any], Sequence[int] | None] | None = None,
         record_passes: bool = True,
         on_change: tuple[Callable, Callable] | None = None,
+        acceptance: Any = None,
     ):
         given, cost_model = cost_model, as_cost_model(cost_model)
-        self.backend = backend = backend if backend is not None else SimBackend(cost_model)
+        self.backend = backend = backend if backend is not None else SimBackend(cost_model, acceptance=acceptance)
         self.clock = clock = clock if clock is not None else backend.make_clock()
         self.env = clock.env
         self.policy = policy
@@ -708,4 +738,5 @@ class ReplicaLoop:
             source=describe() if describe is not None else None,
             scheduled_s=getattr(source, "scheduled_s", None) if source is not None else None,
             passes_recorded=self.log_passes,
+            speculative=speculation_counts([state]),
         )

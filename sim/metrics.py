@@ -156,11 +156,16 @@ def token_times_flat(result) -> tuple[np.ndarray, np.ndarray]:
     return flat
 
 
-def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray, scale: float = 1.0) -> np.ndarray:
+def _gaps(
+    counts: np.ndarray, times: np.ndarray, finished: np.ndarray, scale: float = 1.0, chunks: bool = False
+) -> np.ndarray:
     """Every gap between consecutive tokens of each finished request, times ``scale``, pooled
     in request order (one diff over all times at once; the gaps across two requests, and an
     unfinished request's, dropped). Scaled in place before they are picked: two arrays of
-    millions fewer to make on an hour of traffic, the same values."""
+    millions fewer to make on an hour of traffic, the same values. ``chunks``: the gaps between
+    the chunks a client receives, not the tokens (speculative decoding yields several tokens at
+    one pass's end: vLLM records one inter-token latency per step's output, so the tokens of one
+    chunk add no zero gaps)."""
     if times.size < 2:
         return np.empty(0)
     gaps = np.diff(times)
@@ -172,6 +177,8 @@ def _gaps(counts: np.ndarray, times: np.ndarray, finished: np.ndarray, scale: fl
     keep[first[(first > 0) & (first < times.size)] - 1] = False
     for i in np.flatnonzero(~finished).tolist():  # (only a run that stopped early has any)
         keep[max(ends[i] - counts[i] - 1, 0) : max(ends[i] - 1, 0)] = False
+    if chunks:
+        keep &= gaps != 0
     return gaps[keep]
 
 
@@ -184,7 +191,8 @@ def summarize(
     done = np.fromiter((row[_STATUS] == "finished" for row in table), dtype=bool, count=len(table))
     finished = list(compress(result.requests, done))
     fin_rows = list(compress(table, done))
-    itl_ms = _gaps(*token_times_flat(result), done, 1e3)
+    spec = getattr(result, "speculative", None)
+    itl_ms = _gaps(*token_times_flat(result), done, 1e3, chunks=bool(spec))
     arrivals = [r.arrival_s for r in result.requests]
     start = min(arrivals) if arrivals else 0.0
     end = max((r.finish_s for r in finished), default=start)
@@ -251,6 +259,8 @@ def summarize(
             {"replica": i, **{k: v for k, v in summarize(part, percentiles, slo).items() if k not in _CLUSTER_WIDE}}
             for i, part in enumerate(result.replicas)
         ]
+    if spec:
+        summary["speculative"] = dict(spec)
     if result.error:
         summary["error"] = result.error
     if result.meta:
@@ -354,6 +364,14 @@ def format_summary(s: Mapping[str, Any]) -> str:
     if pc:
         kv("Prefix cache hit rate (prompt tokens):", pc["hit_rate"], "{:.2%}")
         kv("Prefill tokens saved:", pc["saved_prefill_tokens"])
+    spec = s.get("speculative")
+    if spec:
+        lines.append("Speculative decoding".center(w, "-"))
+        kv("Drafts (verify rows):", spec["drafts"])
+        kv("Draft tokens:", spec["draft_tokens"])
+        kv("Accepted draft tokens:", spec["accepted_tokens"])
+        kv("Acceptance rate:", spec["acceptance_rate"], "{:.2%}")
+        kv("Mean acceptance length:", spec["mean_acceptance_length"])
     if s.get("replicas"):
         lines.append("Per replica".center(w, "-"))
         groups = len({part.get("group") for part in s["replicas"]}) > 1  # a heterogeneous cluster's

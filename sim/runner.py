@@ -50,6 +50,7 @@ def run(
             prefix_caching=deployment.prefix_caching,
             token_keys=token_keys,
             record_passes=record_passes,
+            acceptance=deployment.acceptance,
         )
     cluster = Cluster(
         deployment,

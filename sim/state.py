@@ -347,6 +347,16 @@ class ReplicaView:
 
     kv_used = property(lambda self: self._state.kv_used)
     kv_reserved = property(lambda self: self._state.kv_reserved)
+    # speculative decoding so far: (verify rows with drafts, draft tokens, accepted drafts,
+    # per position the rows that accepted it): what an adaptive policy learns acceptance from
+    speculation = property(
+        lambda self: (
+            self._state.spec_drafts,
+            self._state.spec_draft_tokens,
+            self._state.spec_accepted_tokens,
+            tuple(self._state.spec_accepted_per_pos),
+        )
+    )
     kv_blocks_used = property(lambda self: self._state.blocks_used)
     more_arrivals = property(lambda self: self._state.open)
     prefix_caching = property(lambda self: self._state.prefix is not None)
@@ -411,6 +421,14 @@ class ReplicaState:
         # the next pass over the same rows needs no checking again: the common decode step)
         self._last_decode: Sequence[str] | None = None
         self._last_rows: list[RequestState] = []
+        # speculative decoding: the verify pass shape() checked (the pass, the same pass without
+        # its drafts, which the fast path applies), the accepted drafts a backend reported for
+        # it (``accept``), and what the run's verify rows did, as vLLM counts it: rows that
+        # verified drafts, draft tokens, accepted ones, and per position the rows that accepted it
+        self._verify: tuple | None = None
+        self._accepted_drafts: dict[str, int] = {}
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
         self.requests: list[RequestState] = []
         self.by_id: dict[str, RequestState] = {}
         self.rejected: list[tuple[RequestState, str]] = []
@@ -674,6 +692,8 @@ class ReplicaState:
         """Check a pass against the current state and describe it for the cost model."""
         if not isinstance(p, Pass):
             raise self._fail(f"plan holds {type(p).__name__}, not a Pass")
+        if p.draft:
+            return self._shape_verify(p)
         batch = self.batch
         decode = p.decode
         joins = finishing = join_ctx = 0
@@ -829,8 +849,95 @@ class ReplicaState:
             + (f" with {r._target - r._prefilled} prompt tokens left" if r._phase is PREFILLING else "")
         )
 
+    def accept(self, rid: str, accepted: int) -> None:
+        """Of the drafts request ``rid`` verifies in the pass now running, the first
+        ``accepted`` were accepted (none reported: none). Called by a backend during
+        ``execute``, before the state applies the pass, as ``stop`` is."""
+        self._accepted_drafts[rid] = accepted
+
+    def _shape_verify(self, p: Pass) -> PassShape:
+        """``shape`` of a pass whose decode rows verify drafts: the pass without them checked as
+        usual, then the drafts, and KV for every draft position (what the forward writes before
+        the rejected ones are dropped)."""
+        base = Pass(p.decode, p.prefill, p.padded)
+        shape = self.shape(base)
+        drafts = p.draft
+        if len(drafts) != len(p.decode):
+            raise self._fail(f"has {len(drafts)} draft counts for {len(p.decode)} decode rows")
+        bs, by_id, extra = self.block_size, self.by_id, 0
+        for rid, k, c in zip(p.decode, drafts, shape.decode_contexts):
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise self._fail(f"request {rid}'s draft is {k!r} tokens, not an integer >= 0")
+            if not k:
+                continue
+            r = by_id[rid]
+            if r._phase is not DECODING:
+                raise self._fail(f"request {rid} drafts {k} tokens on its hand-off (its first decode drafts none)")
+            if k > r._left - 1:
+                raise self._fail(f"request {rid} drafts {k} tokens with {r._left} to produce (at most {r._left - 1})")
+            extra += -(-(c + k) // bs) + c // -bs  # KV from c to c + k tokens
+        if self.blocks_used + self._shaped.new_blocks + extra > self.kv_blocks:
+            raise self._fail(
+                f"needs {self.blocks_used + self._shaped.new_blocks + extra} KV blocks of {bs} tokens with its drafts, "
+                f"but the capacity is {self.kv_blocks} blocks"
+            )
+        self._verify = (p, base)
+        return shape._replace(decode_drafts=drafts)
+
+    def _apply_verify(self, p: Pass, t: float) -> list[RequestState]:
+        """``apply_pass`` of a verify pass: each row that accepted ``a`` drafts first advances
+        ``a`` tokens (out at ``t``, KV grown by ``a``; re-counted in the batch's lookups), then
+        the pass without drafts applies as usual (the row's one more token). The rejected drafts'
+        KV is never kept: the blocks held are those of the tokens kept."""
+        if self._verify is None or self._verify[0] is not p:
+            self.shape(p)
+        _, base = self._verify
+        self._verify = None
+        accepted, self._accepted_drafts = self._accepted_drafts, {}
+        n, bs, by_id = len(self._times), self.block_size, self.by_id
+        gained = blocks = 0
+        per_pos = self.spec_accepted_per_pos
+        for rid, k in zip(p.decode, p.draft):
+            if not k:
+                continue
+            a = accepted.get(rid, 0)
+            if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= k:
+                raise self._fail(f"request {rid}: {a!r} of its {k} drafts accepted")
+            self.spec_drafts += 1
+            self.spec_draft_tokens += k
+            if len(per_pos) < k:
+                per_pos.extend([0] * (k - len(per_pos)))
+            if not a:
+                continue
+            for i in range(a):
+                per_pos[i] += 1
+            r = by_id[rid]
+            in_batch = r._seg >= 0
+            if in_batch:
+                self._count(r, n, -1)
+            c = r._ctx
+            blocks += -(-(c + a) // bs) + c // -bs
+            r.token_times  # noqa: B018  (reading copies the batch's times so far in)
+            r._tt += [t] * a
+            r._ctx = c + a
+            r._left -= a
+            if in_batch:
+                r._seg = n  # (this pass's own time comes from the batch, as every row's)
+                self._count(r, n, 1)
+            gained += a
+        self.spec_accepted_tokens += gained
+        self.kv_used += gained
+        self.output_done += gained
+        self.blocks_used += blocks
+        if gained:  # (a row may now have one token left: this pass finishes it)
+            rows = self._shaped.rows
+            self._shaped = self._shaped._replace(finishing=sum(1 for r in rows if r._left == 1))
+        return self.apply_pass(base, t)
+
     def apply_pass(self, p: Pass, t: float) -> list[RequestState]:
         """Advance requests by an already-checked pass that ended at ``t``; return finishes."""
+        if p.draft:
+            return self._apply_verify(p, t)
         done: list[RequestState] = []
         decoding = self.decoding
         by_id = self.by_id

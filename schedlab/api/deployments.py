@@ -18,6 +18,7 @@ import copy
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import opt
 from ._base import fail
 from .inputs import as_policy
 from .options import ClusterOptions, ReplicaOptions
@@ -56,6 +57,75 @@ def _groups(cu: ClusterOptions):
     return tuple(out)
 
 
+def parse_speculative(value: Any) -> dict[str, Any] | None:
+    """``--speculative METHOD:key=value,...`` (or a mapping of the same keys with ``method``)
+    as the ``policies.speculative.Speculative`` options and the acceptance profile: ``k`` (draft
+    tokens per row, default 4), ``adaptive`` (k chosen per step), ``accept`` (per-position
+    acceptance, ``P1/P2/...``: a simulation draws each row's accepted drafts from it), ``seed``
+    (of those draws). None: no speculation."""
+    from schedlab.policies.plugins import checked_option, parse_option
+
+    if value is None or value is False:
+        return None
+    if isinstance(value, str):
+        method, _, rest = value.strip().partition(":")
+        fields: dict[str, Any] = {"method": method.strip()}
+        for item in filter(None, (x.strip() for x in rest.split(","))):
+            key, eq, v = item.partition("=")
+            if not eq:
+                fail(f"{opt('speculative')} is METHOD:key=value,... such as ngram:k=4, got {value!r}", 2)
+            fields[key.strip().replace("-", "_")] = v.strip()
+    elif isinstance(value, Mapping):
+        fields = dict(value)
+    else:
+        fail(f"{opt('speculative')} is a string such as 'ngram:k=4' or a mapping, got {type(value).__name__}", 2)
+    unknown = sorted(set(fields) - {"method", "k", "adaptive", "accept", "seed"})
+    if unknown:
+        fail(f"{opt('speculative')}: unknown key {unknown[0]!r} (keys: k, adaptive, accept, seed)", 2)
+    if fields.get("method") != "ngram":
+        fail(f"{opt('speculative')}: the method is ngram (prompt lookup), got {fields.get('method')!r}", 2)
+    out = {"method": "ngram", "k": fields.get("k", 4), "adaptive": fields.get("adaptive", False)}
+    for key, kind in (("k", int), ("adaptive", bool)):
+        v = out[key]
+        try:
+            out[key] = parse_option(v, kind) if isinstance(v, str) else checked_option(v, kind)
+        except ValueError:
+            fail(
+                f"{opt('speculative')}: {key} must be {'an integer' if kind is int else 'true or false'}, got {v!r}", 2
+            )
+    out["accept"] = fields.get("accept")
+    out["seed"] = fields.get("seed", 0)
+    return out
+
+
+def _speculation(spec: dict[str, Any] | None):
+    """The acceptance profile of a speculative deployment, and a wrapper of its policies."""
+    if spec is None:
+        return None, None
+    from schedlab.policies.speculative import Speculative
+    from schedlab.sim.speculation import Acceptance, SpeculationError
+
+    try:
+        seed = int(spec["seed"])
+        acceptance = Acceptance.parse(spec["accept"], seed) if spec["accept"] is not None else None
+    except (SpeculationError, ValueError, TypeError) as exc:
+        fail(f"{opt('speculative')}: {exc}", 2)
+    accept = acceptance.accept if acceptance is not None else ()
+
+    def wrap(pol):
+        return Speculative(pol, spec["k"], spec["method"], spec["adaptive"], accept)
+
+    wrap(_Probe())  # (bad k or adaptive without accept: one line now, not per replica)
+    return acceptance, wrap
+
+
+class _Probe:
+    name = "probe"
+
+    def plan(self, view):  # pragma: no cover - never planned
+        raise NotImplementedError
+
+
 def build(
     policy: Any,
     options: Any,
@@ -63,21 +133,26 @@ def build(
     replica: ReplicaOptions | None = None,
     cluster: ClusterOptions | None = None,
     picked: tuple | None = None,
+    speculative: dict[str, Any] | None = None,
 ):
     """The ``sim.Deployment`` of a run: ``policy`` (a name, ``file.py:Class``, a class or an
     object) with ``options`` on the cost source ``cost`` = (profile, kv_tokens, hardware,
     model_config, quant, cost object) — or ``picked``, a ``pick_cost`` answer made before —
     ``replica`` (the KV cache) and ``cluster`` (None or default: one replica, no router; with
-    groups, ``policy`` and ``cost`` are not used)."""
+    groups, ``policy`` and ``cost`` are not used); ``speculative``: ``parse_speculative``'s
+    answer, every replica's policy drafting tokens."""
     from schedlab.sim import Deployment, DeploymentError, Group
 
     replica = replica or ReplicaOptions()
     cu = cluster or ClusterOptions()
+    acceptance, wrap = _speculation(speculative)
     if cu.groups:
         groups = _groups(cu)
     else:
         model, capacity, meta = picked if picked is not None else pick_cost(*cost)
         groups = (Group(tuple(_copies(policy, options, cu.replicas)), model, capacity, None, meta),)
+    if wrap is not None:
+        groups = tuple(Group(tuple(map(wrap, g.policies)), g.cost_model, g.kv_capacity, g.pool, g.meta) for g in groups)
     where = f"{cu.file}: " if cu.file else ""
     try:
         return Deployment(
@@ -89,6 +164,7 @@ def build(
             block_size=replica.block_size,
             prefix_caching=replica.prefix_caching,
             file=cu.file,
+            acceptance=acceptance,
         )
     except DeploymentError as exc:
         fail(f"{where}{exc}", 2)

@@ -42,6 +42,7 @@ def simulate(
     router_delay: float = 0.0,
     fail: Any = (),
     cluster: ClusterOptions | None = None,
+    speculative: str | Mapping[str, Any] | None = None,
 ) -> Run:
     """Simulate ``policy`` on ``trace`` (the ``simulate`` command).
 
@@ -68,12 +69,26 @@ def simulate(
     policy, cost model and KV capacity; ``policy`` is then None and none of ``options``,
     ``profile``, ``hardware``, ``model_config``, ``quant``, ``cost``, ``kv_tokens`` is given.
     Each replica's summary names its group, policy, cost model and KV capacity, and meta.json's
-    ``cluster.groups`` each group's."""
+    ``cluster.groups`` each group's.
+
+    ``speculative``: speculative decoding (``"ngram:k=4,accept=0.8/0.6/0.4/0.3"`` or a mapping of
+    ``method``, ``k``, ``adaptive``, ``accept``, ``seed``): every replica's policy lets its decode
+    rows verify up to k draft tokens (``policies.speculative``), each row's accepted drafts drawn
+    from the per-position acceptance ``accept``; ``run.summary["speculative"]`` counts them as
+    vLLM's spec-decode metrics do."""
     from schedlab.sim import DisaggError, run
     from schedlab.sim.gcpause import gc_paused
     from schedlab.sim.metrics import summarize
 
-    from .deployments import build, cluster_meta, common_meta, common_options, kv_tokens_of, label_summary
+    from .deployments import (
+        build,
+        cluster_meta,
+        common_meta,
+        common_options,
+        kv_tokens_of,
+        label_summary,
+        parse_speculative,
+    )
 
     seed = check_seed(seed)
     cluster_options = merged(
@@ -93,7 +108,9 @@ def simulate(
         ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
     )
     cost_source = (profile, replica_options.kv_tokens, hardware, model_config, quant, cost)
-    deployment = build(policy, options, cost_source, replica_options, cluster_options)
+    deployment = build(
+        policy, options, cost_source, replica_options, cluster_options, speculative=parse_speculative(speculative)
+    )
     slos = parse_slo(slo)
     loaded_trace = as_trace(trace, seed=seed)
     client_options = merged(

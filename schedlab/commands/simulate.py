@@ -111,6 +111,13 @@ def simulate(
         "policies and cost models: --policy, -o, --profile, --hardware, --model-config, --quant, --kv-tokens and "
         "--replicas are errors beside it; --router, --router-option and --router-delay override the file's",
     ),
+    speculative: Optional[str] = typer.Option(
+        None,
+        "--speculative",
+        help="speculative decoding, every replica's policy drafting tokens: ngram:k=4,accept=0.8/0.6/0.4/0.3 "
+        "(accept: the acceptance of each draft position the simulation draws from; adaptive=true: k chosen per "
+        "step, at most k; seed=N: the draws' seed)",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Simulate POLICY on TRACE and print the summary."""
@@ -140,6 +147,7 @@ def simulate(
         clients=clients,
         cluster=cluster,
         passes=passes,
+        speculative=speculative,
     )
     if out is not None:
         run.save(out)
