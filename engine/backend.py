@@ -384,8 +384,9 @@ class MLXBackend:
         targets: list = []
         decode = None
         finishing: list[str] = []
+        drafts = self._propose(p, state) if p.draft else None
         if p.decode:
-            decode = self._decode_graph(p.decode, by_id)
+            decode = self._decode_graph(p.decode, by_id, drafts)
             targets.append(decode[0])
             targets.extend(_cache_arrays(self._batch))
         chunks = []
@@ -401,17 +402,21 @@ class MLXBackend:
         for lazy in self._lp_lazy.values():  # (logprobs asked for: part of the same evaluation)
             targets.extend(a for a in lazy[:3] if a is not None)
         mx.eval(targets)  # ONE evaluation for the whole pass
-        if decode is not None:
+        accepted: dict[str, int] = {}
+        if decode is not None and drafts:
+            accepted = self._verified(decode[0].tolist(), drafts, state)
+        elif decode is not None:
             toks = decode[0].tolist()
             for rid, t in zip(self._rows, toks):
                 self._kv[rid] += 1
                 self._emit(rid, t, state)
+        if decode is not None:
             self.stats["decode_rows"] += len(self._rows)
             self.stats["forwards"] += 1
             finishing = [
                 rid
                 for rid in p.decode  # at max_tokens, or stopped at EOS just now
-                if by_id[rid].generated + 1 >= by_id[rid].output_tokens
+                if by_id[rid].generated + 1 + accepted.get(rid, 0) >= by_id[rid].output_tokens
             ]
         for rids, tok, _ in chunks:
             if tok is not None:
@@ -736,7 +741,9 @@ class MLXBackend:
         self.stats["kv_import_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ bookkeeping
-    def _emit(self, rid: str, token: int, state=None) -> None:
+    def _emit(self, rid: str, token: int, state=None) -> bool:
+        """Hand out ``rid``'s next token; whether it is its last (its EOS, or the client said
+        so): with ``state``, the state machine is told (``stop``)."""
         token = int(token)
         self._seq[rid].append(token)
         self.tokens[rid].append(token)
@@ -747,11 +754,13 @@ class MLXBackend:
             last = self.on_token(rid, token)
         else:
             last = self.on_token(rid, token, _logprobs(lazy))
-        if token in self.eos and state is not None and rid not in self.no_eos:
+        eos = token in self.eos and rid not in self.no_eos
+        if eos and state is not None:
             state.stop(rid)  # this token is its last
             self.stopped.add(rid)
         elif last and state is not None:
             state.stop(rid)
+        return eos or bool(last)
 
     def _expected_kv(self, r) -> int:
         if r.phase is Phase.DECODING:
@@ -955,8 +964,11 @@ class MLXBackend:
         self.stats["joins"] += len(rids)
         self._timed_copy(_cache_arrays(self._batch))
 
-    def _decode_graph(self, rows: Sequence[str], by_id):
-        """Park/join rows, then the batched decode forward (lazy). Returns (tokens,)."""
+    def _decode_graph(self, rows: Sequence[str], by_id, drafts: dict[str, list[int]] | None = None):
+        """Park/join rows, then the batched decode forward (lazy). Returns (tokens,). With
+        ``drafts`` (a row's draft tokens by id), every row's input is its next token and its
+        drafts, right-padded to the longest (k + 1 positions), and the tokens are each
+        position's greedy choice, (rows, K + 1)."""
         wanted = set(rows)
         parked = [rid for rid in self._rows if rid not in wanted]
         if parked:
@@ -969,10 +981,84 @@ class MLXBackend:
                 self._own_cache(rid)  # a 1-token prompt hands off with no KV
             self._join(joining)
         seq, kv = self._seq, self._kv
+        if drafts:
+            width = 1 + max(map(len, drafts.values()))
+            rows_in = [[seq[rid][kv[rid]], *drafts.get(rid, ())] for rid in self._rows]
+            inputs = mx.array([row + [0] * (width - len(row)) for row in rows_in], dtype=mx.uint32)
+            h = self._hidden(inputs, self._batch)
+            return (mx.argmax(self._head(h), axis=-1),)
         inputs = mx.array([seq[rid][kv[rid]] for rid in self._rows], dtype=mx.uint32)
         h = self._hidden(inputs[:, None], self._batch)
         logits = self._head(h[:, -1, :])
         return (self._sample(logits, self._rows),)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose(self, p: Pass, state) -> dict[str, list[int]] | None:
+        """Each verify row's draft tokens, up to its ``draft`` count: n-gram prompt lookup over
+        its prompt and output (``ngram_drafts``). None when no row has any, or when a row of the
+        pass samples (only greedy rows verify drafts yet: their accepted tokens are exactly the
+        tokens decoding one at a time gives)."""
+        if not any(p.draft):
+            return None
+        if not all(self.request_sampling.get(rid, self.sampling).plain for rid in p.decode):
+            for rid, k in zip(p.decode, p.draft):
+                if k:
+                    state.accept(rid, 0, 0)  # (a sampled row in the pass: none verifies drafts)
+            return None
+        kinds = {type(c).__name__ for c in self._batch or ()} - {"BatchKVCache"}
+        if kinds:
+            raise EngineError(
+                f"speculative decoding rolls rejected drafts back, which the model's {sorted(kinds)[0]} caches "
+                "(sliding windows, recurrent state) cannot do: run it without --speculative"
+            )
+        out = {}
+        for rid, k in zip(p.decode, p.draft):
+            if k:
+                found = ngram_drafts(self._ids(state.by_id[rid]), k)
+                if found:
+                    out[rid] = found
+                else:
+                    state.accept(rid, 0, 0)  # (nothing to verify: a plain row)
+        self.stats["draft_tokens"] = self.stats.get("draft_tokens", 0) + sum(map(len, out.values()))
+        return out or None
+
+    def _verified(self, toks: list[list[int]], drafts: dict[str, list[int]], state) -> dict[str, int]:
+        """Hand out each verify row's tokens: its accepted drafts (those equal to the target's
+        own choice at their position) and the target's next one, up to an EOS or a client's
+        stop; tell the state machine what each accepted (``accept``); roll the batch's KV back
+        to the tokens kept. Returns the accepted drafts by row."""
+        width = len(toks[0])
+        accepted, rejected = {}, []
+        for rid, out in zip(self._rows, toks):
+            proposed = drafts.get(rid, ())
+            a = 0
+            while a < len(proposed) and proposed[a] == out[a]:
+                a += 1
+            for j, t in enumerate(out[: a + 1]):
+                if self._emit(rid, t):
+                    if t in self.eos and rid not in self.no_eos:
+                        self.stopped.add(rid)
+                    a = j
+                    if proposed:
+                        state.accept(rid, a, len(proposed))
+                    state.stop(rid)
+                    break
+            else:
+                if proposed:
+                    state.accept(rid, a, len(proposed))
+            accepted[rid] = a
+            self._kv[rid] += 1 + a
+            rejected.append(width - 1 - a)
+        self.stats["accepted_tokens"] = self.stats.get("accepted_tokens", 0) + sum(accepted.values())
+        m = min(rejected)
+        for c in self._batch:
+            if m:
+                c.trim(m)
+            if max(rejected) > m:  # each row's kept tokens right-justified again (mlx-lm's own roll)
+                c._right_padding = mx.array([r - m for r in rejected])
+                c.finalize()
+        self._timed_copy(_cache_arrays(self._batch))
+        return accepted
 
     # ------------------------------------------------------------------ prefill
     def _chunk_graph(self, rid: str, n: int, r):
@@ -1116,6 +1202,20 @@ class MLXBackend:
 
 
 # ------------------------------------------------------------------------- reference
+
+
+def ngram_drafts(ids: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """vLLM's n-gram prompt lookup: the up to ``k`` tokens that followed the latest earlier
+    occurrence of the longest suffix of ``ids`` (``max_n`` down to ``min_n`` tokens) found
+    before it; none when no suffix recurs."""
+    n_ids = len(ids)
+    for n in range(min(max_n, n_ids - 1), min_n - 1, -1):
+        tail = list(ids[n_ids - n :])
+        first = tail[0]
+        for start in range(n_ids - n - 1, -1, -1):
+            if ids[start] == first and list(ids[start : start + n]) == tail:
+                return list(ids[start + n : start + n + k])
+    return []
 
 
 def reference_tokens(model_info: ModelInfo, prompt: Sequence[int], n: int) -> list[int]:

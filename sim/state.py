@@ -427,6 +427,7 @@ class ReplicaState:
         # verified drafts, draft tokens, accepted ones, and per position the rows that accepted it
         self._verify: tuple | None = None
         self._accepted_drafts: dict[str, int] = {}
+        self._proposed_drafts: dict[str, int] = {}
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_accepted_per_pos: list[int] = []
         self.requests: list[RequestState] = []
@@ -533,16 +534,17 @@ class ReplicaState:
         output becomes the tokens it produced; its KV reservation is freed at finish as usual.
         """
         r = self.by_id[rid]
-        if r._phase is FINISHED or r._left <= 1:
+        keep = 1 + self._accepted_drafts.get(rid, 0)  # (its accepted drafts come out with it)
+        if r._phase is FINISHED or r._left <= keep:
             return
-        self.output_done += r._left - 1  # (tokens it will not produce)
-        r.output_tokens = r.output_tokens - r._left + 1
+        self.output_done += r._left - keep  # (tokens it will not produce)
+        r.output_tokens = r.output_tokens - r._left + keep
         if r._seg >= 0:  # a batch row: counted again under its new end
             self._count(r, len(self._times), -1)
-            r._left = 1
+            r._left = keep
             self._count(r, len(self._times), 1)
         else:
-            r._left = 1
+            r._left = keep
         self._shaped = self._shaped._replace(finishing=self._shaped.finishing + 1)  # (shape counted it as going on)
 
     def cancel(self, rid: str, now: float) -> RequestState | None:
@@ -849,11 +851,14 @@ class ReplicaState:
             + (f" with {r._target - r._prefilled} prompt tokens left" if r._phase is PREFILLING else "")
         )
 
-    def accept(self, rid: str, accepted: int) -> None:
+    def accept(self, rid: str, accepted: int, proposed: int | None = None) -> None:
         """Of the drafts request ``rid`` verifies in the pass now running, the first
-        ``accepted`` were accepted (none reported: none). Called by a backend during
-        ``execute``, before the state applies the pass, as ``stop`` is."""
+        ``accepted`` were accepted (none reported: none), of ``proposed`` draft tokens it had
+        (None: all it was given room for; a real drafter may find fewer). Called by a backend
+        during ``execute``, before the state applies the pass, as ``stop`` is."""
         self._accepted_drafts[rid] = accepted
+        if proposed is not None:
+            self._proposed_drafts[rid] = proposed
 
     def _shape_verify(self, p: Pass) -> PassShape:
         """``shape`` of a pass whose decode rows verify drafts: the pass without them checked as
@@ -894,6 +899,7 @@ class ReplicaState:
         _, base = self._verify
         self._verify = None
         accepted, self._accepted_drafts = self._accepted_drafts, {}
+        proposed, self._proposed_drafts = self._proposed_drafts, {}
         n, bs, by_id = len(self._times), self.block_size, self.by_id
         gained = blocks = 0
         per_pos = self.spec_accepted_per_pos
@@ -901,10 +907,13 @@ class ReplicaState:
             if not k:
                 continue
             a = accepted.get(rid, 0)
-            if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= k:
+            m = proposed.get(rid, k)
+            if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= m <= k:
                 raise self._fail(f"request {rid}: {a!r} of its {k} drafts accepted")
+            if not m:  # (the drafter found none: a plain decode row)
+                continue
             self.spec_drafts += 1
-            self.spec_draft_tokens += k
+            self.spec_draft_tokens += m
             if len(per_pos) < k:
                 per_pos.extend([0] * (k - len(per_pos)))
             if not a:

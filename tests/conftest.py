@@ -45,7 +45,14 @@ ENGINE_FILES = {
 # Engine files that share nothing with the rest (their own models: the GGUF files, the notebooks'
 # kernels) and assert no timing: a second engine unit, which the other worker starts with, so that
 # the engine's work is not all on one worker while the other runs out of tests.
-ENGINE2_FILES = {"test_gemma3", "test_gguf", "test_notebooks", "test_seed003", "test_serve_hybrid"}
+ENGINE2_FILES = {
+    "test_gemma3",
+    "test_gguf",
+    "test_notebooks",
+    "test_seed003",
+    "test_serve_hybrid",
+    "test_speculative_real",
+}
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
 
 

@@ -1,0 +1,131 @@
+"""Speculative decoding on the real MLX engine: batched verification, rows accepting different
+numbers of drafts in one pass, greedy tokens exactly those of decoding one at a time.
+
+Real parts: the SimPy loop in real-time mode with ``MLXBackend``, real MLX on CPU, the ``micro``
+preset (seeded random weights, whose greedy outputs repeat themselves: n-gram drafts get
+accepted) and SmolLM2-135M, the engine's n-gram prompt lookup; references are each prompt alone
+through mlx-lm's plain KVCache (``reference_tokens``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+from schedlab.engine.backend import MLXBackend, ngram_drafts, reference_tokens
+from schedlab.engine.errors import EngineError
+from schedlab.engine.models import load_model
+from schedlab.engine.sampling import prompt_ids
+from schedlab.policies import POLICIES, make_policy
+from schedlab.policies.speculative import Speculative
+from schedlab.sim import run_replica
+from schedlab.sim.cost import LinearCostModel
+from schedlab.traces.schema import Request
+
+NO_COST = LinearCostModel({})
+TRACE = [  # id, arrival_s, prompt, output: rows join and leave the batch while others verify
+    Request("a", 0.0, 40, 48),
+    Request("b", 0.0, 9, 30),
+    Request("c", 0.0, 70, 1),
+    Request("d", 0.01, 25, 40),
+    Request("e", 0.02, 3, 22),
+    Request("f", 0.03, 55, 35),
+]
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return load_model("micro")
+
+
+@pytest.fixture(scope="module")
+def references(micro):
+    return {
+        r.id: reference_tokens(micro, prompt_ids(0, r.id, r.prompt_tokens, micro.vocab_size), r.output_tokens)
+        for r in TRACE
+    }
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_earlier_match():
+    assert ngram_drafts([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest "1 2 3" before the end
+    assert ngram_drafts([5, 6, 7, 8, 5], 3) == [6, 7, 8]  # a 1-gram at the least
+    assert ngram_drafts([1, 2, 3, 4], 3) == []  # nothing recurs
+    assert ngram_drafts([4, 4, 4, 4], 5) == [4]  # what follows, as far as it goes
+
+
+class CacheWatch:
+    """After every step: each batch row's real tokens in the engine's caches (mlx-lm's per-row
+    ``offset``) are the KV the state machine says it holds: a rejected draft kept, or a kept
+    token rolled back, shows here."""
+
+    def __init__(self, backend):
+        self.backend, self.rows = backend, 0
+
+    def __call__(self, state):
+        b = self.backend
+        if not b._batch:
+            return
+        offsets = b._batch[0].offset.tolist()
+        for rid, have in zip(b._rows, offsets):
+            r = state.by_id[rid]
+            assert have == b._kv[rid] == r.kv_tokens, (rid, have, b._kv[rid], r.kv_tokens)
+            self.rows += 1
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_tokens_with_speculation_equal_the_references_under_every_policy(micro, references, policy):
+    backend = MLXBackend(micro)
+    watch = CacheWatch(backend)
+    pol = Speculative(make_policy(policy), k=3)
+    res = run_replica(TRACE, pol, NO_COST, kv_capacity=4096, backend=backend, on_step=watch)
+    assert res.error is None, res.error
+    for r in TRACE:
+        assert backend.tokens[r.id] == references[r.id], (policy, r.id)
+    spec = res.speculative
+    # drafts were verified and some accepted, not all: rows of one pass accepted different numbers
+    assert spec is not None and 0 < spec["accepted_tokens"] < spec["draft_tokens"] and watch.rows > 0
+    assert backend.stats["accepted_tokens"] == spec["accepted_tokens"]
+
+
+def test_preemption_and_eos_keep_the_tokens_exact(micro, references):
+    # a KV too small for everyone at once: vllm preempts and recomputes, rows verify drafts
+    backend = MLXBackend(micro)
+    pol = Speculative(make_policy("vllm", {"max_num_batched_tokens": 64}), k=4)
+    res = run_replica(TRACE, pol, NO_COST, kv_capacity=160, block_size=16, backend=backend, on_step=CacheWatch(backend))
+    assert res.error is None, res.error
+    assert sum(r.preemptions for r in res.requests) > 0 and res.speculative["accepted_tokens"] > 0
+    for r in TRACE:
+        assert backend.tokens[r.id] == references[r.id], r.id
+    # a stop among the tokens one verify accepts (a client's stop string, as an EOS is): the
+    # output ends at that token, the rest of the chunk is never handed out
+    first = run_replica(
+        TRACE[:2], Speculative(make_policy("unified"), k=4), NO_COST, kv_capacity=4096, backend=MLXBackend(micro)
+    )
+    times, toks = first.requests[0].token_times, references["a"]
+    j = next(j for j in range(1, len(toks) - 1) if times[j - 1] < times[j] == times[j + 1])  # a chunk's first
+    backend = MLXBackend(micro)
+    backend.on_token = lambda rid, token: rid == "a" and len(backend.tokens["a"]) == j + 1
+    res = run_replica(TRACE[:2], Speculative(make_policy("unified"), k=4), NO_COST, kv_capacity=4096, backend=backend)
+    assert res.error is None and backend.tokens["a"] == toks[: j + 1] and res.requests[0].output_tokens == j + 1
+    assert backend.tokens["b"] == references["b"]
+
+
+def test_smollm2_tokens_with_speculation_equal_without():
+    info = load_model("smollm2-135m")
+    trace = [Request("s", 0.0, 30, 40), Request("t", 0.0, 12, 40)]
+    plain, spec = MLXBackend(info), MLXBackend(info)
+    assert run_replica(trace, make_policy("unified"), NO_COST, kv_capacity=4096, backend=plain).error is None
+    res = run_replica(trace, Speculative(make_policy("unified"), k=4), NO_COST, kv_capacity=4096, backend=spec)
+    assert res.error is None
+    assert spec.tokens == plain.tokens
+    assert res.speculative["accepted_tokens"] > 0
+
+
+def test_a_model_whose_cache_cannot_roll_back_refuses_in_one_line():
+    info = load_model("micro-qwen3_5")
+    with pytest.raises(EngineError, match="cannot do: run it without --speculative") as err:
+        run_replica(
+            [Request("q", 0.0, 8, 12)], Speculative(make_policy("unified"), k=2), NO_COST, kv_capacity=4096,
+            backend=MLXBackend(info),
+        )  # fmt: skip
+    assert "\n" not in str(err.value)
