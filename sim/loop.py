@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from schedlab.policies.base import CostModel, Pass, Policy, as_cost_model
+from schedlab.policies.base import CostModel, Pass, Policy, as_cost_model, verify_seconds
 from schedlab.traces.schema import Request
 
 from .backend import Backend, SimBackend
@@ -527,7 +527,10 @@ class ReplicaLoop:
                 t = clock.now()
                 if t > deadline:  # the replica dies while this pass runs: it never ends
                     return self._fail()
-                predicted += predict(shape) if measured else seconds
+                if measured:  # (a verify pass's draft positions priced as a simulation prices them)
+                    predicted += predict(shape) + (verify_seconds(cost_model, shape) if p.draft else 0.0)
+                else:
+                    predicted += seconds
                 rows += len(p.decode)
                 if p.prefill:
                     ptoks += shape.prefill_tokens
