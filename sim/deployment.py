@@ -191,10 +191,11 @@ class Deployment:
         block_size: int = 1,
         prefix_caching: bool = False,
         meta: Mapping[str, Any] | None = None,
+        acceptance: Any = None,
     ) -> "Deployment":
         """One replica running ``policy`` on ``cost_model``, no router."""
         group = Group((policy,), cost_model, kv_capacity, meta=dict(meta or {}))
-        return cls((group,), block_size=block_size, prefix_caching=prefix_caching)
+        return cls((group,), block_size=block_size, prefix_caching=prefix_caching, acceptance=acceptance)
 
     @property
     def replicas(self) -> int:

