@@ -296,7 +296,7 @@ Real, copied verbatim from the sources below:
 """
 
 
-_README_DATASETS = """## Datasets: `random:...`, `sonnet:...` and `sharegpt:...`
+_README_DATASETS = """## Datasets: `random:...`, `sonnet:...`, `sharegpt:...` and `copy:...`
 
 `vllm bench serve`'s two synthetic datasets are built on demand, from any directory, by
 `traces.load(SPEC, seed=N)` (so `simulate --trace SPEC --seed N`), SPEC being `random` or
@@ -322,6 +322,11 @@ turn 0 the prompt (text) and turn 1's length in tokens the output (`output_len`:
 for all), the first n with prompt and output of at least 4 tokens, a prompt of at most 1024 and
 both together at most 2048. Tokens are counted with the model's tokenizer when there is one
 (`run-real --model`), else SmolLM2-135M-Instruct's. Details in `traces/sharegpt.py`.
+
+`copy:n=16,lines=6,rate=2` (keys `n`, `lines`, `rate`, `burstiness`) is a copy-heavy workload
+for speculative decoding: each chat prompt asks the model to repeat `lines` consecutive lines
+of `sonnet.txt` verbatim (as code editing and summaries with quotes repeat their prompts), each
+request's output tokens those lines' tokens; counted with the model's tokenizer, as `sonnet`.
 """
 
 _README_SOURCES = f"""## Sources and licenses
