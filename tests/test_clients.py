@@ -17,7 +17,7 @@ import pytest
 
 from schedlab import traces
 from schedlab.policies import make_policy
-from schedlab.sim import ClientSource, WallClock, run, summarize
+from schedlab.sim import ClientSource, WallClock, run_replica, summarize
 from schedlab.sim.sources import clients
 from simkit import command, drawn_fraction, png_rgb, read_table, svg_series, svg_texts
 from test_loop import FixedBackend, cost
@@ -38,7 +38,7 @@ def in_flight(rows) -> int:
 
 def test_one_client_sends_each_request_when_the_previous_finishes():
     reqs = [Request("A", 0.0, 10, 3), Request("B", 0.0, 5, 2), Request("C", 0.2, 4, 1)]
-    res = run(ClientSource(reqs, 1), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend())
+    res = run_replica(ClientSource(reqs, 1), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend())
     by = {r.id: r for r in res.requests}
     # A: prefill [0, 1], decodes to 1.5; B sent at 1.5: prefill [1.5, 2.5], decode to 2.75;
     # C sent at 2.75 (issued at 0.2, queued behind the semaphore): prefill [2.75, 3.75]
@@ -54,7 +54,7 @@ def test_one_client_sends_each_request_when_the_previous_finishes():
 def test_two_clients_and_the_schedule():
     """Issue times are earliest send times; a freed slot goes to the next request in order."""
     reqs = [Request(f"r{i}", t, 4, 2) for i, t in enumerate([0.0, 0.1, 0.2, 5.0, 5.0])]
-    res = run(ClientSource(reqs, 2), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend())
+    res = run_replica(ClientSource(reqs, 2), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend())
     by = {r.id: r for r in res.requests}
     # r0 [0,1] prefill, r1 arrives 0.1 (slot 2); step [1,2]: decode r0 (finishes at 2) + prefill r1
     assert by["r0"].finish_s == 2.0 and by["r1"].arrival_s == 0.1
@@ -66,7 +66,7 @@ def test_two_clients_and_the_schedule():
 
 def test_think_time_delays_the_next_send():
     reqs = [Request("A", 0.0, 4, 1), Request("B", 0.0, 4, 1)]
-    res = run(
+    res = run_replica(
         ClientSource(reqs, 1, think_s=3.0), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend()
     )
     by = {r.id: r for r in res.requests}
@@ -75,7 +75,7 @@ def test_think_time_delays_the_next_send():
 
 def test_a_refused_request_frees_its_slot_at_once():
     reqs = [Request("big", 0.0, 5000, 10), Request("ok", 0.0, 4, 1)]
-    res = run(ClientSource(reqs, 1), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend())
+    res = run_replica(ClientSource(reqs, 1), make_policy("unified"), cost(), kv_capacity=1000, backend=FixedBackend())
     assert [r.id for r, _ in res.rejected] == ["big"]
     ok = {r.id: r for r in res.requests}["ok"]
     assert ok.arrival_s == 0.0 and ok.finish_s == 1.0
@@ -90,7 +90,7 @@ def test_the_simulated_clock_runs_ahead_and_still_honours_the_limit():
     cm = LinearCostModel.from_profile(resolve_profile(None))
     tr = traces.load("random:n=120,input_len=256,output_len=64,range_ratio=0.5")  # all issued at t=0
     for c in (1, 3, 8):
-        res = run(clients(tr.requests, c), make_policy("unified"), cm, kv_capacity=200_000)
+        res = run_replica(clients(tr.requests, c), make_policy("unified"), cm, kv_capacity=200_000)
         rows = [{"arrival_s": r.arrival_s, "finish_s": r.finish_s} for r in res.requests]
         assert all(r.finish_s is not None for r in res.requests)
         assert in_flight(rows) == c
@@ -107,13 +107,13 @@ def test_request_rate_schedule_with_a_limit():
     src = clients(tr.requests, 4, request_rate=2.0, burstiness=0.5, seed=3)
     want = traces.request_times(60, 2.0, 0.5, 3)
     assert src.schedule == want
-    res = run(src, make_policy("vllm"), cost(), kv_capacity=100_000, backend=FixedBackend())
+    res = run_replica(src, make_policy("vllm"), cost(), kv_capacity=100_000, backend=FixedBackend())
     for r in res.requests:
         assert r.arrival_s >= src.scheduled_s[r.id]
     rows = [{"arrival_s": r.arrival_s, "finish_s": r.finish_s} for r in res.requests]
     assert in_flight(rows) <= 4
     # no limit: the schedule alone (an open loop)
-    res = run(
+    res = run_replica(
         clients(tr.requests, None, request_rate=2.0, burstiness=0.5, seed=3),
         make_policy("unified"),
         cost(),
@@ -137,7 +137,7 @@ class SleepBackend(FixedBackend):
 
 def test_clients_on_the_wall_clock():
     reqs = [Request(f"w{i}", 0.002 * i, 8, 4) for i in range(12)]
-    res = run(ClientSource(reqs, 3), make_policy("unified"), cost(), kv_capacity=1000, backend=SleepBackend())
+    res = run_replica(ClientSource(reqs, 3), make_policy("unified"), cost(), kv_capacity=1000, backend=SleepBackend())
     assert res.error is None and all(r.finish_s is not None for r in res.requests)
     rows = [{"arrival_s": r.arrival_s, "finish_s": r.finish_s} for r in res.requests]
     assert in_flight(rows) <= 3
@@ -172,7 +172,7 @@ def test_live_source_takes_requests_from_another_thread_while_the_replica_runs()
 
     t = threading.Thread(target=client)
     t.start()
-    res = run(src, make_policy("vllm"), cost(), kv_capacity=1000, backend=backend, clock=clock)
+    res = run_replica(src, make_policy("vllm"), cost(), kv_capacity=1000, backend=backend, clock=clock)
     t.join()
     assert res.error is None and [r.id for r in src.received] == [r.id for r in stamped]
     times = [r.arrival_s for r in stamped]
@@ -352,7 +352,7 @@ def test_a_policy_that_stalls_a_closed_loop_is_a_one_line_error():
 
             return Plan()
 
-    res = run(
+    res = run_replica(
         ClientSource([Request("a", 0.0, 4, 1), Request("b", 0.0, 4, 1)], 1),
         Idle(),
         cost(),
