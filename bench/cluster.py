@@ -113,7 +113,7 @@ def main() -> None:
         )
     out = {
         "bench": "cluster",
-        "what": "the trace's arrival times divided by N on N replicas; wall seconds of run_cluster alone "
+        "what": "the trace's arrival times divided by N on N replicas; wall seconds of sim.run of the deployment alone "
         "(record_passes=False), medians over rounds, N interleaved within each round",
         "trace": args.trace,
         "policy": args.policy,
