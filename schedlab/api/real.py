@@ -416,6 +416,8 @@ def run_real(
     prefill: int = 0,
     decode: int = 0,
     out: str | Path | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> "Run | ClusterRun":
     """Run ``policy`` on ``trace`` with a real MLX model (the ``run-real`` command): the same
     loop as ``simulate``, every pass a real forward, the clock wall time. ``out``: the run
@@ -428,7 +430,8 @@ def run_real(
     name or ``"file.py:Class"`` (each replica loads it), and the result a ``ClusterRun`` (the
     front's summary, the requests that failed; ``out``: ``trace.json``, ``cluster.json`` and each
     replica's run directory). SIGINT and SIGTERM end every replica at once (``KeyboardInterrupt``;
-    ``schedlab.serving``).
+    ``schedlab.serving``). ``executor="ray"``: the replicas are Ray actors (a local Ray started
+    here, or the cluster at ``ray_address``), as ``serve`` starts them.
 
     ``engine`` (or ``model``, ``dtype``, ``sampling``, ``noise``, ``model_seed``,
     ``ignore_eos``), ``replica`` (or ``kv_tokens``, ``block_size``, ``prefix_caching``) and
@@ -464,16 +467,17 @@ def run_real(
         burstiness=burstiness,
         think_time=think_time,
     )
-    if replicas != 1 or router is not None or router_options or prefill or decode:
-        from .replicas import cluster_of, run_real_cluster
+    if replicas != 1 or router is not None or router_options or prefill or decode or executor != "local" or ray_address:
+        from .replicas import cluster_of, executor_of, run_real_cluster
 
         cluster, split = cluster_of(replicas, router, router_options, prefill, decode, rep.prefix_caching)
+        where = executor_of(executor, ray_address, cluster.replicas, split)
         if cluster.replicas > 1:
             _one_replica_only(cl, slo, on_step)
             _engine_checks(opts)
             return run_real_cluster(policy, trace, options=options, engine=opts, replica=rep, cluster=cluster,
                                     split=split, profile=profile, no_calibrate=no_calibrate, seed=seed, out=out,
-                                    log=log)  # fmt: skip
+                                    log=log, executor=where, ray_address=ray_address)  # fmt: skip
     pol = as_policy(policy, options)
     sampler = _engine_checks(opts)
     slos = parse_slo(slo)

@@ -45,6 +45,50 @@ def cluster_of(replicas: int, router: Any, router_options: Any, prefill: int, de
     return cluster, split
 
 
+def executor_of(executor: Any, ray_address: Any, n: int, split: tuple[int, int] | None) -> str:
+    """Where the replicas run: "local" (processes here) or "ray" (Ray actors; ``ray_address``: an
+    existing Ray cluster); one-line errors."""
+    from ._base import executor_name
+
+    executor = executor_name(executor, ray_address)
+    if executor == "ray" and split is not None:
+        fail(f"{opt('executor')} ray does not go with {opt('prefill')}/{opt('decode')} yet (the KV moves through a "
+             f"folder of this machine)", 2)  # fmt: skip
+    if executor == "ray" and n < 2:
+        fail(
+            f"{opt('executor')} ray starts the replicas of {opt('replicas')} N > 1 as Ray actors: give {opt('replicas')}",
+            2,
+        )
+    return executor
+
+
+def _urls_opt() -> str:
+    o = opt("replica_url")
+    return o if o.startswith("--") else "replica_urls"
+
+
+def replica_urls(urls: Any, policy: Any, given: Mapping[str, Any]) -> list[str] | None:
+    """``serve``'s ``replica_urls`` (``--replica-url``, repeatable): servers already listening that
+    the front routes to; None without. Each runs its own policy, model and settings, so ``policy``
+    and ``given`` (the other settings the caller gave: name -> whether given) are refused beside
+    them, one line; so is a policy missing without them."""
+    if urls is None or (not isinstance(urls, str) and len(urls) == 0):
+        if policy is None:
+            fail(f"{opt('policy')} is needed: a bundled policy name or 'file.py:Class' (or {_urls_opt()})", 2)
+        return None
+    from schedlab.serving.replicas import check_urls
+
+    where = _urls_opt()
+    if isinstance(urls, str):
+        urls = [urls]
+    if policy is not None:
+        fail(f"the replicas at {where} run their own policies: leave out {opt('policy')}", 2)
+    for name, yes in given.items():
+        if yes:
+            fail(f"{opt(name)} does not go with {where} (the replicas there have their own; each is started apart)", 2)
+    return check_urls(urls)
+
+
 def replica_args(
     policy: PolicyLike,
     options: Mapping[str, Any] | None,
@@ -119,6 +163,8 @@ def run_real_cluster(
     seed: int,
     out: str | Path | None,
     log: Log,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> ClusterRun:
     """``run_real(..., replicas=N)``: the trace's requests sent at their arrival times to a front
     over N replica processes (``serving.cluster.run_real_cluster``); a ``ClusterRun``."""
@@ -144,4 +190,6 @@ def run_real_cluster(
         log=log,
         pools=split,
         decode_router=cluster.make_router() if split else None,
+        executor=executor,
+        ray_address=ray_address,
     )

@@ -14,7 +14,7 @@ called."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from schedlab.serving.result import ClusterRun
 
@@ -22,7 +22,7 @@ from ._base import Log, PolicyLike, check_seed, fail, logger, opt, public
 from .inputs import as_policy
 from .options import EngineOptions, ReplicaOptions
 from .profiles import ProfileLike
-from .replicas import check_out, cluster_of, replica_args
+from .replicas import check_out, cluster_of, executor_of, replica_args, replica_urls
 
 if TYPE_CHECKING:  # pragma: no cover
     from .runs import Run
@@ -32,7 +32,7 @@ __all__ = ["serve", "ClusterRun"]
 
 @public
 def serve(
-    policy: PolicyLike,
+    policy: PolicyLike = None,
     *,
     model: str = "smollm2-135m",
     dtype: str = "float32",
@@ -59,6 +59,9 @@ def serve(
     decode: int = 0,
     log: Log | None = None,
     kv_dir: str | Path | None = None,
+    replica_urls: Sequence[str] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> "Run | ClusterRun":
     """Serve ``policy`` on ``model`` over HTTP (the ``serve`` command) until SIGINT or SIGTERM:
     OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, ``/v1/models``, ``/health``,
@@ -69,7 +72,12 @@ def serve(
     processes, each a one-replica ``serve`` on its share of the cores, behind a front on
     ``host``/``port`` that routes each request with ``router`` (as ``ClusterOptions``; default
     round-robin); the result is a ``ClusterRun`` (``out``: each replica's run directory,
-    ``trace.json`` and ``cluster.json``). ``calibrate``: without a profile measured on this
+    ``trace.json`` and ``cluster.json``). ``executor="ray"`` starts them as Ray actors instead, on
+    a local Ray started here or on the Ray cluster at ``ray_address``, each reached by URL; ending
+    the front ends them. ``replica_urls`` (no ``policy``): the front routes to the ``schedlab
+    serve`` replicas already listening there (on other machines, say), each with its own policy,
+    model and settings; it never starts or ends them (they go on serving after it), and one that
+    does not answer at the start is a ``SchedlabError``. ``calibrate``: without a profile measured on this
     model and machine, calibrate one first (else plan with the nearest); ``max_tokens``: what a
     request that gives none gets; ``max_waiting``: a request arriving while that many wait to be
     admitted gets a 429. The listening line (and its address) goes to stderr; ``log(kind,
@@ -77,14 +85,18 @@ def serve(
     from schedlab.serving.http import DEFAULT_MAX_TOKENS
     from schedlab.serving.single import check_address
 
+    urls = _urls(replica_urls, policy, locals())
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     _check_serve(port, max_tokens, max_waiting, calibrate, profile, kv_dir)
     out = check_out(out)
+    if urls is not None:
+        return _front_over(urls, router, router_options, host, port, out, logger(log))
     engine = EngineOptions(model=model, dtype=dtype, sampling=sampling, noise=noise, model_seed=model_seed)
     replica = ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     seed = check_seed(seed)
     pol = as_policy(policy, options)  # a bad policy fails before the model loads
     cluster, split = cluster_of(replicas, router, router_options, prefill, decode, prefix_caching)  # and a router
+    executor = executor_of(executor, ray_address, cluster.replicas, split)
     check_address(host, port)  # and so does an address in use (loading a model takes seconds)
     log = logger(log)
     if cluster.replicas > 1:
@@ -116,9 +128,47 @@ def serve(
             log=log,
             pools=split,
             decode_router=cluster.make_router() if split else None,
+            executor=executor,
+            ray_address=ray_address,
         )
     return _serve_one(pol, engine, replica, profile, calibrate, seed, host, port, served_model_name, max_tokens,
                       out, log, max_waiting, kv_dir)  # fmt: skip
+
+
+def _urls(urls, policy, given: dict) -> list[str] | None:
+    """``replica_urls`` checked, and the settings that do not go with them (``replica_urls``)."""
+    if urls is not None and given["replicas"] != 1:
+        fail(
+            f"{opt('replicas')} does not go with the replicas at URLs: the front routes to those, or starts its own", 2
+        )
+    given = {**given, "option": bool(given["options"])}  # (-o k=v; an empty mapping is none)
+    defaults = dict(option=False, prefill=0, decode=0, executor="local", ray_address=None, profile=None,
+                    calibrate=False, kv_tokens=None, prefix_caching=False, noise=None, max_waiting=None,
+                    kv_dir=None, served_model_name=None)  # fmt: skip
+    return replica_urls(urls, policy, {k: given[k] != v for k, v in defaults.items()})
+
+
+def _front_over(urls, router, router_options, host, port, out, log) -> ClusterRun:
+    """A front over the replicas at ``urls`` (``serve --replica-url``), until SIGINT/SIGTERM."""
+    from schedlab.serving.cluster import serve_cluster
+    from schedlab.serving.single import check_address
+
+    cluster, _ = cluster_of(len(urls), router, router_options, 0, 0, False)
+    check_address(host, port)
+    return serve_cluster(
+        len(urls),
+        cluster.make_router(),
+        dict(cluster.router_options or {}),
+        [],
+        host=host,
+        port=port,
+        out=out,
+        policy_name=None,
+        served_name=None,
+        sequential=False,
+        log=log,
+        urls=urls,
+    )
 
 
 def _check_serve(port, max_tokens, max_waiting, calibrate, profile, kv_dir) -> None:

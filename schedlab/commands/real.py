@@ -26,6 +26,7 @@ from ._app import (
     PREFILL_HELP,
     PREFIX_HELP,
     RATE_HELP,
+    RAY_ADDRESS_HELP,
     THINK_HELP,
     log_to_stderr,
     make_app,
@@ -113,6 +114,10 @@ def run_real(
     ),
     prefill: int = typer.Option(0, "--prefill", help=PREFILL_HELP),
     decode: int = typer.Option(0, "--decode", help=DECODE_HELP),
+    executor: str = typer.Option(
+        "local", "--executor", help="with --replicas: local (processes here) or ray (Ray actors, as serve --executor)"
+    ),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
     import schedlab
@@ -147,6 +152,8 @@ def run_real(
             prefill=prefill,
             decode=decode,
             out=out,
+            executor=executor,
+            ray_address=ray_address,
         )
     if cluster:  # (schedlab.serving.cluster: the front's summary; each replica's run directory in OUT)
         _cluster_report(run, quiet)

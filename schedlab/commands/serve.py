@@ -19,6 +19,9 @@ once the engine has warmed up and the clock runs. Between the two:
 ``--replicas N`` (N > 1) runs N such servers as processes behind a front that routes each
 request with the simulator's routers (``schedlab.serving.cluster``); each replica answers
 ``GET /state`` (what a router reads) and ``POST /prepare/...`` (a request checked and counted).
+``--executor ray`` starts them as Ray actors instead (a local Ray, or ``--ray-address``'s);
+``--replica-url URL`` (repeatable, no ``--policy``) puts the front over servers already
+listening there, which it never starts or stops.
 
 Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` with server-sent events, ``stream_options.include_usage``),
@@ -60,6 +63,7 @@ from ._app import (
     NOISE_HELP,
     PREFILL_HELP,
     PREFIX_HELP,
+    RAY_ADDRESS_HELP,
     log_to_stderr,
     make_app,
     parse_options,
@@ -68,6 +72,33 @@ from ._app import (
 )
 
 # ---------------------------------------------------------------------------- the command
+
+PROFILE_HELP = (
+    "cost-model profile JSON the policy plans with (default: one measured on this model and machine, "
+    "else the bundled one; the listening line names it)"
+)
+CALIBRATE_HELP = (
+    "without a profile measured on this model and machine, calibrate one first (minutes; cached for "
+    "the next start) instead of planning with the bundled one"
+)
+SAMPLING_HELP = (
+    "greedy, or temperature=0.7,seed=1 (also top_p, top_k, min_p, penalties): what a request gets for "
+    "the sampling parameters it does not set"
+)
+MAX_WAITING_HELP = (
+    "admission control: a request arriving while this many wait to be admitted gets a 429 with "
+    "Retry-After (default: no limit; with --replicas, each replica's)"
+)
+REPLICAS_HELP = "replica processes behind a front that routes each request, each a serve on its share of the cores"
+ROUTER_HELP = "with --replicas: which replica serves each request, as simulate --router (default round-robin)"
+REPLICA_URL_HELP = (
+    "a replica already listening (a `schedlab serve` on another machine, say), repeatable: the front routes "
+    "to these instead of starting replicas, and leaves them running when it stops (no --policy: each has its own)"
+)
+EXECUTOR_HELP = (
+    "with --replicas: where the replicas run: local (processes here) or ray (Ray actors, one CPU each, "
+    "reached by URL; pip install 'schedlab[ray]')"
+)
 
 serve_app = make_app(
     "Serve a scheduling policy on a real MLX model behind an OpenAI-compatible HTTP API "
@@ -78,7 +109,9 @@ serve_app = make_app(
 
 @serve_app.command()
 def serve(
-    policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
+    policy: Optional[str] = typer.Option(
+        None, "--policy", "-p", help="bundled policy name or file.py:Class (required but with --replica-url)"
+    ),
     model: str = typer.Option(
         "smollm2-135m",
         "--model",
@@ -95,18 +128,8 @@ def serve(
     max_tokens: int = typer.Option(
         DEFAULT_MAX_TOKENS, "--max-tokens", help="max_tokens of a request that gives none (capped by the context)"
     ),
-    profile: Optional[str] = typer.Option(
-        None,
-        "--profile",
-        help="cost-model profile JSON the policy plans with (default: one measured on this model and machine, "
-        "else the bundled one; the listening line names it)",
-    ),
-    calibrate: bool = typer.Option(
-        False,
-        "--calibrate",
-        help="without a profile measured on this model and machine, calibrate one first (minutes; cached for "
-        "the next start) instead of planning with the bundled one",
-    ),
+    profile: Optional[str] = typer.Option(None, "--profile", help=PROFILE_HELP),
+    calibrate: bool = typer.Option(False, "--calibrate", help=CALIBRATE_HELP),
     no_calibrate: bool = typer.Option(
         False, "--no-calibrate", help="the default: never calibrate before serving (kept for scripts)"
     ),
@@ -115,12 +138,7 @@ def serve(
     ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
-    sampling: str = typer.Option(
-        "greedy",
-        "--sampling",
-        help="greedy, or temperature=0.7,seed=1 (also top_p, top_k, min_p, penalties): what a request gets for "
-        "the sampling parameters it does not set",
-    ),
+    sampling: str = typer.Option("greedy", "--sampling", help=SAMPLING_HELP),
     seed: int = typer.Option(0, "--seed", help="seed of the engine's prompt ids and sampling"),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     out: Optional[Path] = typer.Option(
@@ -132,37 +150,27 @@ def serve(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="print nothing but the listening line, errors and warnings"
     ),
-    replicas: int = typer.Option(
-        1,
-        "--replicas",
-        help="replica processes behind a front that routes each request, each a serve on its share of the cores",
-    ),
-    router: Optional[str] = typer.Option(
-        None,
-        "--router",
-        help="with --replicas: which replica serves each request, as simulate --router (default round-robin)",
-    ),
+    replicas: int = typer.Option(1, "--replicas", help=REPLICAS_HELP),
+    router: Optional[str] = typer.Option(None, "--router", help=ROUTER_HELP),
     router_option: Optional[List[str]] = typer.Option(
         None, "--router-option", help="router option key=value (repeatable)"
     ),
-    max_waiting: Optional[int] = typer.Option(
-        None,
-        "--max-waiting",
-        help="admission control: a request arriving while this many wait to be admitted gets a 429 with "
-        "Retry-After (default: no limit; with --replicas, each replica's)",
-    ),
+    max_waiting: Optional[int] = typer.Option(None, "--max-waiting", help=MAX_WAITING_HELP),
     prefill: int = typer.Option(0, "--prefill", help=PREFILL_HELP),
     decode: int = typer.Option(0, "--decode", help=DECODE_HELP),
     kv_dir: Optional[Path] = typer.Option(
         None, "--kv-dir", hidden=True, help="a prefill replica's folder for the KV it hands on (set by the front)"
     ),
+    replica_url: Optional[List[str]] = typer.Option(None, "--replica-url", help=REPLICA_URL_HELP),
+    executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
 
     if calibrate and no_calibrate:
         raise SchedlabError("--calibrate does not go with --no-calibrate", 2)
-    cluster = replicas > 1 or bool(prefill or decode)
+    cluster = replicas > 1 or bool(prefill or decode)  # (replicas started here, to be stopped)
     with replicas_stopped(cluster):
         run = schedlab.serve(
             policy,
@@ -191,10 +199,13 @@ def serve(
             decode=decode,
             log=log_to_stderr("serve", quiet),
             kv_dir=kv_dir,
+            replica_urls=replica_url or None,
+            executor=executor,
+            ray_address=ray_address,
         )
     if not quiet:
         print(run.report())
-    if not cluster and run.error:
+    if not cluster and not replica_url and run.error:
         raise SchedlabError(run.error)
 
 

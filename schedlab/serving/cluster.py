@@ -1,6 +1,9 @@
-"""N replica processes behind one front (``Cluster``): ``serve --replicas N`` (``serve_cluster``)
-and ``run-real --replicas N`` (``run_real_cluster``, a trace fed to the front at its arrival
-times); prefill and decode apart, with the link between them measured first (``probe_link``)."""
+"""N replicas behind one front (``Cluster``): ``serve --replicas N`` (``serve_cluster``) and
+``run-real --replicas N`` (``run_real_cluster``, a trace fed to the front at its arrival times);
+the replicas processes it starts here, Ray actors it starts (``executor="ray"``:
+``ray_replicas``) or servers already listening at the URLs it is given (``urls``: ``serve
+--replica-url``); prefill and decode apart, with the link between them measured first
+(``probe_link``)."""
 
 from __future__ import annotations
 
@@ -22,15 +25,17 @@ from .front import Front
 from .http import listening, server_config
 from .record import cluster_json, cluster_summary, write_served_trace
 from .result import ClusterRun
-from .replicas import POLL_S, Replica, _cpus, _ended, _reap, _wait_listening, cpu_shares, replica_command
+from .replicas import POLL_S, Remote, Replica, _ended, _reap, _wait_listening, check_remote, cpu_shares, replica_command
 
 PROBE_S = 0.5  # how often a replica down after a connection error (its process alive) is tried again
 
 
 class Cluster:
-    """N replica processes and the front: ``start`` (every replica listening, then the front),
-    ``watch`` (the replicas' processes, once), ``shutdown`` (no new requests; the replicas finish
-    theirs and exit), ``finish`` (the files and the summary)."""
+    """N replicas and the front: ``start`` (every replica listening, then the front), ``watch``
+    (the replicas' processes, once), ``shutdown`` (no new requests; the replicas finish theirs and
+    exit; those at ``urls``, not started here, go on), ``finish`` (the files and the summary).
+    ``executor``: "local" (processes here) or "ray" (Ray actors, on a local Ray or the cluster at
+    ``ray_address``); ``urls``: the replicas are the servers there (``n`` and the executor unused)."""
 
     def __init__(
         self,
@@ -42,21 +47,34 @@ class Cluster:
         host: str,
         port: int,
         out: Path | None,
-        policy_name: str,
+        policy_name: str | None,
         served_name: str | None,
         log,
         prog: str = "serve",
         pools: tuple[int, int] | None = None,
         decode_router=None,
+        urls: list[str] | None = None,
+        executor: str = "local",
+        ray_address: str | None = None,
     ):
-        shares = cpu_shares(n)
-        self.replicas = []
+        self.replicas: list[Replica] = []
         self.kv_dir = None  # prefill and decode apart: where the prefill replicas write the KV they hand on
+        self.ray, self.ray_started = None, False  # (executor "ray": Ray, and whether this front started it)
         if pools is not None:
             from schedlab.engine import kvfile
 
             self.kv_dir = kvfile.shared_dir()
-        for i in range(n):
+        if urls:
+            self.replicas = [Remote(i, u) for i, u in enumerate(urls)]
+        elif executor == "ray":  # (Ray started now: ray.init's handlers come before owned()'s)
+            from .ray_replicas import RayReplica, start_ray
+
+            self.ray, self.ray_started = start_ray(n, ray_address)
+            for i in range(n):
+                args = [*replica_args, *(["--out", str(Path(out) / f"replica-{i}")] if out is not None else [])]
+                self.replicas.append(RayReplica(i, args, self.ray, ray_address is None))
+        shares = cpu_shares(n) if not self.replicas else []
+        for i in range(len(shares)):
             argv = [*replica_command(), *replica_args, "--host", "127.0.0.1", "--port", "0", "-q"]
             if out is not None:
                 argv += ["--out", str(Path(out) / f"replica-{i}")]
@@ -91,11 +109,15 @@ class Cluster:
             if sequential:  # (the first replica calibrates, the others find its profile)
                 _wait_listening([r], replicas)
         _wait_listening(replicas, replicas)
+        check_remote(replicas)  # (a URL that does not answer: one line)
         for r in replicas:
             r.up = True
         if self.kv_dir is not None:
             self.link = probe_link(self.kv_dir, next(r.url for r in replicas if r.pool == "decode"))
         model_name = self.served_name or _model_name(replicas[0])
+        if not all(r.owned for r in replicas):  # the replicas at URLs: one model, their policies
+            _same_model(replicas, model_name)
+            self.policy_name = self.policy_name or _policies(replicas)
         front = Front(
             replicas, self.router, self.router_options, model_name, self.policy_name, self.log, self.decode_router
         )
@@ -116,10 +138,7 @@ class Cluster:
         self.log(
             "progress",
             f"{len(replicas)} replicas up in {time.perf_counter() - t_start:.1f} s: "
-            + ", ".join(
-                f"{r.index}{f' {r.pool}' if r.pool else ''} {r.url} (pid {r.pid}, cpus {_cpus(r.cpus)})"
-                for r in replicas
-            ),
+            + ", ".join(f"{r.index}{f' {r.pool}' if r.pool else ''} {r.url} ({r.where})" for r in replicas),
         )
         return self.url
 
@@ -142,17 +161,19 @@ class Cluster:
         gone_at = None
         while True:
             _watch(front, self.replicas)
-            if all(r.dead for r in self.replicas):
+            if all(r.dead or not r.owned for r in self.replicas):
                 gone_at = gone_at or time.monotonic()
                 # what is left in flight ends as the replicas' connections close (bounded: a response
-                # whose client went away before it began never says it ended)
-                if front.in_flight <= 0 or time.monotonic() - gone_at > 5:
+                # whose client went away before it began never says it ended), or as the replicas
+                # not started here, still up, finish it
+                left = any(r.up for r in self.replicas if not r.owned)
+                if front.in_flight <= 0 or (time.monotonic() - gone_at > 5 and not left):
                     break
             time.sleep(POLL_S)
 
     def kill(self) -> None:
-        """End every replica now, whatever it is doing (loading, calibrating, serving): each one's
-        session killed, then reaped."""
+        """End every replica started here now, whatever it is doing (loading, calibrating,
+        serving): each one's session (or Ray actor) killed, then reaped."""
         for r in self.replicas:
             r.kill()
         _reap(self.replicas, 10)
@@ -166,6 +187,11 @@ class Cluster:
         for r in self.replicas:
             r.signal(signal.SIGTERM)
         _reap(self.replicas, 30)
+        for r in self.replicas:
+            r.release()
+        if self.ray_started:  # (a local Ray, or a connection, that this front started)
+            self.ray.shutdown()
+            self.ray_started = False
         if self.kv_dir is not None:
             import shutil
 
@@ -232,16 +258,19 @@ def serve_cluster(
     host: str,
     port: int,
     out: Path | None,
-    policy_name: str,
+    policy_name: str | None,
     served_name: str | None,
     sequential: bool,
     log,
     pools: tuple[int, int] | None = None,
     decode_router=None,
+    urls: list[str] | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> ClusterRun:
     """``serve --replicas N``: run the cluster until SIGINT/SIGTERM; what it served. ``pools``:
     (P, D), ``serve --prefill P --decode D``: the first P replicas prefill, the other D decode
-    (``decode_router`` routes among those)."""
+    (``decode_router`` routes among those). ``urls``, ``executor``, ``ray_address``: see ``Cluster``."""
     cluster = Cluster(
         n,
         router,
@@ -255,6 +284,9 @@ def serve_cluster(
         log=log,
         pools=pools,
         decode_router=decode_router,
+        urls=urls,
+        executor=executor,
+        ray_address=ray_address,
     )
     state = {"signals": 0, "serving": False}
 
@@ -267,10 +299,11 @@ def serve_cluster(
         url = cluster.start(sequential)
         state["serving"] = True
         front = cluster.front
-        what = f"{pools[0]} prefill + {pools[1]} decode replicas" if pools else f"{n} replicas"
+        what = f"{pools[0]} prefill + {pools[1]} decode replicas" if pools else f"{len(cluster.replicas)} replicas"
+        what += " at the URLs given" if urls else " on Ray" if executor == "ray" else ""
         print(
             f"serve: listening on {url} ({what}, router {front.router_name}, "
-            f"policy {policy_name}, model {front.model_name})",
+            f"policy {front.policy}, model {front.model_name})",
             file=sys.stderr,
             flush=True,
         )
@@ -290,12 +323,14 @@ def run_real_cluster(
     replica_args: list[str],
     *,
     out: Path | None,
-    policy_name: str,
+    policy_name: str | None,
     ignore_eos: bool,
     sequential: bool,
     log,
     pools: tuple[int, int] | None = None,
     decode_router=None,
+    executor: str = "local",
+    ray_address: str | None = None,
 ) -> ClusterRun:
     """``run-real --replicas N``: the cluster of ``serve --replicas N`` on 127.0.0.1, fed ``trace``
     at its arrival times by an HTTP client (each request's text, ``max_tokens`` its output tokens,
@@ -321,6 +356,8 @@ def run_real_cluster(
         prog="run-real",
         pools=pools,
         decode_router=decode_router,
+        executor=executor,
+        ray_address=ray_address,
     )
     errors: dict[str, str] = {}
     # SIGTERM (timeout, a job scheduler, a container stop) ends the run as Ctrl-C does
@@ -423,9 +460,9 @@ def probe_link(kv_dir: Path, url: str, rounds: int = 5) -> dict[str, Any]:
 
 def _watch(front: Front, replicas: list[Replica]) -> None:
     for r in replicas:
-        if not r.dead and r.proc.poll() is not None:
+        if r.owned and not r.dead and r.poll() is not None:
             r.dead = True
-            r.exit_status = r.proc.returncode
+            r.exit_status = r.poll()
             front.mark_down(r, f"its process ended ({_ended(r)})")
 
 
@@ -442,7 +479,7 @@ def _probe(front: Front, replicas: list[Replica]) -> None:
             ok = False
         if ok and not r.dead:
             r.up = True
-            front.log("warning", f"replica {r.index} (pid {r.pid}) answers again: up")
+            front.log("warning", f"replica {r.index} ({r.where}) answers again: up")
 
 
 def _model_name(r: Replica) -> str:
@@ -452,3 +489,29 @@ def _model_name(r: Replica) -> str:
         return httpx.get(r.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         raise SchedlabError(f"replica {r.index} at {r.url} does not say which model it serves") from None
+
+
+def _same_model(replicas: list[Replica], name: str) -> None:
+    for r in replicas[1:]:
+        other = _model_name(r)
+        if other != name:
+            raise SchedlabError(
+                f"replica {r.index} at {r.url} serves model {other}, replica 0 at {replicas[0].url} serves {name}: "
+                f"a front routes to replicas of one model",
+                2,
+            )
+
+
+def _policies(replicas: list[Replica]) -> str:
+    """The policies the replicas at URLs say they run (their ``/info``), one name or several."""
+    import httpx
+
+    names = []
+    for r in replicas:
+        try:
+            name = str(httpx.get(r.url + "/info", timeout=10).json().get("policy") or "?")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            name = "?"
+        if name not in names:
+            names.append(name)
+    return ",".join(names)

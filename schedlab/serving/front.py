@@ -135,7 +135,7 @@ class Front:
             r.down_reason = why
             if not self.closing:
                 r.failed = True
-                self.log("warning", f"replica {r.index} (pid {r.pid}) is down: {why}")
+                self.log("warning", f"replica {r.index} ({r.where}) is down: {why}")
 
     def client(self):
         import httpx

@@ -137,7 +137,7 @@ def cluster_json(front: Front, summary: dict[str, Any]) -> dict[str, Any]:
                 "failed": r.failed,
                 "down_s": r.down_s,
                 "down_reason": r.down_reason,
-                "run_dir": f"replica-{r.index}",
+                "run_dir": f"replica-{r.index}" if r.owned else None,  # (one at a URL writes where it was told)
             }
             for r in front.replicas
         ],

@@ -1,7 +1,10 @@
-"""The replica processes a front starts: each a ``schedlab serve`` on 127.0.0.1 and a free port,
-pinned to its share of the cores, in a session of its own (``Replica``); started, waited for,
-signalled, killed and reaped here. The process that starts them owns them: a replica dies with
-it (PR_SET_PDEATHSIG on Linux; ``single.exit_with_front`` elsewhere)."""
+"""The replicas a front routes to. ``Replica``: a process it starts, each a ``schedlab serve`` on
+127.0.0.1 and a free port, pinned to its share of the cores, in a session of its own; started,
+waited for, signalled, killed and reaped here. The process that starts them owns them: a replica
+dies with it (PR_SET_PDEATHSIG on Linux; ``single.exit_with_front`` elsewhere). ``Remote``: a
+``schedlab serve`` already listening at a URL (``serve --replica-url``), which the front reads and
+routes to as it does its own but never starts, signals or ends. (``ray_replicas``: replicas
+started as Ray actors.)"""
 
 from __future__ import annotations
 
@@ -48,8 +51,39 @@ def _death_signal():
 _PRCTL = _death_signal()
 
 
+def spawn(argv: list[str], env: dict[str, str], cpus: list[int] | None = None) -> subprocess.Popen:
+    """A replica's ``schedlab serve`` process, its stderr piped, in a session of its own (a Ctrl-C
+    at a terminal reaches its parent only, which tells it), on ``cpus`` if given; killed when the
+    thread that starts it ends (PR_SET_PDEATHSIG: the parent's main thread, or the thread that
+    waits for it)."""
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the child, before exec
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        if _PRCTL is not None and sys.platform.startswith("linux"):
+            # SIGKILL: nobody is left to answer to, so nothing to finish (a SIGTERM would let a
+            # replica that is still calibrating go on for minutes)
+            _PRCTL(1, int(signal.SIGKILL))
+            if os.getppid() != parent:  # the parent died before that: no signal will come
+                os._exit(1)
+
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=preexec,
+    )
+
+
 class Replica:
     """One replica process as the front knows it."""
+
+    owned = True  # the front started it: it ends it (a ``Remote`` one it only routes to)
 
     def __init__(self, index: int, argv: list[str], cpus: list[int], pool: str | None = None):
         self.index = index
@@ -73,52 +107,58 @@ class Replica:
         self._reader: threading.Thread | None = None
 
     @property
+    def started(self) -> bool:
+        return self.proc is not None
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def where(self) -> str:
+        """How a line names it: its process (and cores)."""
+        return f"pid {self.pid}" + (f", cpus {_cpus(self.cpus)}" if self.cpus else "")
+
+    def poll(self) -> int | None:
+        """Its exit status once its process has ended, else None."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def wait(self, timeout: float) -> int:
+        """Until its process ends (killed past ``timeout`` s): its exit status."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def release(self) -> None:
+        """What holds it once it has ended (a Ray actor: ``ray_replicas``); nothing for a process."""
+
     def start(self, echo) -> None:
-        cpus = self.cpus
-        threads = str(len(cpus))
-        parent = os.getpid()
-        env = dict(os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, SCHEDLAB_FRONT_PID=str(parent))
-
-        def preexec() -> None:  # in the child, before exec: its cores; killed when the front dies
-            if hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cpus)
-            if _PRCTL is not None and sys.platform.startswith("linux"):
-                # PR_SET_PDEATHSIG (of the thread that starts it, which waits for it): nobody is
-                # left to answer to, so nothing to finish (a SIGTERM would let a replica that is
-                # still calibrating go on for minutes)
-                _PRCTL(1, int(signal.SIGKILL))
-                if os.getppid() != parent:  # the front died before that: no signal will come
-                    os._exit(1)
-
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,  # a Ctrl-C at a terminal reaches the front only; it tells the replicas
-            preexec_fn=preexec,
+        threads = str(len(self.cpus))
+        env = dict(
+            os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads, SCHEDLAB_FRONT_PID=str(os.getpid())
         )
+        self.proc = spawn(self.argv, env, self.cpus)
         self._reader = threading.Thread(target=self._read, args=(echo,), name=f"replica-{self.index}", daemon=True)
         self._reader.start()
 
     def _read(self, echo) -> None:
         for line in iter(self.proc.stderr.readline, ""):
-            line = line.rstrip("\n")
-            if self.url is None:
-                m = _LISTENING.search(line)
-                if m:
-                    self.url = m.group(1)
-                    self.listening.set()
-                    continue
-            self.lines.append(line)
-            if self.url is None and re.match(r"(schedlab )?serve: error: ", line):
-                continue  # (one that does not start: the front says why, in one line)
-            echo(self.index, line)
+            self._line(line.rstrip("\n"), echo)
+
+    def _line(self, line: str, echo) -> None:
+        """One line of its stderr: the listening line gives its URL; the others are echoed."""
+        if self.url is None:
+            m = _LISTENING.search(line)
+            if m:
+                self.url = m.group(1)
+                self.listening.set()
+                return
+        self.lines.append(line)
+        if self.url is None and re.match(r"(schedlab )?serve: error: ", line):
+            return  # (one that does not start: the front says why, in one line)
+        echo(self.index, line)
 
     def last_line(self) -> str:
         if self._reader is not None:
@@ -149,11 +189,83 @@ class Replica:
             "url": self.url,
             "pid": self.pid,
             "cpus": self.cpus,
+            **({} if self.owned else {"started": False}),
             **({"pool": self.pool} if self.pool else {}),
             "up": self.up,
             "routed": self.routed,
             "in_flight": self.in_flight,
         }
+
+
+class Remote(Replica):
+    """A ``schedlab serve`` already listening at ``url`` (``serve --replica-url``): routed to and
+    read (``/state``, ``/prepare``, ``/health``) as a replica the front started, down when a
+    connection to it fails and up again once it answers, but never started, signalled or ended
+    here: it goes on serving when the front stops."""
+
+    owned = False
+
+    def __init__(self, index: int, url: str):
+        super().__init__(index, [], [])
+        self.url = url.rstrip("/")
+        self.listening.set()
+
+    @property
+    def started(self) -> bool:
+        return False
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def start(self, echo) -> None:
+        pass
+
+    def signal(self, signum: int) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def check_remote(replicas: list[Replica]) -> None:
+    """Each ``Remote`` replica answers as a ``schedlab serve`` replica (its ``/state``, what the
+    front routes by): else one line naming the first that does not (exit status 2)."""
+    import httpx
+
+    for r in replicas:
+        if r.owned:
+            continue
+        try:
+            resp = httpx.get(r.url + "/state", timeout=5.0)
+            ok = resp.status_code == 200 and isinstance(resp.json(), dict) and "waiting" in resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            why = f"does not answer ({type(exc).__name__}{f': {exc}' if str(exc) else ''})"
+        else:
+            if ok:
+                continue
+            why = f"answers GET /state with {resp.status_code}, not a replica's state (a `schedlab serve` of one replica?)"
+        raise SchedlabError(f"replica {r.index} at {r.url} {why}", 2)
+
+
+def check_urls(urls) -> list[str]:
+    """``--replica-url`` values: each http(s)://host:port, no two alike; one-line errors."""
+    from urllib.parse import urlsplit
+
+    out = []
+    for u in urls:
+        parts = urlsplit(str(u).strip())
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+            raise SchedlabError(f"replica URL {u!r} is not http://host:port", 2)
+        url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        if url in out:
+            raise SchedlabError(f"replica URL {u!r} is given twice", 2)
+        out.append(url)
+    return out
 
 
 def replica_command() -> list[str]:
@@ -172,6 +284,8 @@ def _cpus(cpus: list[int]) -> str:
 
 def _ended(r: Replica) -> str:
     s = r.exit_status
+    if not r.owned:
+        return "not started here, left running"
     if s is None:
         return "running"
     if s < 0:
@@ -185,7 +299,7 @@ def _wait_listening(wait: list[Replica], every: list[Replica]) -> None:
         if all(r.listening.is_set() for r in wait):
             return
         for r in wait:
-            if not r.listening.is_set() and r.proc.poll() is not None:
+            if not r.listening.is_set() and r.poll() is not None:
                 why = r.last_line()
                 for other in every:
                     other.signal(signal.SIGTERM)
@@ -197,13 +311,9 @@ def _wait_listening(wait: list[Replica], every: list[Replica]) -> None:
 def _reap(replicas: list[Replica], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for r in replicas:
-        if r.proc is None:
+        if not r.owned or not r.started:
             continue
-        try:
-            r.exit_status = r.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            r.proc.kill()
-            r.exit_status = r.proc.wait()
+        r.exit_status = r.wait(max(deadline - time.monotonic(), 0.1))
         r.dead = True
         if r._reader is not None:
             r._reader.join(timeout=2)

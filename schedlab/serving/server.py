@@ -39,8 +39,10 @@ class Server:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_waiting: int | None = None,
         kv_dir=None,
+        policy: str | None = None,
     ):
         self.info = info
+        self.policy = policy  # its name, on /info (a front routing to it by URL reports it)
         self.kv_dir = kv_dir  # where this replica writes the KV it hands to a decode replica (serve --kv-dir)
         self._kv_files = itertools.count()
         self.tokenizer = info.tokenizer
@@ -120,6 +122,10 @@ class Server:
         @app.get("/health")
         async def health():
             return {"status": "ok", "in_flight": server.bridge.in_flight(), "cancelled": server.bridge.cancelled}
+
+        @app.get("/info")
+        async def info():  # what it runs (a front routing to it by URL reports its policy)
+            return {"policy": server.policy, "model": server.model_name}
 
         @app.get("/state")
         async def state():  # what a cluster's router reads (routers.ReplicaSignals' fields)

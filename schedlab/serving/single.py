@@ -79,7 +79,8 @@ def serve_replica(
     http: dict[str, Any] = {}
 
     def start_http() -> None:  # the clock runs: from now on arrivals are the run's
-        srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting, kv_dir=kv_dir)
+        policy = getattr(pol, "name", type(pol).__name__)
+        srv = Server(info, source, bridge, name, max_tokens, max_waiting=max_waiting, kv_dir=kv_dir, policy=policy)
         config = server_config(srv.app, host, port)
         hs = uvicorn.Server(config)
         t = threading.Thread(target=hs.run, name="schedlab-http", daemon=True)
