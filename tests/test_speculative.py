@@ -208,3 +208,34 @@ def test_bad_speculative_flags_are_one_line(spec, message):
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_replicas_metrics_carry_vllms_spec_decode_counters():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from schedlab.serving.metrics import _spec_decode
+
+    bench = Bench([Request("d", 0.0, 4, 20), Request("e", 0.0, 6, 20)])
+    bench.decoding("d"), bench.decoding("e")
+    p = Pass(decode=("d", "e"), draft=(3, 2))
+    bench.state.shape(p)
+    bench.state.accept("d", 2)  # e: none accepted
+    bench.state.apply_pass(p, 0.5)
+
+    class Live:
+        def collect(self):
+            return _spec_decode("m", bench.state)
+
+    reg = CollectorRegistry()
+    reg.register(Live())
+    got = {
+        (s.name, s.labels.get("position")): s.value
+        for fam in text_string_to_metric_families(generate_latest(reg).decode())
+        for s in fam.samples
+    }
+    assert got[("vllm:spec_decode_num_drafts_total", None)] == 2
+    assert got[("vllm:spec_decode_num_draft_tokens_total", None)] == 5
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", None)] == 2
+    per_pos = {k[1]: v for k, v in got.items() if k[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 1, "1": 1, "2": 0}

@@ -5,7 +5,7 @@ replica)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from .replicas import Replica
@@ -37,7 +37,8 @@ def step_time_ratio(predicted, measured) -> float | None:
 def request_latencies(r) -> tuple[float | None, float | None, float | None, list[float]]:
     """A finished request's (queue time, time to first token, end-to-end latency, inter-token
     latencies) in seconds on the replica's clock, as vLLM observes them: arrival to first
-    admission, arrival to first token, arrival to finish, and between consecutive tokens. None
+    admission, arrival to first token, arrival to finish, and between consecutive tokens (one per
+    step's output: the tokens one speculative verify hands out together add no zero gaps). None
     for what never happened (a request cancelled before it was admitted, or before its first token)."""
     a = r.arrival_s
     times = r.token_times
@@ -45,7 +46,7 @@ def request_latencies(r) -> tuple[float | None, float | None, float | None, list
         None if r.admitted_s is None else r.admitted_s - a,
         None if r.first_token_s is None else r.first_token_s - a,
         None if r.finish_s is None else r.finish_s - a,
-        [y - x for x, y in zip(times, times[1:])],
+        [y - x for x, y in zip(times, times[1:]) if y != x],
     )
 
 
@@ -180,6 +181,35 @@ class _LiveGauges:
             if value is not None:
                 g.add_metric([m.model_name], value)
             yield g
+        yield from _spec_decode(m.model_name, getattr(m.bridge, "state", None))
+
+
+def _spec_decode(model_name: str, st) -> Iterator:
+    """vLLM's speculative-decoding counters (``vllm/v1/spec_decode/metrics.py``), read from the
+    replica's state: verify rows that had drafts, draft tokens, accepted ones, and per position
+    the rows whose accepted drafts reached it. Zero while the policy drafts nothing."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", getattr(st, "spec_drafts", 0)),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", getattr(st, "spec_draft_tokens", 0)),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.",
+            getattr(st, "spec_accepted_tokens", 0),
+        ),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model_name], value)
+        yield c
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=["model_name", "position"],
+    )
+    for i, value in enumerate(getattr(st, "spec_accepted_per_pos", ()) or ()):
+        per_pos.add_metric([model_name, str(i)], value)
+    yield per_pos
 
 
 class FrontMetrics:
