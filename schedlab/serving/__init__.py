@@ -8,7 +8,9 @@
   checked, submitted to the replica's live arrival source, tokens handed back from its thread,
   ``/metrics``);
 - ``single``: one replica served (the engine's loop in the main thread, the server in another);
-- ``replicas``: the replica processes a front starts, owned by the process that starts them;
+- ``replicas``: the replica processes a front starts, owned by the process that starts them, and
+  the replicas at URLs it routes to without owning them (``serve --replica-url``);
+- ``ray_replicas``: replicas started as Ray actors (``--executor ray``), reached by URL, owned;
 - ``front``: the front that routes each request with the simulator's routers;
 - ``cluster``: replicas and front together (``serve_cluster``, ``run_real_cluster``);
   ``record``: what a cluster writes.
