@@ -4,8 +4,9 @@ The workload is copy-heavy (``copy:n=N,lines=L``: each prompt asks SmolLM2-135M-
 repeat a few sonnet lines verbatim, each request's output those lines' tokens), where the drafts
 of n-gram prompt lookup find their continuations in the prompt.
 
-Real engine (low load): the requests arrive ``--gap`` seconds apart (a light load: a row or
-two in the batch), run with ``unified`` alone and wrapped in ``Speculative`` at each k of
+Real engine, at each load of ``--loads`` (``NAME:N:GAP``: N requests arriving GAP seconds apart;
+default ``low:3:7``, one request at a time, and ``busy:6:1``, five or six rows in the batch), run
+with ``unified`` alone and wrapped in ``Speculative`` at each k of
 ``--ks``, greedy, EOS ignored (every request its full output), alternating (plain, k1, k2, ...
 then the next round, the order reversed on odd rounds: this machine drifts), ``--rounds``
 rounds; per configuration the medians of TPOT, ITL (one gap per chunk a client receives, as vLLM
@@ -19,7 +20,7 @@ simulation's TPOT gain is from the real one. Then the crossover: ``vllm`` with a
 k = 2 across request rates, up to far past capacity, where the verify positions take the token
 budget and the pass time that prefill and more rows would have had.
 
-    python bench/speculative.py [--rounds 3] [--ks 2,4] [--out bench/results/speculative.json]
+    python bench/speculative.py [--rounds 3] [--ks 2,4] [--loads low:3:7,busy:6:1] [--out ...]
 
 Results: ``bench/results/speculative.json`` (``docs/policies.md``).
 """
@@ -153,9 +154,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ks", default="2,4")
-    ap.add_argument("--n", type=int, default=6, help="requests of the real runs")
+    ap.add_argument("--loads", default="low:3:7,busy:6:1", help="NAME:N:GAP,...: N requests GAP seconds apart")
     ap.add_argument("--lines", type=int, default=4, help="sonnet lines each prompt asks to repeat")
-    ap.add_argument("--gap", type=float, default=1.0, help="seconds between the real runs' arrivals")
     ap.add_argument("--out", default=str(common.result_path("speculative")))
     args = ap.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
@@ -165,48 +165,56 @@ def main() -> None:
     from schedlab.engine.tokenizer import preset_tokenizer
 
     info = load_model("smollm2-135m")
-    trace = traces.load(f"copy:n={args.n},lines={args.lines}", tokenizer=preset_tokenizer())
-    reqs = [dataclasses.replace(r, arrival_s=i * args.gap) for i, r in enumerate(trace.requests)]
-    runs, same = _real_runs(args, reqs, info)
-    summary = {
-        name: {
-            "tpot_ms_p50": _median(rows, "tpot_ms_p50"),
-            "tpot_spread": _spread(rows, "tpot_ms_p50"),
-            "itl_ms_p50": _median(rows, "itl_ms_p50"),
-            "output_throughput_tok_s": _median(rows, "output_throughput_tok_s"),
-            "makespan_s": _median(rows, "makespan_s"),
-            "acceptance_rate": rows[0]["speculative"]["acceptance_rate"] if rows[0]["speculative"] else None,
-            "mean_acceptance_length": rows[0]["speculative"]["mean_acceptance_length"]
-            if rows[0]["speculative"]
-            else None,
+    loads = {}
+    for item in args.loads.split(","):
+        name, n, gap = item.split(":")
+        trace = traces.load(f"copy:n={n},lines={args.lines}", tokenizer=preset_tokenizer())
+        reqs = [dataclasses.replace(r, arrival_s=i * float(gap)) for i, r in enumerate(trace.requests)]
+        runs, same = _real_runs(args, reqs, info)
+        summary = {
+            key: {
+                "tpot_ms_p50": _median(rows, "tpot_ms_p50"),
+                "tpot_spread": _spread(rows, "tpot_ms_p50"),
+                "itl_ms_p50": _median(rows, "itl_ms_p50"),
+                "output_throughput_tok_s": _median(rows, "output_throughput_tok_s"),
+                "makespan_s": _median(rows, "makespan_s"),
+                "acceptance_rate": rows[0]["speculative"]["acceptance_rate"] if rows[0]["speculative"] else None,
+                "mean_acceptance_length": rows[0]["speculative"]["mean_acceptance_length"]
+                if rows[0]["speculative"]
+                else None,
+            }
+            for key, rows in runs.items()
         }
-        for name, rows in runs.items()
-    }
-    for name in summary:
-        if name != "plain":
-            summary[name]["tpot_gain"] = summary["plain"]["tpot_ms_p50"] / summary[name]["tpot_ms_p50"]
-            summary[name]["itl_ratio"] = summary["plain"]["itl_ms_p50"] / summary[name]["itl_ms_p50"]
-    sim = _simulated(reqs, runs, args.ks)
-    for name in sim:
-        if name != "plain":
-            sim[name]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[name]["tpot_ms_p50"]
+        for key in summary:
+            if key != "plain":
+                summary[key]["tpot_gain"] = summary["plain"]["tpot_ms_p50"] / summary[key]["tpot_ms_p50"]
+                summary[key]["itl_ratio"] = summary["plain"]["itl_ms_p50"] / summary[key]["itl_ms_p50"]
+        sim = _simulated(reqs, runs, args.ks)
+        for key in sim:
+            if key != "plain":
+                sim[key]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[key]["tpot_ms_p50"]
+        loads[name] = {
+            "requests": int(n),
+            "gap_s": float(gap),
+            "trace": trace.description,
+            "tokens_equal_without_speculation": same,
+            "real": {"runs": runs, "summary": summary},
+            "simulated": sim,
+        }
     best = min(args.ks)
     big = traces.load("copy:n=64,lines=4,rate=1", tokenizer=preset_tokenizer())  # (Poisson: its rate can be set)
     rates = [0.05, 0.2, 0.5, 1, 2, 4, 8, 16, 32]
-    crossover = _crossover(big, sim[f"k{best}"]["acceptance"], rates, best)
+    first = next(iter(loads.values()))
+    crossover = _crossover(big, first["simulated"][f"k{best}"]["acceptance"], rates, best)
     common.write_json(
         {
             "bench": "speculative",
             "what": "n-gram speculative decoding (unified) on a copy-heavy workload, SmolLM2-135M on this CPU: real "
-            "runs alternating plain and each k, medians over rounds; the simulation of the same runs with the "
-            "acceptance they measured; the simulated crossover across load (vllm)",
-            "trace": trace.description,
+            "runs at each load alternating plain and each k, medians over rounds; the simulation of the same runs "
+            "with the acceptance they measured; the simulated crossover across load (vllm)",
             "rounds": args.rounds,
-            "gap_s": args.gap,
             "ks": args.ks,
-            "tokens_equal_without_speculation": same,
-            "real": {"runs": runs, "summary": summary},
-            "simulated": sim,
+            "loads": loads,
             "crossover": {"policy": "vllm", "k": best, "rows": crossover},
         },
         args.out,
