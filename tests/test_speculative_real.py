@@ -146,3 +146,42 @@ def test_the_copy_workload_asks_for_its_prompts_lines_and_counts_them():
     assert len({r.messages for r in tr.requests}) == 3 and tr.requests[1].arrival_s > 0
     with pytest.raises(traces.TraceError, match="copy: lines must be an integer >= 1"):
         traces.load("copy:lines=0", tokenizer=tok)
+
+
+def test_serve_speculates_and_counts_it_on_metrics(tmp_path):
+    """``serve --speculative`` on SmolLM2, driven by the openai SDK: a copy-heavy chat's answer is
+    the same text as a server without speculation gives (greedy), and /metrics counts the drafts
+    as vLLM's spec-decode counters do."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server import MODEL, Served, needs_wheel
+
+    needs_wheel()
+    ask = (
+        "Repeat the following lines exactly:\n\n"
+        "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate."
+    )
+    answers, counts = {}, {}
+    for name, extra in (("plain", []), ("spec", ["--speculative", "ngram:k=3"])):
+        served = Served(["--policy", "unified", "--max-tokens", "40", *extra], tmp_path / name)
+        try:
+            out = served.client().chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": ask}],
+                max_tokens=40,
+                temperature=0,
+            )
+            answers[name] = out.choices[0].message.content
+            text = httpx.get(served.url + "/metrics", timeout=30).text
+            counts[name] = {
+                s.name: s.value
+                for fam in text_string_to_metric_families(text)
+                for s in fam.samples
+                if s.name.startswith("vllm:spec_decode") and "position" not in s.labels
+            }
+        finally:
+            served.stop()
+    assert answers["spec"] == answers["plain"] and answers["plain"]
+    spec = counts["spec"]
+    assert 0 < spec["vllm:spec_decode_num_accepted_tokens_total"] <= spec["vllm:spec_decode_num_draft_tokens_total"]
+    assert counts["plain"]["vllm:spec_decode_num_draft_tokens_total"] == 0

@@ -119,6 +119,26 @@ def _speculation(spec: dict[str, Any] | None):
     return acceptance, wrap
 
 
+def speculative_text(spec: dict[str, Any] | None) -> str | None:
+    """``parse_speculative``'s answer as ``--speculative``'s text (what a replica process is given)."""
+    if spec is None:
+        return None
+    parts = [f"k={spec['k']}", f"adaptive={str(bool(spec['adaptive'])).lower()}", f"seed={spec['seed']}"]
+    accept = spec.get("accept")
+    if accept is not None:
+        parts.append("accept=" + (accept if isinstance(accept, str) else "/".join(str(p) for p in accept)))
+    return f"{spec['method']}:" + ",".join(parts)
+
+
+def speculative_policy(policy: Any, spec: dict[str, Any] | None) -> Any:
+    """``policy`` drafting tokens as ``spec`` (``parse_speculative``'s) says: a real run's (its
+    model decides what it accepts; ``accept``, if given, is the adaptive k's prior)."""
+    if spec is None:
+        return policy
+    _, wrap = _speculation(spec)
+    return wrap(policy)
+
+
 class _Probe:
     name = "probe"
 

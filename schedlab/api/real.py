@@ -25,6 +25,7 @@ from ._base import (
     policy_options,
     public,
 )
+from .deployments import parse_speculative, speculative_policy, speculative_text
 from .inputs import as_policy, as_trace
 from .options import ClientOptions, EngineOptions, ReplicaOptions, merged
 from .profiles import ProfileLike, ReplicaCostModel, linear_model, profile_path
@@ -418,6 +419,7 @@ def run_real(
     out: str | Path | None = None,
     executor: str = "local",
     ray_address: str | None = None,
+    speculative: str | Mapping[str, Any] | None = None,
 ) -> "Run | ClusterRun":
     """Run ``policy`` on ``trace`` with a real MLX model (the ``run-real`` command): the same
     loop as ``simulate``, every pass a real forward, the clock wall time. ``out``: the run
@@ -441,7 +443,10 @@ def run_real(
     counted with the model's tokenizer; ``run.texts`` holds what the model generated,
     ``run.features`` and ``run.residuals()`` the steps' measured/predicted. ``log(kind,
     message)`` hears progress, notes and warnings (default: warnings as ``SchedlabWarning``);
-    ``on_step(finished, requests)`` is called after every step."""
+    ``on_step(finished, requests)`` is called after every step. ``speculative``: speculative
+    decoding (``"ngram:k=4"``, as ``simulate`` takes it): the policy's decode rows verify up to k
+    draft tokens found by n-gram prompt lookup, greedy rows only; the model decides what it
+    accepts (``accept`` is only the adaptive k's prior)."""
     log = logger(log)
     seed = check_seed(seed)
     opts = merged(
@@ -477,8 +482,9 @@ def run_real(
             _engine_checks(opts)
             return run_real_cluster(policy, trace, options=options, engine=opts, replica=rep, cluster=cluster,
                                     split=split, profile=profile, no_calibrate=no_calibrate, seed=seed, out=out,
-                                    log=log, executor=where, ray_address=ray_address)  # fmt: skip
-    pol = as_policy(policy, options)
+                                    log=log, executor=where, ray_address=ray_address,
+                                    speculative=speculative_text(parse_speculative(speculative)))  # fmt: skip
+    pol = speculative_policy(as_policy(policy, options), parse_speculative(speculative))
     sampler = _engine_checks(opts)
     slos = parse_slo(slo)
     got: dict[str, Any] = {}

@@ -165,6 +165,7 @@ def run_real_cluster(
     log: Log,
     executor: str = "local",
     ray_address: str | None = None,
+    speculative: str | None = None,
 ) -> ClusterRun:
     """``run_real(..., replicas=N)``: the trace's requests sent at their arrival times to a front
     over N replica processes (``serving.cluster.run_real_cluster``); a ``ClusterRun``."""
@@ -174,7 +175,9 @@ def run_real_cluster(
     # calibrated first where no profile matches, as with one replica (the first replica calibrates,
     # the others find its profile)
     calibrate = profile is None and not no_calibrate
-    args = replica_args(policy, options, engine, replica, profile=profile, calibrate=calibrate, seed=seed)
+    args = replica_args(
+        policy, options, engine, replica, profile=profile, calibrate=calibrate, seed=seed, speculative=speculative
+    )
     tr = as_trace(trace, seed=seed, tokenizer=_Uncounted())  # (the replicas count)
     pol = as_policy(str(policy), options)
     return run(

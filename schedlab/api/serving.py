@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from schedlab.serving.result import ClusterRun
 
 from ._base import Log, PolicyLike, check_seed, fail, logger, opt, public
+from .deployments import parse_speculative, speculative_policy, speculative_text
 from .inputs import as_policy
 from .options import EngineOptions, ReplicaOptions
 from .profiles import ProfileLike
@@ -62,6 +63,7 @@ def serve(
     replica_urls: Sequence[str] | None = None,
     executor: str = "local",
     ray_address: str | None = None,
+    speculative: str | Mapping[str, Any] | None = None,
 ) -> "Run | ClusterRun":
     """Serve ``policy`` on ``model`` over HTTP (the ``serve`` command) until SIGINT or SIGTERM:
     OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, ``/v1/models``, ``/health``,
@@ -81,7 +83,8 @@ def serve(
     model and machine, calibrate one first (else plan with the nearest); ``max_tokens``: what a
     request that gives none gets; ``max_waiting``: a request arriving while that many wait to be
     admitted gets a 429. The listening line (and its address) goes to stderr; ``log(kind,
-    message)`` hears progress, notes and warnings."""
+    message)`` hears progress, notes and warnings. ``speculative``: speculative decoding on every
+    replica (``"ngram:k=4"``, as ``run_real`` takes it; /metrics counts it as vLLM does)."""
     from schedlab.serving.http import DEFAULT_MAX_TOKENS
     from schedlab.serving.single import check_address
 
@@ -95,6 +98,8 @@ def serve(
     replica = ReplicaOptions(kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching)
     seed = check_seed(seed)
     pol = as_policy(policy, options)  # a bad policy fails before the model loads
+    spec = parse_speculative(speculative)
+    pol = speculative_policy(pol, spec)
     cluster, split = cluster_of(replicas, router, router_options, prefill, decode, prefix_caching)  # and a router
     executor = executor_of(executor, ray_address, cluster.replicas, split)
     check_address(host, port)  # and so does an address in use (loading a model takes seconds)
@@ -113,6 +118,7 @@ def serve(
             max_tokens=max_tokens,
             served_name=served_model_name,
             max_waiting=max_waiting,
+            speculative=speculative_text(spec),
         )
         return serve_cluster(
             cluster.replicas,

@@ -42,6 +42,12 @@ real_app = make_app(
 )
 
 
+SPECULATIVE_HELP = (
+    "speculative decoding: ngram:k=4 (every decode row verifies up to k draft tokens found by n-gram prompt "
+    "lookup; greedy rows only; adaptive=true,accept=P1/P2/...: k chosen per step from that acceptance prior)"
+)
+
+
 @real_app.command()
 def run_real(
     policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
@@ -118,6 +124,7 @@ def run_real(
         "local", "--executor", help="with --replicas: local (processes here) or ray (Ray actors, as serve --executor)"
     ),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
 ) -> None:
     """Run POLICY on TRACE with a real model and print the summary."""
     import schedlab
@@ -154,6 +161,7 @@ def run_real(
             out=out,
             executor=executor,
             ray_address=ray_address,
+            speculative=speculative,
         )
     if cluster:  # (schedlab.serving.cluster: the front's summary; each replica's run directory in OUT)
         _cluster_report(run, quiet)

@@ -107,6 +107,12 @@ serve_app = make_app(
 )
 
 
+SPECULATIVE_HELP = (
+    "speculative decoding: ngram:k=4 (every decode row verifies up to k draft tokens found by n-gram prompt "
+    "lookup; greedy rows only; adaptive=true,accept=P1/P2/...: k chosen per step from that acceptance prior)"
+)
+
+
 @serve_app.command()
 def serve(
     policy: Optional[str] = typer.Option(
@@ -164,6 +170,7 @@ def serve(
     replica_url: Optional[List[str]] = typer.Option(None, "--replica-url", help=REPLICA_URL_HELP),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
 ) -> None:
     """Serve POLICY on MODEL over HTTP until SIGINT/SIGTERM."""
     import schedlab
@@ -202,6 +209,7 @@ def serve(
             replica_urls=replica_url or None,
             executor=executor,
             ray_address=ray_address,
+            speculative=speculative,
         )
     if not quiet:
         print(run.report())

@@ -337,6 +337,7 @@ def serve_args(
     max_tokens: int | None = None,
     served_name: str | None = None,
     max_waiting: int | None = None,
+    speculative: str | None = None,
 ) -> list[str]:
     """The options of ``schedlab serve`` one replica process starts with (each loads the policy,
     the model and its cost model itself): ``policy`` a bundled name or ``file.py:Class``,
@@ -350,6 +351,7 @@ def serve_args(
         ("--profile", profile),
         ("--kv-tokens", kv_tokens),
         ("--noise", noise),
+        ("--speculative", speculative),
         ("--max-waiting", max_waiting),
     ):
         args += [flag, str(value)] if value is not None else []
