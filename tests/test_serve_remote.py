@@ -62,86 +62,70 @@ def _nowhere() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_a_front_routes_to_replicas_it_did_not_start_and_leaves_them_running(tmp_path):
+def test_fronts_over_ray_actors_and_over_replicas_they_did_not_start(tmp_path):
+    """One pair of replicas for both: a front starts them as Ray actors on a local Ray; a second
+    front routes to their URLs (``--replica-url``: replicas it did not start) and leaves them
+    running when it stops; ending the first front ends the actors, their replicas and the Ray."""
     nowhere = _nowhere()
     dead = subprocess.Popen([*command("serve"), "--replica-url", nowhere], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    with ThreadPoolExecutor(2) as ex:  # (at once: each loads the model)
-        replicas = list(ex.map(lambda i: Served(REPLICA, tmp_path / f"by-hand-{i}"), range(2)))
-    urls = [r.url for r in replicas]
-    try:
-        front = Served(["--replica-url", urls[0], "--replica-url", urls[1] + "/", "--router", "round-robin"],
-                       tmp_path / "front")  # fmt: skip
-        said = "".join(front.stderr)
-        assert "2 replicas at the URLs given" in said and "policy vllm" in said and f"model {MODEL}" in said, said
-        got = _answers(front)
-        # routed to both: each replica's own count, and the front's
-        assert [_received(u) for u in urls] == [1, 1]
-        h = httpx.get(front.url + "/health").json()
-        assert [(r["url"], r["routed"], r["pid"], r["started"]) for r in h["replicas"]] == [
-            (u, 1, None, False) for u in urls
-        ]
-        # the answers are the replicas' own (greedy: the same question asked of a replica directly)
-        direct = replicas[1].client().chat.completions.create(model=MODEL, messages=chat(ASKED[0]), max_tokens=4)
-        assert got[ASKED[0]] == direct.choices[0].message.content and all(got.values())
-
-        rc, stdout = front.stop()
-        assert rc == 0, "".join(front.stderr)
-        assert "replica 0: not started here, left running" in stdout, stdout
-        info = json.loads((tmp_path / "front" / "cluster.json").read_text())
-        assert [(p["url"], p["requests"], p["run_dir"]) for p in info["per_replica"]] == [(u, 1, None) for u in urls]
-        assert info["policy"] == "vllm" and info["model"] == MODEL
-        # the replicas go on serving
-        assert all(r.proc.poll() is None for r in replicas)
-        assert [httpx.get(u + "/health").json()["status"] for u in urls] == ["ok", "ok"]
-        assert [_received(u) for u in urls] == [1, 2]  # (and replica 1 had the direct question)
-    finally:
-        for r in replicas:
-            if r.proc.poll() is None:
-                rc, _ = r.stop()
-                assert rc == 0, "".join(r.stderr)
-
-    # the replica URL where nothing answers (on the command line: one line, status 2) and the rest
-    # through the API
-    _, err = dead.communicate(timeout=60)
-    assert dead.returncode == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"replica 0 at {nowhere} does not answer (ConnectError" in err, err
-    for kwargs, words in (
-        (dict(replica_urls=[urls[0]], replicas=2), "replicas does not go with the replicas at URLs"),
-        (dict(replica_urls=urls, policy="vllm"), "run their own policies: leave out policy"),
-        (dict(replica_urls=urls, kv_tokens=100), "kv_tokens does not go with replica_urls"),
-        (dict(replica_urls=["localhost"]), "replica URL 'localhost' is not http://host:port"),
-        (dict(replica_urls=[urls[0], urls[0] + "/"]), "is given twice"),
-        (dict(policy="vllm", executor="ray"), "executor ray starts the replicas of replicas N > 1"),
-        (dict(policy="vllm", executor="ray", prefill=1, decode=1), "executor ray does not go with prefill/decode"),
-        (dict(policy="vllm", ray_address="x:1"), "ray_address goes with the ray executor"),
-        (dict(), "policy is needed"),
-    ):
-        with pytest.raises(schedlab.SchedlabError, match=re.escape(words)):
-            schedlab.serve(**kwargs)
-
-
-def test_replicas_started_as_ray_actors_on_a_local_ray(tmp_path):
     front = Served([*REPLICA, "--replicas", "2", "--executor", "ray", "--router", "round-robin"], tmp_path / "out")
     try:
         said = "".join(front.stderr)
         assert "2 replicas on Ray" in said, said
-        h = httpx.get(front.url + "/health").json()
-        reps = h["replicas"]
-        pids = [r["pid"] for r in reps]
+        reps = httpx.get(front.url + "/health").json()["replicas"]
+        pids, urls = [r["pid"] for r in reps], [r["url"] for r in reps]
         assert all(r["up"] for r in reps) and len(set(pids)) == 2 and all(map(_alive, pids))
         ray_procs = _children(front.proc.pid)  # (the local Ray the front started: its processes)
         assert ray_procs and not set(pids) & set(ray_procs)  # (each replica a child of its actor)
         got = _answers(front)
-        assert [_received(r["url"]) for r in reps] == [1, 1] and all(got.values())
+        assert [_received(u) for u in urls] == [1, 1] and all(got.values())
+
+        # a front over the same replicas by URL: it routes to both and never owns them
+        other = Served(["--replica-url", urls[0], "--replica-url", urls[1] + "/", "--router", "round-robin"],
+                       tmp_path / "front")  # fmt: skip
+        said = "".join(other.stderr)
+        assert "2 replicas at the URLs given" in said and "policy vllm" in said and f"model {MODEL}" in said, said
+        c = other.client()  # (completions: ids of their own, not the first front's chat ids)
+        again = [c.completions.create(model=MODEL, prompt=q, max_tokens=4).choices[0].text for q in ASKED]
+        assert [_received(u) for u in urls] == [2, 2] and len(again) == 2  # (one each: round-robin)
+        h = httpx.get(other.url + "/health").json()
+        assert [(r["url"], r["routed"], r["pid"], r["started"]) for r in h["replicas"]] == [
+            (u, 1, None, False) for u in urls
+        ]
+        rc, stdout = other.stop()
+        assert rc == 0, "".join(other.stderr)
+        assert "replica 0: not started here, left running" in stdout, stdout
+        info = json.loads((tmp_path / "front" / "cluster.json").read_text())
+        assert [(p["url"], p["requests"], p["run_dir"]) for p in info["per_replica"]] == [(u, 1, None) for u in urls]
+        assert info["policy"] == "vllm" and info["model"] == MODEL
+        assert all(map(_alive, pids)) and [httpx.get(u + "/health").json()["status"] for u in urls] == ["ok", "ok"]
+        for kwargs, words in (
+            (dict(replica_urls=[urls[0]], replicas=2), "replicas does not go with the replicas at URLs"),
+            (dict(replica_urls=urls, policy="vllm"), "run their own policies: leave out policy"),
+            (dict(replica_urls=urls, kv_tokens=100), "kv_tokens does not go with replica_urls"),
+            (dict(replica_urls=["localhost"]), "replica URL 'localhost' is not http://host:port"),
+            (dict(replica_urls=[urls[0], urls[0] + "/"]), "is given twice"),
+            (dict(policy="vllm", executor="ray"), "executor ray starts the replicas of replicas N > 1"),
+            (dict(policy="vllm", executor="ray", prefill=1, decode=1), "executor ray does not go with prefill/decode"),
+            (dict(policy="vllm", ray_address="x:1"), "ray_address goes with the ray executor"),
+            (dict(), "policy is needed"),
+        ):
+            with pytest.raises(schedlab.SchedlabError, match=re.escape(words)):
+                schedlab.serve(**kwargs)
+
         rc, stdout = front.stop()
         assert rc == 0, "".join(front.stderr)
         assert re.search(r"Successful requests:\s+2\b", stdout)
         # ending the front ended the actors, their replica processes and the local Ray
         until("the replicas and the local Ray gone", lambda: not [p for p in pids + ray_procs if _alive(p)], 30)
         for i in (0, 1):  # each replica wrote its run directory as it shut down
-            assert json.loads((tmp_path / "out" / f"replica-{i}" / "summary.json").read_text())["finished"] == 1
+            assert json.loads((tmp_path / "out" / f"replica-{i}" / "summary.json").read_text())["finished"] == 2
     finally:
         if front.proc.poll() is None:
             front.proc.kill()
             front.proc.wait()
+    # the replica URL where nothing answers (on the command line): one line, status 2
+    _, err = dead.communicate(timeout=60)
+    assert dead.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"replica 0 at {nowhere} does not answer (ConnectError" in err, err

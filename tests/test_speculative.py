@@ -190,7 +190,6 @@ def test_a_deployment_that_drafts_needs_an_acceptance_profile():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("ngram:k=4", "needs an acceptance profile"),
         ("medusa:k=4,accept=0.5", "the method is ngram"),
         ("ngram:k=0,accept=0.5", "k must be an integer >= 1"),
         ("ngram:k=two,accept=0.5", "k must be an integer"),
@@ -199,15 +198,21 @@ def test_a_deployment_that_drafts_needs_an_acceptance_profile():
         ("ngram:k=4,colour=red,accept=0.5", "unknown key 'colour'"),
     ],
 )
-def test_bad_speculative_flags_are_one_line(spec, message):
+def test_bad_speculative_settings_are_one_line(spec, message):
+    with pytest.raises(schedlab.SchedlabError, match=re.escape(message)) as err:
+        schedlab.simulate("vllm", "mixed", speculative=spec)
+    assert "\n" not in str(err.value) and err.value.code == 2
+
+
+def test_a_bad_speculative_flag_is_one_line_and_exit_2():
     proc = subprocess.run(
-        [*command("simulate"), "--policy", "vllm", "--trace", "mixed", "--speculative", spec],
+        [*command("simulate"), "--policy", "vllm", "--trace", "mixed", "--speculative", "ngram:k=4"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "needs an acceptance profile" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_the_replicas_metrics_carry_vllms_spec_decode_counters():

@@ -110,17 +110,6 @@ def test_preemption_and_eos_keep_the_tokens_exact(micro, references):
     assert backend.tokens["b"] == references["b"]
 
 
-def test_smollm2_tokens_with_speculation_equal_without():
-    info = load_model("smollm2-135m")
-    trace = [Request("s", 0.0, 30, 40), Request("t", 0.0, 12, 40)]
-    plain, spec = MLXBackend(info), MLXBackend(info)
-    assert run_replica(trace, make_policy("unified"), NO_COST, kv_capacity=4096, backend=plain).error is None
-    res = run_replica(trace, Speculative(make_policy("unified"), k=4), NO_COST, kv_capacity=4096, backend=spec)
-    assert res.error is None
-    assert spec.tokens == plain.tokens
-    assert res.speculative["accepted_tokens"] > 0
-
-
 def test_a_model_whose_cache_cannot_roll_back_refuses_in_one_line():
     info = load_model("micro-qwen3_5")
     with pytest.raises(EngineError, match="cannot do: run it without --speculative") as err:
@@ -148,10 +137,10 @@ def test_the_copy_workload_asks_for_its_prompts_lines_and_counts_them():
         traces.load("copy:lines=0", tokenizer=tok)
 
 
-def test_serve_speculates_and_counts_it_on_metrics(tmp_path):
+def test_serve_speculates_the_model_alones_answer_and_counts_it_on_metrics(tmp_path):
     """``serve --speculative`` on SmolLM2, driven by the openai SDK: a copy-heavy chat's answer is
-    the same text as a server without speculation gives (greedy), and /metrics counts the drafts
-    as vLLM's spec-decode counters do."""
+    the text the model gives alone without speculation (greedy: the engine in this process, no
+    drafts), and /metrics counts the drafts as vLLM's spec-decode counters do."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     from test_server import MODEL, Served, needs_wheel
@@ -161,27 +150,28 @@ def test_serve_speculates_and_counts_it_on_metrics(tmp_path):
         "Repeat the following lines exactly:\n\n"
         "Shall I compare thee to a summer's day?\nThou art more lovely and more temperate."
     )
-    answers, counts = {}, {}
-    for name, extra in (("plain", []), ("spec", ["--speculative", "ngram:k=3"])):
-        served = Served(["--policy", "unified", "--max-tokens", "40", *extra], tmp_path / name)
-        try:
-            out = served.client().chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": ask}],
-                max_tokens=40,
-                temperature=0,
-            )
-            answers[name] = out.choices[0].message.content
-            text = httpx.get(served.url + "/metrics", timeout=30).text
-            counts[name] = {
-                s.name: s.value
-                for fam in text_string_to_metric_families(text)
-                for s in fam.samples
-                if s.name.startswith("vllm:spec_decode") and "position" not in s.labels
-            }
-        finally:
-            served.stop()
-    assert answers["spec"] == answers["plain"] and answers["plain"]
-    spec = counts["spec"]
-    assert 0 < spec["vllm:spec_decode_num_accepted_tokens_total"] <= spec["vllm:spec_decode_num_draft_tokens_total"]
-    assert counts["plain"]["vllm:spec_decode_num_draft_tokens_total"] == 0
+    served = Served(["--policy", "unified", "--max-tokens", "32", "--speculative", "ngram:k=3"], tmp_path / "spec")
+    try:
+        out = served.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": ask}], max_tokens=32, temperature=0
+        )
+        text = httpx.get(served.url + "/metrics", timeout=30).text
+    finally:
+        served.stop()
+    counts = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("vllm:spec_decode") and "position" not in s.labels
+    }
+    assert 0 < counts["vllm:spec_decode_num_accepted_tokens_total"] <= counts["vllm:spec_decode_num_draft_tokens_total"]
+    info = load_model(MODEL)
+    alone = MLXBackend(info)
+    from schedlab.engine.tokenizer import preset_tokenizer
+    from schedlab.traces.datasets import _Counter
+
+    req = Request("alone", 0.0, _Counter(preset_tokenizer())(ask), 32, messages=(("user", ask),))
+    res = run_replica([req], make_policy("unified"), NO_COST, kv_capacity=4096, backend=alone)
+    assert res.error is None and res.speculative is None
+    said = [t for t in alone.tokens["alone"] if t not in set(info.eos_token_ids or ())]  # (the EOS is not text)
+    assert out.choices[0].message.content == info.tokenizer.decode(said).strip()

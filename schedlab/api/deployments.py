@@ -283,6 +283,26 @@ def cluster_meta(d, result) -> dict[str, Any]:
     return {**dict(result.cluster), **({"file": d.file} if d.file else {}), "groups": groups}
 
 
+def run_meta(d, result, grouped: bool, seed: int) -> dict[str, Any]:
+    """meta.json of a simulation of deployment ``d``: the cost model's (the one every group has),
+    the KV capacity, the KV cache's settings, the seed, the policy's options, the cluster's and
+    the deployment as it was described."""
+    from ._base import policy_options
+
+    several = d.router is not None
+    meta = common_meta(d) if grouped else dict(d.groups[0].meta)
+    return {
+        **meta,
+        "kv_tokens": result.kv_capacity if not several else kv_tokens_of(result),
+        "block_size": d.block_size,
+        "prefix_caching": d.prefix_caching,
+        "seed": seed,
+        "policy_options": policy_options(d.policies[0]) if not grouped else common_options(d),
+        **({"cluster": cluster_meta(d, result) if grouped else dict(result.cluster)} if several else {}),
+        "deployment": d.describe(),
+    }
+
+
 def label_summary(s: dict[str, Any], d, result) -> dict[str, Any]:
     """The summary with each replica's group, policy, cost model and KV capacity in its own
     summary (and its pool in a disaggregated deployment), and the policies' names joined when

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ._base import PolicyLike, TraceLike, check_seed, fail, parse_slo, policy_options, public
+from ._base import PolicyLike, TraceLike, check_seed, fail, parse_slo, public
 from ..errors import SchedlabError
 from .inputs import as_trace
 from .options import ClientOptions, ClusterOptions, ReplicaOptions, merged
@@ -80,15 +80,7 @@ def simulate(
     from schedlab.sim.gcpause import gc_paused
     from schedlab.sim.metrics import summarize
 
-    from .deployments import (
-        build,
-        cluster_meta,
-        common_meta,
-        common_options,
-        kv_tokens_of,
-        label_summary,
-        parse_speculative,
-    )
+    from .deployments import build, label_summary, parse_speculative, run_meta
 
     seed = check_seed(seed)
     cluster_options = merged(
@@ -135,21 +127,7 @@ def simulate(
         s = summarize(result, slo=slos or None)
         return label_summary(s, deployment, result) if several else s
 
-    meta = common_meta(deployment) if grouped else dict(deployment.groups[0].meta)
-    return Run(
-        result,
-        summary,
-        {
-            **meta,
-            "kv_tokens": result.kv_capacity if not several else kv_tokens_of(result),
-            "block_size": replica_options.block_size,
-            "prefix_caching": replica_options.prefix_caching,
-            "seed": seed,
-            "policy_options": policy_options(deployment.policies[0]) if not grouped else common_options(deployment),
-            **({"cluster": cluster_meta(deployment, result) if grouped else dict(result.cluster)} if several else {}),
-            "deployment": deployment.describe(),
-        },
-    )
+    return Run(result, summary, run_meta(deployment, result, grouped, seed))
 
 
 def _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica) -> None:

@@ -24,6 +24,12 @@ from ._app import (
     run_app,
 )
 
+SPECULATIVE_HELP = (
+    "speculative decoding, every replica's policy drafting tokens: ngram:k=4,accept=0.8/0.6/0.4/0.3 (accept: the "
+    "acceptance of each draft position the simulation draws from; adaptive=true: k chosen per step, at most k; "
+    "seed=N: the draws' seed)"
+)
+
 simulate_app = make_app(
     "Simulate a scheduling policy over a trace with a calibrated cost model and print the `vllm bench serve` summary."
 )
@@ -111,13 +117,7 @@ def simulate(
         "policies and cost models: --policy, -o, --profile, --hardware, --model-config, --quant, --kv-tokens and "
         "--replicas are errors beside it; --router, --router-option and --router-delay override the file's",
     ),
-    speculative: Optional[str] = typer.Option(
-        None,
-        "--speculative",
-        help="speculative decoding, every replica's policy drafting tokens: ngram:k=4,accept=0.8/0.6/0.4/0.3 "
-        "(accept: the acceptance of each draft position the simulation draws from; adaptive=true: k chosen per "
-        "step, at most k; seed=N: the draws' seed)",
-    ),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print nothing but errors"),
 ) -> None:
     """Simulate POLICY on TRACE and print the summary."""
