@@ -169,7 +169,7 @@ class Speculative:
         best_k, best = 0, len(ctxs) / base if base > 0 else 0.0
         for k in range(1, self.k + 1):
             drafts = tuple(min(k, left - 1) if left > 1 else 0 for left in lefts)
-            tokens = sum(_expected(accept, d) for d in drafts)
+            tokens = sum(expected_tokens(accept, d) for d in drafts)
             seconds = base + verify_seconds(model, PassShape(ctxs, decode_drafts=drafts))
             if seconds > 0 and tokens / seconds > best:
                 best_k, best = k, tokens / seconds
@@ -177,8 +177,10 @@ class Speculative:
         return best_k
 
 
-def _expected(accept: Sequence[float], k: int) -> float:
-    """Tokens a row of ``k`` drafts yields on average: 1 + the expected accepted drafts."""
+def expected_tokens(accept: Sequence[float], k: int) -> float:
+    """Tokens a row of ``k`` drafts yields on average under the per-position acceptance
+    ``accept``: 1 + the expected accepted drafts (the simulator's profile says the same:
+    ``sim.speculation.Acceptance.expected_tokens``)."""
     out, keep = 1.0, 1.0
     for p in accept[:k]:
         keep *= p

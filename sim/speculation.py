@@ -23,6 +23,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from schedlab.policies.speculative import expected_tokens
+
 
 class SpeculationError(ValueError):
     """A bad acceptance profile: one line."""
@@ -62,12 +64,9 @@ class Acceptance:
         return a
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a verify row of ``k`` drafts yields on average: 1 + the expected accepted."""
-        out, keep = 1.0, 1.0
-        for p in self.accept[:k]:
-            keep *= p
-            out += keep
-        return out
+        """Tokens a verify row of ``k`` drafts yields on average: 1 + the expected accepted
+        (``policies.speculative.expected_tokens``, what the adaptive k weighs)."""
+        return expected_tokens(self.accept, k)
 
     def describe(self) -> dict[str, Any]:
         return {"accept": list(self.accept), "seed": self.seed}
