@@ -2,7 +2,8 @@
 
 Pure numerics (no mlx): ``engine.calibrate`` measures (``analysis.samples``), this module fits. Groups are fitted
 apart (decode and prefill terms fitted apart fit best here); the copy terms (join, leave)
-are fitted on what is left of their passes once the decode terms are known; mixed passes
+are fitted on what is left of their passes once the decode terms are known, the verify terms on
+what a verify pass took beyond the plain decode pass of the same rows timed beside it; mixed passes
 are never fitted, only predicted. A quarter of each group's points is held out.
 """
 
@@ -18,6 +19,7 @@ from schedlab.sim.cost import (
     FEATURES,
     PASS_FEATURES,
     PREFILL_SHAPE_TERMS,
+    VERIFY_TERMS,
     LinearCostModel,
     fit_linear,
 )
@@ -80,7 +82,7 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
     """Coefficients for every term, each group fitted apart, plus the fit report."""
     by = {
         g: [s for s in samples if s.group == g]
-        for g in ("decode", "join", "leave", "prefill", "padded", "mixed", "step")
+        for g in ("decode", "join", "leave", "prefill", "padded", "mixed", "step", "verify", "verify_base")
     }
     coef: dict[str, float] = dict.fromkeys(FEATURES, 0.0)
     report: dict[str, Any] = {}
@@ -131,7 +133,44 @@ def fit_profile(samples: list[Sample]) -> tuple[dict[str, float], dict[str, Any]
         + by["mixed"]
     )
     report["held_out_passes"] = _errors(model, held, passes)
+    verify, verify_report = fit_verify(samples, coef)
+    coef.update(verify)
+    report.update(verify_report)
     return coef, report
+
+
+def fit_verify(samples: Sequence[Sample], coef: dict[str, float]) -> tuple[dict[str, float], dict[str, Any]]:
+    """The verify terms (speculative decoding's verify passes) from ``samples``' ``verify`` points
+    and their ``verify_base`` pairs: fitted to what a verify pass took beyond the plain decode
+    pass of the same rows timed beside it, relative to the verify pass's seconds. ``coef``: the
+    other terms (fitted already), for the report's ``verify_passes``: the whole verify pass as a
+    simulation prices it (decode terms + verify terms) against its measurement. Nothing when
+    there are no such points (a model whose caches cannot roll back)."""
+    paired = {s.label: s.seconds for s in samples if s.group == "verify_base"}
+    verify = [s for s in samples if s.group == "verify" and s.label in paired]
+    if not verify:
+        return {}, {}
+    fit, held = split(verify)
+    got = fit_linear(
+        [s.features for s in fit],
+        [s.seconds - paired[s.label] for s in fit],
+        VERIFY_TERMS,
+        scale_by=[s.seconds for s in fit],
+    )
+
+    def pred(s):
+        return _dot(got, s.features, VERIFY_TERMS) + paired[s.label]
+
+    whole = {**coef, **got}
+    return got, {
+        "verify": {
+            "terms": list(VERIFY_TERMS),
+            "fit": _errors(None, fit, pred),
+            "r2": _r2(fit, pred),
+            "held_out": _errors(None, held, pred),
+        },
+        "verify_passes": _errors(None, verify, lambda s: _dot(whole, s.features, PASS_FEATURES)),
+    }
 
 
 def _loo_median(samples: Sequence[Sample], terms: Sequence[str]) -> float:
@@ -201,7 +240,7 @@ def format_report(profile: dict[str, Any]) -> str:
 def _grid_lines(rep: dict[str, Any]) -> list[str]:
     lines = []
     lines.append(f"{'group':<10} {'R^2':>7} {'fit med|%|':>11} {'held-out n':>11} {'med |%|':>8} {'max |%|':>8}")
-    for g in ("decode", "join", "leave", "prefill", "step", "mixed"):
+    for g in ("decode", "join", "leave", "prefill", "step", "mixed", "verify"):
         r = rep.get(g)
         if not r:
             continue

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Sequence
 from schedlab.policies import make_policy
 from schedlab.policies.base import Pass, Plan
 from schedlab.sim.cost import DEFAULT_KV_TOKENS, PROFILE_SCHEMA, LinearCostModel, pass_features, step_features
-from schedlab.analysis.fit import fit_profile, merge_rounds, report_markdown
+from schedlab.analysis.fit import fit_profile, fit_verify, merge_rounds, report_markdown
 from schedlab.analysis.samples import Sample
 from schedlab.sim import run_replica as run_loop
 from schedlab.sim.state import ReplicaState
@@ -47,6 +47,10 @@ from schedlab.traces.schema import Request
 from .backend import MLXBackend
 from .models import ModelInfo
 from .noise import Noise, allocator_settings
+
+
+def _verify_grid(rows: Sequence[int], contexts: Sequence[int], ks: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    return tuple((b, c, k) for b in rows for c in contexts for k in ks)
 
 
 @dataclass
@@ -65,6 +69,9 @@ class Grid:
     loop_policies: tuple[str, ...]
     rounds: int = 3  # every point is measured once per round; rounds are spread over the run
     max_decode_kv: int = 10**9  # skip decode points with batch x context above this
+    # verify passes (speculative decoding), (rows, context, drafts per row): a model whose
+    # caches cannot roll back drafts (sliding windows, recurrent state) skips them
+    verify: tuple[tuple[int, int, int], ...] = ()
 
 
 GRIDS = {
@@ -85,6 +92,7 @@ GRIDS = {
         # with no steal time reported), a median over 3 rounds still caught a slow spell
         rounds=5,
         max_decode_kv=64 * 1000,
+        verify=_verify_grid((1, 2, 4, 16), (60, 600), (1, 2, 4)),
     ),
     "quick": Grid(
         name="quick",
@@ -101,6 +109,7 @@ GRIDS = {
         loop_policies=("mlx-default",),
         rounds=2,
         max_decode_kv=48 * 2100,
+        verify=_verify_grid((1, 4), (60, 600), (1, 4)),
     ),
     # Models ~100M parameters and up (SmolLM2-135M: a 512-token chunk ~1.7 s, a decode step
     # 50-130 ms on 2 cores): the shapes real runs of them reach, in a few minutes.
@@ -119,6 +128,7 @@ GRIDS = {
         loop_policies=("mlx-default",),
         rounds=3,
         max_decode_kv=16 * 1000,
+        verify=_verify_grid((1, 2, 4, 8), (40, 600), (1, 2, 4)),
     ),
 }
 COMPACT_ABOVE_PARAMS = 50_000_000  # models this large calibrate on the compact grid
@@ -276,6 +286,39 @@ def measure_mixed(rig: Rig, batch: int, ctx: int, chunk: int, cctx: int, reps: i
     return _median_sample("mixed", f"B={batch} C={ctx} + n={chunk} c={cctx}" + (" done" if completes else ""), runs)
 
 
+def measure_verify(rig: Rig, batch: int, ctx: int, k: int, reps: int, warm: int = 3) -> list[Sample]:
+    """A batch of ``batch`` rows near ``ctx`` (``batch_contexts``) forms and decodes ``warm``
+    passes untimed; then ``reps`` times a plain decode pass of its rows and a verify pass of the
+    same rows, ``k`` drafts each (speculative decoding: k + 1 positions per row, the rejected
+    ones rolled back), alternately: the sample ``verify`` and its pair ``verify_base`` (the
+    plain passes), which the fit subtracts (the v_ terms are what verifying adds to the decode
+    pass of the same rows, timed in the same seconds of the machine's drift).
+
+    The drafts are the row's last token repeated: what a verify costs depends on how many
+    positions it computes, not on whether they are accepted, except for the roll-back, which
+    here rejects all of them in every row (one trim; rows accepting different numbers also
+    re-justify the batch, a copy the c_ terms' size: not in the v_ terms)."""
+    specs = [(n, warm + 1 + reps * (k + 2) + 2) for n in batch_contexts(batch, ctx)]
+    state, ids = rig.scenario(specs)
+    for rid in ids:
+        rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
+    backend = rig.backend
+    seq = backend.tokens
+    backend._propose = lambda p, st: {rid: [seq[rid][-1]] * d for rid, d in zip(p.decode, p.draft) if d}
+    try:
+        for _ in range(warm + 1):  # the batch forms (merge), then steady passes
+            rig.timed(state, Pass(decode=tuple(ids)))
+        plain, verify = [], []
+        for _ in range(reps):
+            plain.append(rig.timed(state, Pass(decode=tuple(ids))))
+            verify.append(rig.timed(state, Pass(decode=tuple(ids), draft=(k,) * batch)))
+    finally:
+        del backend._propose
+    rig.close(state)
+    label = f"B={batch} C={ctx} k={k}"
+    return [_median_sample("verify", label, verify), _median_sample("verify_base", label, plain)]
+
+
 class _StepRecorder:
     """Wraps the backend in a real loop run: the passes' own time per step."""
 
@@ -401,6 +444,9 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
                 lambda b=b, c=c, n=n, cc=cc, d=bool(k % 2): [measure_mixed(rig, b, c, n, cc, grid.prefill_reps, d)],
             )
         )
+    if info.plain_kv:  # (drafts roll back only from a plain KV cache)
+        for b, c, k in grid.verify:
+            jobs.append((f"verify B={b} C={c} k={k}", lambda b=b, c=c, k=k: measure_verify(rig, b, c, k, 2)))
     # Every point once per round, each round in a fresh random order: a slow spell of the
     # machine (steal time, other load) then touches one round of a point, not all of it.
     per_job: dict[int, list[list[Sample]]] = {i: [] for i in range(len(jobs))}
@@ -454,6 +500,54 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
         "fit_report": report,
         "samples": [s.to_json() for s in samples],
     }
+
+
+def add_verify_terms(
+    info: ModelInfo,
+    profile: dict[str, Any],
+    grid: Grid,
+    *,
+    seed: int = 0,
+    rounds: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """``profile`` (a calibration of ``info``'s model on this machine) with verify terms: the
+    grid's verify points measured now (``measure_verify``, every point once per round, rounds in
+    fresh random orders) and only the v_ terms fitted (``analysis.fit.fit_verify``); every other
+    coefficient is kept. For a profile measured before verify passes were part of the grid."""
+    if not info.plain_kv:
+        raise ValueError(f"{info.name}: its caches cannot roll back drafts, so it has no verify passes to time")
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    with Noise.from_env().active():
+        rig, rng = Rig(info, seed=seed), random.Random(seed)
+        for _ in range(2):  # warm-up, untimed
+            measure_verify(rig, 2, 40, 2, 1)
+        per: list[list[list[Sample]]] = [[] for _ in grid.verify]
+        n = rounds or grid.rounds
+        for rnd in range(n):
+            order = list(range(len(grid.verify)))
+            rng.shuffle(order)
+            for j, i in enumerate(order):
+                b, c, k = grid.verify[i]
+                say(f"[{rnd * len(order) + j + 1}/{n * len(order)}] round {rnd + 1}: verify B={b} C={c} k={k}")
+                per[i].append(measure_verify(rig, b, c, k, 2))
+    samples = [merge_rounds(same) for rounds_ in per for same in zip(*rounds_)]
+    got, report = fit_verify(samples, profile["coefficients"])
+    out = dict(profile)
+    out["coefficients"] = {**profile["coefficients"], **got}
+    out["fit_report"] = {**(profile.get("fit_report") or {}), **report}
+    keep = [s for s in profile.get("samples") or [] if s.get("group") not in ("verify", "verify_base")]
+    out["samples"] = keep + [s.to_json() for s in samples]
+    out["verify_calibration"] = {
+        "grid": grid.name,
+        "points": len(grid.verify),
+        "rounds": n,
+        "seed": seed,
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    return out
 
 
 def _blas_key(b: dict[str, Any]) -> dict[str, Any]:

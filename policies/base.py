@@ -193,18 +193,40 @@ class PassShape(NamedTuple):
 
 
 def verify_seconds(model: Any, shape: PassShape) -> float:
-    """What the draft positions of a pass's verify rows add to its seconds (``decode_drafts``):
-    priced as one more padded prefill of those rows, k draft positions each at the row's
-    context, the cost model's own marginal price of such a forward (its seconds less those of
-    an empty pass). An approximation until ``calibrate`` measures verify passes of its own: it
-    charges the positions' compute and attention as a prefill does, and the forward's fixed
-    cost once."""
+    """What the draft positions of a pass's verify rows add to its seconds (``decode_drafts``)
+    beyond its ``pass_seconds``: nothing for a cost model that prices them itself
+    (``prices_drafts``: a profile whose ``calibrate`` timed verify passes); else priced as one
+    more padded prefill of those rows, k draft positions each at the row's context, the cost
+    model's own marginal price of such a forward (its seconds less those of an empty pass). That
+    approximation charges the positions' compute and attention as a prefill does and the
+    forward's fixed cost once; measured on SmolLM2-135M on a CPU it over-prices a verify pass
+    (a calibrated profile's terms say by how much: ``sim.cost``'s v_ terms)."""
     drafts = shape.decode_drafts
-    if not drafts or not any(drafts):
+    if not drafts or not any(drafts) or getattr(model, "prices_drafts", False):
         return 0.0
     chunks = tuple((k, c) for k, c in zip(drafts, shape.decode_contexts) if k)
     predict = model.pass_seconds
     return max(predict(PassShape((), chunks, True)) - predict(PassShape()), 0.0)
+
+
+def draft_seconds(model: Any, shape: PassShape, fresh: Sequence[bool] = ()) -> float:
+    """What a draft model's proposals for a pass's verify rows cost, before the pass
+    (``decode_drafts``; ``model``: the draft model's own cost model, None for drafts that cost
+    nothing to find, n-gram lookup's): K decode passes of the draft model over the rows that
+    draft, K their most drafts (the engine runs each of them through all K: a row of fewer
+    drafts discards the rest), pass j at each row's context + j - 1; then, for each drafting row
+    that ``fresh`` marks (its draft cache empty: its first drafts since it was admitted or
+    preempted), the draft model's prefill of its context before that, one forward of its own."""
+    drafts = shape.decode_drafts
+    if model is None or not drafts or not any(drafts):
+        return 0.0
+    predict = model.pass_seconds
+    ctxs = tuple(c for c, k in zip(shape.decode_contexts, drafts) if k)
+    t = sum(predict(PassShape(tuple(c + j for c in ctxs))) for j in range(max(drafts)))
+    if any(fresh):
+        catch_up = tuple((c - 1, 0) for c, k, f in zip(shape.decode_contexts, drafts, fresh) if k and f and c > 1)
+        t += predict(PassShape((), catch_up)) if catch_up else 0.0
+    return t
 
 
 class CostModel:
@@ -224,7 +246,9 @@ class CostModel:
     - ``decode_run_seconds(shape, k)``: the seconds of the ``k`` decode passes that follow a
       decode pass of ``shape`` over the same rows (a ``Plan.repeat`` run; default: ``pass_seconds``
       of each, asked lazily one pass at a time); ``has_run_formula``: True when a model's own
-      is a pure formula the loop may evaluate ahead of the passes it ends up running.
+      is a pure formula the loop may evaluate ahead of the passes it ends up running;
+    - ``prices_drafts``: True when ``pass_seconds`` prices a pass's verify positions
+      (``PassShape.decode_drafts``) itself; else they are charged ``verify_seconds`` on top.
 
     ``as_cost_model`` makes one of any object with the two required methods.
 
@@ -236,6 +260,7 @@ class CostModel:
 
     has_after_wake: bool = False
     has_run_formula: bool = False
+    prices_drafts: bool = False
     cache_layout: Any = None
 
     def pass_seconds(self, shape: PassShape) -> float:
@@ -265,6 +290,7 @@ class _Plain(CostModel):
     def __init__(self, model: Any):
         self.model = model
         self.cache_layout = getattr(model, "cache_layout", None)
+        self.prices_drafts = bool(getattr(model, "prices_drafts", False))
         self.pass_seconds = model.pass_seconds  # bound once: the loop's hot path calls them
         self.step_overhead_seconds = model.step_overhead_seconds
 

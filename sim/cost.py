@@ -43,6 +43,10 @@ p_small         each chunk's first PREFILL_SMALL tokens (rows x that when padded
                 costs more per token than a long one (BLAS's small-matrix path; measured here for
                 SmolLM2: 1 -> 16 tokens 3.6 ms per token, 16 -> 64 1.4 ms), which a line through
                 the long chunks under-prices (short chat prompts ran 1.04-1.3x their prediction)
+v_pass          1 when decode rows verify drafts (speculative decoding: the wider forward's fixed extra)
+v_tokens        rows x most drafts of a row: the draft positions computed (the engine right-pads every
+                row to the widest: k + 1 positions each)
+v_attn          rows x most drafts x longest context: those positions' attention over the batch cache
 s_step          1 per step (the scheduler loop's own overhead)
 s_pass          passes in the step (the loop's work per pass: shape, state update, timing)
 s_row           decode rows + prefill chunks in the step (bookkeeping per row)
@@ -56,6 +60,11 @@ i_after         the steps after that one: 0.5^(k-1) for the k-th step after the 
                 measured here for `tiny`, lone decode steps 1.19-1.26x / 1.11-1.19x / ~1.07x their
                 prediction one, two, three to five steps after a wake)
 ==============  =====================================================================
+
+The v_ terms are what a verify pass costs beyond the decode pass of the same rows: ``calibrate``
+times the two alternately at each grid point and fits the v_ terms to the difference. A profile
+without them (measured before they existed) has verify passes priced by ``verify_seconds``' padded
+prefill approximation instead (``prices_drafts`` False).
 
 The pass terms are charged per pass (``pass_seconds``), the s_ terms per step
 (``step_overhead_seconds``), the i_ terms once per wake of an idle replica (``idle_seconds``:
@@ -102,7 +111,11 @@ PASS_FEATURES = (
     "p_done",
     "p_done_attn",
     "p_small",
+    "v_pass",
+    "v_tokens",
+    "v_attn",
 )
+VERIFY_TERMS = ("v_pass", "v_tokens", "v_attn")
 STEP_FEATURES = ("s_step", "s_pass", "s_row")
 IDLE_FEATURES = ("i_wake", "i_step", "i_gap", "i_after")
 IDLE_STEP_FEATURES = ("i_step", "i_gap")  # the ones charged inside the step (i_wake comes before it)
@@ -200,6 +213,7 @@ class LinearCostModel(CostModel):
         self._idle = tuple(float(c.get(k, 0.0)) for k in IDLE_FEATURES[:3])
         self._after = float(c.get("i_after", 0.0))
         self.has_after_wake = bool(self._after)
+        self.prices_drafts = any(self._d[-len(VERIFY_TERMS) :])  # else: policies.base.verify_seconds
         try:  # a profile of a model with sliding-window or recurrent layers (``calibrate`` records it)
             self.cache_layout = CacheLayout.from_dict(self.meta.get("cache_layout"))
         except LayoutError as exc:
@@ -230,6 +244,9 @@ class LinearCostModel(CostModel):
             p_done,
             p_done_attn,
             p_small,
+            v_pass,
+            v_tokens,
+            v_attn,
         ) = self._d
         t = 0.0
         ctx = s.decode_contexts
@@ -249,6 +266,10 @@ class LinearCostModel(CostModel):
             if s.leaves:
                 kept = max(s.batch_rows_before + s.joins - s.leaves, 0)
                 t += c_leave0 + c_leave * kept * longest + c_leave_row * s.leaves
+            if s.decode_drafts:
+                k = max(s.decode_drafts)
+                if k:
+                    t += v_pass + v_tokens * rows * k + v_attn * rows * k * longest
         if s.prefill:
             if s.padded:
                 n = max(c for c, _ in s.prefill)
@@ -322,6 +343,7 @@ class ScaledCostModel(CostModel):
         self.base, self.factor = as_cost_model(base), float(factor)
         self.meta = getattr(base, "meta", {})
         self.has_after_wake = self.base.has_after_wake
+        self.prices_drafts = self.base.prices_drafts
         self.cache_layout = self.base.cache_layout
 
     def pass_seconds(self, s: PassShape) -> float:

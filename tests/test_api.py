@@ -408,7 +408,8 @@ def _bad_cases(tmp):
         (lambda: S.run_real("static", "real-smoke", dtype="float64"), "unknown dtype 'float64'"),
         (lambda: S.run_real("static", "real-smoke", model="micro", sampling="temperature=hot"), "sampling"),
         (lambda: S.calibrate(model="micro", grid={"nope": 1}), "unknown field(s) nope"),
-        (lambda: S.calibrate(model="micro", from_profile=one), "from_profile goes with analytic"),
+        (lambda: S.calibrate(model="micro", from_profile=one), "from_profile goes with analytic or add_verify"),
+        (lambda: S.calibrate(model="micro", add_verify=True), "add_verify goes with from_profile"),
         (lambda: S.validate("static", "real-smoke", model="micro", repeat=0), "repeat must be >= 1"),
         (
             lambda: S.validate("static", "real-smoke", model="micro", profile=one, hardware="m4-max"),

@@ -243,9 +243,17 @@ def test_calibrate_writes_a_profile_with_its_fit_report(micro_profile, tmp_path)
     assert all(v >= 0 for v in prof["coefficients"].values())
     assert {"name", "threads"} <= set(prof["blas"]) and prof["machine"]["cpu_count"] and prof["date"]
     rep = prof["fit_report"]
-    for group in ("decode", "join", "leave", "prefill", "step"):
+    for group in ("decode", "join", "leave", "prefill", "step", "verify"):
         assert rep[group]["held_out"]["n"] >= 1 and rep[group]["r2"] is not None
     assert rep["mixed"]["held_out"]["n"] >= 1
+    # verify passes (speculative decoding) were timed beside plain ones: the model prices them itself
+    from schedlab.policies.base import PassShape, verify_seconds
+
+    model = LinearCostModel(prof["coefficients"])
+    plain, verify = PassShape((600,) * 4), PassShape((600,) * 4, decode_drafts=(4,) * 4)
+    assert model.prices_drafts and verify_seconds(model, verify) == 0
+    assert model.pass_seconds(verify) > model.pass_seconds(plain)
+    assert rep["verify_passes"]["n"] == sum(s["group"] == "verify" for s in prof["samples"]) > 0
     assert len(prof["samples"]) == prof["calibration"]["samples"]
     from schedlab.engine.calibrate import DECODE_WARM, decode_warm
 

@@ -89,6 +89,32 @@ def test_rows_accept_what_the_profile_draws_and_all_or_nothing_profiles_are_exac
     assert len(every.steps) < len(plain.steps) / 3
 
 
+def test_a_profile_with_verify_terms_prices_verify_passes_itself_and_one_without_is_charged_the_approximation():
+    from schedlab.policies.base import PassShape, verify_seconds
+    from schedlab.sim.cost import LinearCostModel
+
+    base = dict(cost_model().coefficients)
+    plain_model = LinearCostModel(base)
+    timed = LinearCostModel({**base, "v_pass": 0.004, "v_tokens": 0.002, "v_attn": 1e-6})
+    verify = PassShape((100, 300), decode_drafts=(2, 4))
+    assert not plain_model.prices_drafts and verify_seconds(plain_model, verify) > 0
+    extra = timed.pass_seconds(verify) - timed.pass_seconds(PassShape((100, 300)))
+    assert timed.prices_drafts and verify_seconds(timed, verify) == 0
+    assert extra == pytest.approx(0.004 + 0.002 * 2 * 4 + 1e-6 * 2 * 4 * 300)
+    from schedlab.sim.backend import SimBackend
+
+    charged = []
+    for model in (plain_model, timed):  # the simulator charges each its own price of the same verify pass
+        b = Bench([Request(f"{i}", 0.0, 32, 41) for i in range(2)])
+        for i in range(2):
+            b.decoding(i)
+        p = Pass(decode=("0", "1"), draft=(2, 4))
+        shape = b.state.shape(p)
+        charged.append(SimBackend(model, acceptance=Acceptance((0.0,) * 4)).execute(p, shape, b.state))
+        assert charged[-1] == pytest.approx(model.pass_seconds(shape) + verify_seconds(model, shape))
+    assert charged[0] != pytest.approx(charged[1])
+
+
 def test_the_same_request_meets_the_same_draws_under_every_policy():
     acc = Acceptance(ACCEPT, seed=7)
     a, b = {}, {}

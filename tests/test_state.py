@@ -217,6 +217,9 @@ def test_cost_model_features_and_prediction_agree():
         "d_few": 4e-4,
         "d_kv_long": 6e-7,
         "p_small": 3e-5,
+        "v_pass": 2e-3,
+        "v_tokens": 4e-4,
+        "v_attn": 9e-7,
     }
     assert set(known) == set(FEATURES)  # every term is exercised below
     cm = LinearCostModel(dict(known))
@@ -267,6 +270,11 @@ def test_cost_model_features_and_prediction_agree():
         assert f["d_kv_long"] == len(ids) * max(max(s.decode_contexts) - KV_KNEE, 0)
         shapes.append(s)
     assert pass_features(shapes[-1])["d_kv_long"] > 0
+    s = long.state.shape(Pass(decode=("0", "1", "2"), draft=(3, 0, 1)))  # verify rows: padded to the widest
+    f = pass_features(s)
+    assert (f["v_pass"], f["v_tokens"], f["v_attn"]) == (1, 3 * 3, 3 * 3 * max(s.decode_contexts))
+    assert pass_features(long.state.shape(Pass(decode=("0", "1", "2"))))["v_tokens"] == 0
+    shapes.append(s)
     for s in shapes:
         f = pass_features(s)
         assert cm.pass_seconds(s) == pytest.approx(sum(KNOWN_[k] * v for k, v in f.items()), rel=1e-12)

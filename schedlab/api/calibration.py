@@ -110,6 +110,7 @@ def calibrate(
     model_seed: int = 0,
     analytic: bool = False,
     from_profile: str | Path | None = None,
+    add_verify: bool = False,
     replay: bool = False,
     keep_runs: str | Path | None = None,
     from_runs: Sequence[str | Path] | None = None,
@@ -123,7 +124,9 @@ def calibrate(
     fields replacing those of the chosen grid (e.g.
     ``{"decode_batches": (1, 2, 4), "rounds": 2}``); ``analytic``: also fit the cpu-local
     roofline's factors; ``from_profile``: with ``analytic``, time nothing and fit those factors
-    to this profile's samples; ``replay``: the default calibration (what ``validate`` and
+    to this profile's samples; ``add_verify``: with ``from_profile``, time only the verify passes
+    of speculative decoding and add their terms to that profile (every other coefficient kept;
+    a full calibration times them anyway); ``replay``: the default calibration (what ``validate`` and
     ``run_real`` make when no profile matches: the quick grid, then a short real replay of a few
     policies, fitted together), ``keep_runs``: keep the replay's run directories there;
     ``from_runs``: time nothing, fit to these real runs' steps (``run_real``/``validate`` output
@@ -144,8 +147,10 @@ def calibrate(
             fail(f"{opt('out')} {out} is a directory; give a file name")
         if not out.parent.exists():
             fail(f"{opt('out')}: directory {out.parent} does not exist")
-    if from_profile is not None and not analytic:
-        fail(f"{opt('from_profile')} goes with {opt('analytic')}", 2)
+    if from_profile is not None and not (analytic or add_verify):
+        fail(f"{opt('from_profile')} goes with {opt('analytic')} or {opt('add_verify')}", 2)
+    if add_verify and from_profile is None:
+        fail(f"{opt('add_verify')} goes with {opt('from_profile')} (a full calibration times verify passes anyway)", 2)
     if from_profile is not None and not Path(from_profile).is_file():
         fail(f"{opt('from_profile')} {from_profile}: no such file")
     if keep_runs is not None and not replay:
@@ -163,6 +168,15 @@ def calibrate(
 
     if from_profile is not None:
         data = _stored_profile(Path(from_profile), info)
+        if add_verify:
+            from schedlab.engine.calibrate import GRIDS, add_verify_terms
+
+            try:
+                data = add_verify_terms(
+                    info, data, GRIDS.get(data["calibration"].get("grid"), chosen), seed=seed, progress=say
+                )
+            except ValueError as exc:
+                fail(str(exc), 2)
     elif replay:
         from schedlab.engine.calibrate import calibrate_default
 

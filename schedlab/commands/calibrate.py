@@ -37,7 +37,13 @@ def calibrate(
         None,
         "--from-profile",
         help="with --analytic: time nothing, fit the factors to "
-        "this profile's stored samples (same model and machine) and write it to OUT",
+        "this profile's stored samples (same model and machine) and write it to OUT; with --add-verify: see there",
+    ),
+    add_verify: bool = typer.Option(
+        False,
+        "--add-verify",
+        help="with --from-profile: time only the verify passes of speculative decoding and add their terms to "
+        "that profile (every other coefficient kept), written to OUT",
     ),
     from_runs: bool = typer.Option(
         False,
@@ -79,6 +85,7 @@ def calibrate(
         model_seed=model_seed,
         analytic=analytic,
         from_profile=from_profile,
+        add_verify=add_verify,
         replay=replay,
         keep_runs=keep_runs,
         from_runs=(runs or []) if from_runs else None,
