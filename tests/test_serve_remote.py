@@ -86,8 +86,9 @@ def test_fronts_over_ray_actors_and_over_replicas_they_did_not_start(tmp_path):
                        tmp_path / "front")  # fmt: skip
         said = "".join(other.stderr)
         assert "2 replicas at the URLs given" in said and "policy vllm" in said and f"model {MODEL}" in said, said
-        c = other.client()  # (completions: ids of their own, not the first front's chat ids)
-        again = [c.completions.create(model=MODEL, prompt=q, max_tokens=4).choices[0].text for q in ASKED]
+        c = other.client()  # (chats: its ids are its own, not the first front's chatcmpl-0 and -1 again)
+        again = [c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=4) for q in ASKED]
+        assert all(a.choices[0].message.content for a in again) and len({a.id for a in again}) == 2
         assert [_received(u) for u in urls] == [2, 2] and len(again) == 2  # (one each: round-robin)
         h = httpx.get(other.url + "/health").json()
         assert [(r["url"], r["routed"], r["pid"], r["started"]) for r in h["replicas"]] == [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,9 @@ class Front:
         self.in_flight = 0
         self._ids = itertools.count()
         self._used: set[str] = set()
+        # replicas at URLs may serve other fronts too: this front's ids carry a tag of its own
+        # (``chatcmpl-<tag>-N``), or two fronts' chatcmpl-0 would meet at one replica
+        self._id_tag = "" if all(r.owned for r in replicas) else secrets.token_hex(4) + "-"
         self._arrivals = 0
         self._prepare_turn = itertools.count()
         self._lock: asyncio.Lock | None = None
@@ -525,9 +529,10 @@ class Front:
         if given and len(given) <= 200 and given not in self._used:
             rid = given
         else:
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+            kind = f"{'chatcmpl' if chat else 'cmpl'}-{self._id_tag}"
+            rid = f"{kind}{next(self._ids)}"
             while rid in self._used:
-                rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+                rid = f"{kind}{next(self._ids)}"
         self._used.add(rid)
         return rid
 
