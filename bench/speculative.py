@@ -82,15 +82,6 @@ def _spread(rows: list[dict], key: str) -> float:
     return (max(vals) - min(vals)) / statistics.median(vals)
 
 
-def _acceptance(spec: dict) -> tuple[float, ...]:
-    """Per-position conditional acceptance from vLLM's counters (``sim.speculation``'s profile)."""
-    out, before = [], spec["drafts"]
-    for accepted in spec["accepted_per_position"]:
-        out.append(accepted / before if before else 0.0)
-        before = accepted
-    return tuple(out)
-
-
 def _simulated(reqs, runs, ks):
     from schedlab.policies import make_policy
     from schedlab.policies.speculative import Speculative
@@ -103,7 +94,7 @@ def _simulated(reqs, runs, ks):
     out = {}
     for name, k in [("plain", 0)] + [(f"k{k}", k) for k in ks]:
         if k:
-            acc = Acceptance(_acceptance(runs[name][0]["speculative"]) or (0.0,))
+            acc = Acceptance.from_counters(runs[name][0]["speculative"])  # (per position, from vLLM's counters)
             dep = Deployment.one(Speculative(make_policy("unified"), k=k), cost, kv_capacity=16384, acceptance=acc)
         else:
             acc, dep = None, Deployment.one(make_policy("unified"), cost, kv_capacity=16384)

@@ -147,7 +147,8 @@ class Deployment:
         if drafting and self.acceptance is None:
             raise DeploymentError(
                 f"policy '{drafting[0].name}' drafts tokens (speculative decoding): a simulation needs an acceptance "
-                "profile (accept=P1/P2/...: the probability of each draft position)"
+                "profile: give accept=P1/P2/... (the probability of each draft position) or accept=FILE (a run's "
+                "summary.json, a calibrate --speculative profile), or a trace that carries one (speculative_acceptance)"
             )
         if self.acceptance is not None and not hasattr(self.acceptance, "accepted"):
             raise DeploymentError(

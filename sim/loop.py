@@ -249,14 +249,9 @@ def speculation_counts(states) -> dict[str, Any] | None:
     ]
     tokens = sum(st.spec_draft_tokens for st in states)
     accepted = sum(st.spec_accepted_tokens for st in states)
-    return {
-        "drafts": drafts,
-        "draft_tokens": tokens,
-        "accepted_tokens": accepted,
-        "accepted_per_position": per_pos,
-        "acceptance_rate": accepted / tokens if tokens else None,
-        "mean_acceptance_length": 1 + accepted / drafts,
-    }
+    from .speculation import counters
+
+    return counters(drafts, tokens, accepted, per_pos)
 
 
 def run_replica(

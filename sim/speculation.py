@@ -13,15 +13,23 @@ Draws are per request, from its own generator seeded by (``seed``, request id), 
 verify row draws as many numbers as the profile is long whatever its k: the same request meets
 the same luck under every policy and every k, so two runs differ by their schedules, not by
 their dice.
+
+Where a profile comes from: typed (``accept=0.8/0.6/0.4``), measured from vLLM's spec-decode
+counters of a run (``Acceptance.from_counters``: a real run's ``summary.json`` ``speculative``),
+or read from a file (``Acceptance.from_file``: a run's summary.json, a ``calibrate
+--speculative`` profile's ``acceptance``, a trace's ``speculative_acceptance``). ``parse`` takes
+each (numbers, or else a path).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import zlib
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from schedlab.policies.speculative import expected_tokens
 
@@ -33,10 +41,12 @@ class SpeculationError(ValueError):
 @dataclass(frozen=True)
 class Acceptance:
     """Per-position acceptance probabilities (``accept[i]``: of draft i + 1, given the first i
-    were accepted), and the seed of the per-request draws."""
+    were accepted), and the seed of the per-request draws; ``source``: where it came from (a
+    file, a trace: meta.json says so), no part of its value."""
 
     accept: tuple[float, ...]
     seed: int = 0
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         acc = tuple(self.accept) if isinstance(self.accept, (list, tuple)) else None
@@ -69,16 +79,148 @@ class Acceptance:
         return expected_tokens(self.accept, k)
 
     def describe(self) -> dict[str, Any]:
-        return {"accept": list(self.accept), "seed": self.seed}
+        out: dict[str, Any] = {"accept": list(self.accept), "seed": self.seed}
+        if self.source:
+            out["source"] = self.source
+        return out
 
     @classmethod
-    def parse(cls, value: str | Sequence[float], seed: int = 0) -> "Acceptance":
-        """``"0.8/0.6/0.4"`` (or a sequence of numbers) as a profile."""
+    def parse(cls, value: "str | Path | Sequence[float] | Acceptance", seed: int = 0) -> "Acceptance":
+        """``"0.8/0.6/0.4"`` (or a sequence of numbers) as a profile; a string that is not
+        numbers (or a ``Path``) names a JSON file that holds one (``from_file``); an
+        ``Acceptance`` is taken with this ``seed``."""
+        if isinstance(value, Acceptance):
+            return replace(value, seed=seed)
+        if isinstance(value, Path):
+            return cls.from_file(value, seed)
         if isinstance(value, str):
             try:
                 value = [float(x) for x in value.replace(",", "/").split("/") if x.strip()]
             except ValueError:
-                raise SpeculationError(
-                    f"an acceptance profile is probabilities per position such as 0.8/0.6/0.4, got {value!r}"
-                ) from None
+                return cls.from_file(value, seed)
         return cls(tuple(value), seed)
+
+    @classmethod
+    def from_counters(cls, counters: Mapping[str, Any], seed: int = 0, source: str | None = None) -> "Acceptance":
+        """The profile vLLM's spec-decode counters of a run imply (a summary.json's
+        ``speculative``: ``conditional_acceptance``); a run that verified no draft has none."""
+        accept = conditional_acceptance(counters)
+        if not accept:
+            raise SpeculationError("the run verified no drafts: it measured no acceptance")
+        return cls(accept, seed, source)
+
+    @classmethod
+    def from_file(cls, path: str | Path, seed: int = 0) -> "Acceptance":
+        """The profile a JSON file holds, decided by its content: a run's summary.json (its
+        ``speculative`` counters, real or simulated), a ``calibrate --speculative`` profile or
+        acceptance file (``acceptance``), a trace (``speculative_acceptance``); anything else,
+        or a file that cannot be read, is one line."""
+        p = Path(path)
+        kinds = (
+            "a JSON file holding one: a run's summary.json (its speculative counters), a calibrate --speculative "
+            "profile (acceptance) or a trace (speculative_acceptance)"
+        )
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise SpeculationError(
+                f"accept={path}: no such file (accept is probabilities per position such as 0.8/0.6/0.4, or {kinds})"
+            ) from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())
+            raise SpeculationError(f"accept={path}: not a readable JSON file ({why})") from None
+        where = f"accept={path}"
+        if isinstance(data, dict) and isinstance(data.get("acceptance"), Mapping):
+            return cls(_accept_list(data["acceptance"], f"{where}: acceptance"), seed, f"{p} (acceptance)")
+        if isinstance(data, dict) and isinstance(data.get("speculative_acceptance"), Mapping):
+            got = _accept_list(data["speculative_acceptance"], f"{where}: speculative_acceptance")
+            return cls(got, seed, f"{p} (the trace's speculative_acceptance)")
+        if isinstance(data, dict) and isinstance(data.get("speculative"), Mapping):
+            try:
+                return cls.from_counters(data["speculative"], seed, f"{p} (the run's speculative counters)")
+            except SpeculationError as exc:
+                raise SpeculationError(f"{where}: speculative: {exc}") from None
+        raise SpeculationError(f"{where}: no acceptance profile in it (accept=FILE is {kinds})")
+
+
+def _accept_list(entry: Mapping[str, Any], where: str) -> tuple[float, ...]:
+    """The ``accept`` list of an acceptance entry (checked as a profile: one line if not)."""
+    accept = entry.get("accept")
+    if not isinstance(accept, list) or not accept:
+        raise SpeculationError(f"{where}: 'accept' is a list of probabilities per draft position, got {accept!r}")
+    try:
+        return Acceptance(tuple(accept)).accept
+    except SpeculationError as exc:
+        raise SpeculationError(f"{where}: {exc}") from None
+
+
+def conditional_acceptance(counters: Mapping[str, Any]) -> tuple[float, ...]:
+    """Per-position conditional acceptance from vLLM's spec-decode counters (``drafts``: the
+    verify rows that proposed drafts; ``accepted_per_position[i]``: the rows that accepted draft
+    i + 1): ``accepted_per_position[0] / drafts``, then ``accepted_per_position[i] /
+    accepted_per_position[i - 1]``. It ends before the first position no row reached (its
+    denominator 0: nothing measured there; in a simulation a position past the profile is never
+    accepted, which is what a row that reached none of them did): () for a run with no drafts.
+
+    A row whose drafter proposed fewer drafts than a position counts as a rejection there (the
+    counters do not say how many each row proposed), as it yields no more tokens."""
+    drafts = counters.get("drafts") if isinstance(counters, Mapping) else None
+    per_pos = counters.get("accepted_per_position") if isinstance(counters, Mapping) else None
+    if (
+        isinstance(drafts, bool)
+        or not isinstance(drafts, int)
+        or drafts < 0
+        or not isinstance(per_pos, (list, tuple))
+        or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in per_pos)
+    ):
+        raise SpeculationError(
+            "spec-decode counters are drafts (an integer) and accepted_per_position (a list of integers), "
+            f"got {_short(counters)}"
+        )
+    out, before = [], drafts
+    for accepted in per_pos:
+        if not before:
+            break
+        if accepted > before:
+            raise SpeculationError(
+                f"spec-decode counters: {accepted} rows accepted draft {len(out) + 1} but only {before} reached it"
+            )
+        out.append(accepted / before)
+        before = accepted
+    return tuple(out)
+
+
+def pooled_counters(runs: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Several runs' spec-decode counters (summary.json's ``speculative``; None: a run with no
+    drafts) added up as one run's (``counters``); None when none verified a draft."""
+    got = [r for r in runs if r]
+    if not got:
+        return None
+    per_pos: list[int] = []
+    for r in got:
+        for i, a in enumerate(r.get("accepted_per_position") or ()):
+            if i == len(per_pos):
+                per_pos.append(0)
+            per_pos[i] += int(a)
+    return counters(
+        *(sum(int(r.get(k, 0)) for r in got) for k in ("drafts", "draft_tokens", "accepted_tokens")), per_pos
+    )
+
+
+def counters(drafts: int, draft_tokens: int, accepted_tokens: int, per_pos: Sequence[int]) -> dict[str, Any]:
+    """vLLM's spec-decode counters as summary.json's ``speculative`` holds them: verify rows that
+    drafted, draft tokens, accepted ones, per position the rows that accepted it, with the
+    acceptance rate and the mean acceptance length (1 + accepted per verify row)."""
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted_tokens,
+        "accepted_per_position": list(per_pos),
+        "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted_tokens / drafts if drafts else None,
+    }
+
+
+def _short(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
