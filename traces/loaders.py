@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from . import datasets
-from .schema import Request, Trace, TraceError, request_from_json, validate_requests
+from .schema import Request, Trace, TraceError, acceptance_from_json, request_from_json, validate_requests
 from .text import require_counts, tokenize
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -111,12 +111,18 @@ def load_json(path: str | Path) -> Trace:
         if key in data and not isinstance(data[key], str):
             raise TraceError(f"{p}: '{key}' must be a string, got {type(data[key]).__name__}")
     reqs = [request_from_json(row, i, p.name) for i, row in enumerate(data["requests"])]
-    return _trace(data.get("name") or p.stem, data.get("description", ""), reqs, p.name)
+    tr = _trace(data.get("name") or p.stem, data.get("description", ""), reqs, p.name)
+    if data.get("speculative_acceptance") is not None:
+        tr.speculative_acceptance = acceptance_from_json(data["speculative_acceptance"], p.name)
+    return tr
 
 
 def dumps_json(trace: Trace) -> str:
     """The JSON text of a trace: one request per line, stable across runs (for bundled files)."""
-    head = json.dumps({"name": trace.name, "description": trace.description})
+    head = {"name": trace.name, "description": trace.description}
+    if trace.speculative_acceptance is not None:
+        head["speculative_acceptance"] = trace.speculative_acceptance
+    head = json.dumps(head)
     rows = ",\n".join("  " + json.dumps(r.to_json()) for r in trace.requests)
     return f'{head[:-1]},\n "requests": [\n{rows}\n]}}\n'
 

@@ -21,6 +21,18 @@ A request's prompt is a token count (``prompt_tokens``), text (``prompt``: one s
 text and no ``prompt_tokens`` is *uncounted*: the simulator needs the count, so such a trace
 must be tokenized (:func:`traces.text.tokenize`, or ``traces.load(..., tokenizer=...)``)
 before it is run. ``prompt`` and ``messages`` exclude each other.
+
+``speculative_acceptance`` (optional, top level): the acceptance of speculative decoding's
+drafts measured on this workload, which ``simulate --speculative ngram:k=4`` draws from when it
+is given no ``accept=``::
+
+    "speculative_acceptance": {"accept": [0.82, 0.71, 0.64, 0.55],
+                               "method": "ngram", "k": 4, "model": "smollm2-135m", ...}
+
+``accept`` (required): per draft position, the probability that it is accepted given the ones
+before it were (``sim.speculation``); every other key says what it was measured on and is kept
+as it is. ``calibrate --speculative ngram:k=4 --trace T`` writes such an entry (its
+``acceptance``), which can be copied here as it is.
 """
 
 from __future__ import annotations
@@ -84,9 +96,12 @@ class Trace:
     name: str
     description: str = ""
     requests: list[Request] = field(default_factory=list)
+    speculative_acceptance: dict[str, Any] | None = None  # (see the module's docstring)
 
     def __post_init__(self) -> None:
         validate_requests(self.requests, where=self.name)
+        if self.speculative_acceptance is not None:
+            self.speculative_acceptance = acceptance_from_json(self.speculative_acceptance, self.name)
         # stable: equal arrival times keep file order
         self.requests = sorted(self.requests, key=lambda r: r.arrival_s)
 
@@ -99,11 +114,30 @@ class Trace:
         return [r for r in self.requests if r.prompt_tokens is None]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "requests": [r.to_json() for r in self.requests],
-        }
+        out: dict[str, Any] = {"name": self.name, "description": self.description}
+        if self.speculative_acceptance is not None:
+            out["speculative_acceptance"] = dict(self.speculative_acceptance)
+        out["requests"] = [r.to_json() for r in self.requests]
+        return out
+
+
+def acceptance_from_json(value: Any, where: str) -> dict[str, Any]:
+    """A trace's ``speculative_acceptance``: an object whose ``accept`` is a non-empty list of
+    probabilities in [0, 1] (one per draft position); a one-line TraceError for anything else."""
+    at = f"{where}: 'speculative_acceptance'"
+    if not isinstance(value, dict):
+        raise TraceError(
+            f"{at} must be an object with 'accept' (a probability per draft position), got {_short(value)}"
+        )
+    accept = value.get("accept")
+    if not isinstance(accept, list) or not accept:
+        raise TraceError(
+            f"{at}: 'accept' must be a non-empty list of probabilities per draft position, got {_short(accept)}"
+        )
+    for p in accept:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and 0 <= p <= 1):
+            raise TraceError(f"{at}: 'accept' holds probabilities in [0, 1], got {_short(p)}")
+    return dict(value, accept=[float(p) for p in accept])
 
 
 def _int_field(row: dict, key: str, where: str) -> int:

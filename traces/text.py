@@ -130,7 +130,7 @@ def tokenize(trace: Trace, tokenizer: Any, recount: bool = False) -> Trace:
                 raise TraceError(f"{trace.name}: request {r.id}: empty prompt: the tokenizer gives its text 0 tokens")
             r = replace(r, prompt_tokens=n)
         reqs.append(r)
-    return Trace(name=trace.name, description=trace.description, requests=reqs)
+    return Trace(trace.name, trace.description, reqs, trace.speculative_acceptance)
 
 
 def require_counts(trace: Trace) -> Trace:

@@ -37,7 +37,7 @@ def _derive(trace: Trace, reqs: list[Request], note: str) -> Trace:
     if t0 != 0.0:
         reqs = [replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
     desc = f"{trace.description}; {note}" if trace.description else note
-    return Trace(name=trace.name, description=desc, requests=reqs)
+    return Trace(name=trace.name, description=desc, requests=reqs, speculative_acceptance=trace.speculative_acceptance)
 
 
 def mean_rate(trace: Trace) -> float:

@@ -74,8 +74,10 @@ def simulate(
     ``speculative``: speculative decoding (``"ngram:k=4,accept=0.8/0.6/0.4/0.3"`` or a mapping of
     ``method``, ``k``, ``adaptive``, ``accept``, ``seed``): every replica's policy lets its decode
     rows verify up to k draft tokens (``policies.speculative``), each row's accepted drafts drawn
-    from the per-position acceptance ``accept``; ``run.summary["speculative"]`` counts them as
-    vLLM's spec-decode metrics do."""
+    from the per-position acceptance ``accept`` (``P1/P2/...``, or a JSON file that holds one: a
+    run's summary.json, a ``calibrate --speculative`` profile, a trace; without it, the trace's
+    own ``speculative_acceptance``); ``run.summary["speculative"]`` counts them as vLLM's
+    spec-decode metrics do."""
     from schedlab.sim import DisaggError, run
     from schedlab.sim.gcpause import gc_paused
     from schedlab.sim.metrics import summarize
@@ -100,11 +102,12 @@ def simulate(
         ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
     )
     cost_source = (profile, replica_options.kv_tokens, hardware, model_config, quant, cost)
+    spec = parse_speculative(speculative)
+    loaded_trace = as_trace(trace, seed=seed)
     deployment = build(
-        policy, options, cost_source, replica_options, cluster_options, speculative=parse_speculative(speculative)
+        policy, options, cost_source, replica_options, cluster_options, speculative=trace_acceptance(spec, loaded_trace)
     )
     slos = parse_slo(slo)
-    loaded_trace = as_trace(trace, seed=seed)
     client_options = merged(
         ClientOptions,
         clients,
@@ -128,6 +131,20 @@ def simulate(
         return label_summary(s, deployment, result) if several else s
 
     return Run(result, summary, run_meta(deployment, result, grouped, seed))
+
+
+def trace_acceptance(spec: dict[str, Any] | None, trace) -> dict[str, Any] | None:
+    """``parse_speculative``'s ``spec`` with its acceptance profile: ``accept`` as given, else
+    the trace's own ``speculative_acceptance``, else none (the deployment then says how to give
+    one)."""
+    if spec is None or spec.get("accept") is not None or trace.speculative_acceptance is None:
+        return spec
+    from schedlab.sim.speculation import Acceptance
+
+    measured = trace.speculative_acceptance
+    return dict(
+        spec, accept=Acceptance(tuple(measured["accept"]), source=f"the speculative_acceptance of trace {trace.name}")
+    )
 
 
 def _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica) -> None:
