@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import opt
-from ._base import Log, check_model, check_seed, fail, logger, public
+from ._base import Log, TraceLike, check_model, check_seed, fail, logger, public
 from .profiles import Profile
 from .runs import Run
 
@@ -77,6 +77,31 @@ def _from_runs(runs: Sequence[Any], grid: Any, out: str | Path | None) -> Profil
     return prof
 
 
+def _acceptance_spec(speculative, trace, acceptance_only, analytic, from_profile, replay, from_runs):
+    """``parse_speculative``'s answer for the acceptance calibrate measures (None: none), and
+    what goes with it checked (one line, exit status 2)."""
+    from .deployments import parse_speculative
+
+    spec = parse_speculative(speculative)
+    if spec is None:
+        if trace is not None:
+            fail(
+                f"{opt('trace')} goes with {opt('speculative')} (the workload whose drafts' acceptance it measures)", 2
+            )
+        if acceptance_only:
+            fail(f"{opt('acceptance_only')} goes with {opt('speculative')} and {opt('trace')}", 2)
+        return None
+    if trace is None:
+        fail(f"{opt('speculative')} goes with {opt('trace')}: the workload whose drafts' acceptance it measures", 2)
+    if from_runs is not None:
+        fail(f"{opt('speculative')} does not go with {opt('from_runs')} (it runs the engine on the trace)", 2)
+    if acceptance_only:
+        given = [n for n, v in (("analytic", analytic), ("from_profile", from_profile), ("replay", replay)) if v]
+        if given:
+            fail(f"{opt('acceptance_only')} times nothing: drop {opt(given[0])}", 2)
+    return spec
+
+
 def _stored_profile(path: Path, info) -> dict:
     """A profile JSON with samples, measured on this model and machine."""
     import json
@@ -114,6 +139,9 @@ def calibrate(
     replay: bool = False,
     keep_runs: str | Path | None = None,
     from_runs: Sequence[str | Path] | None = None,
+    speculative: str | Mapping[str, Any] | None = None,
+    trace: TraceLike | None = None,
+    acceptance_only: bool = False,
     out: str | Path | None = None,
     log: Log | None = None,
 ) -> Profile:
@@ -132,7 +160,15 @@ def calibrate(
     ``from_runs``: time nothing, fit to these real runs' steps (``run_real``/``validate`` output
     directories, their features.parquet), whole runs held out, on top of ``grid``'s fit when
     ``grid`` is then a grid profile (a path or ``Profile``); ``out``: write the profile JSON (and
-    its .md report) there. ``log`` hears progress lines."""
+    its .md report) there. ``log`` hears progress lines.
+
+    ``speculative`` (``"ngram:k=4"``) with ``trace``: also measure the acceptance of those drafts
+    on the trace's requests (the real engine, greedy: ``api.acceptance.measure_acceptance``) and
+    keep it in the profile under ``acceptance`` (``simulate --speculative ngram:k=4,accept=PROFILE``
+    reads it); with ``from_profile``, that profile with the acceptance added (nothing else timed);
+    ``acceptance_only``: time nothing else, the profile only that (a small JSON, ``schema``
+    ``schedlab-acceptance/1``)."""
+    spec = _acceptance_spec(speculative, trace, acceptance_only, analytic, from_profile, replay, from_runs)
     if from_runs is not None:
         return _from_runs(from_runs, grid, out)
     from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
@@ -147,8 +183,12 @@ def calibrate(
             fail(f"{opt('out')} {out} is a directory; give a file name")
         if not out.parent.exists():
             fail(f"{opt('out')}: directory {out.parent} does not exist")
-    if from_profile is not None and not (analytic or add_verify):
-        fail(f"{opt('from_profile')} goes with {opt('analytic')} or {opt('add_verify')}", 2)
+    if from_profile is not None and not (analytic or add_verify or spec is not None):
+        fail(
+            f"{opt('from_profile')} goes with {opt('analytic')} or {opt('add_verify')} (or {opt('speculative')}: "
+            f"the acceptance added to it)",
+            2,
+        )
     if add_verify and from_profile is None:
         fail(f"{opt('add_verify')} goes with {opt('from_profile')} (a full calibration times verify passes anyway)", 2)
     if from_profile is not None and not Path(from_profile).is_file():
@@ -166,6 +206,19 @@ def calibrate(
     def say(msg: str) -> None:
         log("progress", msg)
 
+    acceptance = None
+    if spec is not None:  # (first: a trace with no drafts fails before minutes of timing)
+        from schedlab.analysis.speculation import ACCEPTANCE_SCHEMA
+
+        from .acceptance import measure_acceptance
+
+        acceptance = measure_acceptance(info, trace, spec, seed, say)
+        if acceptance_only:
+            data = {"schema": ACCEPTANCE_SCHEMA, "model": str(info.name), "dtype": dtype, "acceptance": acceptance}
+            prof = Profile(data)
+            if out is not None:
+                prof.save(out)
+            return prof
     if from_profile is not None:
         data = _stored_profile(Path(from_profile), info)
         if add_verify:
@@ -188,6 +241,8 @@ def calibrate(
 
         say("analytic roofline: fitting cpu-local's factors to the samples")
         data["analytic_cpu_local"] = fit_analytic(data["samples"], info)
+    if acceptance is not None:
+        data["acceptance"] = acceptance
     prof = Profile(data)
     if out is not None:
         prof.save(out)

@@ -100,16 +100,28 @@ class Profile:
         """Where and how it was measured: everything but the coefficients and the samples."""
         return {k: copy.deepcopy(v) for k, v in self._data.items() if k not in ("coefficients", "samples")}
 
+    @property
+    def acceptance(self) -> dict[str, Any] | None:
+        """``calibrate --speculative``'s measured acceptance of speculative drafts (``accept``: per
+        position; the counters, method, k, model and trace it was measured on), when it has one."""
+        block = self._data.get("acceptance")
+        return copy.deepcopy(block) if block is not None else None
+
     def report(self) -> str:
-        """The fit report as ``calibrate`` prints it."""
+        """The fit report as ``calibrate`` prints it (and the acceptance it measured)."""
         from schedlab.analysis.fit import format_report
 
+        from schedlab.analysis.speculation import acceptance_line
+
+        extra = "\n" + acceptance_line(self._data["acceptance"]) if self.acceptance is not None else ""
         if not {"fit_report", "calibration"} <= set(self._data):
-            return f"profile {self.path or ''}: {len(self.coefficients)} coefficients (no fit report)".strip()
+            if self.acceptance is not None and not self.coefficients:  # (calibrate --acceptance-only)
+                return extra.strip()
+            return f"profile {self.path or ''}: {len(self.coefficients)} coefficients (no fit report)".strip() + extra
         text = format_report(self._data)
         if self.analytic is not None:
             text += "\n" + format_analytic(self._data["analytic_cpu_local"])
-        return text
+        return text + extra
 
     def mismatch(self, model: str = "tiny", dtype: str = "float32", model_seed: int = 0) -> str | None:
         """Why this profile was not measured on ``model`` on this machine (the model, dtype,
@@ -123,18 +135,28 @@ class Profile:
 
     def save(self, path: str | Path) -> Path:
         """Write the profile JSON and its markdown fit report beside it (``.md``)."""
+        from schedlab.analysis.speculation import ACCEPTANCE_SCHEMA, acceptance_line
         from schedlab.engine.calibrate import write_profile
 
         path = Path(path)
         if path.is_dir():
             raise SchedlabError(f"{path} is a directory; give a file name")
         try:
+            if self._data.get("schema") == ACCEPTANCE_SCHEMA:  # (calibrate --acceptance-only: no fit to report)
+                path.write_text(json.dumps(self._data, indent=1) + "\n")
+                return self._saved(path)
             write_profile(self._data, path)
             if self.analytic is not None:
                 with path.with_suffix(".md").open("a") as fh:
                     fh.write("\n" + analytic_markdown(self._data["analytic_cpu_local"]))
+            if self.acceptance is not None:
+                with path.with_suffix(".md").open("a") as fh:
+                    fh.write("\n## Speculative acceptance\n\n" + acceptance_line(self._data["acceptance"]) + "\n")
         except OSError as exc:
             raise SchedlabError(f"cannot write {path}: {exc.strerror or exc}") from None
+        return self._saved(path)
+
+    def _saved(self, path: Path) -> Path:
         if self.path is None:
             self.path = path
         return path

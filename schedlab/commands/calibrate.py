@@ -68,6 +68,21 @@ def calibrate(
     keep_runs: Optional[Path] = typer.Option(
         None, "--keep-runs", help="with --replay: keep the replay's run directories here"
     ),
+    speculative: Optional[str] = typer.Option(
+        None,
+        "--speculative",
+        help="with --trace: also measure the acceptance of these drafts (ngram:k=4) on the trace's requests, the "
+        "real engine greedy, and keep it in the profile (acceptance; simulate --speculative ngram:k=4,accept=OUT "
+        "reads it); with --from-profile P: P with the acceptance added, nothing else timed",
+    ),
+    trace: Optional[str] = typer.Option(
+        None, "--trace", "-t", help="with --speculative: the workload whose drafts' acceptance is measured"
+    ),
+    acceptance_only: bool = typer.Option(
+        False,
+        "--acceptance-only",
+        help="with --speculative and --trace: time nothing else; OUT is a small JSON of the acceptance alone",
+    ),
     runs: Optional[List[Path]] = typer.Argument(None, help="with --from-runs: run directories", show_default=False),
 ) -> None:
     """Calibrate the cost model on this machine and write the profile to OUT."""
@@ -90,6 +105,9 @@ def calibrate(
         keep_runs=keep_runs,
         from_runs=(runs or []) if from_runs else None,
         grid=grid,
+        speculative=speculative,
+        trace=trace,
+        acceptance_only=acceptance_only,
         out=out,
         log=log_to_stderr("calibrate", quiet),
     )
