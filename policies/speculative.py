@@ -16,13 +16,20 @@ What a draft costs, and what it takes from others:
 - **KV.** The forward writes KV for every draft position before the rejected ones are dropped:
   a row drafts only as far as the blocks left after the step's own passes allow (the rejected
   positions' blocks are given back at the pass's end: ``ReplicaState``).
-- **Time.** A verify pass costs more than a decode pass (``policies.base.verify_seconds``).
+- **Time.** A verify pass costs more than a decode pass (``policies.base.verify_seconds``); a
+  draft model's drafts cost its own passes first (``draft_seconds``: k decode passes of the
+  draft model over the drafting rows, priced by its own cost model ``draft_cost``).
+
+Where drafts come from (``method``): ``ngram``, prompt lookup over the row's own tokens (free to
+find); ``draft``, a smaller model of the same vocabulary (``draft_model``: what the real engine
+loads, ``engine.MLXBackend.use_draft``; ``draft_cost``: its cost model, which a simulation
+charges and the adaptive k weighs).
 
 ``adaptive=True`` chooses k each step (at most ``k``): the one that gives the most tokens per
 second of the step, the expected tokens of every row under the acceptance seen so far (the
 ``accept`` prior until enough drafts were verified) over the pass's predicted seconds with
-those drafts. As the batch grows the drafts' share of the pass grows and k shrinks, as it does
-when acceptance falls.
+those drafts (a draft model's k passes included: ``draft_seconds``). As the batch grows the
+drafts' share of the pass grows and k shrinks, as it does when acceptance falls.
 
 A row drafts at most its tokens left - 1 (it never writes KV past its reservation); a request
 handed off from prefilling (its first decode) drafts none; the plan never repeats in bulk.
@@ -33,8 +40,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping, Sequence
 
-from .base import OptionError, Pass, PassShape, Plan, verify_seconds
+from .base import OptionError, Pass, PassShape, Plan, draft_seconds, verify_seconds
 
+METHODS = ("ngram", "draft")
 BUDGETS = ("token_budget", "max_num_batched_tokens")  # a policy's per-step token budget, by name
 MIN_OBSERVED = 32  # verify rows seen before the adaptive k trusts what it saw over its prior
 
@@ -45,8 +53,9 @@ def _blocks(tokens: int, bs: int) -> int:
 
 class Speculative:
     """``inner``, its decode rows drafting up to ``k`` tokens (``method``: where drafts come
-    from, ``ngram``: prompt lookup, no draft model); ``adaptive``: k chosen per step; ``accept``:
-    the per-position acceptance the adaptive choice expects before it has seen any."""
+    from, ``ngram``: prompt lookup, ``draft``: the draft model ``draft_model``, a model name or a
+    loaded model, whose passes cost what ``draft_cost`` says); ``adaptive``: k chosen per step;
+    ``accept``: the per-position acceptance the adaptive choice expects before it has seen any."""
 
     drafts = True  # (a deployment of it needs an acceptance profile in a simulation)
 
@@ -57,11 +66,19 @@ class Speculative:
         method: str = "ngram",
         adaptive: bool = False,
         accept: Sequence[float] = (),
+        draft_model: Any = None,
+        draft_cost: Any = None,
     ):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise OptionError(f"speculative: k must be an integer >= 1 (draft tokens per row), got {k!r}")
-        if method not in ("ngram",):
-            raise OptionError(f"speculative: method must be ngram (prompt lookup), got {method!r}")
+        if method not in METHODS:
+            raise OptionError(
+                f"speculative: method must be ngram (prompt lookup) or draft (a draft model), got {method!r}"
+            )
+        if method == "draft" and draft_model is None:
+            raise OptionError("speculative: the draft method needs its draft model (draft:model=M)")
+        if method != "draft" and (draft_model is not None or draft_cost is not None):
+            raise OptionError(f"speculative: a draft model goes with the draft method, not {method}")
         if adaptive and not accept:
             raise OptionError("speculative: adaptive k needs the acceptance it expects (accept=P1/P2/...)")
         self.inner = inner
@@ -69,6 +86,8 @@ class Speculative:
         self.method = method
         self.adaptive = bool(adaptive)
         self.accept = tuple(float(p) for p in accept)
+        self.draft_model = draft_model
+        self.draft_cost = draft_cost  # (None: the draft's passes are not priced, n-gram's cost nothing)
         self.name = f"{getattr(inner, 'name', type(inner).__name__)}+{method}-k{k}" + ("-adaptive" if adaptive else "")
         self._budget = next((b for b in BUDGETS if isinstance(getattr(inner, b, None), int)), None)
         self.k_chosen: list[int] = []  # the adaptive k of every step that had rows to draft for
@@ -84,6 +103,8 @@ class Speculative:
         own = {"method": self.method, "k": self.k, "adaptive": self.adaptive}
         if self.accept:
             own["accept"] = list(self.accept)
+        if self.draft_model is not None:
+            own["draft_model"] = str(getattr(self.draft_model, "name", self.draft_model))
         return {**(dict(get()) if callable(get) else {}), "speculative": own}
 
     # ------------------------------------------------------------------ the plan
@@ -170,7 +191,8 @@ class Speculative:
         for k in range(1, self.k + 1):
             drafts = tuple(min(k, left - 1) if left > 1 else 0 for left in lefts)
             tokens = sum(expected_tokens(accept, d) for d in drafts)
-            seconds = base + verify_seconds(model, PassShape(ctxs, decode_drafts=drafts))
+            shape = PassShape(ctxs, decode_drafts=drafts)
+            seconds = base + verify_seconds(model, shape) + draft_seconds(self.draft_cost, shape)
             if seconds > 0 and tokens / seconds > best:
                 best_k, best = k, tokens / seconds
         self.k_chosen.append(best_k)

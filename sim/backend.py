@@ -17,6 +17,11 @@ Optional: ``repeat_decode(shape, k) -> iterator of seconds``, of the ``k`` decod
 follow a decode pass of ``shape`` over the same rows (a ``Plan.repeat`` run). A backend that has
 it lets the loop run such steps in bulk; one that does not (a real engine must compute every
 token) runs them one by one, still without asking the policy.
+
+Optional: ``use_draft(model, cost)``, called once before ``start`` when the policy drafts with a
+draft model (speculative decoding's ``draft`` method: ``policies.speculative``): ``model`` the
+draft model (a real engine loads it and proposes with it), ``cost`` its cost model (a simulation
+charges its passes: ``policies.base.draft_seconds``).
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Protocol, Sequence
 
-from schedlab.policies.base import CostModel, Pass, PassShape, as_cost_model, verify_seconds
+from schedlab.policies.base import CostModel, Pass, PassShape, as_cost_model, draft_seconds, verify_seconds
 
 from .clock import SimClock
-from .speculation import Acceptance
+from .speculation import Acceptance, SpeculationError
 
 
 class Backend(Protocol):
@@ -64,6 +69,8 @@ class SimBackend:
         self._model = model = as_cost_model(cost_model)
         self.time_scale = f = float(time_scale)
         self.acceptance = acceptance
+        self.draft_cost = None  # a draft model's cost model (``use_draft``)
+        self._drafted: set[str] = set()  # requests whose draft cache the draft model has filled
         if acceptance is not None:
             self._draws: dict = {}  # each request's generator of acceptance draws (this run's)
             self.execute = self._execute_speculative
@@ -83,7 +90,27 @@ class SimBackend:
                 if k:
                     state.accept(rid, acceptance.accepted(rid, k, draws))
             seconds += verify_seconds(self._model, shape)
+            if self.draft_cost is not None:
+                seconds += self._draft_seconds(p, shape)
         return self.time_scale * seconds
+
+    def use_draft(self, model: Any, cost: Any) -> None:
+        """The policy's rows draft with draft model ``model``, whose passes ``cost`` prices."""
+        if cost is None:
+            name = getattr(model, "name", model)
+            raise SpeculationError(
+                f"a simulation of draft model {name}'s drafts needs its cost model: give draft_profile=PATH "
+                f"(a profile calibrate measured on it)"
+            )
+        self.draft_cost = as_cost_model(cost)
+
+    def _draft_seconds(self, p: Pass, shape: PassShape) -> float:
+        """The draft model's passes before a verify pass (``draft_seconds``), its prefill of a
+        row's context first where the row has no draft cache yet (as the engine's draft has none)."""
+        held = self._drafted
+        fresh = [bool(k) and rid not in held for rid, k in zip(p.decode, p.draft)]
+        held.update(rid for rid, k in zip(p.decode, p.draft) if k)
+        return draft_seconds(self.draft_cost, shape, fresh)
 
     def make_clock(self) -> SimClock:
         return SimClock()
@@ -100,7 +127,7 @@ class SimBackend:
         return seconds if f == 1.0 else (f * t for t in seconds)
 
     def release(self, r) -> None:
-        pass
+        self._drafted.discard(r.id)  # (finished or preempted: its draft cache goes with its KV)
 
     def finish(self) -> dict[str, Any]:
         return {}

@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from schedlab.policies.base import CostModel, Pass, Policy, as_cost_model, verify_seconds
+from schedlab.policies.base import CostModel, Pass, Policy, as_cost_model, draft_seconds, verify_seconds
 from schedlab.traces.schema import Request
 
 from .backend import Backend, SimBackend
@@ -366,6 +366,9 @@ class ReplicaLoop:
     ):
         given, cost_model = cost_model, as_cost_model(cost_model)
         self.backend = backend = backend if backend is not None else SimBackend(cost_model, acceptance=acceptance)
+        draft = getattr(policy, "draft_model", None)
+        if draft is not None and hasattr(backend, "use_draft"):  # (speculative decoding with a draft model)
+            backend.use_draft(draft, getattr(policy, "draft_cost", None))
         self.clock = clock = clock if clock is not None else backend.make_clock()
         self.env = clock.env
         self.policy = policy
@@ -481,6 +484,7 @@ class ReplicaLoop:
         overhead, predict, execute = cost_model.step_overhead_seconds, cost_model.pass_seconds, self._executor()
         deadline = self.fail_at if self.fail_at is not None else float("inf")
         run_repeats = self._bulk_runner(deadline)  # None: every step is planned on its own
+        draft_cost = getattr(policy, "draft_cost", None)  # a draft model's, whose passes come before a verify
         # when the previous step ended (None after waiting idle); the after-idle cost the next step
         # carries; the steps run since the last wake (None: none to charge any more)
         t_end, pending, since_wake = None, 0.0, None
@@ -523,7 +527,9 @@ class ReplicaLoop:
                 if t > deadline:  # the replica dies while this pass runs: it never ends
                     return self._fail()
                 if measured:  # (a verify pass's draft positions priced as a simulation prices them)
-                    predicted += predict(shape) + (verify_seconds(cost_model, shape) if p.draft else 0.0)
+                    predicted += predict(shape)
+                    if p.draft:
+                        predicted += verify_seconds(cost_model, shape) + draft_seconds(draft_cost, shape)
                 else:
                     predicted += seconds
                 rows += len(p.decode)

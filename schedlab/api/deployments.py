@@ -22,7 +22,7 @@ from ..errors import opt
 from ._base import fail
 from .inputs import as_policy
 from .options import ClusterOptions, ReplicaOptions
-from .profiles import pick_cost
+from .profiles import pick_cost, profile_path
 
 
 def _copies(policy: Any, options: Any, count: int) -> list[Any]:
@@ -57,12 +57,18 @@ def _groups(cu: ClusterOptions):
     return tuple(out)
 
 
+SPECULATIVE_KEYS = ("k", "adaptive", "accept", "seed", "model", "draft_profile")
+
+
 def parse_speculative(value: Any) -> dict[str, Any] | None:
     """``--speculative METHOD:key=value,...`` (or a mapping of the same keys with ``method``)
-    as the ``policies.speculative.Speculative`` options and the acceptance profile: ``k`` (draft
-    tokens per row, default 4), ``adaptive`` (k chosen per step), ``accept`` (per-position
-    acceptance, ``P1/P2/...``: a simulation draws each row's accepted drafts from it), ``seed``
-    (of those draws). None: no speculation."""
+    as the ``policies.speculative.Speculative`` options and the acceptance profile: ``method``
+    (``ngram``: prompt lookup; ``draft``: a draft model), ``k`` (draft tokens per row, default 4),
+    ``adaptive`` (k chosen per step), ``accept`` (per-position acceptance, ``P1/P2/...``: a
+    simulation draws each row's accepted drafts from it), ``seed`` (of those draws); with
+    ``draft``, ``model`` (the draft model: a preset, a .gguf file or a checkpoint directory, of
+    the target's vocabulary) and ``draft_profile`` (its cost profile, when none is bundled for
+    it). None: no speculation."""
     from schedlab.policies.plugins import checked_option, parse_option
 
     if value is None or value is False:
@@ -79,12 +85,18 @@ def parse_speculative(value: Any) -> dict[str, Any] | None:
         fields = dict(value)
     else:
         fail(f"{opt('speculative')} is a string such as 'ngram:k=4' or a mapping, got {type(value).__name__}", 2)
-    unknown = sorted(set(fields) - {"method", "k", "adaptive", "accept", "seed"})
+    unknown = sorted(set(fields) - {"method", *SPECULATIVE_KEYS})
     if unknown:
-        fail(f"{opt('speculative')}: unknown key {unknown[0]!r} (keys: k, adaptive, accept, seed)", 2)
-    if fields.get("method") != "ngram":
-        fail(f"{opt('speculative')}: the method is ngram (prompt lookup), got {fields.get('method')!r}", 2)
-    out = {"method": "ngram", "k": fields.get("k", 4), "adaptive": fields.get("adaptive", False)}
+        fail(f"{opt('speculative')}: unknown key {unknown[0]!r} (keys: {', '.join(SPECULATIVE_KEYS)})", 2)
+    method = fields.get("method")
+    if method not in ("ngram", "draft"):
+        fail(
+            f"{opt('speculative')}: the method is ngram (prompt lookup) or draft (a draft model: draft:model=M), "
+            f"got {method!r}",
+            2,
+        )
+    out = {"method": method, "k": fields.get("k", 4), "adaptive": fields.get("adaptive", False)}
+    out["model"], out["draft_profile"] = _draft_fields(method, fields)
     for key, kind in (("k", int), ("adaptive", bool)):
         v = out[key]
         try:
@@ -98,8 +110,57 @@ def parse_speculative(value: Any) -> dict[str, Any] | None:
     return out
 
 
-def _speculation(spec: dict[str, Any] | None):
-    """The acceptance profile of a speculative deployment, and a wrapper of its policies."""
+def _draft_fields(method: str, fields: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The draft model and its cost profile (``model``, ``draft_profile``): the draft method's,
+    which needs a model; none for ngram."""
+    model, profile = fields.get("model"), fields.get("draft_profile")
+    if method != "draft":
+        if model is not None or profile is not None:
+            key = "model" if model is not None else "draft_profile"
+            fail(f"{opt('speculative')}: {key}= goes with the draft method (draft:model=M,k=3), not {method}", 2)
+        return None, None
+    if not model:
+        fail(
+            f"{opt('speculative')}: the draft method needs its model: draft:model=M (a preset such as tiny, a .gguf "
+            "file or a checkpoint directory, of the target model's vocabulary)",
+            2,
+        )
+    for key, v in (("model", model), ("draft_profile", profile)):
+        if v is not None and not isinstance(v, (str, Path)):
+            fail(f"{opt('speculative')}: {key} is a name or a path, got {type(v).__name__}", 2)
+    return str(model), (str(profile) if profile is not None else None)
+
+
+def _draft_cost(spec: dict[str, Any], required: bool):
+    """The draft model's cost model: its ``draft_profile``, else the bundled profile measured on
+    it; without either, one line where ``required`` (a simulation), else None (a real run: its
+    draft's passes are measured, not predicted)."""
+    if spec.get("method") != "draft":
+        return None
+    from schedlab.sim.cost import LinearCostModel, ProfileError
+    from schedlab.sim.profiles import bundled_models
+
+    given, model = spec.get("draft_profile"), spec["model"]
+    try:
+        if given is not None:
+            return LinearCostModel.from_profile(profile_path(given))
+        bundled = bundled_models()
+        if model in bundled:
+            return LinearCostModel.from_profile(bundled[model])
+    except ProfileError as exc:
+        fail(f"{opt('speculative')}: draft_profile: {exc}", 2)
+    if required:
+        fail(
+            f"{opt('speculative')}: no cost profile of draft model {model} is bundled (bundled: "
+            f"{', '.join(sorted(bundled))}): give draft_profile=PATH (calibrate --model {model} measures one)",
+            2,
+        )
+    return None
+
+
+def _speculation(spec: dict[str, Any] | None, simulated: bool = True):
+    """The acceptance profile of a speculative deployment, and a wrapper of its policies (with a
+    draft model: its cost model, which a simulation (``simulated``) must have)."""
     if spec is None:
         return None, None
     from schedlab.policies.speculative import Speculative
@@ -111,9 +172,10 @@ def _speculation(spec: dict[str, Any] | None):
     except (SpeculationError, ValueError, TypeError) as exc:
         fail(f"{opt('speculative')}: {exc}", 2)
     accept = acceptance.accept if acceptance is not None else ()
+    draft_cost = _draft_cost(spec, simulated)
 
     def wrap(pol):
-        return Speculative(pol, spec["k"], spec["method"], spec["adaptive"], accept)
+        return Speculative(pol, spec["k"], spec["method"], spec["adaptive"], accept, spec.get("model"), draft_cost)
 
     wrap(_Probe())  # (bad k or adaptive without accept: one line now, not per replica)
     return acceptance, wrap
@@ -123,7 +185,8 @@ def speculative_text(spec: dict[str, Any] | None) -> str | None:
     """``parse_speculative``'s answer as ``--speculative``'s text (what a replica process is given)."""
     if spec is None:
         return None
-    parts = [f"k={spec['k']}", f"adaptive={str(bool(spec['adaptive'])).lower()}", f"seed={spec['seed']}"]
+    parts = [f"{key}={spec[key]}" for key in ("model", "draft_profile") if spec.get(key) is not None]
+    parts += [f"k={spec['k']}", f"adaptive={str(bool(spec['adaptive'])).lower()}", f"seed={spec['seed']}"]
     accept = spec.get("accept")
     if accept is not None:
         parts.append("accept=" + (accept if isinstance(accept, str) else "/".join(str(p) for p in accept)))
@@ -132,10 +195,19 @@ def speculative_text(spec: dict[str, Any] | None) -> str | None:
 
 def speculative_policy(policy: Any, spec: dict[str, Any] | None) -> Any:
     """``policy`` drafting tokens as ``spec`` (``parse_speculative``'s) says: a real run's (its
-    model decides what it accepts; ``accept``, if given, is the adaptive k's prior)."""
+    model decides what it accepts; ``accept``, if given, is the adaptive k's prior; a draft
+    model is checked here, before any model loads, and loaded by the engine's backend)."""
     if spec is None:
         return policy
-    _, wrap = _speculation(spec)
+    if spec.get("model") is not None:
+        from ..errors import user_error_types
+        from ._base import check_model
+
+        try:
+            check_model(spec["model"], "float32")
+        except user_error_types() as exc:
+            fail(f"{opt('speculative')}: draft model: {exc}", 2)
+    _, wrap = _speculation(spec, simulated=False)
     return wrap(policy)
 
 

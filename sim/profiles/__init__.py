@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..cost import ProfileError
@@ -32,3 +33,16 @@ def resolve_profile(spec: str | None) -> Path:
         if cand.is_file():
             return cand
     raise ProfileError(f"profile not found: {spec}")
+
+
+def bundled_models() -> dict[str, Path]:
+    """The bundled profiles by the model each was measured on (its ``model``)."""
+    out: dict[str, Path] = {}
+    for p in bundled_profiles():
+        try:
+            model = json.loads(p.read_text()).get("model")
+        except (OSError, ValueError):
+            continue
+        if isinstance(model, str):
+            out.setdefault(model, p)
+    return out
