@@ -76,7 +76,7 @@ import numpy as np
 
 from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
 from .errors import EngineError
-from .models import ModelInfo, make_caches
+from .models import DTYPES, ModelInfo, make_caches
 from .noise import Noise
 from .sampling import PENALTY_CONTEXT, Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 
@@ -145,6 +145,50 @@ def _merge_with_headroom(caches: Sequence[Any]) -> BatchKVCache:
     out.offset = out.offset + longest
     out._idx = longest
     return out
+
+
+def _rollback(caches: Sequence[Any], rejected: Sequence[int]) -> None:
+    """Drop row i's last ``rejected[i]`` positions from a batch's caches (lazy): what every row
+    lost is trimmed, the rest rolled out to the left, each row's kept tokens right-justified
+    again (mlx-lm's own roll, ``BatchKVCache.finalize``)."""
+    m = min(rejected)
+    for c in caches:
+        if m:
+            c.trim(m)
+        if max(rejected) > m:
+            c._right_padding = mx.array([r - m for r in rejected])
+            c.finalize()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_draft(spec: str, dtype: str) -> ModelInfo:
+    """A draft model, loaded once per process (a served replica's runs share it)."""
+    from .models import load_model
+
+    return load_model(spec, dtype=dtype if dtype in DTYPES else "auto")
+
+
+def check_draft(target: ModelInfo, draft: ModelInfo) -> None:
+    """One-line ``EngineError`` unless ``draft`` can propose tokens for ``target``: the target's
+    vocabulary (as many tokens; the same ones where both have a tokenizer) and plain KV caches
+    (a rejected draft's KV is rolled back, which a sliding window or a recurrent state cannot do)."""
+
+    def vocab(info):
+        tok = getattr(info.tokenizer, "tokenizer", None)
+        return tok.get_vocab(with_added_tokens=True) if tok is not None else None
+
+    same = draft.vocab_size == target.vocab_size
+    if same and target.tokenizer is not None and draft.tokenizer is not None:
+        same = vocab(draft) == vocab(target)
+    if not same:
+        raise EngineError(
+            f"draft model {draft.name} ({draft.vocab_size} tokens) does not share model {target.name}'s vocabulary "
+            f"({target.vocab_size} tokens): a draft model proposes the target's token ids, so it needs its tokenizer"
+        )
+    if not draft.plain_kv:
+        raise EngineError(
+            f"{draft._not_plain()}: a draft model's rejected drafts are rolled back, which those caches cannot do"
+        )
 
 
 def _encode_caches(caches: Sequence[Any]) -> tuple[list, list[np.ndarray], list[str]]:
@@ -328,6 +372,16 @@ class MLXBackend:
         self.export_kv: dict[str, str] = {}
         self.exported: dict[str, dict[str, Any]] = {}
         self._imports: dict[str, np.ndarray] = {}
+        # speculative decoding with a draft model (``use_draft``): its caches, as the target's are
+        # kept: a batch of the rows drafting now (``_dbatch``, rows ``_drows``), a cache of its own
+        # for a row out of it; ``_dkv``: the tokens each holds, those of the target's KV (all but
+        # the last draft after a verify that accepted every draft: it goes in with the next ones)
+        self.draft: ModelInfo | None = None
+        self._dcache: dict[str, list[Any]] = {}
+        self._dbatch: list[BatchKVCache] | None = None
+        self._drows: list[str] = []
+        self._dkv: dict[str, int] = {}
+        self._dsteps = 0  # the draft steps of the pass now running (0: none)
         self.stats = {
             "passes": 0,
             "forwards": 0,
@@ -405,6 +459,8 @@ class MLXBackend:
         accepted: dict[str, int] = {}
         if decode is not None and drafts:
             accepted = self._verified(decode[0].tolist(), drafts, state)
+            if self._dsteps:
+                self._draft_rollback(accepted)
         elif decode is not None:
             toks = decode[0].tolist()
             for rid, t in zip(self._rows, toks):
@@ -451,6 +507,8 @@ class MLXBackend:
         self._cache.pop(rid, None)
         if rid in self._rows:
             self._leave([rid])
+        if self.draft is not None:
+            self._draft_drop(rid)
         self._kv[rid] = 0
         if r.phase is Phase.FINISHED:
             self._seq.pop(rid, None)  # prompt ids are not needed again (tokens[rid] stays)
@@ -477,6 +535,7 @@ class MLXBackend:
             "eos_token_ids": sorted(self.eos),
             "stopped_at_eos": len(self.stopped),
             "one_eval_per_pass": True,
+            **({"draft_model": self.draft.name} if self.draft is not None else {}),
             "head_on_needed_positions_only": self.info.fast_head,
             **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.stats.items()},
         }
@@ -964,17 +1023,22 @@ class MLXBackend:
         self.stats["joins"] += len(rids)
         self._timed_copy(_cache_arrays(self._batch))
 
+    def _regroup(self, batch: str, rows: Sequence[str], leave: Callable[..., None]) -> list[str]:
+        """Park the rows of a batch (its row list: attribute ``batch``) that are not in ``rows``
+        (``leave(rids, park=True)``); returns the rows of ``rows`` not in it, to join it."""
+        wanted = set(rows)
+        parked = [rid for rid in getattr(self, batch) if rid not in wanted]
+        if parked:
+            leave(parked, park=True)
+        present = set(getattr(self, batch))
+        return [rid for rid in rows if rid not in present]
+
     def _decode_graph(self, rows: Sequence[str], by_id, drafts: dict[str, list[int]] | None = None):
         """Park/join rows, then the batched decode forward (lazy). Returns (tokens,). With
         ``drafts`` (a row's draft tokens by id), every row's input is its next token and its
         drafts, right-padded to the longest (k + 1 positions), and the tokens are each
         position's greedy choice, (rows, K + 1)."""
-        wanted = set(rows)
-        parked = [rid for rid in self._rows if rid not in wanted]
-        if parked:
-            self._leave(parked, park=True)
-        present = set(self._rows)
-        joining = [rid for rid in rows if rid not in present]
+        joining = self._regroup("_rows", rows, self._leave)
         if joining:
             for rid in joining:
                 self._ids(by_id[rid])
@@ -995,9 +1059,9 @@ class MLXBackend:
     # ------------------------------------------------------------------ speculative decoding
     def _propose(self, p: Pass, state) -> dict[str, list[int]] | None:
         """Each verify row's draft tokens, up to its ``draft`` count: n-gram prompt lookup over
-        its prompt and output (``ngram_drafts``). None when no row has any, or when a row of the
-        pass samples (only greedy rows verify drafts yet: their accepted tokens are exactly the
-        tokens decoding one at a time gives)."""
+        its prompt and output (``ngram_drafts``), or the draft model's (``use_draft``). None when
+        no row has any, or when a row of the pass samples (only greedy rows verify drafts yet:
+        their accepted tokens are exactly the tokens decoding one at a time gives)."""
         if not any(p.draft):
             return None
         if not all(self.request_sampling.get(rid, self.sampling).plain for rid in p.decode):
@@ -1011,14 +1075,17 @@ class MLXBackend:
                 f"speculative decoding rolls rejected drafts back, which the model's {sorted(kinds)[0]} caches "
                 "(sliding windows, recurrent state) cannot do: run it without --speculative"
             )
-        out = {}
-        for rid, k in zip(p.decode, p.draft):
-            if k:
-                found = ngram_drafts(self._ids(state.by_id[rid]), k)
-                if found:
-                    out[rid] = found
-                else:
-                    state.accept(rid, 0, 0)  # (nothing to verify: a plain row)
+        if self.draft is not None:
+            out = self._draft_propose([(rid, k) for rid, k in zip(p.decode, p.draft) if k], state.by_id)
+        else:
+            out = {}
+            for rid, k in zip(p.decode, p.draft):
+                if k:
+                    found = ngram_drafts(self._ids(state.by_id[rid]), k)
+                    if found:
+                        out[rid] = found
+                    else:
+                        state.accept(rid, 0, 0)  # (nothing to verify: a plain row)
         self.stats["draft_tokens"] = self.stats.get("draft_tokens", 0) + sum(map(len, out.values()))
         return out or None
 
@@ -1050,15 +1117,123 @@ class MLXBackend:
             self._kv[rid] += 1 + a
             rejected.append(width - 1 - a)
         self.stats["accepted_tokens"] = self.stats.get("accepted_tokens", 0) + sum(accepted.values())
-        m = min(rejected)
-        for c in self._batch:
-            if m:
-                c.trim(m)
-            if max(rejected) > m:  # each row's kept tokens right-justified again (mlx-lm's own roll)
-                c._right_padding = mx.array([r - m for r in rejected])
-                c.finalize()
+        _rollback(self._batch, rejected)
         self._timed_copy(_cache_arrays(self._batch))
         return accepted
+
+    # ------------------------------------------------------------------ draft model
+    def use_draft(self, model: Any, cost: Any = None) -> None:
+        """Propose drafts with a draft model (speculative decoding's ``draft`` method: the loop
+        calls this for a policy that has one): ``model``, a loaded ``ModelInfo`` or what
+        ``load_model`` takes (loaded at this model's dtype). ``cost``, its cost model, is a
+        simulation's (the draft's passes are measured here). An ``EngineError`` (one line) unless it
+        shares this model's vocabulary and keeps plain KV caches (its rejected drafts roll back)."""
+        info = model if isinstance(model, ModelInfo) else _load_draft(str(model), self.info.dtype)
+        check_draft(self.info, info)
+        self.draft = info
+
+    def _draft_propose(self, rows: Sequence[tuple[str, int]], by_id) -> dict[str, list[int]]:
+        """Each ``(row, k)``'s k drafts from the draft model: its greedy tokens after the row's
+        own, K batched decode steps of the draft over the rows (K: their most drafts; a row of
+        fewer keeps its first ones). Each row's draft cache first catches up with the target's KV:
+        a row new to the draft batch prefills what it lacks in a cache of its own and joins
+        (``_draft_batch``); a row in it feeds what it lacks with its next token in the first step,
+        the rows right-padded to the widest as a verify's are. One evaluation."""
+        t0 = time.perf_counter()
+        for rid, _ in rows:
+            self._ids(by_id[rid])
+        self._draft_batch([rid for rid, _ in rows])
+        d, seq, kv, dkv = self.draft, self._seq, self._kv, self._dkv
+        lags = [kv[rid] - dkv[rid] for rid in self._drows]
+        width = 1 + max(lags)
+        x = [seq[rid][dkv[rid] : kv[rid] + 1] + [0] * (width - 1 - lag) for rid, lag in zip(self._drows, lags)]
+        h = d.hidden(mx.array(x, dtype=mx.uint32), self._dbatch)
+        last = h[:, -1, :] if width == 1 else h[mx.arange(len(lags)), mx.array(lags)]
+        tok = mx.argmax(d.head(last), axis=-1)
+        if width > 1:
+            _rollback(self._dbatch, [width - 1 - lag for lag in lags])  # (the padding's KV)
+        steps = max(k for _, k in rows)
+        toks = [tok]
+        for _ in range(steps - 1):
+            h = d.hidden(tok[:, None], self._dbatch)
+            tok = mx.argmax(d.head(h[:, -1, :]), axis=-1)
+            toks.append(tok)
+        out = mx.stack(toks, axis=1)
+        mx.eval(out, _cache_arrays(self._dbatch))
+        for rid in self._drows:
+            dkv[rid] = kv[rid] + steps  # its next token and all drafts but the last
+        self._dsteps = steps
+        self.stats["draft_forwards"] = self.stats.get("draft_forwards", 0) + steps
+        self.stats["draft_s"] = self.stats.get("draft_s", 0.0) + time.perf_counter() - t0
+        drafted = dict(zip(self._drows, out.tolist()))
+        return {rid: drafted[rid][:k] for rid, k in rows}
+
+    def _draft_batch(self, rids: Sequence[str]) -> None:
+        """Make the draft batch's rows ``rids``: rows not drafting now leave it for caches of
+        their own; rows joining it first prefill there the tokens of the target's KV their draft
+        cache lacks (all of them at a row's first drafts), then are merged in (lazy)."""
+        joining = self._regroup("_drows", rids, self._draft_leave)
+        if not joining:
+            return
+        d = self.draft
+        for rid in joining:
+            caches = self._dcache.get(rid)
+            if caches is None:
+                caches = self._dcache[rid] = make_caches(d.model, d.n_layers)
+                self._dkv[rid] = 0
+            start, n = self._dkv[rid], self._kv[rid]
+            if n > start:
+                d.hidden(mx.array([self._seq[rid][start:n]], dtype=mx.uint32), caches)
+                self._dkv[rid] = n
+        own = [self._dcache.pop(rid) for rid in joining]
+        merged = [_merge([c[layer] for c in own]) for layer in range(d.n_layers)]
+        if self._dbatch is None:
+            self._dbatch = merged
+        else:
+            for c, m in zip(self._dbatch, merged):
+                c.extend(m)
+        self._drows = self._drows + joining
+
+    def _draft_leave(self, rids: Sequence[str], park: bool = False) -> None:
+        """Remove rows from the draft batch; ``park`` keeps their draft KV in caches of their own."""
+        gone = set(rids)
+        keep = [i for i, rid in enumerate(self._drows) if rid not in gone]
+        arrays = []
+        for i, rid in enumerate(self._drows):
+            if rid not in gone:
+                continue
+            if park:
+                self._dcache[rid] = [c.extract(i) for c in self._dbatch]
+                arrays += _cache_arrays(self._dcache[rid])
+            else:
+                self._dkv.pop(rid, None)
+        if keep:
+            for c in self._dbatch:
+                c.filter(keep)
+            arrays += _cache_arrays(self._dbatch)
+        else:
+            self._dbatch = None
+        self._drows = [self._drows[i] for i in keep]
+        self._timed_copy(arrays)
+
+    def _draft_rollback(self, accepted: dict[str, int]) -> None:
+        """After a verify, each draft batch row keeps the draft KV of the tokens the target kept:
+        its next token and its accepted drafts (all but the last when it accepted every one)."""
+        steps, rejected = self._dsteps, []
+        for rid in self._drows:
+            drop = steps - 1 - min(accepted.get(rid, 0), steps - 1)
+            rejected.append(drop)
+            self._dkv[rid] -= drop
+        _rollback(self._dbatch, rejected)
+        self._timed_copy(_cache_arrays(self._dbatch))
+        self._dsteps = 0
+
+    def _draft_drop(self, rid: str) -> None:
+        """Forget request ``rid``'s draft KV (it finished, was preempted or cancelled)."""
+        self._dcache.pop(rid, None)
+        if rid in self._drows:
+            self._draft_leave([rid])
+        self._dkv.pop(rid, None)
 
     # ------------------------------------------------------------------ prefill
     def _chunk_graph(self, rid: str, n: int, r):
@@ -1180,8 +1355,13 @@ class MLXBackend:
             (tok,) = self._decode_graph(self._rows, fakes)
             _, t2, arrays = self._chunk_graph(extra, 33, fakes[extra])
             mx.eval(tok, t2, arrays, _cache_arrays(self._batch))
+            if self.draft is not None:  # the draft model's prefill, batch and steps
+                self._draft_propose([(rid, 2) for rid in ids[:3]], fakes)
+                self._dsteps = 0
         finally:
             for rid in fakes:
+                if self.draft is not None:
+                    self._draft_drop(rid)
                 self._lp_lazy.pop(rid, None)
                 self._seq.pop(rid, None)
                 self.tokens.pop(rid, None)
@@ -1199,6 +1379,8 @@ class MLXBackend:
             ):
                 self.stats[key] = 0
             self.stats["copy_s"] = 0.0
+            if self.draft is not None:
+                self.stats["draft_forwards"], self.stats["draft_s"] = 0, 0.0
 
 
 # ------------------------------------------------------------------------- reference

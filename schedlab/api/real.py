@@ -444,9 +444,10 @@ def run_real(
     ``run.features`` and ``run.residuals()`` the steps' measured/predicted. ``log(kind,
     message)`` hears progress, notes and warnings (default: warnings as ``SchedlabWarning``);
     ``on_step(finished, requests)`` is called after every step. ``speculative``: speculative
-    decoding (``"ngram:k=4"``, as ``simulate`` takes it): the policy's decode rows verify up to k
-    draft tokens found by n-gram prompt lookup, greedy rows only; the model decides what it
-    accepts (``accept`` is only the adaptive k's prior)."""
+    decoding (``"ngram:k=4"`` or ``"draft:model=M,k=3"``, as ``simulate`` takes it): the policy's
+    decode rows verify up to k draft tokens found by n-gram prompt lookup or proposed by draft
+    model M (loaded beside the model, of its vocabulary), greedy rows only; the model decides
+    what it accepts (``accept`` is only the adaptive k's prior)."""
     log = logger(log)
     seed = check_seed(seed)
     opts = merged(

@@ -84,7 +84,8 @@ def serve(
     request that gives none gets; ``max_waiting``: a request arriving while that many wait to be
     admitted gets a 429. The listening line (and its address) goes to stderr; ``log(kind,
     message)`` hears progress, notes and warnings. ``speculative``: speculative decoding on every
-    replica (``"ngram:k=4"``, as ``run_real`` takes it; /metrics counts it as vLLM does)."""
+    replica (``"ngram:k=4"`` or ``"draft:model=M,k=3"``, as ``run_real`` takes it; /metrics counts
+    it as vLLM does)."""
     from schedlab.serving.http import DEFAULT_MAX_TOKENS
     from schedlab.serving.single import check_address
 

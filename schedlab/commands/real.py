@@ -44,7 +44,9 @@ real_app = make_app(
 
 SPECULATIVE_HELP = (
     "speculative decoding: ngram:k=4 (every decode row verifies up to k draft tokens found by n-gram prompt "
-    "lookup; greedy rows only; adaptive=true,accept=P1/P2/...: k chosen per step from that acceptance prior)"
+    "lookup) or draft:model=M,k=3 (drafted by model M, a smaller one of the same vocabulary: a preset, a .gguf "
+    "file or a checkpoint directory); greedy rows only; adaptive=true,accept=P1/P2/...: k chosen per step from "
+    "that acceptance prior"
 )
 
 
