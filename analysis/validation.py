@@ -262,6 +262,10 @@ def format_table(v: Mapping[str, Any]) -> str:
             f"cost model's): median |error| {sm['median_abs_error_pct']:.1f} %, max "
             f"{sm['max_abs_error_pct']:.1f} %: the model's share; the rest is the machine's speed"
         )
+    if v.get("speculative"):
+        from .speculation import format_acceptance
+
+        lines.append(format_acceptance(v["speculative"]))
     return "\n".join(lines)
 
 

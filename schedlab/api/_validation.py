@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..errors import opt
 from ._base import Log, fail, policy_options
 from .profiles import ProfileLike, profile_path
 from .runs import Run, real_dir_name
@@ -29,6 +30,8 @@ def validate_many(
     speed_check_runs: bool = True,
     speed_probe: str = "passes",
     speed_every_run: bool = False,
+    speculative: dict | None = None,
+    acceptance: Any = None,
 ) -> dict[str, tuple[dict, Run, list[Run]]]:
     """Policies side by side: each one's simulation, then the real runs round by round — run k
     of every policy before run k + 1 of any — and the machine's speed timed once before the
@@ -49,17 +52,41 @@ def validate_many(
 
     The real runs plan and predict with the same cost model as the simulation: the policy
     sees the same estimates on both sides, and steps.parquet's predicted_s (the per-step error)
-    is that model's, analytic with ``hardware``."""
+    is that model's, analytic with ``hardware``.
+
+    ``speculative`` (``parse_speculative``'s answer; the policies already wrap in
+    ``Speculative``): the real runs' rows verify drafts, and the simulations draw their accepted
+    drafts from ``acceptance`` (an ``Acceptance``), or, without one, from the real runs' own
+    counters (``Acceptance.from_counters`` of every real run's added up): the simulations are
+    then made after the real runs. Each comparison gains ``speculative``
+    (``analysis.speculation.compare_acceptance``)."""
     if speed_probe not in ("passes", "replay"):
         raise ValueError(f"speed_probe: 'passes' or 'replay', not {speed_probe!r}")
-    job = _Validation(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say)
-    sims = job.simulate()
+    job = _Validation(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say, speculative, acceptance)
+    later = speculative is not None and acceptance is None  # (drawn from what the real runs measure)
+    sims = None if later else job.simulate()
     ref = _speed_reference(cost_meta) if speed_check_runs else None
     probes = _SpeedProbes(info, ref, seed, speed_probe, speed_every_run, pols)
     probes.before(say)
     reals = job.real_rounds(probes)
     probes.after()
+    if later:
+        job.acceptance = measured_acceptance(reals, int(speculative["seed"]))
+        sims = job.simulate()
     return {name: job.compare(name, sims[name], reals[name], probes) for name in pols}
+
+
+def measured_acceptance(reals: Mapping[str, list[Run]], seed: int):
+    """The acceptance profile the real runs of every policy measured, their spec-decode counters
+    added up (greedy runs of one trace: the same tokens under every policy)."""
+    from schedlab.sim.speculation import Acceptance, SpeculationError, pooled_counters
+
+    counters = pooled_counters([r._summary.get("speculative") for runs in reals.values() for r in runs])
+    try:
+        return Acceptance.from_counters(counters or {"drafts": 0, "accepted_per_position": []}, seed,
+                                        "the real runs' spec-decode counters")  # fmt: skip
+    except SpeculationError:
+        fail(f"{opt('speculative')}: the real runs verified no drafts: no acceptance to simulate (give accept=)", 2)
 
 
 class _SpeedProbes:
@@ -133,13 +160,11 @@ class _Validation:
     seed: int
     cost_meta: dict
     say: Callable[[str], Any]
+    speculative: dict | None = None
+    acceptance: Any = None
     metas: dict[str, dict] = field(default_factory=dict)
 
-    def simulate(self) -> dict[str, Run]:
-        from schedlab.sim import Deployment, run
-        from schedlab.sim.metrics import summarize
-
-        sims: dict[str, Run] = {}
+    def __post_init__(self) -> None:
         for name, pol in self.pols.items():
             self.metas[name] = {
                 "cost_model": self.cost_meta,
@@ -147,10 +172,20 @@ class _Validation:
                 "seed": self.seed,
                 "policy_options": policy_options(pol),
             }
+
+    def simulate(self) -> dict[str, Run]:
+        from schedlab.sim import Deployment, run
+        from schedlab.sim.metrics import summarize
+
+        sims: dict[str, Run] = {}
+        for name, pol in self.pols.items():
+            meta = self.metas[name]
+            if self.acceptance is not None:
+                meta = dict(meta, acceptance=self.acceptance.describe())
             self.say(f"{pol.name}: simulating")
-            deployment = Deployment.one(pol, self.cost, kv_capacity=self.capacity)
+            deployment = Deployment.one(pol, self.cost, kv_capacity=self.capacity, acceptance=self.acceptance)
             sim_res = run(deployment, self.tr.requests, trace_name=self.tr.name)
-            sims[name] = Run(sim_res, summarize(sim_res), self.metas[name])
+            sims[name] = Run(sim_res, summarize(sim_res), meta)
             if self.dirs.get(name) is not None:
                 sims[name].save(self.dirs[name] / "sim")
         return sims
@@ -191,7 +226,7 @@ class _Validation:
         from schedlab.analysis.validation import compare as compare_runs
         from schedlab.sim.features import step_table
 
-        pol, tr, cost, capacity = self.pols[name], self.tr, self.cost, self.capacity
+        pol, tr, cost, capacity, acc = self.pols[name], self.tr, self.cost, self.capacity, self.acceptance
         summaries = [r._summary for r in reals]
         steps = [st for r in reals for st in r._result.steps]
         v = compare_runs(sim._summary, summaries, policy=pol.name, trace=tr.name, real_steps=steps)
@@ -204,12 +239,19 @@ class _Validation:
         if probes.ref is not None:
             v["machine_speed"] = probes.machine_speed(name)
             factors = probes.run_factors(name)
-            adj = drift_adjusted(pol, tr, cost, capacity, probes.speed, summaries, steps, factors, run_steps)
+            adj = drift_adjusted(pol, tr, cost, capacity, probes.speed, summaries, steps, factors, run_steps, acc)
             if adj is not None:
                 v["drift_adjusted"] = adj
-        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables], run_steps)
+        matched = speed_matched(pol, tr, cost, capacity, summaries, [run_speed(t) for t in tables], run_steps, acc)
         if matched is not None:
             v["speed_matched"] = matched
+        if self.speculative is not None:
+            from schedlab.analysis.speculation import compare_acceptance
+
+            sim_spec = sim._summary.get("speculative")
+            v["speculative"] = compare_acceptance(
+                sim_spec, [s.get("speculative") for s in summaries], acc.accept, acc.source or "accept="
+            )
         v["model"] = self.info.name
         v["cost_model"] = self.cost_meta
         v["sim_dir"] = "sim"
@@ -250,6 +292,7 @@ def drift_adjusted(
     steps: list,
     factors: list[float] | None = None,
     run_steps: list[list] | None = None,
+    acceptance: Any = None,
 ) -> dict | None:
     """The simulation again with every pass scaled by the machine's measured speed during the
     real runs, compared with the same real runs: how far the model is once the machine's drift
@@ -263,10 +306,10 @@ def drift_adjusted(
     run: only the passes' seconds scaled), compared per metric by their median; each run held out
     against the others' simulations (``hold_one_out``); each run's steps against their
     predictions at its speed (``step_ratio_median``). The speeds come from probes, not from the
-    runs' own steps: a per-step cost the model misses still shows (unlike ``speed_matched``)."""
+    runs' own steps: a per-step cost the model misses still shows (unlike ``speed_matched``).
+    ``acceptance``: the simulations' acceptance profile, when the policy drafts."""
     from schedlab.analysis.validation import compare as compare_runs, median_summary, repeat_summary
-    from schedlab.sim import Deployment, run, run_replica as run_loop
-    from schedlab.sim.backend import SimBackend
+    from schedlab.sim import Deployment, run
     from schedlab.sim.cost import ScaledCostModel
     from schedlab.sim.metrics import summarize
 
@@ -282,24 +325,12 @@ def drift_adjusted(
         return {"speed_factor": factor, "step_ratio": step_ratio, "applied": False}
     out: dict[str, Any] = {"speed_factor": factor, "step_ratio": step_ratio, "applied": True}
     if factors is None:
-        scaled_model = Deployment.one(pol, ScaledCostModel(cost, factor), kv_capacity=capacity)
+        scaled_model = Deployment.one(pol, ScaledCostModel(cost, factor), kv_capacity=capacity, acceptance=acceptance)
         res = run(scaled_model, tr.requests, trace_name=tr.name)
         scaled = [s._replace(predicted_s=s.predicted_s * factor) for s in steps]
         c = compare_runs(summarize(res), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
     else:
-        sims = [
-            summarize(
-                run_loop(
-                    tr.requests,
-                    pol,
-                    cost,
-                    kv_capacity=capacity,
-                    trace_name=tr.name,
-                    backend=SimBackend(cost, time_scale=f),
-                )
-            )
-            for f in factors
-        ]
+        sims = at_speeds(pol, tr, cost, capacity, factors, acceptance)
         scaled = [s._replace(predicted_s=s.predicted_s * f) for f, st in zip(factors, run_steps) for s in st]
         c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name, real_steps=scaled)
         per = [compare_runs(one, reals, policy=pol.name, trace=tr.name)["metrics"] for one in sims]
@@ -325,7 +356,7 @@ def run_speed(cols, coef: Mapping[str, float] | None = None) -> float | None:
 
 
 def speed_matched(
-    pol, tr, cost, capacity, reals: list, speeds: list, run_steps: list[list] | None = None
+    pol, tr, cost, capacity, reals: list, speeds: list, run_steps: list[list] | None = None, acceptance: Any = None
 ) -> dict | None:
     """The comparison again with the simulation made at each real run's own speed (``run_speed``:
     the one number a real run tells about the machine as a whole while it ran; the policy still
@@ -336,22 +367,13 @@ def speed_matched(
     queueing they cause — while the speeds are reported beside it. Reported beside the plain
     comparison, never instead of it. With ``run_steps`` (each run's steps): the steps' median
     and mean measured/(predicted x their run's speed), ``step_ratio_median``/``_mean``: what is
-    left of the per-step error once each run's speed is known exactly."""
+    left of the per-step error once each run's speed is known exactly. ``acceptance``: the
+    simulations' acceptance profile, when the policy drafts."""
     from schedlab.analysis.validation import compare as compare_runs, median_summary
-    from schedlab.sim import run_replica as run_loop
-    from schedlab.sim.backend import SimBackend
-    from schedlab.sim.metrics import summarize
 
     if not reals or len(speeds) != len(reals) or any(f is None for f in speeds):
         return None
-    sims = [
-        summarize(
-            run_loop(
-                tr.requests, pol, cost, kv_capacity=capacity, trace_name=tr.name, backend=SimBackend(cost, time_scale=f)
-            )
-        )
-        for f in speeds
-    ]
+    sims = at_speeds(pol, tr, cost, capacity, speeds, acceptance)
     c = compare_runs(median_summary(sims), reals, policy=pol.name, trace=tr.name)
     out = {
         "speeds": [round(f, 4) for f in speeds],
@@ -363,6 +385,28 @@ def speed_matched(
     if got:
         out["step_ratio_median"], out["step_ratio_mean"] = got["median"], got["mean"]
     return out
+
+
+def at_speeds(pol, tr, cost, capacity, factors: list[float], acceptance: Any = None) -> list[dict]:
+    """The simulation's summary at each speed factor: every pass's seconds scaled by it, the
+    policy planning with ``cost`` (as in the real run); ``acceptance``: when the policy drafts."""
+    from schedlab.sim import run_replica as run_loop
+    from schedlab.sim.backend import SimBackend
+    from schedlab.sim.metrics import summarize
+
+    return [
+        summarize(
+            run_loop(
+                tr.requests,
+                pol,
+                cost,
+                kv_capacity=capacity,
+                trace_name=tr.name,
+                backend=SimBackend(cost, time_scale=f, acceptance=acceptance),
+            )
+        )  # fmt: skip
+        for f in factors
+    ]
 
 
 def scaled_step_bias(factors: list[float], run_steps: list[list]) -> dict[str, float] | None:

@@ -250,6 +250,7 @@ def validate(
     on_result: Callable[[str, dict], None] | None = None,
     speed_probe: str = "passes",
     probe_every_run: bool = False,
+    speculative: str | Mapping[str, Any] | None = None,
 ) -> Validation:
     """Run ``policy`` for real (MLX) and in simulation on the same trace and cost model, and
     compare (the ``validate`` command).
@@ -266,12 +267,26 @@ def validate(
     drift-adjusted comparison: ``"passes"`` (the profile's reference passes, isolated: seconds)
     or ``"replay"`` (a default calibration's own replay run again in the real loop: its steps'
     regime, ~10 s at the default length); ``probe_every_run``: timed after every real run too,
-    so that each run is simulated at its own speed (the machine's speed moves within minutes)."""
+    so that each run is simulated at its own speed (the machine's speed moves within minutes).
+
+    ``speculative`` (``"ngram:k=4"``, as ``simulate`` and ``run_real`` take it): every policy's
+    decode rows verify drafts, on the real engine and in the simulation; the simulation draws the
+    accepted drafts from ``accept`` when given (numbers or a file, as ``simulate`` reads it), else
+    from what the real runs measured (their spec-decode counters, added up; the simulations are
+    then made after the real runs). validation.json gains ``speculative``: the acceptance rate,
+    mean acceptance length, verify rows and per-position acceptance, simulated vs measured
+    (``analysis.speculation``)."""
     from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
+
+    from .deployments import _speculation, parse_speculative
 
     log = logger(log)
     seed = check_seed(seed)
     pols = policy_list(policy, options)  # bad names and options fail here, before any run
+    spec = parse_speculative(speculative)
+    acceptance, wrap = _speculation(spec)
+    if wrap is not None:
+        pols = {name: wrap(pol) for name, pol in pols.items()}
     tr = as_trace(trace, seed=seed)
     check_model(model, dtype)
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
@@ -287,6 +302,8 @@ def validate(
     if speed_probe not in ("passes", "replay"):
         fail(f"{opt('speed_probe')} must be 'passes' or 'replay', not {speed_probe!r}", 2)
     probe = {"speed_probe": speed_probe, "speed_every_run": bool(probe_every_run)}
+    if spec is not None:
+        probe.update(speculative=spec, acceptance=acceptance)
     with noise_env(noise):
         return _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe)
 

@@ -79,6 +79,13 @@ def validate(
         "--probe-every-run",
         help="time the machine's speed after every real run too: each run simulated at its own speed",
     ),
+    speculative: Optional[str] = typer.Option(
+        None,
+        "--speculative",
+        help="speculative decoding in both: ngram:k=4 (the real runs' rows verify n-gram drafts; the simulation "
+        "draws the accepted ones from the acceptance the real runs measured, or from accept=P1/P2/... or "
+        "accept=FILE); the tables compare the acceptance too",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only the tables"),
 ) -> None:
     """Validate the simulator against the real engine for POLICY on TRACE."""
@@ -90,6 +97,8 @@ def validate(
 
         if policy is not None or option:
             fail("--served runs name their policy and options: drop --policy/-o", 2)
+        if speculative is not None:
+            fail("--speculative goes with --policy and --trace, not --served (yet)", 2)
         v = schedlab.validate_served(served, trace=trace, profile=profile, out=out)
         print(format_served(v))
         if out is not None:
@@ -130,6 +139,7 @@ def validate(
         on_result=done,
         speed_probe=speed_probe,
         probe_every_run=probe_every_run,
+        speculative=speculative,
     )
     if len(val.results) > 1:
         print(format_overview(val.results))
