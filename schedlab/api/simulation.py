@@ -71,8 +71,10 @@ def simulate(
     Each replica's summary names its group, policy, cost model and KV capacity, and meta.json's
     ``cluster.groups`` each group's.
 
-    ``speculative``: speculative decoding (``"ngram:k=4,accept=0.8/0.6/0.4/0.3"`` or a mapping of
-    ``method``, ``k``, ``adaptive``, ``accept``, ``seed``): every replica's policy lets its decode
+    ``speculative``: speculative decoding (``"ngram:k=4,accept=0.8/0.6/0.4/0.3"``,
+    ``"draft:model=tiny,k=3,accept=..."`` or a mapping of ``method``, ``k``, ``adaptive``,
+    ``accept``, ``seed``, ``model``, ``draft_profile``; a draft model's passes are priced by its
+    bundled profile or ``draft_profile``): every replica's policy lets its decode
     rows verify up to k draft tokens (``policies.speculative``), each row's accepted drafts drawn
     from the per-position acceptance ``accept`` (``P1/P2/...``, or a JSON file that holds one: a
     run's summary.json, a ``calibrate --speculative`` profile, a trace; without it, the trace's

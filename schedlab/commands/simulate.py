@@ -28,7 +28,8 @@ SPECULATIVE_HELP = (
     "speculative decoding, every replica's policy drafting tokens: ngram:k=4,accept=0.8/0.6/0.4/0.3 (accept: the "
     "acceptance of each draft position the simulation draws from, or a JSON file holding it: a run's summary.json, "
     "a calibrate --speculative profile, a trace; without accept=, the trace's own speculative_acceptance; "
-    "adaptive=true: k chosen per step, at most k; seed=N: the draws' seed)"
+    "adaptive=true: k chosen per step, at most k; seed=N: the draws' seed); draft:model=M,k=3,accept=...: drafted "
+    "by draft model M, whose passes are priced by its bundled profile or draft_profile=PATH"
 )
 
 simulate_app = make_app(
