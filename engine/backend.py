@@ -90,6 +90,8 @@ from schedlab.sim.clock import WallClock  # noqa: E402
 from schedlab.sim.state import RequestState  # noqa: E402
 from schedlab.traces.schema import Request  # noqa: E402
 
+DRAFT_LAG = 4  # a draft batch row lagging more tokens than this catches up in a cache of its own
+
 # ------------------------------------------------------------------------- caches
 
 
@@ -1171,7 +1173,12 @@ class MLXBackend:
     def _draft_batch(self, rids: Sequence[str]) -> None:
         """Make the draft batch's rows ``rids``: rows not drafting now leave it for caches of
         their own; rows joining it first prefill there the tokens of the target's KV their draft
-        cache lacks (all of them at a row's first drafts), then are merged in (lazy)."""
+        cache lacks (all of them at a row's first drafts), then are merged in (lazy). A row of
+        the batch that lags more than ``DRAFT_LAG`` tokens (it decoded without drafts meanwhile:
+        a pass with a sampled row) leaves and joins again so, not to pad every row to its lag."""
+        stale = [rid for rid in self._drows if self._kv[rid] - self._dkv[rid] > DRAFT_LAG]
+        if stale:
+            self._draft_leave(stale, park=True)
         joining = self._regroup("_drows", rids, self._draft_leave)
         if not joining:
             return
