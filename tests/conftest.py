@@ -52,6 +52,7 @@ ENGINE2_FILES = {
     "test_seed003",
     "test_serve_hybrid",
     "test_speculative_draft",
+    "test_speculative_acceptance",
     "test_speculative_real",
 }
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
