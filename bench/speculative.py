@@ -14,13 +14,21 @@ records it), output throughput, and the acceptance (vLLM's counters). The engine
 policies directly (``sim.run_replica`` with ``MLXBackend``; no calibration: the cost model is not
 used to plan here).
 
-Simulation: the same workload on the bundled SmolLM2 profile, the acceptance profile measured
-by the real runs (per position, ``accepted_per_position``), plain and each k: how far the
-simulation's TPOT gain is from the real one. Then the crossover: ``vllm`` with and without
-k = 2 across request rates, up to far past capacity, where the verify positions take the token
-budget and the pass time that prefill and more rows would have had.
+Simulation: the same workload on a profile of this machine, measured first (``calibrate``'s
+compact grid for SmolLM2, verify passes included: a verify pass timed beside the plain decode
+pass of the same rows; ``--profile`` gives one instead), the acceptance profile measured by the
+real runs (per position, ``accepted_per_position``), plain and each k. The machine's speed is
+timed against the profile's own passes before and after each load's real runs
+(``engine.calibrate.speed_check``, as ``validate`` does) and the simulation is given both raw
+and scaled by that speed (the drift-adjusted simulation), and raw without the verify terms (a
+verify pass priced as a padded prefill of its drafts, what a profile without them gets). Compared
+per configuration: the
+simulated TPOT over the real one, and the simulated TPOT gain over the real gain, each beside
+the real runs' round-to-round spread (the machine's repeat error). Then the crossover: ``vllm``
+with and without k = 2 across request rates, up to far past capacity, where the verify
+positions take the token budget and the pass time that prefill and more rows would have had.
 
-    python bench/speculative.py [--rounds 3] [--ks 2,4] [--loads low:3:7,busy:6:1] [--out ...]
+    python bench/speculative.py [--rounds 3] [--ks 2,4] [--loads low:3:7,busy:6:1] [--profile P] [--out ...]
 
 Results: ``bench/results/speculative.json`` (``docs/policies.md``).
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -82,15 +91,12 @@ def _spread(rows: list[dict], key: str) -> float:
     return (max(vals) - min(vals)) / statistics.median(vals)
 
 
-def _simulated(reqs, runs, ks):
+def _simulated(reqs, runs, ks, cost):
     from schedlab.policies import make_policy
     from schedlab.policies.speculative import Speculative
     from schedlab.sim import Deployment, run, summarize
-    from schedlab.sim.cost import LinearCostModel
-    from schedlab.sim.profiles import resolve_profile
     from schedlab.sim.speculation import Acceptance
 
-    cost = LinearCostModel.from_profile(resolve_profile("smollm2-135m-cpu"))
     out = {}
     for name, k in [("plain", 0)] + [(f"k{k}", k) for k in ks]:
         if k:
@@ -108,16 +114,13 @@ def _simulated(reqs, runs, ks):
     return out
 
 
-def _crossover(trace, acceptance, rates, k):
+def _crossover(trace, acceptance, rates, k, cost):
     from schedlab.policies import make_policy
     from schedlab.policies.speculative import Speculative
     from schedlab.sim import Deployment, run, summarize
-    from schedlab.sim.cost import LinearCostModel
-    from schedlab.sim.profiles import resolve_profile
     from schedlab.sim.speculation import Acceptance
     from schedlab import traces
 
-    cost = LinearCostModel.from_profile(resolve_profile("smollm2-135m-cpu"))
     rows = []
     for rate in rates:
         tr = traces.to_rate(trace, rate)
@@ -141,12 +144,100 @@ def _crossover(trace, acceptance, rates, k):
     return rows
 
 
+def _profile(args, info) -> tuple[dict, str]:
+    """The profile the simulations use: ``--profile``, or one measured now (the compact grid,
+    verify passes included). With how it was made."""
+    if args.profile:
+        return json.loads(open(args.profile).read()), f"given: {args.profile}"
+    from schedlab.engine.calibrate import calibrate, grid_for
+
+    t0 = time.perf_counter()
+    prof = calibrate(info, grid_for(info), progress=lambda m: print("calibrate", m, flush=True))
+    return prof, f"calibrated in this run ({prof['calibration']['grid']} grid, {time.perf_counter() - t0:.0f} s)"
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    out = {}
+    for key, rows in runs.items():
+        spec = rows[0]["speculative"]
+        out[key] = {
+            "tpot_ms_p50": _median(rows, "tpot_ms_p50"),
+            "tpot_spread": _spread(rows, "tpot_ms_p50"),
+            "itl_ms_p50": _median(rows, "itl_ms_p50"),
+            "output_throughput_tok_s": _median(rows, "output_throughput_tok_s"),
+            "makespan_s": _median(rows, "makespan_s"),
+            "acceptance_rate": spec["acceptance_rate"] if spec else None,
+            "mean_acceptance_length": spec["mean_acceptance_length"] if spec else None,
+        }
+    for key in out:
+        if key != "plain":
+            gains = [p["tpot_ms_p50"] / r["tpot_ms_p50"] for p, r in zip(runs["plain"], runs[key])]
+            out[key]["tpot_gain"] = out["plain"]["tpot_ms_p50"] / out[key]["tpot_ms_p50"]
+            out[key]["tpot_gain_per_round"] = gains
+            out[key]["tpot_gain_spread"] = (max(gains) - min(gains)) / statistics.median(gains)
+            out[key]["itl_ratio"] = out["plain"]["itl_ms_p50"] / out[key]["itl_ms_p50"]
+    return out
+
+
+def _compare(real: dict[str, dict], sim: dict[str, dict]) -> dict[str, dict]:
+    """Per configuration: simulated over real TPOT, and simulated over real TPOT gain, each with
+    the real runs' round-to-round spread beside it (within: |ratio - 1| <= that spread)."""
+    out = {}
+    for key, r in real.items():
+        s = sim[key]
+        row = {"tpot_sim_over_real": s["tpot_ms_p50"] / r["tpot_ms_p50"], "real_tpot_spread": r["tpot_spread"]}
+        row["tpot_within_repeat_error"] = abs(row["tpot_sim_over_real"] - 1) <= r["tpot_spread"]
+        if key != "plain":
+            row["gain_sim_over_real"] = s["tpot_gain"] / r["tpot_gain"]
+            row["real_gain_spread"] = r["tpot_gain_spread"]
+            row["gain_within_repeat_error"] = abs(row["gain_sim_over_real"] - 1) <= r["tpot_gain_spread"]
+        out[key] = row
+    return out
+
+
+def _one_load(args, info, item: str, prof: dict) -> dict:
+    from schedlab import traces
+    from schedlab.engine.calibrate import speed_check
+    from schedlab.engine.tokenizer import preset_tokenizer
+    from schedlab.sim.cost import LinearCostModel, ScaledCostModel
+
+    name, n, gap = item.split(":")
+    trace = traces.load(f"copy:n={n},lines={args.lines}", tokenizer=preset_tokenizer())
+    reqs = [dataclasses.replace(r, arrival_s=i * float(gap)) for i, r in enumerate(trace.requests)]
+    before = speed_check(info, prof)
+    runs, same = _real_runs(args, reqs, info)
+    after = speed_check(info, prof)
+    summary = _summary(runs)
+    cost = LinearCostModel(prof["coefficients"])
+    speed = statistics.median([x["ratio"] for x in (before, after) if x and x.get("ratio")] or [1.0])
+    sims = {}
+    approx = LinearCostModel({k: v for k, v in prof["coefficients"].items() if not k.startswith("v_")})
+    models = (("raw", cost), ("drift_adjusted", ScaledCostModel(cost, speed)), ("without_verify_terms", approx))
+    for label, model in models:
+        sim = _simulated(reqs, runs, args.ks, model)
+        for key in sim:
+            if key != "plain":
+                sim[key]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[key]["tpot_ms_p50"]
+        sims[label] = {"runs": sim, "compare": _compare(summary, sim)}
+        print(name, label, json.dumps(sims[label]["compare"]), flush=True)
+    return {
+        "requests": int(n),
+        "gap_s": float(gap),
+        "trace": trace.description,
+        "tokens_equal_without_speculation": same,
+        "speed_check": {"before": before, "after": after, "ratio_used": speed},
+        "real": {"runs": runs, "summary": summary},
+        "simulated": sims,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ks", default="2,4")
     ap.add_argument("--loads", default="low:3:7,busy:6:1", help="NAME:N:GAP,...: N requests GAP seconds apart")
     ap.add_argument("--lines", type=int, default=4, help="sonnet lines each prompt asks to repeat")
+    ap.add_argument("--profile", help="a profile of this machine (default: calibrate SmolLM2 first, ~7 min)")
     ap.add_argument("--out", default=str(common.result_path("speculative")))
     args = ap.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
@@ -154,57 +245,28 @@ def main() -> None:
     from schedlab import traces
     from schedlab.engine.models import load_model
     from schedlab.engine.tokenizer import preset_tokenizer
+    from schedlab.sim.cost import LinearCostModel
 
     info = load_model("smollm2-135m")
-    loads = {}
-    for item in args.loads.split(","):
-        name, n, gap = item.split(":")
-        trace = traces.load(f"copy:n={n},lines={args.lines}", tokenizer=preset_tokenizer())
-        reqs = [dataclasses.replace(r, arrival_s=i * float(gap)) for i, r in enumerate(trace.requests)]
-        runs, same = _real_runs(args, reqs, info)
-        summary = {
-            key: {
-                "tpot_ms_p50": _median(rows, "tpot_ms_p50"),
-                "tpot_spread": _spread(rows, "tpot_ms_p50"),
-                "itl_ms_p50": _median(rows, "itl_ms_p50"),
-                "output_throughput_tok_s": _median(rows, "output_throughput_tok_s"),
-                "makespan_s": _median(rows, "makespan_s"),
-                "acceptance_rate": rows[0]["speculative"]["acceptance_rate"] if rows[0]["speculative"] else None,
-                "mean_acceptance_length": rows[0]["speculative"]["mean_acceptance_length"]
-                if rows[0]["speculative"]
-                else None,
-            }
-            for key, rows in runs.items()
-        }
-        for key in summary:
-            if key != "plain":
-                summary[key]["tpot_gain"] = summary["plain"]["tpot_ms_p50"] / summary[key]["tpot_ms_p50"]
-                summary[key]["itl_ratio"] = summary["plain"]["itl_ms_p50"] / summary[key]["itl_ms_p50"]
-        sim = _simulated(reqs, runs, args.ks)
-        for key in sim:
-            if key != "plain":
-                sim[key]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[key]["tpot_ms_p50"]
-        loads[name] = {
-            "requests": int(n),
-            "gap_s": float(gap),
-            "trace": trace.description,
-            "tokens_equal_without_speculation": same,
-            "real": {"runs": runs, "summary": summary},
-            "simulated": sim,
-        }
+    prof, how = _profile(args, info)
+    loads = {item.split(":")[0]: _one_load(args, info, item, prof) for item in args.loads.split(",")}
     best = min(args.ks)
     big = traces.load("copy:n=64,lines=4,rate=1", tokenizer=preset_tokenizer())  # (Poisson: its rate can be set)
     rates = [0.05, 0.2, 0.5, 1, 2, 4, 8, 16, 32]
     first = next(iter(loads.values()))
-    crossover = _crossover(big, first["simulated"][f"k{best}"]["acceptance"], rates, best)
+    accept = first["simulated"]["raw"]["runs"][f"k{best}"]["acceptance"]
+    crossover = _crossover(big, accept, rates, best, LinearCostModel(prof["coefficients"]))
+    verify = {k: prof["fit_report"].get(k) for k in ("verify", "verify_passes")}
     common.write_json(
         {
             "bench": "speculative",
             "what": "n-gram speculative decoding (unified) on a copy-heavy workload, SmolLM2-135M on this CPU: real "
             "runs at each load alternating plain and each k, medians over rounds; the simulation of the same runs "
-            "with the acceptance they measured; the simulated crossover across load (vllm)",
+            "on a profile of this machine (raw and drift-adjusted) with the acceptance they measured; the "
+            "simulated crossover across load (vllm)",
             "rounds": args.rounds,
             "ks": args.ks,
+            "profile": {"how": how, "date": prof.get("date"), "coefficients": prof["coefficients"], "fit": verify},
             "loads": loads,
             "crossover": {"policy": "vllm", "k": best, "rows": crossover},
         },
