@@ -80,18 +80,28 @@ class SimBackend:
             self.execute = lambda p, shape, state, _predict=model.pass_seconds: f * _predict(shape)
 
     def _execute_speculative(self, p: Pass, shape: PassShape, state) -> float:
-        """A pass whose rows may verify drafts: each row's accepted drafts drawn from the
-        acceptance profile (``state.accept``), the draft positions priced on top of the pass
-        (``verify_seconds``)."""
-        seconds = self._model.pass_seconds(shape)
+        """A pass whose rows may verify drafts: whether each row's drafter proposes at all
+        (``Acceptance.propose``: one that does not is a plain row, its positions not in the
+        forward) and how many of its drafts it accepts, drawn from the acceptance profile
+        (``state.accept``); the pass priced with the drafts proposed (``verify_seconds`` on top
+        for a cost model that does not price them itself)."""
         if p.draft:
             acceptance, draws = self.acceptance, self._draws
-            for rid, k in zip(p.decode, p.draft):
+            drafts = list(p.draft)
+            for i, (rid, k) in enumerate(zip(p.decode, drafts)):
                 if k:
-                    state.accept(rid, acceptance.accepted(rid, k, draws))
-            seconds += verify_seconds(self._model, shape)
+                    if acceptance.proposes(rid, draws):
+                        state.accept(rid, acceptance.accepted(rid, k, draws))
+                    else:  # (its drafter found nothing: a plain row, its positions not computed)
+                        state.accept(rid, 0, 0)
+                        drafts[i] = 0
+            if drafts != list(p.draft):
+                shape = shape._replace(decode_drafts=tuple(drafts) if any(drafts) else ())
+            seconds = self._model.pass_seconds(shape) + verify_seconds(self._model, shape)
             if self.draft_cost is not None:
                 seconds += self._draft_seconds(p, shape)
+        else:
+            seconds = self._model.pass_seconds(shape)
         return self.time_scale * seconds
 
     def use_draft(self, model: Any, cost: Any) -> None:

@@ -251,7 +251,7 @@ def speculation_counts(states) -> dict[str, Any] | None:
     accepted = sum(st.spec_accepted_tokens for st in states)
     from .speculation import counters
 
-    return counters(drafts, tokens, accepted, per_pos)
+    return counters(drafts, tokens, accepted, per_pos, sum(st.spec_empty for st in states))
 
 
 def run_replica(

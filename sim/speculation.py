@@ -47,6 +47,9 @@ class Acceptance:
     accept: tuple[float, ...]
     seed: int = 0
     source: str | None = field(default=None, compare=False)
+    # of the rows given room to draft, the share whose drafter proposes anything (an n-gram
+    # lookup finds no match in the others: they decode plainly, their positions not computed)
+    propose: float = 1.0
 
     def __post_init__(self) -> None:
         acc = tuple(self.accept) if isinstance(self.accept, (list, tuple)) else None
@@ -58,6 +61,19 @@ class Acceptance:
         object.__setattr__(self, "accept", tuple(float(p) for p in acc))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpeculationError(f"the acceptance draws' seed is an integer, got {self.seed!r}")
+        q = self.propose
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not (math.isfinite(q) and 0 < q <= 1):
+            raise SpeculationError(f"the share of rows that propose drafts is a number in (0, 1], got {q!r}")
+
+    def proposes(self, rid: str, rngs: dict) -> bool:
+        """Whether request ``rid``'s drafter proposes anything at this verify: always when
+        ``propose`` is 1 (no draw), else its next draw from its generator in ``rngs``."""
+        if self.propose >= 1.0:
+            return True
+        rng = rngs.get(rid)
+        if rng is None:
+            rng = rngs[rid] = random.Random(zlib.crc32(f"{self.seed}/{rid}".encode()))
+        return rng.random() < self.propose
 
     def accepted(self, rid: str, k: int, rngs: dict) -> int:
         """How many of request ``rid``'s ``k`` drafts this verify accepts: its next draws from
@@ -80,6 +96,8 @@ class Acceptance:
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"accept": list(self.accept), "seed": self.seed}
+        if self.propose < 1.0:
+            out["propose"] = self.propose
         if self.source:
             out["source"] = self.source
         return out
@@ -107,7 +125,25 @@ class Acceptance:
         accept = conditional_acceptance(counters)
         if not accept:
             raise SpeculationError("the run verified no drafts: it measured no acceptance")
-        return cls(accept, seed, source)
+        empty = counters.get("empty_drafts") or 0
+        if isinstance(empty, bool) or not isinstance(empty, int) or empty < 0:
+            raise SpeculationError(f"spec-decode counters: empty_drafts is an integer >= 0, got {empty!r}")
+        return cls(accept, seed, source, counters["drafts"] / (counters["drafts"] + empty))
+
+    @classmethod
+    def from_entry(
+        cls, entry: Mapping[str, Any], seed: int = 0, source: str | None = None, where: str = "acceptance"
+    ) -> "Acceptance":
+        """The profile of an acceptance entry (``calibrate --speculative``'s ``acceptance``, a
+        trace's ``speculative_acceptance``): its ``accept`` list and, when it has one, its
+        ``propose`` share; checked as a profile (one line naming ``where`` if not)."""
+        accept = entry.get("accept")
+        if not isinstance(accept, list) or not accept:
+            raise SpeculationError(f"{where}: 'accept' is a list of probabilities per draft position, got {accept!r}")
+        try:
+            return cls(tuple(accept), seed, source, entry.get("propose", 1.0))
+        except SpeculationError as exc:
+            raise SpeculationError(f"{where}: {exc}") from None
 
     @classmethod
     def from_file(cls, path: str | Path, seed: int = 0) -> "Acceptance":
@@ -131,27 +167,18 @@ class Acceptance:
             raise SpeculationError(f"accept={path}: not a readable JSON file ({why})") from None
         where = f"accept={path}"
         if isinstance(data, dict) and isinstance(data.get("acceptance"), Mapping):
-            return cls(_accept_list(data["acceptance"], f"{where}: acceptance"), seed, f"{p} (acceptance)")
+            return cls.from_entry(data["acceptance"], seed, f"{p} (acceptance)", f"{where}: acceptance")
         if isinstance(data, dict) and isinstance(data.get("speculative_acceptance"), Mapping):
-            got = _accept_list(data["speculative_acceptance"], f"{where}: speculative_acceptance")
-            return cls(got, seed, f"{p} (the trace's speculative_acceptance)")
+            entry = data["speculative_acceptance"]
+            return cls.from_entry(
+                entry, seed, f"{p} (the trace's speculative_acceptance)", f"{where}: speculative_acceptance"
+            )
         if isinstance(data, dict) and isinstance(data.get("speculative"), Mapping):
             try:
                 return cls.from_counters(data["speculative"], seed, f"{p} (the run's speculative counters)")
             except SpeculationError as exc:
                 raise SpeculationError(f"{where}: speculative: {exc}") from None
         raise SpeculationError(f"{where}: no acceptance profile in it (accept=FILE is {kinds})")
-
-
-def _accept_list(entry: Mapping[str, Any], where: str) -> tuple[float, ...]:
-    """The ``accept`` list of an acceptance entry (checked as a profile: one line if not)."""
-    accept = entry.get("accept")
-    if not isinstance(accept, list) or not accept:
-        raise SpeculationError(f"{where}: 'accept' is a list of probabilities per draft position, got {accept!r}")
-    try:
-        return Acceptance(tuple(accept)).accept
-    except SpeculationError as exc:
-        raise SpeculationError(f"{where}: {exc}") from None
 
 
 def conditional_acceptance(counters: Mapping[str, Any]) -> tuple[float, ...]:
@@ -203,14 +230,20 @@ def pooled_counters(runs: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] 
                 per_pos.append(0)
             per_pos[i] += int(a)
     return counters(
-        *(sum(int(r.get(k, 0)) for r in got) for k in ("drafts", "draft_tokens", "accepted_tokens")), per_pos
+        *(sum(int(r.get(k, 0)) for r in got) for k in ("drafts", "draft_tokens", "accepted_tokens")),
+        per_pos,
+        sum(int(r.get("empty_drafts") or 0) for r in got),
     )
 
 
-def counters(drafts: int, draft_tokens: int, accepted_tokens: int, per_pos: Sequence[int]) -> dict[str, Any]:
+def counters(
+    drafts: int, draft_tokens: int, accepted_tokens: int, per_pos: Sequence[int], empty: int = 0
+) -> dict[str, Any]:
     """vLLM's spec-decode counters as summary.json's ``speculative`` holds them: verify rows that
     drafted, draft tokens, accepted ones, per position the rows that accepted it, with the
-    acceptance rate and the mean acceptance length (1 + accepted per verify row)."""
+    acceptance rate and the mean acceptance length (1 + accepted per verify row); and one of
+    ours, ``empty_drafts``: rows given room to draft whose drafter found nothing (an n-gram
+    lookup with no match: a plain decode row; vLLM counts none of them)."""
     return {
         "drafts": drafts,
         "draft_tokens": draft_tokens,
@@ -218,6 +251,7 @@ def counters(drafts: int, draft_tokens: int, accepted_tokens: int, per_pos: Sequ
         "accepted_per_position": list(per_pos),
         "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None,
         "mean_acceptance_length": 1 + accepted_tokens / drafts if drafts else None,
+        "empty_drafts": empty,
     }
 
 

@@ -429,6 +429,7 @@ class ReplicaState:
         self._accepted_drafts: dict[str, int] = {}
         self._proposed_drafts: dict[str, int] = {}
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_empty = 0  # verify rows whose drafter found nothing to propose (plain rows then)
         self.spec_accepted_per_pos: list[int] = []
         self.requests: list[RequestState] = []
         self.by_id: dict[str, RequestState] = {}
@@ -911,6 +912,7 @@ class ReplicaState:
             if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= m <= k:
                 raise self._fail(f"request {rid}: {a!r} of its {k} drafts accepted")
             if not m:  # (the drafter found none: a plain decode row)
+                self.spec_empty += 1
                 continue
             self.spec_drafts += 1
             self.spec_draft_tokens += m

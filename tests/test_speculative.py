@@ -115,6 +115,31 @@ def test_a_profile_with_verify_terms_prices_verify_passes_itself_and_one_without
     assert charged[0] != pytest.approx(charged[1])
 
 
+def test_rows_whose_drafter_finds_nothing_decode_plainly_at_the_share_the_counters_measured():
+    from schedlab.sim.speculation import counters
+
+    measured = counters(60, 150, 70, [40, 20, 10], empty=40)  # 60 of 100 rows proposed
+    acc = Acceptance.from_counters(measured)
+    assert acc.propose == pytest.approx(0.6) and acc.accept == pytest.approx((40 / 60, 20 / 40, 10 / 20))
+    reqs = [Request(f"r{i}", 0.0, 32, 200) for i in range(6)]
+    res = run_replica(reqs, Speculative(make_policy("unified"), k=3), cost_model(), kv_capacity=100_000, acceptance=acc)
+    got = res.speculative
+    rows = got["drafts"] + got["empty_drafts"]
+    share, sd = got["drafts"] / rows, math.sqrt(0.6 * 0.4 / rows)
+    assert abs(share - 0.6) < 4 * sd  # (binomial: 4 standard deviations)
+    assert Acceptance.from_counters(got).propose == pytest.approx(share)
+    # a pass none of whose rows proposed costs a plain pass: nothing accepted, nothing priced on top
+    from schedlab.sim.backend import SimBackend
+
+    b = Bench([Request("0", 0.0, 32, 41)])
+    b.decoding(0)
+    p = Pass(decode=("0",), draft=(3,))
+    never = SimBackend(cost_model(), acceptance=Acceptance((1.0,), propose=1e-9))
+    assert never.execute(p, b.state.shape(p), b.state) == pytest.approx(
+        cost_model().pass_seconds(b.state.shape(Pass(decode=("0",))))
+    )
+
+
 def test_the_same_request_meets_the_same_draws_under_every_policy():
     acc = Acceptance(ACCEPT, seed=7)
     a, b = {}, {}

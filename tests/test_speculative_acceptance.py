@@ -163,6 +163,12 @@ def test_a_trace_carries_its_profile_and_accept_overrides_it(tmp_path):
     bad.write_text(json.dumps({"speculative_acceptance": {"accept": [1.5]}, "requests": REQUESTS}))
     with pytest.raises(traces.TraceError, match=re.escape("'accept' holds probabilities in [0, 1], got 1.5")):
         traces.load(bad)
+    bad.write_text(json.dumps({"speculative_acceptance": {"accept": [0.5], "propose": 0}, "requests": REQUESTS}))
+    with pytest.raises(traces.TraceError, match=re.escape("'propose' (the share of rows whose drafter proposes)")):
+        traces.load(bad)
+    shares = tmp_path / "shares.json"
+    shares.write_text(json.dumps({"speculative_acceptance": {"accept": [0.9], "propose": 0.25}, "requests": REQUESTS}))
+    assert Acceptance.parse(str(shares)).propose == 0.25  # (the share a trace carries is drawn from)
 
 
 def test_the_profile_of_counters_ends_where_no_row_reached():

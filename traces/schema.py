@@ -30,8 +30,9 @@ is given no ``accept=``::
                                "method": "ngram", "k": 4, "model": "smollm2-135m", ...}
 
 ``accept`` (required): per draft position, the probability that it is accepted given the ones
-before it were (``sim.speculation``); every other key says what it was measured on and is kept
-as it is. ``calibrate --speculative ngram:k=4 --trace T`` writes such an entry (its
+before it were (``sim.speculation``); ``propose`` (optional, default 1): the share of the rows given
+room to draft whose drafter proposed anything (an n-gram lookup finds no match in the others);
+every other key says what it was measured on and is kept as it is. ``calibrate --speculative ngram:k=4 --trace T`` writes such an entry (its
 ``acceptance``), which can be copied here as it is.
 """
 
@@ -137,6 +138,9 @@ def acceptance_from_json(value: Any, where: str) -> dict[str, Any]:
     for p in accept:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and 0 <= p <= 1):
             raise TraceError(f"{at}: 'accept' holds probabilities in [0, 1], got {_short(p)}")
+    q = value.get("propose", 1.0)
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not (math.isfinite(q) and 0 < q <= 1):
+        raise TraceError(f"{at}: 'propose' (the share of rows whose drafter proposes) is in (0, 1], got {_short(q)}")
     return dict(value, accept=[float(p) for p in accept])
 
 

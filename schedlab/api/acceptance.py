@@ -56,6 +56,7 @@ def measure_acceptance(info, trace: TraceLike, spec: dict[str, Any], seed: int, 
         )
     return {
         "accept": list(acc.accept),
+        "propose": acc.propose,
         "method": spec["method"],
         "k": spec["k"],
         "policy": pol.name,

@@ -143,10 +143,8 @@ def trace_acceptance(spec: dict[str, Any] | None, trace) -> dict[str, Any] | Non
         return spec
     from schedlab.sim.speculation import Acceptance
 
-    measured = trace.speculative_acceptance
-    return dict(
-        spec, accept=Acceptance(tuple(measured["accept"]), source=f"the speculative_acceptance of trace {trace.name}")
-    )
+    where = f"the speculative_acceptance of trace {trace.name}"
+    return dict(spec, accept=Acceptance.from_entry(trace.speculative_acceptance, source=where, where=where))
 
 
 def _no_own_settings(policy, options, profile, hardware, model_config, quant, cost, kv_tokens, replica) -> None:
