@@ -124,6 +124,33 @@ def _stored_profile(path: Path, info) -> dict:
     return prof
 
 
+def _checked_out(out: str | Path | None) -> Path | None:
+    """``out`` as a path whose directory exists (one line if not)."""
+    out = Path(out) if out is not None else None
+    if out is not None:
+        if out.exists() and out.is_dir():
+            fail(f"{opt('out')} {out} is a directory; give a file name")
+        if not out.parent.exists():
+            fail(f"{opt('out')}: directory {out.parent} does not exist")
+    return out
+
+
+def _check_pairs(from_profile, analytic: bool, add_verify: bool, speculative: bool, keep_runs, replay: bool) -> None:
+    """The options that go only with others: one line for any alone."""
+    if from_profile is not None and not (analytic or add_verify or speculative):
+        fail(
+            f"{opt('from_profile')} goes with {opt('analytic')} or {opt('add_verify')} (or {opt('speculative')}: "
+            f"the acceptance added to it)",
+            2,
+        )
+    if add_verify and from_profile is None:
+        fail(f"{opt('add_verify')} goes with {opt('from_profile')} (a full calibration times verify passes anyway)", 2)
+    if from_profile is not None and not Path(from_profile).is_file():
+        fail(f"{opt('from_profile')} {from_profile}: no such file")
+    if keep_runs is not None and not replay:
+        fail(f"{opt('keep_runs')} goes with {opt('replay')}", 2)
+
+
 @public
 def calibrate(
     *,
@@ -177,24 +204,8 @@ def calibrate(
     log = logger(log)
     seed, model_seed = check_seed(seed), check_seed(model_seed, "model_seed")
     check_model(model, dtype)
-    out = Path(out) if out is not None else None
-    if out is not None:
-        if out.exists() and out.is_dir():
-            fail(f"{opt('out')} {out} is a directory; give a file name")
-        if not out.parent.exists():
-            fail(f"{opt('out')}: directory {out.parent} does not exist")
-    if from_profile is not None and not (analytic or add_verify or spec is not None):
-        fail(
-            f"{opt('from_profile')} goes with {opt('analytic')} or {opt('add_verify')} (or {opt('speculative')}: "
-            f"the acceptance added to it)",
-            2,
-        )
-    if add_verify and from_profile is None:
-        fail(f"{opt('add_verify')} goes with {opt('from_profile')} (a full calibration times verify passes anyway)", 2)
-    if from_profile is not None and not Path(from_profile).is_file():
-        fail(f"{opt('from_profile')} {from_profile}: no such file")
-    if keep_runs is not None and not replay:
-        fail(f"{opt('keep_runs')} goes with {opt('replay')}", 2)
+    out = _checked_out(out)
+    _check_pairs(from_profile, analytic, add_verify, spec is not None, keep_runs, replay)
     _grid(grid, quick)  # a bad grid fails before the model loads
     from schedlab.engine.calibrate import calibrate as run_calibration
     from schedlab.engine.models import load_model

@@ -93,17 +93,7 @@ def validate(
     from schedlab.api.validation import format_overview
 
     if served:
-        from schedlab.api.cluster_validation import format_served
-
-        if policy is not None or option:
-            fail("--served runs name their policy and options: drop --policy/-o", 2)
-        if speculative is not None:
-            fail("--speculative goes with --policy and --trace, not --served (yet)", 2)
-        v = schedlab.validate_served(served, trace=trace, profile=profile, out=out)
-        print(format_served(v))
-        if out is not None:
-            print(f"wrote {out}")
-        return
+        return _validate_served(served, trace, profile, out, policy, option, speculative)
     if policy is None or trace is None:
         fail("Missing option '--policy' / '-p' and '--trace' / '-t' (or give --served DIR)", 2)
     opts = parse_options(option)
@@ -144,6 +134,21 @@ def validate(
     if len(val.results) > 1:
         print(format_overview(val.results))
     print(f"wrote {out}")
+
+
+def _validate_served(served, trace, profile, out, policy, option, speculative) -> None:
+    """``validate --served``: a real cluster's runs against their simulation."""
+    import schedlab
+    from schedlab.api.cluster_validation import format_served
+
+    if policy is not None or option:
+        fail("--served runs name their policy and options: drop --policy/-o", 2)
+    if speculative is not None:
+        fail("--speculative goes with --policy and --trace, not --served (yet)", 2)
+    v = schedlab.validate_served(served, trace=trace, profile=profile, out=out)
+    print(format_served(v))
+    if out is not None:
+        print(f"wrote {out}")
 
 
 def main() -> None:
