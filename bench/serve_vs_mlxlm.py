@@ -308,6 +308,40 @@ def wait_ready(server: Server, model: str, timeout: float = 600.0) -> float:
             time.sleep(0.5)
 
 
+def export_checkpoint(model: str, ckpt: Path) -> dict:
+    """``schedlab export-mlx MODEL CKPT --dtype float32`` unless CKPT already holds a checkpoint;
+    its config.json."""
+    if not (ckpt / "config.json").is_file():
+        t = time.perf_counter()
+        cmd = [str(BIN / "schedlab"), "export-mlx", model, str(ckpt), "--dtype", "float32", "-q"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"export-mlx failed: {p.stderr.strip()[-2000:]}")
+        print(f"exported {model} to {ckpt} in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    return json.loads((ckpt / "config.json").read_text())
+
+
+def tokenizer_and_eos(ckpt: Path, config: dict):
+    """The checkpoint's tokenizer and its EOS ids (config.json's and the tokenizer's)."""
+    from schedlab.engine.tokenizer import TextTokenizer
+
+    eos = config.get("eos_token_id")
+    eos_ids = sorted({int(t) for t in ([eos] if isinstance(eos, int) else eos or [])})
+    tok = TextTokenizer.from_dir(ckpt, eos_token_ids=eos_ids or None)
+    return tok, sorted(set(eos_ids) | set(getattr(tok, "eos_token_ids", None) or []))
+
+
+def serve_profile(profile: str | None, model: str) -> str | None:
+    """serve's --profile: the one given; for smollm2-135m by default the bundled SmolLM2 profile
+    (serve's own default for a checkpoint directory would be the tiny model's); 'none': serve's
+    own choice."""
+    if profile is None and model == "smollm2-135m":
+        from schedlab.sim.profiles import PROFILE_DIR
+
+        return str(PROFILE_DIR / "smollm2-135m-cpu.json")
+    return None if profile == "none" else profile
+
+
 def server_cmds(args, ckpt: Path, model_name: str) -> dict[str, tuple[list[str], bool]]:
     """name -> (command, listens on a port chosen here)."""
     pin = ["taskset", "-c", args.server_cpus] if args.server_cpus else []
@@ -676,12 +710,7 @@ def main() -> None:
             "aiperf not found: python -m venv ~/aiperf-venv && ~/aiperf-venv/bin/pip install aiperf, "
             "then --aiperf ~/aiperf-venv/bin/aiperf"
         )
-    if args.profile is None and args.model == "smollm2-135m":
-        from schedlab.sim.profiles import PROFILE_DIR
-
-        args.profile = str(PROFILE_DIR / "smollm2-135m-cpu.json")
-    elif args.profile == "none":
-        args.profile = None
+    args.profile = serve_profile(args.profile, args.model)
 
     work = args.work or Path(tempfile.mkdtemp(prefix="serve-vs-mlxlm-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -691,24 +720,13 @@ def main() -> None:
 
     # the checkpoint, exported once
     ckpt = (args.checkpoint or work / "checkpoint").resolve()
-    if not (ckpt / "config.json").is_file():
-        t = time.perf_counter()
-        cmd = [str(BIN / "schedlab"), "export-mlx", args.model, str(ckpt), "--dtype", "float32", "-q"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"export-mlx failed: {p.stderr.strip()[-2000:]}")
-        print(f"exported {args.model} to {ckpt} in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    config = json.loads((ckpt / "config.json").read_text())
+    config = export_checkpoint(args.model, ckpt)
     model_name = str(ckpt)  # what both servers answer to (mlx_lm.server: the path it loaded)
 
     from schedlab.engine import blas
-    from schedlab.engine.tokenizer import TextTokenizer
     from schedlab.traces import request_times
 
-    eos = config.get("eos_token_id")
-    eos_ids = sorted({int(t) for t in ([eos] if isinstance(eos, int) else eos or [])})
-    tok = TextTokenizer.from_dir(ckpt, eos_token_ids=eos_ids or None)
-    eos_ids = sorted(set(eos_ids) | set(getattr(tok, "eos_token_ids", None) or []))
+    tok, eos_ids = tokenizer_and_eos(ckpt, config)
 
     # the requests: disjoint prompt sets (uniform levels, mixed, probe, warm-up)
     u = parse_kv(args.uniform)
