@@ -153,6 +153,10 @@ def _profile(args, info) -> tuple[dict, str]:
 
     t0 = time.perf_counter()
     prof = calibrate(info, grid_for(info), progress=lambda m: print("calibrate", m, flush=True))
+    if args.save_profile:  # (a later run on the same machine may take it: --profile)
+        from schedlab.engine.calibrate import write_profile
+
+        print("wrote", write_profile(prof, args.save_profile), flush=True)
     return prof, f"calibrated in this run ({prof['calibration']['grid']} grid, {time.perf_counter() - t0:.0f} s)"
 
 
@@ -238,6 +242,7 @@ def main() -> None:
     ap.add_argument("--loads", default="low:3:7,busy:6:1", help="NAME:N:GAP,...: N requests GAP seconds apart")
     ap.add_argument("--lines", type=int, default=4, help="sonnet lines each prompt asks to repeat")
     ap.add_argument("--profile", help="a profile of this machine (default: calibrate SmolLM2 first, ~7 min)")
+    ap.add_argument("--save-profile", help="where to write the profile calibrated first (default: not kept)")
     ap.add_argument("--out", default=str(common.result_path("speculative")))
     args = ap.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
