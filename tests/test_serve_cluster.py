@@ -401,7 +401,10 @@ def test_a_killed_replica_is_shown_down_and_what_it_held_is_retried_or_refused(c
 
 def test_run_real_replays_a_trace_through_the_cluster(smol, tmp_path):
     """run-real --replicas 2: the trace's requests at their times through a real cluster (round-robin:
-    two each), its ids kept, every answer the model alone's, the OUT layout of serve --replicas."""
+    two each), its ids kept, every answer the model alone's, the OUT layout of serve --replicas.
+    (One cluster: the command is ``schedlab.run_real`` behind its options, and prints the
+    ``ClusterRun``'s report; a second run through the Python API doubled the test's time and met
+    the same code.)"""
     trace = tmp_path / "asked.json"
     rows = [
         # (0.1 s apart: a replica counts each prompt before the front routes it, and a loaded machine
@@ -449,41 +452,8 @@ def test_run_real_replays_a_trace_through_the_cluster(smol, tmp_path):
     )
     assert [p["metrics"]["makespan_s"]["real"] for p in got["per_replica"]] == [r["makespan_s"] for r in real]
     assert "routing: simulated share per replica 0.50 / 0.50" in v.stdout
-    # the same through the Python API, in this process: the same files, routing and tokens (what
-    # is measured, times, differs from run to run)
-    import schedlab
-
-    api = tmp_path / "api"
-    got = schedlab.run_real(
-        "vllm", str(trace), model=MODEL, no_calibrate=True, kv_tokens=KV, replicas=2, router="round-robin", out=api
-    )
-    assert isinstance(got, schedlab.ClusterRun) and got.problems == [] and got.path == api
-    assert got.summary["finished"] == 4 and got.summary["cluster"]["router"] == "round-robin"
-    assert re.search(r"Successful requests:\s+4\b", got.report())
-    assert _files(api) == _files(out) and "replica-1/texts.jsonl" in _files(api)
-    assert _deterministic(api) == _deterministic(out)
-
-
-def _files(d: Path) -> set[str]:
-    return {str(f.relative_to(d)) for f in d.rglob("*") if f.is_file()}
-
-
-def _deterministic(d: Path) -> dict:
-    """What a real cluster's run directory says that does not depend on timing: each request's
-    replica, prompt and output tokens; the cluster's counts; each replica's texts and token totals."""
-    rows = [
-        {k: v for k, v in r.items() if k != "arrival_s"} for r in json.loads((d / "trace.json").read_text())["requests"]
-    ]
-    info = json.loads((d / "cluster.json").read_text())
-    keep = ("replicas", "router", "router_options", "policy", "model", "requests", "finished", "retries", "failures")
-    per = [{k: p[k] for k in ("index", "requests", "routed", "failed_requests", "exit_status", "run_dir")}
-           for p in info["per_replica"]]  # fmt: skip
-    reps = []
-    for i in range(info["replicas"]):
-        s = json.loads((d / f"replica-{i}" / "summary.json").read_text())
-        texts = sorted((d / f"replica-{i}" / "texts.jsonl").read_text().splitlines())
-        reps.append((texts, [s[k] for k in ("requests", "finished", "total_input_tokens", "total_output_tokens")]))
-    return {"trace": rows, "cluster": {k: info[k] for k in keep}, "per_replica": per, "replicas": reps}
+    # what the front summed up (ClusterRun.summary; the report run-real printed above is its report())
+    assert info["summary"]["finished"] == info["finished"] == 4
 
 
 def rows_of(out: Path) -> list[dict]:
