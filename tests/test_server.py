@@ -173,8 +173,8 @@ QUESTIONS = [
 
 def test_answers_are_the_model_alones_greedy_text(server, smol):
     c = server.client()
-    r = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=20)
-    text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=20)
+    r = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), max_tokens=16)
+    text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=16)
     assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == reason and r.usage.completion_tokens == n
     assert r.usage.prompt_tokens == len(
@@ -191,28 +191,28 @@ def test_answers_are_the_model_alones_greedy_text(server, smol):
     assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, n, reason)
     assert [m.id for m in c.models.list().data] == [MODEL]
     # vLLM's ignore_eos (vllm bench serve --ignore-eos): past the EOS at token 8, to max_tokens
-    text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=20)
-    assert reason == "stop" and n < 20
+    text, n, reason = expected(smol, messages=chat(QUESTIONS[0]), max_tokens=16)
+    assert reason == "stop" and n < 16
     r = c.chat.completions.create(
         model=MODEL,
         messages=chat(QUESTIONS[0]),
-        max_tokens=20,
+        max_tokens=16,
         extra_body={"ignore_eos": True, "repetition_penalty": 1.0, "top_k": -1},
     )
     ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)), smol.tokenizer)
     eos = set(smol.eos_token_ids or ())
     assert r.choices[0].message.content == smol.tokenizer.decode(
-        [t for t in model_alone(smol, ids, 20) if t not in eos]
+        [t for t in model_alone(smol, ids, 16) if t not in eos]
     )
-    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (20, "length")
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length")
 
 
 def test_streamed_deltas_add_up_to_the_whole_answer(server, smol):
     c = server.client()
-    text, n, reason = expected(smol, messages=chat(QUESTIONS[2]), max_tokens=24)
+    text, n, reason = expected(smol, messages=chat(QUESTIONS[2]), max_tokens=16)
     chunks = list(
         c.chat.completions.create(
-            model=MODEL, messages=chat(QUESTIONS[2]), max_tokens=24, stream=True, stream_options={"include_usage": True}
+            model=MODEL, messages=chat(QUESTIONS[2]), max_tokens=16, stream=True, stream_options={"include_usage": True}
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -244,7 +244,7 @@ def test_stop_strings_end_the_answer_before_them(server, smol):
     """A stop string taken from the model's own answer: the text ends just before it, the
     request ends at the token that completed it (its usage counts up to that token), streamed
     deltas never show the stop string's beginning."""
-    q, n = QUESTIONS[5], 24
+    q, n = QUESTIONS[5], 16
     ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", q),)), smol.tokenizer)
     toks = model_alone(smol, ids, n)
     eos = set(smol.eos_token_ids or ())
@@ -285,10 +285,10 @@ def test_text_delta_holds_back_what_may_become_a_stop_string(smol):
 
 def test_bad_requests_get_openai_errors_and_a_request_in_flight_is_not_lost(server, smol):
     c = server.client()
-    want = expected(smol, messages=chat(QUESTIONS[5]), max_tokens=24)
+    want = expected(smol, messages=chat(QUESTIONS[5]), max_tokens=16)
     with ThreadPoolExecutor(1) as ex:
         in_flight = ex.submit(
-            lambda: c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[5]), max_tokens=24)
+            lambda: c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[5]), max_tokens=16)
         )
         with pytest.raises(openai.NotFoundError) as e:
             c.chat.completions.create(model="gpt-4o", messages=chat("hi"))

@@ -47,10 +47,11 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
     opts = ["--policy", "chunked-prefill", "-o", "budget=16", "-o", "max_batch=2"]
     # the model alone's answers (seconds each), worked out in a thread of their own while the
     # server starts and serves the cancellations: A's, then those of the four the shutdown finds
-    # in flight (neither A's question nor C's)
+    # in flight (neither A's question nor C's: 16 tokens each, the length the other server tests ask
+    # these questions at, so that in a session their answers are computed once)
     model_alone = ThreadPoolExecutor(1)
     ref_a = model_alone.submit(expected, smol, messages=chat(QUESTIONS[5]), max_tokens=48)
-    ref_four = model_alone.submit(lambda: {q: expected(smol, messages=chat(q), max_tokens=24) for q in QUESTIONS[1:5]})
+    ref_four = model_alone.submit(lambda: {q: expected(smol, messages=chat(q), max_tokens=16) for q in QUESTIONS[1:5]})
     model_alone.shutdown(wait=False)  # (what was submitted still runs)
     s = Served([*opts, "--max-tokens", "24"], tmp_path / "run")
     c = s.client()
@@ -111,7 +112,7 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
 
     def stream(q):
         parts = []
-        for ch in c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=24, stream=True):
+        for ch in c.chat.completions.create(model=MODEL, messages=chat(q), max_tokens=16, stream=True):
             if ch.choices and ch.choices[0].delta.content:
                 parts.append(ch.choices[0].delta.content)
         answers[q] = "".join(parts)
