@@ -18,12 +18,23 @@ try:
 except ImportError:  # pragma: no cover - the engine needs mlx; sim tests don't
     pass
 
-# ``pytest -n 2`` (.ci/run; pytest-xdist): the tests that run the real model, the engine, the server
-# or calibrations go to one worker, one after another, as they would run alone (they share session
-# fixtures: the model, the session's server, the calibration cache); every other file is a unit of
-# its own on either worker (its module fixtures built once). The engine's unit goes first: it is
-# the longest. (xdist's own ``--dist loadgroup`` marks do not reach its scheduler under pytest 9:
-# the scheduler below groups by file instead.)
+# ``pytest -n 2`` (.ci/run; pytest-xdist): tests that share session fixtures run in one unit, one
+# after another, on one worker: those that serve SmolLM2-135M ("serving": the model, the session's
+# server, the model alone's answers test_server keeps) and those that run the engine or calibrate on
+# the small models ("engine": the calibration cache, micro_quick_calibration). Every other file is a
+# unit of its own on either worker (its module fixtures built once). The workers take the units in
+# the order of FIRST, the longest first, then the rest by name, so that the units left at the end
+# are short and both workers end together (xdist's own order, by number of tests, left a one-test
+# file of a minute to the very end). (xdist's own ``--dist loadgroup`` marks do not reach its
+# scheduler under pytest 9: the scheduler below groups by file instead.)
+SERVING_FILES = {
+    "test_serve_cluster",
+    "test_serve_disagg",
+    "test_server",
+    "test_server_cancel",
+    "test_server_metrics",
+    "test_server_sampling",
+}
 ENGINE_FILES = {
     "test_analytic_local",
     "test_api",
@@ -35,12 +46,6 @@ ENGINE_FILES = {
     "test_engine_serve",
     "test_fidelity",
     "test_policies",
-    "test_serve_cluster",
-    "test_serve_disagg",
-    "test_server",
-    "test_server_cancel",
-    "test_server_metrics",
-    "test_server_sampling",
 }
 # Engine files that share nothing with the rest (their own models: the GGUF files, the notebooks'
 # kernels) and assert no timing: a second engine unit, which the other worker starts with, so that
@@ -58,17 +63,25 @@ ENGINE2_FILES = {
 SHARED_GROUPS = {"test_traces": "traces", "test_datasets": "traces"}  # (synthetic_build, built once)
 
 
+# the units that take longest (a CI run's --durations), in the order the workers take them
+FIRST = ("serving", "engine2", "engine", "test_serve_remote", "test_distserve", "test_speculative", "test_plots",
+         "test_cli_simulate", "test_disagg")  # fmt: skip
+
+
 def run_unit(nodeid: str) -> str:
-    """The unit a test runs in under ``pytest -n``: "engine", "engine2", or its file's own."""
+    """The unit a test runs in under ``pytest -n``: "serving", "engine", "engine2", or its file's own."""
     stem = Path(nodeid.split("::", 1)[0]).stem
     if stem in ENGINE2_FILES:
         return "engine2"
+    if stem in SERVING_FILES:
+        return "serving"
     return "engine" if stem in ENGINE_FILES else SHARED_GROUPS.get(stem, stem)
 
 
 def pytest_collection_modifyitems(config, items):
-    # the engine units first, the longest first (stable: each file keeps its order)
-    items.sort(key=lambda item: {"engine": 0, "engine2": 1}.get(run_unit(item.nodeid), 2))
+    # the units of FIRST first, in its order (stable: each file keeps its order)
+    order = {unit: i for i, unit in enumerate(FIRST)}
+    items.sort(key=lambda item: order.get(run_unit(item.nodeid), len(FIRST)))
 
 
 if importlib.util.find_spec("xdist") is not None:
@@ -77,6 +90,10 @@ if importlib.util.find_spec("xdist") is not None:
         from xdist.scheduler import LoadScopeScheduling
 
         class ByGroup(LoadScopeScheduling):
+            def __init__(self, config, log=None):
+                super().__init__(config, log)
+                config.option.loadscopereorder = False  # the collection's order (FIRST), not by number of tests
+
             def _split_scope(self, nodeid: str) -> str:
                 return run_unit(nodeid)
 
