@@ -21,7 +21,10 @@ real runs (per position, ``accepted_per_position``), plain and each k. The machi
 timed against the profile's own passes before and after each load's real runs
 (``engine.calibrate.speed_check``, as ``validate`` does) and the simulation is given both raw
 and scaled by that speed (the drift-adjusted simulation), and raw without the verify terms (a
-verify pass priced as a padded prefill of its drafts, what a profile without them gets). Compared
+verify pass priced as a padded prefill of its drafts, what a profile without them gets); each
+request draws from its own measured acceptance (``Acceptance.from_requests``), and once more raw
+from the pooled one (``pooled_acceptance``: the requests of this workload accept very differently).
+Compared
 per configuration: the
 simulated TPOT over the real one, and the simulated TPOT gain over the real gain, each beside
 the real runs' round-to-round spread (the machine's repeat error). Then the crossover: ``vllm``
@@ -74,6 +77,7 @@ def _real_runs(args, reqs, info):
                     "output_throughput_tok_s": s["output_throughput_tok_s"],
                     "makespan_s": s["makespan_s"],
                     "speculative": s.get("speculative"),
+                    "speculative_requests": res.speculative_requests,
                 }
             )
             tokens.setdefault(name, dict(backend.tokens))
@@ -91,7 +95,7 @@ def _spread(rows: list[dict], key: str) -> float:
     return (max(vals) - min(vals)) / statistics.median(vals)
 
 
-def _simulated(reqs, runs, ks, cost):
+def _simulated(reqs, runs, ks, cost, per_request=True):
     from schedlab.policies import make_policy
     from schedlab.policies.speculative import Speculative
     from schedlab.sim import Deployment, run, summarize
@@ -100,7 +104,11 @@ def _simulated(reqs, runs, ks, cost):
     out = {}
     for name, k in [("plain", 0)] + [(f"k{k}", k) for k in ks]:
         if k:
-            acc = Acceptance.from_counters(runs[name][0]["speculative"])  # (per position, from vLLM's counters)
+            first = runs[name][0]  # (per position, from vLLM's counters; per request, each its own)
+            if per_request:
+                acc = Acceptance.from_requests(first["speculative"], first["speculative_requests"])
+            else:
+                acc = Acceptance.from_counters(first["speculative"])
             dep = Deployment.one(Speculative(make_policy("unified"), k=k), cost, kv_capacity=16384, acceptance=acc)
         else:
             acc, dep = None, Deployment.one(make_policy("unified"), cost, kv_capacity=16384)
@@ -110,6 +118,8 @@ def _simulated(reqs, runs, ks, cost):
             "itl_ms_p50": s["itl_ms"]["p50"],
             "output_throughput_tok_s": s["output_throughput_tok_s"],
             "acceptance": list(acc.accept) if acc else None,
+            "propose": acc.propose if acc else None,
+            "per_request": {rid: list(a) for rid, a in acc.per_request.items()} if acc and acc.per_request else None,
         }
     return out
 
@@ -216,9 +226,14 @@ def _one_load(args, info, item: str, prof: dict) -> dict:
     speed = statistics.median([x["ratio"] for x in (before, after) if x and x.get("ratio")] or [1.0])
     sims = {}
     approx = LinearCostModel({k: v for k, v in prof["coefficients"].items() if not k.startswith("v_")})
-    models = (("raw", cost), ("drift_adjusted", ScaledCostModel(cost, speed)), ("without_verify_terms", approx))
-    for label, model in models:
-        sim = _simulated(reqs, runs, args.ks, model)
+    models = (
+        ("raw", cost, True),
+        ("drift_adjusted", ScaledCostModel(cost, speed), True),
+        ("without_verify_terms", approx, True),
+        ("pooled_acceptance", cost, False),
+    )
+    for label, model, per_request in models:
+        sim = _simulated(reqs, runs, args.ks, model, per_request)
         for key in sim:
             if key != "plain":
                 sim[key]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[key]["tpot_ms_p50"]

@@ -41,7 +41,7 @@ from schedlab.traces.schema import Request
 from .clock import SimClock
 from .deployment import Deployment
 from .gcpause import gc_paused
-from .loop import PassLog, PolicyError, ReplicaLoop, RunResult, StepLog, speculation_counts
+from .loop import PassLog, PolicyError, ReplicaLoop, RunResult, StepLog, request_speculation, speculation_counts
 from .prefix import Blocks
 from .sources import ArrivalSource, TraceSource
 from .state import PlanError, RequestState
@@ -394,6 +394,7 @@ class Cluster:
             replica=self.replica_of,
             replicas=parts,
             speculative=speculation_counts([rep.state for rep in self.replicas]),
+            speculative_requests=request_speculation([rep.state for rep in self.replicas]),
             cluster={
                 "replicas": n,
                 "router": getattr(self.router, "name", type(self.router).__name__),

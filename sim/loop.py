@@ -227,13 +227,28 @@ class RunResult:
     replica: list[int] | None = None
     replicas: list["RunResult"] | None = None
     cluster: dict[str, Any] | None = None
-    # speculative decoding, when a pass verified drafts: vLLM's counts (``speculation_counts``)
+    # speculative decoding, when a pass verified drafts: vLLM's counts (``speculation_counts``),
+    # and each drafting request's own (``request_speculation``: what per-request profiles need)
     speculative: dict[str, Any] | None = None
+    speculative_requests: dict[str, dict[str, Any]] | None = None
 
     @property
     def several(self) -> bool:
         """A run of more than one replica (its files say which replica served what)."""
         return self.replicas is not None and len(self.replicas) > 1
+
+
+def request_speculation(states) -> dict[str, dict[str, Any]] | None:
+    """Each request's spec-decode counters (``speculation_counts``' kind, one request's verify
+    rows: ``sim.speculation.Acceptance.from_requests`` makes a profile per request of them); None
+    when no row was given room to draft."""
+    from .speculation import counters
+
+    out = {}
+    for st in states:
+        for rid, (drafts, empty, per_pos, tokens) in st.spec_by_request.items():
+            out[rid] = counters(drafts, tokens, sum(per_pos), per_pos, empty)
+    return out or None
 
 
 def speculation_counts(states) -> dict[str, Any] | None:
@@ -743,4 +758,5 @@ class ReplicaLoop:
             scheduled_s=getattr(source, "scheduled_s", None) if source is not None else None,
             passes_recorded=self.log_passes,
             speculative=speculation_counts([state]),
+            speculative_requests=request_speculation([state]),
         )

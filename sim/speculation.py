@@ -50,6 +50,9 @@ class Acceptance:
     # of the rows given room to draft, the share whose drafter proposes anything (an n-gram
     # lookup finds no match in the others: they decode plainly, their positions not computed)
     propose: float = 1.0
+    # per request id: its own (accept, propose), measured on it (``from_requests``); a request
+    # not in it draws from the profile above
+    per_request: Mapping[str, tuple[tuple[float, ...], float]] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         acc = tuple(self.accept) if isinstance(self.accept, (list, tuple)) else None
@@ -67,13 +70,15 @@ class Acceptance:
 
     def proposes(self, rid: str, rngs: dict) -> bool:
         """Whether request ``rid``'s drafter proposes anything at this verify: always when
-        ``propose`` is 1 (no draw), else its next draw from its generator in ``rngs``."""
-        if self.propose >= 1.0:
+        ``propose`` (its own, with ``per_request``) is 1 (no draw), else its next draw from its
+        generator in ``rngs``."""
+        share = self.propose if self.per_request is None or rid not in self.per_request else self.per_request[rid][1]
+        if share >= 1.0:
             return True
         rng = rngs.get(rid)
         if rng is None:
             rng = rngs[rid] = random.Random(zlib.crc32(f"{self.seed}/{rid}".encode()))
-        return rng.random() < self.propose
+        return rng.random() < share
 
     def accepted(self, rid: str, k: int, rngs: dict) -> int:
         """How many of request ``rid``'s ``k`` drafts this verify accepts: its next draws from
@@ -81,9 +86,10 @@ class Acceptance:
         rng = rngs.get(rid)
         if rng is None:
             rng = rngs[rid] = random.Random(zlib.crc32(f"{self.seed}/{rid}".encode()))
-        draws = [rng.random() for _ in self.accept]
+        accept = self.accept if self.per_request is None or rid not in self.per_request else self.per_request[rid][0]
+        draws = [rng.random() for _ in accept]
         a = 0
-        for u, p in zip(draws, self.accept[:k]):
+        for u, p in zip(draws, accept[:k]):
             if u >= p:
                 break
             a += 1
@@ -98,6 +104,8 @@ class Acceptance:
         out: dict[str, Any] = {"accept": list(self.accept), "seed": self.seed}
         if self.propose < 1.0:
             out["propose"] = self.propose
+        if self.per_request:
+            out["per_request"] = len(self.per_request)
         if self.source:
             out["source"] = self.source
         return out
@@ -129,6 +137,30 @@ class Acceptance:
         if isinstance(empty, bool) or not isinstance(empty, int) or empty < 0:
             raise SpeculationError(f"spec-decode counters: empty_drafts is an integer >= 0, got {empty!r}")
         return cls(accept, seed, source, counters["drafts"] / (counters["drafts"] + empty))
+
+    @classmethod
+    def from_requests(
+        cls,
+        pooled: Mapping[str, Any],
+        by_request: Mapping[str, Mapping[str, Any]],
+        seed: int = 0,
+        source: str | None = None,
+    ) -> "Acceptance":
+        """A profile per request (``RunResult.speculative_requests``: each request's counters)
+        over the pooled one (``from_counters`` of ``pooled``, for requests not in it): a replay
+        of a measured workload whose requests accept very differently (measured here: of three
+        copy requests, one took 19 verify steps for 45 tokens, another 40) keeps each one's
+        luck, which one pooled profile averages away. A request that never drafted proposes
+        nothing; one that drafted but accepted none has a profile of 0."""
+        base = cls.from_counters(pooled, seed, source)
+        mine = {}
+        for rid, c in by_request.items():
+            drafts, empty = int(c.get("drafts") or 0), int(c.get("empty_drafts") or 0)
+            if drafts + empty == 0:
+                continue
+            accept = conditional_acceptance(c) if drafts else ()
+            mine[str(rid)] = (tuple(accept) or (0.0,), drafts / (drafts + empty))
+        return replace(base, per_request=mine)
 
     @classmethod
     def from_entry(

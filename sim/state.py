@@ -430,6 +430,9 @@ class ReplicaState:
         self._proposed_drafts: dict[str, int] = {}
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.spec_empty = 0  # verify rows whose drafter found nothing to propose (plain rows then)
+        # per request: [verify rows that drafted, rows that found nothing, per position the accepted,
+        # draft tokens]
+        self.spec_by_request: dict[str, list] = {}
         self.spec_accepted_per_pos: list[int] = []
         self.requests: list[RequestState] = []
         self.by_id: dict[str, RequestState] = {}
@@ -911,17 +914,26 @@ class ReplicaState:
             m = proposed.get(rid, k)
             if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= m <= k:
                 raise self._fail(f"request {rid}: {a!r} of its {k} drafts accepted")
+            mine = self.spec_by_request.get(rid)
+            if mine is None:
+                mine = self.spec_by_request[rid] = [0, 0, [], 0]
             if not m:  # (the drafter found none: a plain decode row)
                 self.spec_empty += 1
+                mine[1] += 1
                 continue
             self.spec_drafts += 1
             self.spec_draft_tokens += m
+            mine[0] += 1
+            mine[3] += m
             if len(per_pos) < k:
                 per_pos.extend([0] * (k - len(per_pos)))
+            if len(mine[2]) < k:
+                mine[2].extend([0] * (k - len(mine[2])))
             if not a:
                 continue
             for i in range(a):
                 per_pos[i] += 1
+                mine[2][i] += 1
             r = by_id[rid]
             in_batch = r._seg >= 0
             if in_batch:

@@ -140,6 +140,25 @@ def test_rows_whose_drafter_finds_nothing_decode_plainly_at_the_share_the_counte
     )
 
 
+def test_each_request_can_draw_from_its_own_measured_acceptance():
+    reqs = [Request(f"r{i}", 0.0, 32, 41) for i in range(3)]
+    pol = Speculative(make_policy("unified"), k=4)
+    pooled = Acceptance((0.5,) * 4)
+    mine = Acceptance((0.5,) * 4, per_request={"r0": ((1.0,) * 4, 1.0), "r1": ((0.0,), 0.0)})
+    res = run_replica(reqs, pol, cost_model(), kv_capacity=100_000, acceptance=mine)
+    by = res.speculative_requests
+    assert by["r0"]["accepted_per_position"] == [by["r0"]["drafts"]] * 4  # every draft accepted
+    assert by["r1"]["drafts"] == 0 < by["r1"]["empty_drafts"]  # its drafter never proposes
+    chunks = {r.id: len(set(r.token_times)) for r in res.requests}
+    assert chunks["r0"] < chunks["r2"] < chunks["r1"] == 41
+    # the counters a run leaves give back each request's profile
+    again = Acceptance.from_requests(res.speculative, by)
+    assert again.per_request["r0"] == ((1.0,) * 4, 1.0) and again.per_request["r1"] == ((0.0,), 0.0)
+    assert again.describe()["per_request"] == 3
+    same = run_replica(reqs, pol, cost_model(), kv_capacity=100_000, acceptance=pooled).speculative_requests
+    assert same["r2"] == by["r2"]  # (a request without a profile of its own draws from the pooled one)
+
+
 def test_the_same_request_meets_the_same_draws_under_every_policy():
     acc = Acceptance(ACCEPT, seed=7)
     a, b = {}, {}
