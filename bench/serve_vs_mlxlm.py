@@ -282,6 +282,18 @@ class Server:
         return self.proc.returncode
 
 
+def launch(name: str, cmds: dict[str, tuple[list[str], bool]], log: Path) -> Server:
+    """Server ``name`` of ``cmds`` (its command, and whether it takes --port), on a free port when
+    it does, logging to ``log``; not started."""
+    cmd, own_port = cmds[name]
+    url = None
+    if own_port:
+        port = free_port()
+        cmd = [*cmd, "--port", str(port)]
+        url = f"http://127.0.0.1:{port}"
+    return Server(name, cmd, log, url)
+
+
 def chat(url: str, model: str, text: str, max_tokens: int, timeout: float = 600.0) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
     req = urllib.request.Request(
@@ -826,14 +838,8 @@ def main() -> None:
             rd = {"round": k, "order": order, "runs": {}}
             rounds.append(rd)
             for name in order:
-                cmd, own_port = cmds[name]
-                url = None
-                if own_port:
-                    port = free_port()
-                    cmd = [*cmd, "--port", str(port)]
-                    url = f"http://127.0.0.1:{port}"
                 tag = f"r{k}-{name.replace(':', '-').replace('.', '_')}"
-                srv = Server(name, cmd, work / f"{tag}.server.log", url)
+                srv = launch(name, cmds, work / f"{tag}.server.log")
                 current.append(srv)
                 runs: dict = {}
                 rd["runs"][name] = runs

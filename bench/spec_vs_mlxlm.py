@@ -97,7 +97,7 @@ from serve_vs_mlxlm import (
     MLX_LM_WRAPPER,
     Server,
     export_checkpoint,
-    free_port,
+    launch,
     serve_profile,
     tokenizer_and_eos,
     wait_ready,
@@ -513,13 +513,7 @@ def main() -> None:
             rd: dict = {"round": k, "order": order, "runs": {}}
             rounds.append(rd)
             for name in order:
-                cmd, own_port = cmds[name]
-                url = None
-                if own_port:
-                    port = free_port()
-                    cmd = [*cmd, "--port", str(port)]
-                    url = f"http://127.0.0.1:{port}"
-                srv = Server(name, cmd, work / f"r{k}-{name}.server.log", url)
+                srv = launch(name, cmds, work / f"r{k}-{name}.server.log")
                 current.append(srv)
                 runs: dict = {}
                 rd["runs"][name] = runs

@@ -68,6 +68,13 @@ class Acceptance:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not (math.isfinite(q) and 0 < q <= 1):
             raise SpeculationError(f"the share of rows that propose drafts is a number in (0, 1], got {q!r}")
 
+    def _rng(self, rid: str, rngs: dict) -> random.Random:
+        """Request ``rid``'s generator of draws in ``rngs`` (one run's), made on first use."""
+        rng = rngs.get(rid)
+        if rng is None:
+            rng = rngs[rid] = random.Random(zlib.crc32(f"{self.seed}/{rid}".encode()))
+        return rng
+
     def proposes(self, rid: str, rngs: dict) -> bool:
         """Whether request ``rid``'s drafter proposes anything at this verify: always when
         ``propose`` (its own, with ``per_request``) is 1 (no draw), else its next draw from its
@@ -75,17 +82,12 @@ class Acceptance:
         share = self.propose if self.per_request is None or rid not in self.per_request else self.per_request[rid][1]
         if share >= 1.0:
             return True
-        rng = rngs.get(rid)
-        if rng is None:
-            rng = rngs[rid] = random.Random(zlib.crc32(f"{self.seed}/{rid}".encode()))
-        return rng.random() < share
+        return self._rng(rid, rngs).random() < share
 
     def accepted(self, rid: str, k: int, rngs: dict) -> int:
         """How many of request ``rid``'s ``k`` drafts this verify accepts: its next draws from
         its generator in ``rngs`` (one run's: a run starts with an empty dict)."""
-        rng = rngs.get(rid)
-        if rng is None:
-            rng = rngs[rid] = random.Random(zlib.crc32(f"{self.seed}/{rid}".encode()))
+        rng = self._rng(rid, rngs)
         accept = self.accept if self.per_request is None or rid not in self.per_request else self.per_request[rid][0]
         draws = [rng.random() for _ in accept]
         a = 0

@@ -47,12 +47,7 @@ def _from_runs(runs: Sequence[Any], grid: Any, out: str | Path | None) -> Profil
         fail("from_runs takes run directories: save() a Run first", 2)
     if not dirs:
         fail(f"{opt('from_runs')} needs one or more run directories", 2)
-    out = Path(out) if out is not None else None
-    if out is not None:
-        if out.exists() and out.is_dir():
-            fail(f"{opt('out')} {out} is a directory; give a file name")
-        if not out.parent.exists():
-            fail(f"{opt('out')}: directory {out.parent} does not exist")
+    out = _checked_out(out)
     grid_prof = None
     if isinstance(grid, Profile):
         grid_prof = grid.data
