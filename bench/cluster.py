@@ -62,9 +62,44 @@ print(json.dumps({
 """
 
 
-def one(n: int, trace: str, policy: str, router: str) -> dict:
+# the same run under cProfile, in a fresh process: where the time goes, by function and by part
+PROFILED = (
+    CHILD.replace(
+        "t0 = time.perf_counter()",
+        "import cProfile; prof = cProfile.Profile(); prof.enable()\nt0 = time.perf_counter()",
+    )
+    .replace("wall = time.perf_counter() - t0", "wall = time.perf_counter() - t0\nprof.disable()")
+    .split("print(json.dumps(")[0]
+    + r"""
+import os, pstats
+from collections import defaultdict
+import schedlab
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(schedlab.__file__)))
+PARTS = (("state machine", "/sim/state.py"), ("replica loop", "/sim/loop.py"), ("clock", "/sim/clock.py"),
+         ("policy", "/policies/"), ("cost model", "/sim/cost.py"), ("backend", "/sim/backend.py"),
+         ("cluster and router", "/sim/cluster.py"), ("cluster and router", "/routers/"),
+         ("arrivals", "/sim/sources.py"), ("SimPy", "/simpy/"))
+stats = pstats.Stats(prof).stats
+total = sum(v[2] for v in stats.values())
+funcs, parts = [], defaultdict(float)
+for (path, line, name), (cc, nc, tt, ct, callers) in stats.items():
+    part = next((p for p, key in PARTS if key in path), "built-ins and other")
+    parts[part] += tt
+    funcs.append((tt, nc, (os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]) + ":" + name, part))
+funcs.sort(reverse=True)
+print(json.dumps({
+    "profiled_s": total, "steps": len(res.steps),
+    "parts": {k: v / total for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+    "top": [{"function": f, "part": part, "share": tt / total, "calls": nc, "us_per_call": 1e6 * tt / nc}
+            for tt, nc, f, part in funcs[:12]],
+}))
+"""
+)
+
+
+def one(n: int, trace: str, policy: str, router: str, code: str = CHILD) -> dict:
     p = subprocess.run(
-        [sys.executable, "-c", CHILD, str(n), trace, policy, router], capture_output=True, text=True, check=False
+        [sys.executable, "-c", code, str(n), trace, policy, router], capture_output=True, text=True, check=False
     )
     if p.returncode != 0:
         raise SystemExit(f"cluster run N={n} failed: {p.stderr.strip()[-2000:]}")
@@ -78,6 +113,7 @@ def main() -> None:
     ap.add_argument("--trace", default="azure2023_conv")
     ap.add_argument("--policy", default="unified")
     ap.add_argument("--router", default="least-requests")
+    ap.add_argument("--profile-n", type=int, default=4, help="N of the one run made under cProfile (0: none)")
     ap.add_argument("--out", type=Path, default=common.result_path("cluster"))
     args = ap.parse_args()
     ns = [int(x) for x in args.ns.split(",")]
@@ -111,6 +147,9 @@ def main() -> None:
                 "meets_goal": rs[0]["requests"] / wall >= GOAL_REQ_PER_S,
             }
         )
+    profile = None
+    if args.profile_n:  # (after the timed rounds: cProfile slows the run it watches several times over)
+        profile = {"replicas": args.profile_n, **one(args.profile_n, args.trace, args.policy, args.router, PROFILED)}
     out = {
         "bench": "cluster",
         "what": "the trace's arrival times divided by N on N replicas; wall seconds of sim.run of the deployment alone "
@@ -124,6 +163,9 @@ def main() -> None:
         "revision": common.git_rev(),
         "machine": common.machine(),
         "rows": rows,
+        # where the time goes: cProfile's own time per function (its overhead inflates small calls),
+        # as shares of the profiled run, and summed by part of the simulator
+        "profile": profile,
     }
     common.write_json(out, args.out)
     for row in rows:
