@@ -24,6 +24,9 @@ and scaled by that speed (the drift-adjusted simulation), and raw without the ve
 verify pass priced as a padded prefill of its drafts, what a profile without them gets); each
 request draws from its own measured acceptance (``Acceptance.from_requests``), and once more raw
 from the pooled one (``pooled_acceptance``: the requests of this workload accept very differently).
+Each speculative simulation runs with ``--seeds`` seeds of its acceptance draws and keeps the
+median one (the seeds' spread beside it: a few dozen verify steps per request make one seed's
+draws noisy).
 Compared
 per configuration: the
 simulated TPOT over the real one, and the simulated TPOT gain over the real gain, each beside
@@ -95,7 +98,7 @@ def _spread(rows: list[dict], key: str) -> float:
     return (max(vals) - min(vals)) / statistics.median(vals)
 
 
-def _simulated(reqs, runs, ks, cost, per_request=True):
+def _simulated(reqs, runs, ks, cost, per_request=True, seeds=1):
     from schedlab.policies import make_policy
     from schedlab.policies.speculative import Speculative
     from schedlab.sim import Deployment, run, summarize
@@ -109,12 +112,23 @@ def _simulated(reqs, runs, ks, cost, per_request=True):
                 acc = Acceptance.from_requests(first["speculative"], first["speculative_requests"])
             else:
                 acc = Acceptance.from_counters(first["speculative"])
-            dep = Deployment.one(Speculative(make_policy("unified"), k=k), cost, kv_capacity=16384, acceptance=acc)
+            deps = [
+                Deployment.one(
+                    Speculative(make_policy("unified"), k=k),
+                    cost,
+                    kv_capacity=16384,
+                    acceptance=dataclasses.replace(acc, seed=seed),
+                )
+                for seed in range(seeds)
+            ]
         else:
-            acc, dep = None, Deployment.one(make_policy("unified"), cost, kv_capacity=16384)
-        s = summarize(run(dep, reqs))
+            acc, deps = None, [Deployment.one(make_policy("unified"), cost, kv_capacity=16384)]
+        ss = [summarize(run(dep, reqs)) for dep in deps]  # (the acceptance draws' seeds: the median one kept)
+        tpots = [x["tpot_ms"]["p50"] for x in ss]
+        s = ss[tpots.index(statistics.median_low(tpots))]
         out[name] = {
             "tpot_ms_p50": s["tpot_ms"]["p50"],
+            "tpot_ms_p50_seeds": tpots,
             "itl_ms_p50": s["itl_ms"]["p50"],
             "output_throughput_tok_s": s["output_throughput_tok_s"],
             "acceptance": list(acc.accept) if acc else None,
@@ -203,6 +217,7 @@ def _compare(real: dict[str, dict], sim: dict[str, dict]) -> dict[str, dict]:
         row["tpot_within_repeat_error"] = abs(row["tpot_sim_over_real"] - 1) <= r["tpot_spread"]
         if key != "plain":
             row["gain_sim_over_real"] = s["tpot_gain"] / r["tpot_gain"]
+            row["sim_gain_seeds_spread"] = s["tpot_gain_seeds_spread"]  # (the simulation's own draws)
             row["real_gain_spread"] = r["tpot_gain_spread"]
             row["gain_within_repeat_error"] = abs(row["gain_sim_over_real"] - 1) <= r["tpot_gain_spread"]
         out[key] = row
@@ -233,10 +248,12 @@ def _one_load(args, info, item: str, prof: dict) -> dict:
         ("pooled_acceptance", cost, False),
     )
     for label, model, per_request in models:
-        sim = _simulated(reqs, runs, args.ks, model, per_request)
+        sim = _simulated(reqs, runs, args.ks, model, per_request, args.seeds)
         for key in sim:
             if key != "plain":
                 sim[key]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[key]["tpot_ms_p50"]
+                gains = [sim["plain"]["tpot_ms_p50"] / x for x in sim[key]["tpot_ms_p50_seeds"]]
+                sim[key]["tpot_gain_seeds_spread"] = (max(gains) - min(gains)) / statistics.median(gains)
         sims[label] = {"runs": sim, "compare": _compare(summary, sim)}
         print(name, label, json.dumps(sims[label]["compare"]), flush=True)
     return {
@@ -256,6 +273,7 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4")
     ap.add_argument("--loads", default="low:3:7,busy:6:1", help="NAME:N:GAP,...: N requests GAP seconds apart")
     ap.add_argument("--lines", type=int, default=4, help="sonnet lines each prompt asks to repeat")
+    ap.add_argument("--seeds", type=int, default=9, help="the simulation's acceptance draws: seeds, the median kept")
     ap.add_argument("--profile", help="a profile of this machine (default: calibrate SmolLM2 first, ~7 min)")
     ap.add_argument("--save-profile", help="where to write the profile calibrated first (default: not kept)")
     ap.add_argument("--out", default=str(common.result_path("speculative")))
@@ -285,6 +303,7 @@ def main() -> None:
             "on a profile of this machine (raw and drift-adjusted) with the acceptance they measured; the "
             "simulated crossover across load (vllm)",
             "rounds": args.rounds,
+            "seeds": args.seeds,
             "ks": args.ks,
             "profile": {"how": how, "date": prof.get("date"), "coefficients": prof["coefficients"], "fit": verify},
             "loads": loads,
