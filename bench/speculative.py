@@ -5,7 +5,8 @@ repeat a few sonnet lines verbatim, each request's output those lines' tokens), 
 of n-gram prompt lookup find their continuations in the prompt.
 
 Real engine, at each load of ``--loads`` (``NAME:N:GAP``: N requests arriving GAP seconds apart;
-default ``low:3:7``, one request at a time, and ``busy:6:1``, five or six rows in the batch), run
+default ``low:3:7``, one request at a time, ``busy:6:1``, five or six rows in the batch, and
+``heavy:12:0.25``, twelve), run
 with ``unified`` alone and wrapped in ``Speculative`` at each k of
 ``--ks``, greedy, EOS ignored (every request its full output), alternating (plain, k1, k2, ...
 then the next round, the order reversed on odd rounds: this machine drifts), ``--rounds``
@@ -34,7 +35,7 @@ the real runs' round-to-round spread (the machine's repeat error). Then the cros
 with and without k = 2 across request rates, up to far past capacity, where the verify
 positions take the token budget and the pass time that prefill and more rows would have had.
 
-    python bench/speculative.py [--rounds 3] [--ks 2,4] [--loads low:3:7,busy:6:1] [--profile P] [--out ...]
+    python bench/speculative.py [--rounds 3] [--ks 2,4] [--loads low:3:7,busy:6:1,heavy:12:0.25] [--profile P] [--out ...]
 
 Results: ``bench/results/speculative.json`` (``docs/policies.md``).
 """
@@ -271,7 +272,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ks", default="2,4")
-    ap.add_argument("--loads", default="low:3:7,busy:6:1", help="NAME:N:GAP,...: N requests GAP seconds apart")
+    ap.add_argument(
+        "--loads", default="low:3:7,busy:6:1,heavy:12:0.25", help="NAME:N:GAP,...: N requests GAP seconds apart"
+    )
     ap.add_argument("--lines", type=int, default=4, help="sonnet lines each prompt asks to repeat")
     ap.add_argument("--seeds", type=int, default=9, help="the simulation's acceptance draws: seeds, the median kept")
     ap.add_argument("--profile", help="a profile of this machine (default: calibrate SmolLM2 first, ~7 min)")
