@@ -384,6 +384,9 @@ class MLXBackend:
         self._drows: list[str] = []
         self._dkv: dict[str, int] = {}
         self._dsteps = 0  # the draft steps of the pass now running (0: none)
+        # drafts given rather than found: ``(pass, state) -> {request id: draft tokens}`` in place of
+        # the drafter (``calibrate`` times verify passes of drafts it chooses); None: the drafter's
+        self.given_drafts: Callable[[Pass, Any], dict[str, list[int]]] | None = None
         self.stats = {
             "passes": 0,
             "forwards": 0,
@@ -440,7 +443,7 @@ class MLXBackend:
         targets: list = []
         decode = None
         finishing: list[str] = []
-        drafts = self._propose(p, state) if p.draft else None
+        drafts = (self.given_drafts or self._propose)(p, state) if p.draft else None
         if p.decode:
             decode = self._decode_graph(p.decode, by_id, drafts)
             targets.append(decode[0])

@@ -304,7 +304,7 @@ def measure_verify(rig: Rig, batch: int, ctx: int, k: int, reps: int, warm: int 
         rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
     backend = rig.backend
     seq = backend.tokens
-    backend._propose = lambda p, st: {rid: [seq[rid][-1]] * d for rid, d in zip(p.decode, p.draft) if d}
+    backend.given_drafts = lambda p, st: {rid: [seq[rid][-1]] * d for rid, d in zip(p.decode, p.draft) if d}
     try:
         for _ in range(warm + 1):  # the batch forms (merge), then steady passes
             rig.timed(state, Pass(decode=tuple(ids)))
@@ -313,7 +313,7 @@ def measure_verify(rig: Rig, batch: int, ctx: int, k: int, reps: int, warm: int 
             plain.append(rig.timed(state, Pass(decode=tuple(ids))))
             verify.append(rig.timed(state, Pass(decode=tuple(ids), draft=(k,) * batch)))
     finally:
-        del backend._propose
+        backend.given_drafts = None
     rig.close(state)
     label = f"B={batch} C={ctx} k={k}"
     return [_median_sample("verify", label, verify), _median_sample("verify_base", label, plain)]
