@@ -27,9 +27,12 @@ import common
 
 GOAL_REQ_PER_S = 10_000
 
-# one run, in a fresh process: prints a JSON line
+# one run, in a fresh process: prints a JSON line; with "profile" (argv[5]) the run is made under
+# cProfile and the line says where its time went, by function and by part of the simulator
 CHILD = r"""
-import dataclasses, json, resource, sys, time
+import dataclasses, json, os, resource, sys, time
+from collections import defaultdict
+import schedlab
 from schedlab import traces
 from schedlab.policies import make_policy
 from schedlab.routers import make_router
@@ -38,42 +41,35 @@ from schedlab.sim.cost import DEFAULT_KV_TOKENS, LinearCostModel
 from schedlab.sim.profiles import resolve_profile
 
 n, trace, policy, router = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+profiled = sys.argv[5:] == ["profile"]
 profile = resolve_profile(None)
 cost = LinearCostModel.from_profile(profile)
 capacity = int(cost.meta.get('kv_tokens', DEFAULT_KV_TOKENS))
 tr = traces.load(trace)
 reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / n) for r in tr.requests]
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if profiled:
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    prof.enable()
 t0 = time.perf_counter()
 group = Group(tuple(make_policy(policy) for _ in range(n)), cost, capacity)
 res = run(Deployment((group,), make_router(router)), reqs, trace_name=tr.name, record_passes=False)
 wall = time.perf_counter() - t0
 assert res.error is None, res.error
-done = [r for r in res.requests if r.finish_s is not None]
-print(json.dumps({
-    "wall_s": wall,
-    "requests": len(res.requests),
-    "finished": len(done),
-    "makespan_s": max(r.finish_s for r in done),
-    "steps": len(res.steps),
-    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "rss_before_run_mb": rss0 / 1024,
-}))
-"""
-
-
-# the same run under cProfile, in a fresh process: where the time goes, by function and by part
-PROFILED = (
-    CHILD.replace(
-        "t0 = time.perf_counter()",
-        "import cProfile; prof = cProfile.Profile(); prof.enable()\nt0 = time.perf_counter()",
-    )
-    .replace("wall = time.perf_counter() - t0", "wall = time.perf_counter() - t0\nprof.disable()")
-    .split("print(json.dumps(")[0]
-    + r"""
-import os, pstats
-from collections import defaultdict
-import schedlab
+if not profiled:
+    done = [r for r in res.requests if r.finish_s is not None]
+    print(json.dumps({
+        "wall_s": wall,
+        "requests": len(res.requests),
+        "finished": len(done),
+        "makespan_s": max(r.finish_s for r in done),
+        "steps": len(res.steps),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_before_run_mb": rss0 / 1024,
+    }))
+    sys.exit(0)
+prof.disable()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(schedlab.__file__)))
 PARTS = (("state machine", "/sim/state.py"), ("replica loop", "/sim/loop.py"), ("clock", "/sim/clock.py"),
          ("policy", "/policies/"), ("cost model", "/sim/cost.py"), ("backend", "/sim/backend.py"),
@@ -85,7 +81,8 @@ funcs, parts = [], defaultdict(float)
 for (path, line, name), (cc, nc, tt, ct, callers) in stats.items():
     part = next((p for p, key in PARTS if key in path), "built-ins and other")
     parts[part] += tt
-    funcs.append((tt, nc, (os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]) + ":" + name, part))
+    where = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]
+    funcs.append((tt, nc, where + ":" + name, part))
 funcs.sort(reverse=True)
 print(json.dumps({
     "profiled_s": total, "steps": len(res.steps),
@@ -94,13 +91,11 @@ print(json.dumps({
             for tt, nc, f, part in funcs[:12]],
 }))
 """
-)
 
 
-def one(n: int, trace: str, policy: str, router: str, code: str = CHILD) -> dict:
-    p = subprocess.run(
-        [sys.executable, "-c", code, str(n), trace, policy, router], capture_output=True, text=True, check=False
-    )
+def one(n: int, trace: str, policy: str, router: str, profiled: bool = False) -> dict:
+    argv = [sys.executable, "-c", CHILD, str(n), trace, policy, router] + (["profile"] if profiled else [])
+    p = subprocess.run(argv, capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise SystemExit(f"cluster run N={n} failed: {p.stderr.strip()[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -149,7 +144,10 @@ def main() -> None:
         )
     profile = None
     if args.profile_n:  # (after the timed rounds: cProfile slows the run it watches several times over)
-        profile = {"replicas": args.profile_n, **one(args.profile_n, args.trace, args.policy, args.router, PROFILED)}
+        profile = {
+            "replicas": args.profile_n,
+            **one(args.profile_n, args.trace, args.policy, args.router, profiled=True),
+        }
     out = {
         "bench": "cluster",
         "what": "the trace's arrival times divided by N on N replicas; wall seconds of sim.run of the deployment alone "

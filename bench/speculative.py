@@ -94,9 +94,13 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def _spread(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows]
+def _range(vals: list[float]) -> float:
+    """Max less min over the median: the spread of rounds, or of seeds."""
     return (max(vals) - min(vals)) / statistics.median(vals)
+
+
+def _spread(rows: list[dict], key: str) -> float:
+    return _range([r[key] for r in rows])
 
 
 def _simulated(reqs, runs, ks, cost, per_request=True, seeds=1):
@@ -203,7 +207,7 @@ def _summary(runs: dict[str, list[dict]]) -> dict[str, dict]:
             gains = [p["tpot_ms_p50"] / r["tpot_ms_p50"] for p, r in zip(runs["plain"], runs[key])]
             out[key]["tpot_gain"] = out["plain"]["tpot_ms_p50"] / out[key]["tpot_ms_p50"]
             out[key]["tpot_gain_per_round"] = gains
-            out[key]["tpot_gain_spread"] = (max(gains) - min(gains)) / statistics.median(gains)
+            out[key]["tpot_gain_spread"] = _range(gains)
             out[key]["itl_ratio"] = out["plain"]["itl_ms_p50"] / out[key]["itl_ms_p50"]
     return out
 
@@ -254,7 +258,7 @@ def _one_load(args, info, item: str, prof: dict) -> dict:
             if key != "plain":
                 sim[key]["tpot_gain"] = sim["plain"]["tpot_ms_p50"] / sim[key]["tpot_ms_p50"]
                 gains = [sim["plain"]["tpot_ms_p50"] / x for x in sim[key]["tpot_ms_p50_seeds"]]
-                sim[key]["tpot_gain_seeds_spread"] = (max(gains) - min(gains)) / statistics.median(gains)
+                sim[key]["tpot_gain_seeds_spread"] = _range(gains)
         sims[label] = {"runs": sim, "compare": _compare(summary, sim)}
         print(name, label, json.dumps(sims[label]["compare"]), flush=True)
     return {
