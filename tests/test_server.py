@@ -87,13 +87,19 @@ class Served:
         """SIGTERM (unless ``signalled`` already: a second one aborts), then its exit status and stdout."""
         if not signalled and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        # stdout is read here, stderr by the reader thread alone (communicate() would read both,
+        # racing the thread for stderr's lines and closing the pipe under it)
+        out: list[str] = []
+        drain = threading.Thread(target=lambda: out.append(self.proc.stdout.read()), daemon=True)
+        drain.start()
         try:
-            stdout = self.proc.communicate(timeout=120)[0]
+            self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        drain.join(timeout=5)
         self._reader.join(timeout=5)
-        return self.proc.returncode, stdout
+        return self.proc.returncode, "".join(out)
 
 
 def test_it_listens_without_calibrating_and_names_the_profile_it_plans_with(server):
