@@ -78,11 +78,12 @@ from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
 from .errors import EngineError
 from .models import DTYPES, ModelInfo, make_caches
 from .noise import Noise
+from .windowcache import WindowBatchKVCache, forget, windowed
 from .sampling import PENALTY_CONTEXT, Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache  # noqa: E402
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors  # noqa: E402
 
 from schedlab.policies.base import Pass, PassShape, Phase  # noqa: E402
@@ -109,11 +110,14 @@ def _cache_arrays(caches: Iterable[Any]) -> list:
     return out
 
 
-def _merge(caches: Sequence[Any]) -> Any:
+def _merge(caches: Sequence[Any], window_batch: bool = False) -> Any:
     """One layer's caches of several requests as one batch cache: plain KV with headroom
-    (``_merge_with_headroom``), any other kind as mlx-lm's batch generator merges it."""
+    (``_merge_with_headroom``), a sliding window as a ``WindowBatchKVCache`` when ``window_batch`` (a
+    batch that verifies drafts), any other kind as mlx-lm's batch generator merges it."""
     if type(caches[0]) is KVCache:
         return _merge_with_headroom(caches)
+    if window_batch and type(caches[0]) is RotatingKVCache:
+        return WindowBatchKVCache.from_rotating(caches)
     return caches[0].merge(list(caches))
 
 
@@ -361,6 +365,9 @@ class MLXBackend:
         self._cache: dict[str, list[Any]] = {}  # own per-layer caches (not in the batch)
         self._batch: list[BatchKVCache] | None = None
         self._rows: list[str] = []  # batch row order
+        # once a pass verifies drafts, the batch keeps sliding-window layers as plain slots cut
+        # to the window (``WindowBatchKVCache``: rejected drafts roll back as from full attention)
+        self._windowed = False
         self._prefix = None  # the state's PrefixCache, when prefix caching is on
         self._bs = 1
         # KV left by finished or preempted requests that still own cached blocks:
@@ -444,6 +451,10 @@ class MLXBackend:
         decode = None
         finishing: list[str] = []
         drafts = (self.given_drafts or self._propose)(p, state) if p.draft else None
+        if drafts and not self._windowed:
+            self._windowed = True  # (from now on: the batch's sliding layers as WindowBatchKVCache)
+            if self._batch:
+                self._batch = [windowed(c) for c in self._batch]
         if p.decode:
             decode = self._decode_graph(p.decode, by_id, drafts)
             targets.append(decode[0])
@@ -1016,7 +1027,7 @@ class MLXBackend:
     def _join(self, rids: Sequence[str]) -> None:
         """Merge the rows' own caches into a batch cache and extend the batch with it."""
         per_layer = [[self._cache[rid][layer] for rid in rids] for layer in range(self.n_layers)]
-        merged = [_merge(cs) for cs in per_layer]
+        merged = [_merge(cs, self._windowed) for cs in per_layer]
         if self._batch is None:
             self._batch = merged
         else:
@@ -1050,6 +1061,8 @@ class MLXBackend:
                 self._own_cache(rid)  # a 1-token prompt hands off with no KV
             self._join(joining)
         seq, kv = self._seq, self._kv
+        if self._windowed:
+            forget(self._batch)
         if drafts:
             width = 1 + max(map(len, drafts.values()))
             rows_in = [[seq[rid][kv[rid]], *drafts.get(rid, ())] for rid in self._rows]
@@ -1074,11 +1087,11 @@ class MLXBackend:
                 if k:
                     state.accept(rid, 0, 0)  # (a sampled row in the pass: none verifies drafts)
             return None
-        kinds = {type(c).__name__ for c in self._batch or ()} - {"BatchKVCache"}
-        if kinds:
+        if not self.info.rolls_back:
+            kind = next(k for k in self.info.cache_kinds if k not in ("KVCache", "RotatingKVCache"))
             raise EngineError(
-                f"speculative decoding rolls rejected drafts back, which the model's {sorted(kinds)[0]} caches "
-                "(sliding windows, recurrent state) cannot do: run it without --speculative"
+                f"speculative decoding rolls rejected drafts back, which the model's {kind} caches "
+                "(recurrent state) cannot do: run it without --speculative"
             )
         if self.draft is not None:
             out = self._draft_propose([(rid, k) for rid, k in zip(p.decode, p.draft) if k], state.by_id)

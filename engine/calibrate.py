@@ -70,7 +70,7 @@ class Grid:
     rounds: int = 3  # every point is measured once per round; rounds are spread over the run
     max_decode_kv: int = 10**9  # skip decode points with batch x context above this
     # verify passes (speculative decoding), (rows, context, drafts per row): a model whose
-    # caches cannot roll back drafts (sliding windows, recurrent state) skips them
+    # caches cannot roll back drafts (recurrent state) skips them
     verify: tuple[tuple[int, int, int], ...] = ()
 
 
@@ -298,7 +298,7 @@ def measure_verify(rig: Rig, batch: int, ctx: int, k: int, reps: int, warm: int 
     positions it computes, not on whether they are accepted, except for the roll-back, which
     here rejects all of them in every row (one trim; rows accepting different numbers also
     re-justify the batch, a copy the c_ terms' size: not in the v_ terms)."""
-    specs = [(n, warm + 1 + reps * (k + 2) + 2) for n in batch_contexts(batch, ctx)]
+    specs = [(n, warm + 1 + (reps + 1) * (k + 2) + 2) for n in batch_contexts(batch, ctx)]
     state, ids = rig.scenario(specs)
     for rid in ids:
         rig.admit(state, [rid], prime=state.by_id[rid].prompt_tokens - 1)
@@ -306,8 +306,10 @@ def measure_verify(rig: Rig, batch: int, ctx: int, k: int, reps: int, warm: int 
     seq = backend.tokens
     backend.given_drafts = lambda p, st: {rid: [seq[rid][-1]] * d for rid, d in zip(p.decode, p.draft) if d}
     try:
-        for _ in range(warm + 1):  # the batch forms (merge), then steady passes
-            rig.timed(state, Pass(decode=tuple(ids)))
+        for i in range(warm + 1):  # the batch forms (merge), then steady passes, the last a verify
+            # (from the first verify on, a sliding window's layers keep their verify form: both
+            # timed passes below run on it)
+            rig.timed(state, Pass(decode=tuple(ids), draft=(k,) * batch if i == warm else ()))
         plain, verify = [], []
         for _ in range(reps):
             plain.append(rig.timed(state, Pass(decode=tuple(ids))))
@@ -444,7 +446,7 @@ def _calibrate(info: ModelInfo, grid: Grid, *, seed: int, progress, budget_s, lo
                 lambda b=b, c=c, n=n, cc=cc, d=bool(k % 2): [measure_mixed(rig, b, c, n, cc, grid.prefill_reps, d)],
             )
         )
-    if info.plain_kv:  # (drafts roll back only from a plain KV cache)
+    if info.rolls_back:  # (drafts roll back from plain KV and sliding windows, not recurrent state)
         for b, c, k in grid.verify:
             jobs.append((f"verify B={b} C={c} k={k}", lambda b=b, c=c, k=k: measure_verify(rig, b, c, k, 2)))
     # Every point once per round, each round in a fresh random order: a slow spell of the
@@ -515,7 +517,7 @@ def add_verify_terms(
     grid's verify points measured now (``measure_verify``, every point once per round, rounds in
     fresh random orders) and only the v_ terms fitted (``analysis.fit.fit_verify``); every other
     coefficient is kept. For a profile measured before verify passes were part of the grid."""
-    if not info.plain_kv:
+    if not info.rolls_back:
         raise ValueError(f"{info.name}: its caches cannot roll back drafts, so it has no verify passes to time")
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()

@@ -109,6 +109,12 @@ class ModelInfo:
         return all(k == "KVCache" for k in self.cache_kinds)
 
     @property
+    def rolls_back(self) -> bool:
+        """Every layer's cache can drop its last positions (speculative decoding's rejected
+        drafts): plain KV or a sliding window (``engine.windowcache``), no recurrent state."""
+        return all(k in ("KVCache", "RotatingKVCache") for k in self.cache_kinds)
+
+    @property
     def activation_dtype(self) -> str:
         """The float dtype of activations and KV caches (``dtype``, or measured for ``quantized``)."""
         if self.dtype in DTYPES:

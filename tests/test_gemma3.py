@@ -288,6 +288,7 @@ def test_gemma3_answers_paris_through_the_engine(gemma):
     gives the same tokens as the model alone, and an English answer naming Paris."""
     from schedlab.engine.backend import MLXBackend, reference_tokens
     from schedlab.policies import make_policy
+    from schedlab.policies.speculative import Speculative
     from schedlab.sim.cost import LinearCostModel
     from schedlab.sim import run_replica
     from schedlab.traces import tokenize
@@ -304,6 +305,13 @@ def test_gemma3_answers_paris_through_the_engine(gemma):
     assert result.error is None, result.error
     ours = backend.tokens["q"]
     assert ours == reference_tokens(gemma, ids, n)
+    # with n-gram speculation (the sliding layers' batch rolls rejected drafts back): the same tokens
+    backend = MLXBackend(gemma, warmup=False, ignore_eos=True)
+    spec = run_replica(
+        [req], Speculative(make_policy("unified"), k=3), LinearCostModel({}), kv_capacity=100_000, backend=backend
+    )
+    assert spec.error is None and backend.tokens["q"] == ours
+    assert 0 < spec.speculative["accepted_tokens"] < spec.speculative["draft_tokens"], spec.speculative
     answer = gemma.tokenizer.decode(ours).split("\n")[0]
     assert "Paris" in re.findall(r"[A-Za-z]+", answer) and len(answer.split()) >= 4, answer
     assert perplexity(gemma, SENTENCE) < 30

@@ -15,7 +15,8 @@ from schedlab import engine  # noqa: F401  (OpenBLAS before mlx)
 from schedlab.engine.backend import MLXBackend, ngram_drafts, reference_tokens
 from schedlab.engine.errors import EngineError
 from schedlab.engine.models import load_model
-from schedlab.engine.sampling import prompt_ids
+from schedlab.engine.sampling import parse_sampling, prompt_ids
+from schedlab.engine.windowcache import WindowBatchKVCache
 from schedlab.policies import POLICIES, make_policy
 from schedlab.policies.speculative import Speculative
 from schedlab.sim import run_replica
@@ -108,6 +109,81 @@ def test_preemption_and_eos_keep_the_tokens_exact(micro, references):
     res = run_replica(TRACE[:2], Speculative(make_policy("unified"), k=4), NO_COST, kv_capacity=4096, backend=backend)
     assert res.error is None and backend.tokens["a"] == toks[: j + 1] and res.requests[0].output_tokens == j + 1
     assert backend.tokens["b"] == references["b"]
+
+
+# contexts far past micro-gemma3's 16-token window, and past 256 slots: the sliding layers'
+# batch cuts the positions no row can see again while rows verify drafts
+LONG = [
+    Request("a", 0.0, 300, 40),
+    Request("b", 0.0, 9, 300),
+    Request("c", 0.0, 270, 1),
+    Request("d", 0.01, 25, 40),
+    Request("e", 0.3, 290, 30),
+]
+
+
+@pytest.fixture(scope="module")
+def micro_gemma3():
+    info = load_model("micro-gemma3")
+    refs = {
+        r.id: reference_tokens(info, prompt_ids(0, r.id, r.prompt_tokens, info.vocab_size), r.output_tokens)
+        for r in LONG
+    }
+    return info, refs
+
+
+class WindowWatch(CacheWatch):
+    """CacheWatch, and what the first sliding layer keeps: the slots of its batch (``_idx``) and
+    the rows whose context is longer than that (their first positions cut)."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.kinds, self.slots, self.cut_rows = set(), 0, 0
+
+    def __call__(self, state):
+        super().__call__(state)
+        b = self.backend
+        if b._batch:
+            c = b._batch[0]
+            self.kinds.add(type(c).__name__)
+            if type(c) is WindowBatchKVCache:
+                self.slots = max(self.slots, c._idx)
+                self.cut_rows += sum(b._kv[rid] > c._idx for rid in b._rows)
+
+
+@pytest.mark.parametrize("policy", ["mlx-default", "unified", "vllm"])
+def test_a_sliding_window_model_verifies_drafts_with_the_references_tokens(micro_gemma3, policy):
+    info, refs = micro_gemma3
+    backend = MLXBackend(info)
+    watch = WindowWatch(backend)
+    res = run_replica(
+        LONG, Speculative(make_policy(policy), k=3), NO_COST, kv_capacity=4096, backend=backend, on_step=watch
+    )
+    assert res.error is None, res.error
+    for r in LONG:
+        assert backend.tokens[r.id] == refs[r.id], (policy, r.id)
+    assert 0 < res.speculative["accepted_tokens"] < res.speculative["draft_tokens"]
+    # the sliding layers roll back as plain slots, cut to the window: rows past 256 + 16 tokens
+    # lost their first positions, and no layer held more than the window, a step and k (not the
+    # 340 positions of the longest row)
+    assert "WindowBatchKVCache" in watch.kinds and watch.cut_rows > 0 and watch.slots <= 16 + 256 + 3
+
+
+def test_a_rotating_batch_turns_into_a_window_batch_when_drafts_start(micro_gemma3):
+    """A sampled row verifies nothing, so the batch decodes as mlx-lm's rotating one until it
+    leaves; then the greedy row's drafts turn the batch (rotated past its window) into a
+    ``WindowBatchKVCache`` mid-run, and its tokens stay the model's alone."""
+    info, refs = micro_gemma3
+    backend = MLXBackend(info)
+    backend.request_sampling["s"] = parse_sampling("temperature=0.8,seed=1")
+    watch = WindowWatch(backend)
+    trace = [Request("d", 0.0, 25, 40), Request("s", 0.0, 30, 12)]
+    res = run_replica(
+        trace, Speculative(make_policy("unified"), k=3), NO_COST, kv_capacity=4096, backend=backend, on_step=watch
+    )
+    assert res.error is None, res.error
+    assert watch.kinds == {"BatchRotatingKVCache", "WindowBatchKVCache"}
+    assert backend.tokens["d"] == refs["d"] and res.speculative["draft_tokens"] > 0
 
 
 def test_a_model_whose_cache_cannot_roll_back_refuses_in_one_line():
