@@ -43,6 +43,14 @@ computes it. ``--serve-args=--prefix-caching`` gives serve its block-level prefi
     once, in round 0 on mlx_lm.server, as its request throughput on a separate mixed set of the
     same shape at closed-loop concurrency ``--probe-concurrency``.
 
+(c) ``curve``: the mixed load's shape at each rate of ``--curve-rates`` (req/s), light to past
+    capacity, a fresh set of prompts per rate (each server sees every prompt once), the rates in
+    ascending order within a server's run. Per rate: throughput, p50/p99 TTFT and ITL of every
+    server, with their spread over rounds (``(max - min) / median``). The goal checked: at the
+    lowest rate where mlx_lm.server's p99 TTFT exceeds ``--curve-ttft-ms`` (5 s), the best policy's
+    p99 TTFT or ITL at least 1.5x lower at at least 0.95x its output throughput. ``--plot JSON``
+    draws the curve (``docs/figures/serve_load_curve.png``) from a results file.
+
 The client: NVIDIA AIPerf (``aiperf profile``, PyPI ``aiperf``; ``--aiperf`` or ``$AIPERF`` or
 ``aiperf`` on PATH), one run per load and concurrency, with ``--use-server-token-count`` (output
 tokens from the servers' usage), ``--workers-max 1 --record-processors 1``, no server-metrics
@@ -157,6 +165,7 @@ DEFAULTS = {
     "mixed_long": "3,1024,16",
     "warmup": 2,
     "probe_concurrency": 8,
+    "curve_rates": "0.15,0.3,0.6,1.2",
 }
 QUICK = {
     "rounds": 1,
@@ -168,6 +177,7 @@ QUICK = {
     "mixed_long": "1,256,4",
     "warmup": 1,
     "probe_concurrency": 2,
+    "curve_rates": "0.5,2",
     "policies": "mlx-default",
 }
 
@@ -650,6 +660,7 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
             "best_gain_x": ok.get(best) if best else None,
             "met": bool(best) and ok[best] >= 1.5,
         }
+    curve = summarize_curve(rounds, servers)
     ready = {}  # process start to its first answer (the model's load, warm-up, listening)
     for s in servers:
         got = [r["runs"][s]["ready_s"] for r in rounds if (r["runs"].get(s) or {}).get("ready_s") is not None]
@@ -661,7 +672,127 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
         "uniform_over_mlx_lm": vs,
         "goal_uniform": goal_a,
         "goal_mixed": goal_b,
+        **curve,
     }
+
+
+CURVE_KEYS = ("output_throughput_tok_s", "ttft_ms.p50", "ttft_ms.p99", "itl_ms.p50", "itl_ms.p99")
+
+
+def spread(values) -> float | None:
+    """(max - min) / median of the rounds' values: the round-to-round spread."""
+    vals = [v for v in values if isinstance(v, (int, float))]
+    m = statistics.median(vals) if vals else None
+    return round((max(vals) - min(vals)) / m, 3) if m else None
+
+
+def summarize_curve(rounds: list[dict], servers: list[str]) -> dict:
+    """The curve load: per rate, every server's medians over rounds and their spreads; the goal
+    at the lowest rate where mlx_lm.server's p99 TTFT exceeds the threshold."""
+    rates = sorted({float(r) for rd in rounds for runs in rd["runs"].values() for r in (runs.get("curve") or {})})
+    if not rates:
+        return {}
+    threshold = rounds[0].get("curve_ttft_ms", 5000.0)
+    curve = {}
+    for rate in rates:
+        per = {}
+        for s in servers:
+            runs = [
+                rd["runs"][s]["curve"][f"{rate:g}"]
+                for rd in rounds
+                if f"{rate:g}" in ((rd["runs"].get(s) or {}).get("curve") or {})
+                and "error" not in rd["runs"][s]["curve"][f"{rate:g}"]
+            ]
+            m = medians(runs)
+            m["spread"] = {k: spread(common.value(r, tuple(k.split("."))) for r in runs) for k in CURVE_KEYS}
+            m["rounds"] = len(runs)
+            per[s] = m
+        curve[f"{rate:g}"] = per
+    at = next((r for r in curve if (curve[r].get(MLX_LM, {}).get("ttft_ms.p99") or 0) > threshold), None)
+    goal = {
+        "what": f"at the lowest rate where mlx_lm.server's p99 TTFT exceeds {threshold:g} ms, the best policy "
+        ">= 1.5x lower p99 TTFT or p99 ITL at >= 0.95x its output throughput",
+        "rate_rps": at,
+        "met": False,
+    }
+    if at is not None:
+        R, cands = curve[at][MLX_LM], {}
+        for s, M in curve[at].items():
+            if s == MLX_LM:
+                continue
+            cands[s] = {
+                "throughput": ratio(M["output_throughput_tok_s"], R["output_throughput_tok_s"]),
+                "ttft_p99_lower_x": ratio(R["ttft_ms.p99"], M["ttft_ms.p99"]),
+                "itl_p99_lower_x": ratio(R["itl_ms.p99"], M["itl_ms.p99"]),
+                "output_tokens": ratio(M["total_output_tokens"], R["total_output_tokens"]),
+            }
+        ok = {
+            s: max(v["ttft_p99_lower_x"] or 0, v["itl_p99_lower_x"] or 0)
+            for s, v in cands.items()
+            if v["throughput"] is not None and v["throughput"] >= 0.95
+        }
+        best = max(ok, key=ok.get) if ok else None
+        goal.update(per_policy=cands, best=best, best_gain_x=ok.get(best) if best else None)
+        goal["met"] = bool(best) and ok[best] >= 1.5
+    return {"curve": curve, "goal_curve": goal}
+
+
+def plot_curve(result: dict, path: Path) -> None:
+    """The load curve: per server, output throughput, p99 TTFT and p99 ITL against the offered
+    rate (medians over rounds, bars from the rounds' min to max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = result["summary"]["curve"]
+    rates = sorted(curve, key=float)
+    servers = list(curve[rates[0]])
+    panels = (
+        ("output_throughput_tok_s", "output throughput (tok/s)"),
+        ("ttft_ms.p99", "p99 TTFT (s)"),
+        ("itl_ms.p99", "p99 ITL (s)"),
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (key, label) in zip(axes, panels):
+        scale = 1e-3 if key.endswith(("p99", "p50")) else 1.0
+        for s in servers:
+            xs, ys, lo, hi = [], [], [], []
+            for r in rates:
+                runs = [
+                    rd["runs"][s]["curve"][r]
+                    for rd in result["rounds"]
+                    if r in ((rd["runs"].get(s) or {}).get("curve") or {}) and "error" not in rd["runs"][s]["curve"][r]
+                ]
+                vals = [common.value(x, tuple(key.split("."))) for x in runs]
+                vals = [v * scale for v in vals if isinstance(v, (int, float))]
+                if vals:
+                    xs.append(float(r))
+                    ys.append(statistics.median(vals))
+                    lo.append(ys[-1] - min(vals))
+                    hi.append(max(vals) - ys[-1])
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=s)
+        ax.set_xscale("log")
+        ax.set_xticks([float(r) for r in rates], rates)
+        ax.minorticks_off()
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    goal = result["summary"].get("goal_curve") or {}
+    if goal.get("rate_rps"):
+        for ax in axes[1:]:
+            ax.axvline(float(goal["rate_rps"]), color="grey", ls=":", lw=1)
+    axes[0].legend(fontsize=8)
+    mixed = result["loads"]["curve"]
+    fig.suptitle(
+        f"{result['model']}: {mixed['short']['n']} chats + {mixed['long']['n']} x {mixed['long']['input_len']}-token "
+        f"prompts per rate, {len(result['rounds'])} rounds (median, min-max)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------- main
@@ -701,8 +832,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", type=Path, default=None, help="aiperf artifacts and logs (default: a temp folder)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--curve-rates", default=None, help=f"curve load's rates, req/s (default {DEFAULTS['curve_rates']})"
+    )
+    ap.add_argument(
+        "--curve-ttft-ms", type=float, default=5000.0, help="curve goal: mlx_lm.server's p99 TTFT threshold"
+    )
+    ap.add_argument("--plot", type=Path, default=None, help="only draw the load curve of this results file "
+                    "(to docs/figures/serve_load_curve.png, or --out)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, C=1,2, 3 requests, 4 tokens, mlx-default")
     args = ap.parse_args()
+    if args.plot is not None:
+        out = args.out or Path(__file__).resolve().parent.parent / "docs" / "figures" / "serve_load_curve.png"
+        plot_curve(json.loads(args.plot.read_text()), out)
+        print(f"wrote {out}")
+        return
 
     for k, v in DEFAULTS.items():
         if getattr(args, k) is None:
@@ -713,8 +857,14 @@ def main() -> None:
 
     args.policy_list = [p.strip() for p in (args.policies or ",".join(POLICIES)).split(",") if p.strip()]
     loads = {x.strip() for x in args.loads.split(",") if x.strip()}
-    if not loads <= {"uniform", "mixed"}:
-        raise SystemExit(f"--loads: uniform and/or mixed, got {args.loads!r}")
+    if not loads <= {"uniform", "mixed", "curve"}:
+        raise SystemExit(f"--loads: uniform, mixed and/or curve, got {args.loads!r}")
+    try:
+        curve_rates = sorted({float(r) for r in args.curve_rates.split(",") if r.strip()})
+    except ValueError:
+        raise SystemExit(f"--curve-rates: comma-separated req/s, got {args.curve_rates!r}") from None
+    if "curve" in loads and (not curve_rates or min(curve_rates) <= 0):
+        raise SystemExit(f"--curve-rates: at least one rate > 0 req/s, got {args.curve_rates!r}")
     conc = [int(c) for c in args.concurrency.split(",")]
     args.aiperf = args.aiperf or os.environ.get("AIPERF") or shutil.which("aiperf")
     if not args.aiperf or not Path(args.aiperf).exists() and not shutil.which(args.aiperf):
@@ -765,6 +915,12 @@ def main() -> None:
 
     if mixed_rate is not None:
         mixed_set = make_mixed_set(mixed_rate)
+    curve_sets = {}  # per rate, its own prompts (each server sees a prompt once), the mixed shape
+    for i, rate in enumerate(curve_rates if "curve" in loads else ()):
+        rows = mixed_rows(tok, short, long, args.seed + 40 + 2 * i)
+        curve_sets[rate] = write_jsonl(
+            data / f"curve-{rate:g}.jsonl", rows, request_times(len(rows), rate, 1.0, args.seed)
+        )
 
     cmds = server_cmds(args, ckpt, model_name)
     names = list(cmds)
@@ -815,6 +971,14 @@ def main() -> None:
                 }
                 if "mixed" in loads
                 else None,
+                "curve": {
+                    "short": dict(zip(("n", "input_len", "output_len"), short)),
+                    "long": dict(zip(("n", "input_len", "output_len"), long)),
+                    "rates_rps": curve_rates,
+                    "ttft_threshold_ms": args.curve_ttft_ms,
+                }
+                if "curve" in loads
+                else None,
             },
             "rounds_asked": args.rounds,
             "rounds": rounds,
@@ -835,7 +999,7 @@ def main() -> None:
     try:
         for k in range(args.rounds):
             order = names if k % 2 == 0 else names[::-1]
-            rd = {"round": k, "order": order, "runs": {}}
+            rd = {"round": k, "order": order, "runs": {}, "curve_ttft_ms": args.curve_ttft_ms}
             rounds.append(rd)
             for name in order:
                 tag = f"r{k}-{name.replace(':', '-').replace('.', '_')}"
@@ -879,6 +1043,12 @@ def main() -> None:
                         m = client.run(srv, mixed_set, work / f"{tag}-mixed", ["--fixed-schedule"])
                         runs["mixed"] = m
                         print(f"round {k} {name:24s} mixed {line(m)}", file=sys.stderr, flush=True)
+                    if curve_sets:
+                        runs["curve"] = {}
+                        for rate, dataset in curve_sets.items():
+                            m = client.run(srv, dataset, work / f"{tag}-curve-{rate:g}", ["--fixed-schedule"])
+                            runs["curve"][f"{rate:g}"] = m
+                            print(f"round {k} {name:24s} curve {rate:g} req/s {line(m)}", file=sys.stderr, flush=True)
                 except RuntimeError as exc:  # one server's failure is recorded; the others go on
                     runs["error"] = str(exc)[-3000:]
                     print(f"round {k} {name}: FAILED: {str(exc)[-1000:]}", file=sys.stderr, flush=True)
@@ -890,7 +1060,10 @@ def main() -> None:
         for srv in current:
             srv.stop()
     record(complete=True)
-    report(json.loads(Path(out_path).read_text()), out_path)
+    result = json.loads(Path(out_path).read_text())
+    report(result, out_path)
+    if result["summary"].get("curve") and not args.quick:
+        plot_curve(result, Path(__file__).resolve().parent.parent / "docs" / "figures" / "serve_load_curve.png")
 
 
 def _version(pkg: str) -> str | None:
@@ -922,6 +1095,19 @@ def report(result: dict, path) -> None:
         print(f"goal (a) serve mlx-default vs mlx_lm.server on the uniform load: met={s['goal_uniform']['met']}")
     for ref, g in s["goal_mixed"].items():
         print(f"goal (b) mixed, {ref}: best {g['best']} ({g['best_gain_x']}x), met={g['met']}")
+    for rate, per in (s.get("curve") or {}).items():
+        for name, m in per.items():
+            if m["output_throughput_tok_s"] is None:
+                continue
+            print(
+                f"curve {rate:>5s} req/s {name:24s} {m['output_throughput_tok_s']:8.2f} tok/s  TTFT p99 "
+                f"{m['ttft_ms.p99'] or 0:8.0f} ms  ITL p99 {m['itl_ms.p99'] or 0:7.1f} ms"
+            )
+    if s.get("goal_curve"):
+        g = s["goal_curve"]
+        print(
+            f"goal (c) curve at {g['rate_rps']} req/s: best {g.get('best')} ({g.get('best_gain_x')}x), met={g['met']}"
+        )
 
 
 if __name__ == "__main__":
