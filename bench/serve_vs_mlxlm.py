@@ -598,6 +598,12 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
         return out
 
     uniform = {s: {str(c): medians(runs(s, "uniform", c)) for c in concurrency} for s in servers}
+    for s in servers:  # the round-to-round spread of each point
+        for c in concurrency:
+            got = runs(s, "uniform", c)
+            uniform[s][str(c)]["spread"] = {
+                k: spread(common.value(r, tuple(k.split("."))) for r in got) for k in CURVE_KEYS
+            }
     mixed = {s: medians(runs(s, "mixed")) for s in servers}
     base = uniform.get(MLX_LM, {})
     vs = {}
@@ -838,10 +844,19 @@ def main() -> None:
     ap.add_argument(
         "--curve-ttft-ms", type=float, default=5000.0, help="curve goal: mlx_lm.server's p99 TTFT threshold"
     )
+    ap.add_argument("--summarize", type=Path, default=None, help="only compute a results file's summary again "
+                    "from its rounds, in place")  # fmt: skip
     ap.add_argument("--plot", type=Path, default=None, help="only draw the load curve of this results file "
                     "(to docs/figures/serve_load_curve.png, or --out)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, C=1,2, 3 requests, 4 tokens, mlx-default")
     args = ap.parse_args()
+    if args.summarize is not None:  # the summary again from a results file's rounds (its code changed)
+        result = json.loads(args.summarize.read_text())
+        conc = (result["loads"].get("uniform") or {}).get("concurrency", [])
+        result["summary"] = summarize(result["rounds"], list(result["servers"]), conc)
+        common.write_json(result, args.summarize, indent=1)
+        report(result, args.summarize)
+        return
     if args.plot is not None:
         out = args.out or Path(__file__).resolve().parent.parent / "docs" / "figures" / "serve_load_curve.png"
         plot_curve(json.loads(args.plot.read_text()), out)
