@@ -714,33 +714,40 @@ def summarize_curve(rounds: list[dict], servers: list[str]) -> dict:
             m["rounds"] = len(runs)
             per[s] = m
         curve[f"{rate:g}"] = per
+    vs = {rate: _against(per, MLX_LM) for rate, per in curve.items() if MLX_LM in per}
     at = next((r for r in curve if (curve[r].get(MLX_LM, {}).get("ttft_ms.p99") or 0) > threshold), None)
     goal = {
         "what": f"at the lowest rate where mlx_lm.server's p99 TTFT exceeds {threshold:g} ms, the best policy "
         ">= 1.5x lower p99 TTFT or p99 ITL at >= 0.95x its output throughput",
-        "rate_rps": at,
+        "rate_rps": float(at) if at is not None else None,
         "met": False,
     }
     if at is not None:
-        R, cands = curve[at][MLX_LM], {}
-        for s, M in curve[at].items():
-            if s == MLX_LM:
-                continue
-            cands[s] = {
-                "throughput": ratio(M["output_throughput_tok_s"], R["output_throughput_tok_s"]),
-                "ttft_p99_lower_x": ratio(R["ttft_ms.p99"], M["ttft_ms.p99"]),
-                "itl_p99_lower_x": ratio(R["itl_ms.p99"], M["itl_ms.p99"]),
-                "output_tokens": ratio(M["total_output_tokens"], R["total_output_tokens"]),
-            }
-        ok = {
-            s: max(v["ttft_p99_lower_x"] or 0, v["itl_p99_lower_x"] or 0)
-            for s, v in cands.items()
-            if v["throughput"] is not None and v["throughput"] >= 0.95
+        goal.update(vs[at])
+        goal["met"] = bool(goal["best"]) and goal["best_gain_x"] >= 1.5
+    return {"curve": curve, "curve_over_mlx_lm": vs, "goal_curve": goal}
+
+
+def _against(per: dict, ref: str) -> dict:
+    """Every other server at one point against ``ref``: output throughput (x), how many times lower
+    its p99 TTFT and p99 ITL are; the best of those with at least 0.95x the throughput."""
+    R, cands = per[ref], {}
+    for s, M in per.items():
+        if s == ref:
+            continue
+        cands[s] = {
+            "throughput": ratio(M["output_throughput_tok_s"], R["output_throughput_tok_s"]),
+            "ttft_p99_lower_x": ratio(R["ttft_ms.p99"], M["ttft_ms.p99"]),
+            "itl_p99_lower_x": ratio(R["itl_ms.p99"], M["itl_ms.p99"]),
+            "output_tokens": ratio(M["total_output_tokens"], R["total_output_tokens"]),
         }
-        best = max(ok, key=ok.get) if ok else None
-        goal.update(per_policy=cands, best=best, best_gain_x=ok.get(best) if best else None)
-        goal["met"] = bool(best) and ok[best] >= 1.5
-    return {"curve": curve, "goal_curve": goal}
+    ok = {
+        s: max(v["ttft_p99_lower_x"] or 0, v["itl_p99_lower_x"] or 0)
+        for s, v in cands.items()
+        if v["throughput"] is not None and v["throughput"] >= 0.95
+    }
+    best = max(ok, key=ok.get) if ok else None
+    return {"per_policy": cands, "best": best, "best_gain_x": ok.get(best) if best else None}
 
 
 def plot_curve(result: dict, path: Path) -> None:
