@@ -600,10 +600,7 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
     uniform = {s: {str(c): medians(runs(s, "uniform", c)) for c in concurrency} for s in servers}
     for s in servers:  # the round-to-round spread of each point
         for c in concurrency:
-            got = runs(s, "uniform", c)
-            uniform[s][str(c)]["spread"] = {
-                k: spread(common.value(r, tuple(k.split("."))) for r in got) for k in CURVE_KEYS
-            }
+            uniform[s][str(c)]["spread"] = spreads(runs(s, "uniform", c))
     mixed = {s: medians(runs(s, "mixed")) for s in servers}
     base = uniform.get(MLX_LM, {})
     vs = {}
@@ -641,30 +638,13 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
     for ref in (MLX_LM, md):
         if ref not in mixed or mixed[ref]["output_throughput_tok_s"] is None:
             continue
-        R = mixed[ref]
-        cands = {}
-        for s in servers:
-            if s == ref or s == MLX_LM:
-                continue
-            M = mixed[s]
-            t = ratio(M["output_throughput_tok_s"], R["output_throughput_tok_s"])
-            gt = ratio(R["ttft_ms.p99"], M["ttft_ms.p99"])  # how many times lower
-            gi = ratio(R["itl_ms.p99"], M["itl_ms.p99"])
-            n = ratio(M["total_output_tokens"], R["total_output_tokens"])  # the same work? (EOS)
-            cands[s] = {"throughput": t, "ttft_p99_lower_x": gt, "itl_p99_lower_x": gi, "output_tokens": n}
-        ok = {
-            s: max(v["ttft_p99_lower_x"] or 0, v["itl_p99_lower_x"] or 0)
-            for s, v in cands.items()
-            if v["throughput"] is not None and v["throughput"] >= 0.95
-        }
-        best = max(ok, key=ok.get) if ok else None
+        # the policies (mlx_lm.server is only ever the reference) against ref
+        vs_ref = _against({s: mixed[s] for s in servers if s == ref or s != MLX_LM}, ref)
         goal_b["vs " + ref] = {
             "what": f"best policy on the mixed load: >= 1.5x lower p99 TTFT or p99 ITL than {ref} "
             "at >= 0.95x its output throughput",
-            "per_policy": cands,
-            "best": best,
-            "best_gain_x": ok.get(best) if best else None,
-            "met": bool(best) and ok[best] >= 1.5,
+            **vs_ref,
+            "met": bool(vs_ref["best"]) and vs_ref["best_gain_x"] >= 1.5,
         }
     curve = summarize_curve(rounds, servers)
     ready = {}  # process start to its first answer (the model's load, warm-up, listening)
@@ -692,6 +672,21 @@ def spread(values) -> float | None:
     return round((max(vals) - min(vals)) / m, 3) if m else None
 
 
+def spreads(runs: list[dict]) -> dict:
+    """The round-to-round spread of each of ``CURVE_KEYS`` over one point's runs."""
+    return {k: spread(common.value(r, tuple(k.split("."))) for r in runs) for k in CURVE_KEYS}
+
+
+def curve_runs(rounds: list[dict], server: str, rate: str) -> list[dict]:
+    """The runs of ``server`` at the curve's ``rate`` (its key) that did not fail, one per round."""
+    out = []
+    for rd in rounds:
+        r = ((rd["runs"].get(server) or {}).get("curve") or {}).get(rate)
+        if isinstance(r, dict) and "error" not in r:
+            out.append(r)
+    return out
+
+
 def summarize_curve(rounds: list[dict], servers: list[str]) -> dict:
     """The curve load: per rate, every server's medians over rounds and their spreads; the goal
     at the lowest rate where mlx_lm.server's p99 TTFT exceeds the threshold."""
@@ -703,14 +698,9 @@ def summarize_curve(rounds: list[dict], servers: list[str]) -> dict:
     for rate in rates:
         per = {}
         for s in servers:
-            runs = [
-                rd["runs"][s]["curve"][f"{rate:g}"]
-                for rd in rounds
-                if f"{rate:g}" in ((rd["runs"].get(s) or {}).get("curve") or {})
-                and "error" not in rd["runs"][s]["curve"][f"{rate:g}"]
-            ]
+            runs = curve_runs(rounds, s, f"{rate:g}")
             m = medians(runs)
-            m["spread"] = {k: spread(common.value(r, tuple(k.split("."))) for r in runs) for k in CURVE_KEYS}
+            m["spread"] = spreads(runs)
             m["rounds"] = len(runs)
             per[s] = m
         curve[f"{rate:g}"] = per
@@ -772,12 +762,7 @@ def plot_curve(result: dict, path: Path) -> None:
         for s in servers:
             xs, ys, lo, hi = [], [], [], []
             for r in rates:
-                runs = [
-                    rd["runs"][s]["curve"][r]
-                    for rd in result["rounds"]
-                    if r in ((rd["runs"].get(s) or {}).get("curve") or {}) and "error" not in rd["runs"][s]["curve"][r]
-                ]
-                vals = [common.value(x, tuple(key.split("."))) for x in runs]
+                vals = [common.value(x, tuple(key.split("."))) for x in curve_runs(result["rounds"], s, r)]
                 vals = [v * scale for v in vals if isinstance(v, (int, float))]
                 if vals:
                     xs.append(float(r))

@@ -76,7 +76,7 @@ import numpy as np
 
 from . import blas as _blas  # noqa: F401  (OpenBLAS before mlx)
 from .errors import EngineError
-from .models import DTYPES, ModelInfo, make_caches
+from .models import DTYPES, ROLLBACK_KINDS, ModelInfo, make_caches
 from .noise import Noise
 from .windowcache import WindowBatchKVCache, forget, windowed
 from .sampling import PENALTY_CONTEXT, Sampling, h64, parse_sampling, prompt_ids  # noqa: F401
@@ -1088,7 +1088,7 @@ class MLXBackend:
                     state.accept(rid, 0, 0)  # (a sampled row in the pass: none verifies drafts)
             return None
         if not self.info.rolls_back:
-            kind = next(k for k in self.info.cache_kinds if k not in ("KVCache", "RotatingKVCache"))
+            kind = next(k for k in self.info.cache_kinds if k not in ROLLBACK_KINDS)
             raise EngineError(
                 f"speculative decoding rolls rejected drafts back, which the model's {kind} caches "
                 "(recurrent state) cannot do: run it without --speculative"

@@ -78,6 +78,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_CONTEXT = 32768
 
 
+# the mlx-lm caches a verify pass can roll rejected drafts back from (``ModelInfo.rolls_back``)
+ROLLBACK_KINDS = ("KVCache", "RotatingKVCache")
+
+
 @dataclass
 class ModelInfo:
     """A loaded model plus what the engine and run metadata need to know about it."""
@@ -112,7 +116,7 @@ class ModelInfo:
     def rolls_back(self) -> bool:
         """Every layer's cache can drop its last positions (speculative decoding's rejected
         drafts): plain KV or a sliding window (``engine.windowcache``), no recurrent state."""
-        return all(k in ("KVCache", "RotatingKVCache") for k in self.cache_kinds)
+        return all(k in ROLLBACK_KINDS for k in self.cache_kinds)
 
     @property
     def activation_dtype(self) -> str:
