@@ -116,6 +116,7 @@ class _PlanFields(NamedTuple):
     preempt: tuple[str, ...]
     passes: tuple[Pass, ...]
     repeat: int
+    past_arrivals: bool
 
 
 class Plan(_PlanFields):
@@ -128,12 +129,24 @@ class Plan(_PlanFields):
     then run those steps without asking (vLLM's multi-step scheduling does the same); it asks
     again at the first arrival, at the step that finishes a row, and after ``repeat`` steps.
     A policy whose decisions read the clock or per-step token counts beyond that leaves it 0.
+
+    ``past_arrivals``: the promise holds through arrivals too. A FIFO policy can say so when
+    the waiting queue's head was refused (or nothing would be admitted before a row finishes):
+    a newcomer queues behind that head and changes nothing. The loop then runs the steps past
+    arrivals, which join the waiting queue at their own times, and asks again at the first
+    finish, hand-off or cancellation (and after every arrival where a prefix cache is on: the
+    blocks a step adds are visible to whoever looks next).
     """
 
     __slots__ = ()
 
     def __new__(
-        cls, admit: Sequence[str] = (), preempt: Sequence[str] = (), passes: Sequence[Pass] = (), repeat: int = 0
+        cls,
+        admit: Sequence[str] = (),
+        preempt: Sequence[str] = (),
+        passes: Sequence[Pass] = (),
+        repeat: int = 0,
+        past_arrivals: bool = False,
     ):
         if type(admit) is not tuple:
             admit = tuple(admit)
@@ -141,7 +154,7 @@ class Plan(_PlanFields):
             preempt = tuple(preempt)
         if type(passes) is not tuple:
             passes = tuple(passes)
-        return tuple.__new__(cls, (admit, preempt, passes, repeat))
+        return tuple.__new__(cls, (admit, preempt, passes, repeat, past_arrivals))
 
 
 class PassShape(NamedTuple):
@@ -371,11 +384,17 @@ class Policy(Protocol):
 UNTIL_CHANGE = 1 << 30
 
 
-def decode_plan(rows: tuple[str, ...], admit: Sequence[str] = ()) -> Plan:
+def decode_plan(rows: tuple[str, ...], admit: Sequence[str] = (), *, blocked: bool = False) -> Plan:
     """One decode pass over ``rows``. With no admission it repeats until something changes:
     for the bundled policies a decode-only plan depends only on the queues' members, the KV
-    budget and whether a row is about to finish, and none of those moves in between."""
-    return Plan(admit=admit, passes=(Pass(decode=rows),), repeat=0 if admit else UNTIL_CHANGE)
+    budget and whether a row is about to finish, and none of those moves in between.
+
+    ``blocked``: nothing waiting can be admitted before a row finishes (the FIFO head was
+    refused, or the batch is full), so an arrival, queued behind it, changes nothing either
+    (``Plan.past_arrivals``)."""
+    if admit:
+        return Plan(admit=admit, passes=(Pass(decode=rows),))
+    return Plan(passes=(Pass(decode=rows),), repeat=UNTIL_CHANGE, past_arrivals=blocked)
 
 
 class OptionError(ValueError):

@@ -79,7 +79,8 @@ class MlxDefault(PolicyBase):
         batch_after = len(rows) - count_finishing(view.decoding) - count_finishing(handoffs)
         admit, prefill = self.prompt_step(view, batch_after)
         if prefill is None and rows and not admit:
-            return decode_plan(rows)
+            # (with requests waiting, the batch is full or the FIFO head was refused)
+            return decode_plan(rows, blocked=bool(view.waiting))
         if prefill is not None:
             passes.append(prefill)
         return Plan(admit=tuple(admit), passes=tuple(passes))

@@ -174,6 +174,8 @@ class Vllm(PolicyBase):
             preempt=tuple(preempt),
             passes=(Pass(decode=tuple(decode), prefill=tuple(chunks)),),
             repeat=repeat,
+            # with requests waiting and none admitted, the head was refused: an arrival queues behind it
+            past_arrivals=bool(repeat and view.waiting and not admit),
         )
 
     @staticmethod

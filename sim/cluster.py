@@ -12,7 +12,10 @@ Exactness. A simulated replica runs ahead of SimPy between arrivals, and its bul
 the request were its own, and with one replica the run is the single-replica run event for
 event (the same files, byte for byte). While the next arrival is unknown but may still come
 (closed-loop clients waiting on a finish, which another replica may make at any time), no
-replica of several runs ahead of SimPy.
+replica of several runs ahead of SimPy. A plan that holds ``past_arrivals`` (its waiting queue's
+head refused: a newcomer queues behind it) runs on past arrivals, the steps it has run ahead
+undone in the router's view as below. One replica that cannot fail has no choice to route: its
+router is not asked and no history is kept.
 
 Signals. A replica that runs ahead has already applied the step in progress at an arrival, and
 with ``router_delay`` S the router must see each replica as it was S seconds before. So each
@@ -43,7 +46,7 @@ from .deployment import Deployment
 from .gcpause import gc_paused
 from .loop import PassLog, PolicyError, ReplicaLoop, RunResult, StepLog, request_speculation, speculation_counts
 from .prefix import Blocks
-from .sources import ArrivalSource, TraceSource
+from .sources import ArrivalSource, TraceSource, may_cancel
 from .state import PlanError, RequestState
 
 
@@ -163,6 +166,9 @@ class Cluster:
         self.sending = True  # the source may still send
         self.pending_faults = sorted(self.faults.values())  # (a failure sends its requests elsewhere: an arrival)
         next_arrival = self._next_arrival_fn()
+        cancels = may_cancel(source)
+        # one replica that cannot fail: the router has no choice to make, and is not asked
+        self.alone = n == 1 and not self.faults
         self.replicas: list[ReplicaLoop] = []
         self.histories: list[_History] = []
         self.dirty: set[int] = set()  # replicas with history entries recorded since their signals were made
@@ -180,11 +186,12 @@ class Cluster:
                 prefix_caching=d.prefix_caching,
                 token_keys=token_keys,
                 record_passes=record_passes,
-                on_change=(h.record, h.record_run),
+                on_change=None if self.alone else (h.record, h.record_run),
                 acceptance=d.acceptance,
             )
             h.state = rep.state
             rep.fail_at = self.faults.get(i)
+            rep.arrivals_cancel = cancels
             self.replicas.append(rep)
             self.histories.append(h)
         self.requests: list[RequestState] = []  # every request, in arrival order
@@ -280,14 +287,14 @@ class Cluster:
             self._place(req, r, -1, retry)
             self.refuse(r, "no replica is up")
             return None
-        j = route_checked(self.router, self._view(req))
+        j = 0 if self.alone else route_checked(self.router, self._view(req))
         rep = self.replicas[j]
         r = rep.deliver(req)
         st = rep.state
         self._place(req, st.requests[-1], j, retry)
         if r is None:
             self.rejected.append(st.rejected[-1])
-        else:
+        elif not self.alone:
             self.histories[j].sent_one(self.env.now, req)
         return r
 

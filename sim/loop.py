@@ -45,7 +45,7 @@ from schedlab.traces.schema import Request
 from .backend import Backend, SimBackend
 from .clock import SimClock, WallClock
 from .gcpause import gc_paused
-from .sources import ArrivalSource, TraceSource
+from .sources import ArrivalSource, TraceSource, may_cancel
 from .state import PlanError, ReplicaState, ReplicaView, RequestState
 
 
@@ -316,6 +316,7 @@ def run_replica(
     )
     if hasattr(source, "replica_cancel"):  # a source that hears of clients going away (LiveSource)
         source.replica_cancel = replica.cancel
+    replica.arrivals_cancel = may_cancel(source)
     env = replica.env
     wall0 = time.perf_counter()
     replica.backend.start(replica.state, source.requests)  # warm-up happens before the clock starts
@@ -423,6 +424,9 @@ class ReplicaLoop:
         # it at the first step that starts at or after that time
         self._cancels: list[tuple[float, int, str]] = []
         self._cancel_order = itertools.count()
+        # whether an arrival may bring a cancellation: bulk steps then stop at every arrival
+        # (``Plan.past_arrivals`` is not taken); the runner says, from its source (``may_cancel``)
+        self.arrivals_cancel = True
 
     def deliver(self, req: Request) -> RequestState | None:
         """``req`` arrives now: into the waiting queue (and the replica woken), or refused at
@@ -579,7 +583,7 @@ class ReplicaLoop:
             if plan.repeat and run_repeats is not None and not ended and since_wake is None:
                 # (one decode pass, no row finished, none handed off from prefilling: queues as planned)
                 if len(passes) == 1 and not passes[0].prefill and len(state.prefilling) == prefilling:
-                    t_end = run_repeats(plan.repeat, passes[0], shape, t_end)
+                    t_end = run_repeats(plan.repeat, passes[0], shape, t_end, plan.past_arrivals)
             if state.open:  # (once the source is done nothing can arrive: no hop to make)
                 ev = clock.sync(next_arrival())
                 if ev is not None:
@@ -672,7 +676,7 @@ class ReplicaLoop:
         return predicted, pending, since_wake
 
     def _bulk_runner(self, deadline: float) -> Callable | None:
-        """``run_repeats(repeat, p, shape, t_end) -> t_end``: the steps a ``Plan.repeat`` allows
+        """``run_repeats(repeat, p, shape, t_end, past_arrivals) -> t_end``: the steps a ``Plan.repeat`` allows
         after the step that ran the decode pass ``p``, in bulk; None where they run one by one:
         the backend can't say their seconds at once, they are measured, or a callback (``on_step``)
         wants to see every step. The replica dies at ``deadline`` (``fail_at``)."""
@@ -689,10 +693,13 @@ class ReplicaLoop:
         p_step, p_k, p_start, p_end, p_pass = self.pass_log._lists
         record_run = self.on_change[1] if self.on_change is not None else None
 
-        def run_repeats(repeat: int, p: Pass, shape, t_end: float) -> float:
-            """The same decode pass until a row is about to finish, a request arrives, or
-            ``repeat`` runs out. Every step is recorded (and timed) as if planned on its own."""
-            nxt = next_arrival()
+        def run_repeats(repeat: int, p: Pass, shape, t_end: float, past_arrivals: bool = False) -> float:
+            """The same decode pass until a row is about to finish, a request arrives (unless
+            the plan holds ``past_arrivals``), or ``repeat`` runs out. Every step is recorded
+            (and timed) as if planned on its own."""
+            # (a prefix cache's blocks, which the steps add, are read at an arrival: a router's
+            # prefix hit, a newcomer's lookup; a newcomer's cancellation is due from its arrival)
+            nxt = None if past_arrivals and state.prefix is None and not self.arrivals_cancel else next_arrival()
             if cancels and (nxt is None or cancels[0][0] < nxt):
                 nxt = cancels[0][0]  # (a cancellation ends the run as an arrival does)
             k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)

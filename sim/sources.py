@@ -41,6 +41,16 @@ class ArrivalSource(Protocol):
     def finished(self, r, t: float) -> None: ...
 
 
+def may_cancel(source: ArrivalSource) -> bool:
+    """Whether a request still to come may carry a cancellation (``Request.cancel_after_s``): a
+    replica then stops its bulk steps at every arrival, as the time its client goes away is
+    known only once it has come. A source whose requests are not all known ahead (a live one)
+    may."""
+    if not isinstance(source, (TraceSource, ClientSource)):
+        return True
+    return any(r.cancel_after_s is not None for r in source.requests)
+
+
 class TraceSource:
     """Replays a trace: each request arrives at its ``arrival_s`` (in trace order)."""
 

@@ -5,6 +5,7 @@ random traces, routers and cluster sizes, every request is answered exactly once
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -394,6 +395,76 @@ def test_every_request_is_answered_once_by_one_replica(d):
             assert retried[r.id] in dies and retried[r.id] != j
     too_big = {r.id for r in reqs if r.prompt_tokens + r.output_tokens - 1 > res.kv_capacity}  # (whole blocks)
     assert too_big <= set(refused) and (bool(d["fail"]) or set(refused) == too_big)
+
+
+class Counted:
+    """``inner``, counting its plans; ``keep``: "all" its plans as they are, "repeat" without
+    ``past_arrivals`` (bulk runs stop at every arrival), "none" without ``repeat`` (every step
+    planned on its own)."""
+
+    def __init__(self, inner, keep: str = "all"):
+        self.inner, self.name, self.keep, self.plans = inner, inner.name, keep, 0
+
+    def plan(self, view):
+        from schedlab.policies.base import Plan
+
+        self.plans += 1
+        p = self.inner.plan(view)
+        if self.keep == "all" or not p.repeat:
+            return p
+        return Plan(p.admit, p.preempt, p.passes, p.repeat if self.keep == "repeat" else 0)
+
+
+def fingerprint(res):
+    return (
+        [(r.id, r.arrival_s, tuple(r.token_times), r.finish_s, r.preemptions) for r in res.requests],
+        list(res.replica),
+        list(res.steps),
+        [(r.id, why) for r, why in res.rejected],
+    )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster_setups())
+def test_bulk_steps_past_arrivals_equal_planning_every_step(d):
+    """Replicas run their bulk decode steps past arrivals where the plan holds ``past_arrivals``
+    (the router seeing them as they were at each arrival, undoing the steps run ahead): the run is
+    the one that plans every step, request for request, route for route, step for step."""
+    name, opts = d["policy"]
+    arrivals = (lambda: ClientSource(d["reqs"], d["clients"])) if d["clients"] else (lambda: d["reqs"])
+    kw = dict(
+        kv_capacity=d["kv"], block_size=d["bs"], prefix_caching=d["prefix"], router_delay=d["delay"], fail=d["fail"]
+    )
+    runs = [
+        run_cluster(
+            arrivals(),
+            [wrap(make_policy(name, opts)) for _ in range(d["n"])],
+            cost_model(),
+            make_router(d["router"]),
+            **kw,
+        )
+        for wrap in (lambda p: p, lambda p: Counted(p, "none"))
+    ]
+    assert runs[0].error == runs[1].error
+    assert fingerprint(runs[0]) == fingerprint(runs[1])
+
+
+def test_an_overloaded_cluster_runs_past_arrivals_and_plans_less():
+    """Four overloaded replicas (requests queue on each): a plan whose waiting head was refused
+    runs on past arrivals, with fewer plans asked than when every arrival stops the run, and the
+    same files."""
+    from schedlab import traces
+
+    reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / 8) for r in traces.load("azure2023_conv").requests[:800]]
+    got = {}
+    for keep in ("all", "repeat", "none"):
+        pols = [Counted(make_policy("unified", {"max_batch": 8}), keep) for _ in range(4)]
+        res = run_cluster(reqs, pols, cost_model(), make_router("least-kv"), kv_capacity=40_000, router_delay=0.05)
+        assert res.error is None and all(r.finish_s is not None for r in res.requests)
+        got[keep] = (fingerprint(res), sum(p.plans for p in pols))
+    assert got["all"][0] == got["repeat"][0] == got["none"][0]
+    plans = {k: v[1] for k, v in got.items()}
+    assert plans["all"] < 0.8 * plans["repeat"] < 0.8 * plans["none"], plans
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
