@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from schedlab.policies.base import CostModel, Pass, Policy, as_cost_model, draft_seconds, verify_seconds
+from schedlab.policies.base import CostModel, Pass, PassShape, Policy, as_cost_model, draft_seconds, verify_seconds
 from schedlab.traces.schema import Request
 
 from .backend import Backend, SimBackend
@@ -507,12 +507,27 @@ class ReplicaLoop:
         # when the previous step ended (None after waiting idle); the after-idle cost the next step
         # carries; the steps run since the last wake (None: none to charge any more)
         t_end, pending, since_wake = None, 0.0, None
+        # a run of bulk steps that an arrival stopped (``run_repeats``' rest): when the arrival
+        # went to another replica (a cluster), nothing here changed, and the policy's promise
+        # still holds: the run goes on without asking it
+        rest = None
         while not state.done:
             t0 = clock.now() if t_end is None else t_end
             if t0 >= deadline or self.failed:
                 return self._fail()
             if cancels and cancels[0][0] <= t0 and self._cancel_due(t0):
+                rest = None
                 continue  # (the queues changed: the policy sees them as they are now)
+            if rest is not None:
+                repeat, p, shape, sent = rest
+                if len(state.requests) == sent:
+                    t_end, rest = run_repeats(repeat, p, shape, t_end, False)
+                    if state.open:
+                        ev = clock.sync(next_arrival())
+                        if ev is not None:
+                            yield ev
+                    continue
+                rest = None
             view.now = t0
             view.step_index = state.step_index
             try:
@@ -583,7 +598,7 @@ class ReplicaLoop:
             if plan.repeat and run_repeats is not None and not ended and since_wake is None:
                 # (one decode pass, no row finished, none handed off from prefilling: queues as planned)
                 if len(passes) == 1 and not passes[0].prefill and len(state.prefilling) == prefilling:
-                    t_end = run_repeats(plan.repeat, passes[0], shape, t_end, plan.past_arrivals)
+                    t_end, rest = run_repeats(plan.repeat, passes[0], shape, t_end, plan.past_arrivals)
             if state.open:  # (once the source is done nothing can arrive: no hop to make)
                 ev = clock.sync(next_arrival())
                 if ev is not None:
@@ -676,8 +691,11 @@ class ReplicaLoop:
         return predicted, pending, since_wake
 
     def _bulk_runner(self, deadline: float) -> Callable | None:
-        """``run_repeats(repeat, p, shape, t_end, past_arrivals) -> t_end``: the steps a ``Plan.repeat`` allows
-        after the step that ran the decode pass ``p``, in bulk; None where they run one by one:
+        """``run_repeats(repeat, p, shape, t_end, past_arrivals) -> (t_end, rest)``: the steps a
+        ``Plan.repeat`` allows after the step that ran the decode pass ``p`` (of ``shape``), in
+        bulk; ``rest``: where an arrival (or a cancellation's time) stopped them, ``(repeat left,
+        p, the last pass's shape, how many requests the replica had been sent then)``, to go
+        on with them if nothing came to this replica, else None. None where they run one by one:
         the backend can't say their seconds at once, they are measured, or a callback (``on_step``)
         wants to see every step. The replica dies at ``deadline`` (``fail_at``)."""
         state, clock, backend, steps, cancels = self.state, self.clock, self.backend, self.steps, self._cancels
@@ -693,7 +711,7 @@ class ReplicaLoop:
         p_step, p_k, p_start, p_end, p_pass = self.pass_log._lists
         record_run = self.on_change[1] if self.on_change is not None else None
 
-        def run_repeats(repeat: int, p: Pass, shape, t_end: float, past_arrivals: bool = False) -> float:
+        def run_repeats(repeat: int, p: Pass, shape, t_end: float, past_arrivals: bool = False) -> tuple:
             """The same decode pass until a row is about to finish, a request arrives (unless
             the plan holds ``past_arrivals``), or ``repeat`` runs out. Every step is recorded
             (and timed) as if planned on its own."""
@@ -704,13 +722,14 @@ class ReplicaLoop:
                 nxt = cancels[0][0]  # (a cancellation ends the run as an arrival does)
             k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)
             if k <= 0 or (nxt is not None and nxt <= t_end):
-                return t_end
+                return t_end, None
             rows = len(p.decode)
             predicted_overhead = overhead(1, rows)
             seconds, pass_starts, ends = clock.advance_steps(
                 backend.step_overhead(predicted_overhead), repeat_decode(shape, k), nxt, lookahead
             )
-            if ends and ends[-1] > deadline:  # the replica dies first: the step reaching it never ends
+            dies = bool(ends) and ends[-1] > deadline
+            if dies:  # the replica dies first: the step reaching it never ends
                 m = bisect_right(ends, deadline)
                 del seconds[m:], pass_starts[m:], ends[m:]
                 clock.t = ends[-1] if ends else t_end
@@ -734,7 +753,11 @@ class ReplicaLoop:
             state.repeat_decode(p, ends)
             if record_run is not None and ends:
                 record_run(ends, rows)
-            return t
+            if m == k or dies:
+                return t, None
+            if m:  # (the shape of the run's last pass: what the steps after it follow)
+                shape = PassShape(tuple(map(add, shape.decode_contexts, _repeat(m, rows))), (), False, rows)
+            return t, (repeat - m, p, shape, len(state.requests))
 
         return run_repeats
 

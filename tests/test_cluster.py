@@ -452,7 +452,7 @@ def test_bulk_steps_past_arrivals_equal_planning_every_step(d):
 def test_an_overloaded_cluster_runs_past_arrivals_and_plans_less():
     """Four overloaded replicas (requests queue on each): a plan whose waiting head was refused
     runs on past arrivals, with fewer plans asked than when every arrival stops the run, and the
-    same files."""
+    same run as planning every step."""
     from schedlab import traces
 
     reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / 8) for r in traces.load("azure2023_conv").requests[:800]]
@@ -464,7 +464,8 @@ def test_an_overloaded_cluster_runs_past_arrivals_and_plans_less():
         got[keep] = (fingerprint(res), sum(p.plans for p in pols))
     assert got["all"][0] == got["repeat"][0] == got["none"][0]
     plans = {k: v[1] for k, v in got.items()}
-    assert plans["all"] < 0.8 * plans["repeat"] < 0.8 * plans["none"], plans
+    # (bulk steps that an arrival to another replica stopped go on without asking, either way)
+    assert plans["all"] < 0.9 * plans["repeat"] < 0.2 * plans["none"], plans
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
