@@ -9,7 +9,12 @@ Reported per N, medians over ``--repeat`` rounds (the Ns interleaved in each rou
 machine drifts): wall seconds, simulated requests per wall second, the simulated makespan, peak
 resident memory. Goal: at least 10,000 simulated requests per second at every N.
 
-    python bench/cluster.py [--repeat 3] [--ns 1,4,16,64] [--out bench/results/cluster.json]
+``--baseline DIR``: a checkout of another version (``git worktree add /tmp/old REV``) runs the
+same Ns in the same rounds, each run right after this one's (A, B, A, B: this machine drifts by
+up to 35 % within minutes); per N its median wall time and the ratio, and whether both made the
+same run (its makespan and step count).
+
+    python bench/cluster.py [--repeat 3] [--ns 1,4,16,64] [--baseline /tmp/old] [--out bench/results/cluster.json]
 
 Results: ``bench/results/cluster.json`` (``docs/cluster.md``).
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -93,9 +99,12 @@ print(json.dumps({
 """
 
 
-def one(n: int, trace: str, policy: str, router: str, profiled: bool = False) -> dict:
+def one(n: int, trace: str, policy: str, router: str, profiled: bool = False, tree: Path | None = None) -> dict:
+    """One run in a fresh process, of this checkout or of ``tree``'s."""
     argv = [sys.executable, "-c", CHILD, str(n), trace, policy, router] + (["profile"] if profiled else [])
-    p = subprocess.run(argv, capture_output=True, text=True, check=False)
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
+    # (``-c`` puts the working directory first on the path: the tree's own package is imported)
+    p = subprocess.run(argv, capture_output=True, text=True, check=False, env=env, cwd=tree)
     if p.returncode != 0:
         raise SystemExit(f"cluster run N={n} failed: {p.stderr.strip()[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -109,17 +118,23 @@ def main() -> None:
     ap.add_argument("--policy", default="unified")
     ap.add_argument("--router", default="least-requests")
     ap.add_argument("--profile-n", type=int, default=4, help="N of the one run made under cProfile (0: none)")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout, run alongside in the same rounds")
     ap.add_argument("--out", type=Path, default=common.result_path("cluster"))
     args = ap.parse_args()
     ns = [int(x) for x in args.ns.split(",")]
+    base = args.baseline.resolve() if args.baseline else None
     runs: dict[int, list[dict]] = {n: [] for n in ns}
+    base_runs: dict[int, list[dict]] = {n: [] for n in ns}
     for k in range(args.repeat):
         for n in ns:
             r = one(n, args.trace, args.policy, args.router)
             runs[n].append(r)
+            b = one(n, args.trace, args.policy, args.router, tree=base) if base else None
+            if b is not None:
+                base_runs[n].append(b)
             print(
                 f"round {k + 1} N={n}: {r['wall_s']:.2f} s, {r['requests'] / r['wall_s']:,.0f} req/s, "
-                f"peak {r['peak_rss_mb']:.0f} MB",
+                f"peak {r['peak_rss_mb']:.0f} MB" + (f"; baseline {b['wall_s']:.2f} s" if b else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -142,6 +157,20 @@ def main() -> None:
                 "meets_goal": rs[0]["requests"] / wall >= GOAL_REQ_PER_S,
             }
         )
+        if base:
+            bs = base_runs[n]
+            b_wall = statistics.median(r["wall_s"] for r in bs)
+            rows[-1]["baseline"] = {
+                "wall_s": b_wall,
+                "wall_s_runs": [r["wall_s"] for r in bs],
+                "req_per_s": bs[0]["requests"] / b_wall,
+                "speedup": b_wall / wall,  # the baseline's median wall over this one's
+                "same_run": all(
+                    (r["makespan_s"], r["steps"], r["finished"])
+                    == (rs[0]["makespan_s"], rs[0]["steps"], rs[0]["finished"])
+                    for r in bs
+                ),
+            }
     profile = None
     if args.profile_n:  # (after the timed rounds: cProfile slows the run it watches several times over)
         profile = {
@@ -159,6 +188,7 @@ def main() -> None:
         "goal_req_per_s": GOAL_REQ_PER_S,
         "repeat": args.repeat,
         "revision": common.git_rev(),
+        "baseline_revision": common.git_rev(base) if base else None,
         "machine": common.machine(),
         "rows": rows,
         # where the time goes: cProfile's own time per function (its overhead inflates small calls),
@@ -170,6 +200,7 @@ def main() -> None:
         print(
             f"N={row['replicas']:>3}: {row['wall_s']:6.2f} s  {row['req_per_s']:>9,.0f} req/s  "
             f"makespan {row['makespan_s']:.0f} s  peak {row['peak_rss_mb']:.0f} MB"
+            + (f"  baseline {row['baseline']['wall_s']:.2f} s ({row['baseline']['speedup']:.2f}x)" if base else "")
         )
 
 
