@@ -427,7 +427,8 @@ class MLXBackend:
         self._bs = getattr(state, "block_size", 1)
         if self._prefix is not None:
             self.info.check_prefix_caching()
-        if self._prefix is not None:
+            if self._prefix.token_keys is None:  # a text prompt's blocks are keyed by its token ids
+                self._prefix.token_keys = self._text_keys
             self._prefix.on_owner_gone = self._owner_gone
         if self.warmup:
             t0 = time.perf_counter()
@@ -890,6 +891,16 @@ class MLXBackend:
                     "token_ids": ids,
                 }
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def _text_keys(self, r) -> list[int] | None:
+        """The prefix cache's keys for request ``r``: a text prompt's token ids (two prompts that
+        share a head share its blocks, as served chats share a system prompt); None for a request
+        of counts only, which the cache keys by its ``prefix_ids`` (the ids ``_ids`` makes for it
+        share exactly those)."""
+        req = getattr(r, "request", None)
+        if req is None or not getattr(req, "has_text", False) or self.info.tokenizer is None:
+            return None
+        return self._ids(r)[: r.prompt_tokens]
 
     def _text_ids(self, r, req) -> list[int]:
         """The model tokenizer's ids for a request's text (its count must be the trace's)."""

@@ -309,12 +309,17 @@ class Server:
                 "max_tokens",
             )
 
-    def _usage(self, req, completion: int) -> dict[str, int]:
-        return {
+    def _usage(self, req, completion: int) -> dict:
+        usage = {
             "prompt_tokens": req.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": req.prompt_tokens + completion,
         }
+        st = self.bridge.state
+        if st is not None and st.prefix is not None:  # (--prefix-caching) as OpenAI and vLLM say it
+            r = st.by_id.get(req.id)
+            usage["prompt_tokens_details"] = {"cached_tokens": r.cached_tokens if r is not None else 0}
+        return usage
 
     async def _whole(self, req, st: _Stream, params: Params, chat: bool, created: int):
         from fastapi.responses import JSONResponse
