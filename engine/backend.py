@@ -864,9 +864,9 @@ class MLXBackend:
         """Prompt ids + generated ids of request ``r`` (prompt ids made on first use)."""
         seq = self._seq.get(r.id)
         if seq is None:
-            req = getattr(r, "request", None)
-            if req is not None and getattr(req, "has_text", False) and self.info.tokenizer is not None:
-                seq = self._text_ids(r, req)  # (a model without a tokenizer runs the counts)
+            req = self._text_request(r)
+            if req is not None:
+                seq = self._text_ids(r, req)
             else:
                 seq = prompt_ids(self.seed, r.id, r.prompt_tokens, self.vocab, r.prefix_ids)
             seq += self.tokens.setdefault(r.id, [])
@@ -897,10 +897,15 @@ class MLXBackend:
         share a head share its blocks, as served chats share a system prompt); None for a request
         of counts only, which the cache keys by its ``prefix_ids`` (the ids ``_ids`` makes for it
         share exactly those)."""
+        return self._ids(r)[: r.prompt_tokens] if self._text_request(r) is not None else None
+
+    def _text_request(self, r):
+        """``r``'s request if its prompt is text this model can tokenize, else None (a request
+        of counts only, or a model without a tokenizer: it runs the counts)."""
         req = getattr(r, "request", None)
-        if req is None or not getattr(req, "has_text", False) or self.info.tokenizer is None:
-            return None
-        return self._ids(r)[: r.prompt_tokens]
+        if req is not None and getattr(req, "has_text", False) and self.info.tokenizer is not None:
+            return req
+        return None
 
     def _text_ids(self, r, req) -> list[int]:
         """The model tokenizer's ids for a request's text (its count must be the trace's)."""
