@@ -4,7 +4,9 @@ hour, for 2 policies x 1, 2, 4 replicas on the H100 + Llama 3.1 8B analytic pres
 Each run is the installed command in a fresh process (``schedlab capacity ... -j WORKERS``, the
 local process pool), timed from launch to exit (so loading the trace and the preset count); the
 capacities, the search's points and its early stops come from the run's ``capacity.json``.
-Medians over ``--repeat`` runs. Goal (issue 40): under 2 minutes of wall time on this 2-core
+Medians over ``--repeat`` runs; ``--baseline DIR`` (another checkout, ``git worktree add DIR
+REV``) runs that version's command right after each run, and records its times, its number of
+simulations and whether it found the same capacities. Goal (issue 40): under 2 minutes of wall time on this 2-core
 machine with the local executor.
 
 ``--executor ray --compare-workers 1,2`` runs the same search on a local Ray (started by each
@@ -13,7 +15,7 @@ reports each one's median and the speed-up (goal: at least 1.7x with 2). It also
 per-task overhead in this process: ``--tasks`` one-request simulations as Ray tasks on one
 worker, against the same jobs run here, (Ray - here) / tasks, medians over ``--repeat``.
 
-    python bench/capacity.py [--repeat 3] [--out bench/results/capacity.json]
+    python bench/capacity.py [--repeat 3] [--baseline DIR] [--out bench/results/capacity.json]
     python bench/capacity.py --executor ray --compare-workers 1,2 [--repeat 2]   # -> capacity_ray.json
 
 Results: ``bench/results/capacity.json``, ``bench/results/capacity_ray.json`` (``docs/capacity.md``).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,9 +41,22 @@ GOAL_RAY_SPEEDUP = 1.7
 BIN = Path(sys.executable).parent
 
 
-def one(args, out: Path, workers: int | None = None) -> tuple[float, dict]:
+def schedlab_code(tree: Path) -> str:
+    """Python that runs a checkout's ``schedlab`` command as its console script does."""
+    import tomllib
+
+    module, func = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"]["schedlab"].split(":")
+    return f"import sys; from {module} import {func} as f; sys.argv[0] = 'schedlab'; sys.exit(f())"
+
+
+def one(args, out: Path, workers: int | None = None, tree: Path | None = None) -> tuple[float, dict]:
+    """One ``schedlab capacity`` run, launch to exit: the installed command, or ``tree``'s (another
+    checkout, imported from there in a fresh process)."""
+    head, env = [str(BIN / "schedlab")], None
+    if tree is not None:
+        head, env = [sys.executable, "-c", schedlab_code(tree)], {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [
-        str(BIN / "schedlab"),
+        *head,
         "capacity",
         "--policy",
         args.policies,
@@ -71,7 +87,7 @@ def one(args, out: Path, workers: int | None = None) -> tuple[float, dict]:
         "-q",
     ]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=tree)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"capacity failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
@@ -111,6 +127,8 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=200, help="tasks of the per-task overhead measurement")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--summarize", type=Path, default=None, help="apply the goals to this results file again")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout (git worktree add DIR REV): its "
+                    "command runs right after each run, the same search, and the file holds both")  # fmt: skip
     args = ap.parse_args()
     if args.summarize:
         doc = goals(json.loads(args.summarize.read_text()))
@@ -121,12 +139,19 @@ def main() -> None:
         return compare_workers(args)
     args.out = args.out or common.result_path("capacity")
     walls: list[float] = []
+    base_walls: list[float] = []
+    base = None
     result = None
     for k in range(args.repeat):
         with tempfile.TemporaryDirectory() as d:
             wall, res = one(args, Path(d) / "out")
         walls.append(wall)
         print(f"run {k + 1}: {wall:.1f} s", file=sys.stderr, flush=True)
+        if args.baseline is not None:  # the version before, right after, in the same round
+            with tempfile.TemporaryDirectory() as d:
+                bwall, base = one(args, Path(d) / "out", tree=args.baseline.resolve())
+            base_walls.append(bwall)
+            print(f"run {k + 1} baseline: {bwall:.1f} s", file=sys.stderr, flush=True)
         if result is not None:  # the search is deterministic: every run finds the same
             assert [c["capacity_rps"] for c in res["configurations"]] == [
                 c["capacity_rps"] for c in result["configurations"]
@@ -148,11 +173,28 @@ def main() -> None:
         "revision": common.git_rev(),
         "machine": common.machine(),
     }
+    if base is not None:
+        brows = base["configurations"]
+        out["baseline"] = {
+            "tree": str(args.baseline),
+            "revision": common.git_rev(args.baseline),
+            "wall_s": statistics.median(base_walls),
+            "wall_s_runs": base_walls,
+            "simulations": sum(int(r["runs"]) for r in brows),
+            "early_stops": sum(int(r["early_stops"]) for r in brows),
+            "capacities_rps": [r["capacity_rps"] for r in brows],
+            "speedup": statistics.median(base_walls) / wall,
+            "same_capacities": [r["capacity_rps"] for r in brows] == [r["capacity_rps"] for r in rows],
+        }
     common.write_json(goals(out), args.out)
     print(f"capacity: {wall:.1f} s (goal < {GOAL_WALL_S:.0f} s, next < {GOAL_NEXT_WALL_S:.0f} s), {out['simulations']} simulations, "
           f"{out['early_stops']} stopped early")  # fmt: skip
     for r in rows:
         print(f"  {r['configuration']:<40} {r['capacity_rps']:8.2f} req/s  binding {r['binding']}")
+    if "baseline" in out:
+        b = out["baseline"]
+        print(f"baseline {b['revision']}: {b['wall_s']:.1f} s, {b['simulations']} simulations; "
+              f"{b['speedup']:.2f}x; same capacities: {b['same_capacities']}")  # fmt: skip
 
 
 def task_overhead(n_tasks: int, repeat: int) -> dict:
