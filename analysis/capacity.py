@@ -13,12 +13,8 @@ Search
 ------
 From a start rate r0 (twice the trace's own mean rate times the number of replicas, unless given):
 bracket by doubling (r0 passes) or halving (r0 fails) until one rate passes and one fails (at
-most ``MAX_STEPS`` times each way), then narrow the bracket until (hi - lo) / lo <= tolerance by
-**guided bisection**: where two runs that went to their end missed some requests, ln(missed share)
-is taken as linear in the exponent and the next rate is the grid rate just below where it reaches
-1 - attainment (``_guess``); otherwise, or after a guess that cut the bracket by less than half,
-the geometric midpoint (sqrt(lo x hi)). Both stay on the grid below and end with two of its
-neighbours, so the guesses change how many runs it takes, never the answer (monotone case). Every rate tried is r0 x 2^e for
+most ``MAX_STEPS`` times each way), then bisect the bracket **geometrically** (the midpoint of
+lo and hi is sqrt(lo x hi)) until (hi - lo) / lo <= tolerance. Every rate tried is r0 x 2^e for
 a dyadic exponent e kept exactly, so two searches from the same r0 try the very same rates as
 long as their answers agree, and with a predicate monotone in the rate the result is the largest
 passing rate of the grid r0 x 2^(j / 2^m) fixed by the tolerance. The passing bound ``lo`` is
@@ -343,7 +339,6 @@ def search(
     start: float,
     tolerance: float = DEFAULT_TOLERANCE,
     max_steps: int = MAX_STEPS,
-    target: float | None = None,
 ) -> dict[str, Any]:
     """Bracket then bisect (module docstring) with ``evaluate_at(rate) -> point``. Returns
     capacity_rps (the passing bound; None when no rate passed), first_failing_rps (the failing
@@ -401,16 +396,8 @@ def search(
         out["error"] = no_rate_message(hi_p)
         return out
     if hi is not None:
-        step = hi - lo  # the bisection's last bracket width: the grid every probe is on
-        while 2.0 ** float(step) - 1 > tolerance:
-            step /= 2
-        guided = False  # (the last probe was a guess: bisect next if it cut less than half)
         while 2.0 ** float(hi - lo) - 1 > tolerance:
-            width = hi - lo
-            mid = lo + (width / step // 2) * step  # (the midpoint, on the grid)
-            guess = None if (guided or target is None) else _guess(points, target, lo, hi, step)
-            if guess is not None:
-                mid = guess
+            mid = (lo + hi) / 2
             p = at(mid)
             if p["error"]:
                 out["error"] = p["error"]
@@ -419,7 +406,6 @@ def search(
                 lo, lo_p = mid, p
             else:
                 hi, hi_p = mid, p
-            guided = guess is not None and (hi - lo) * 2 > width
     out["capacity_rps"] = lo_p["rate_rps"]
     out["attainment_at_capacity"] = lo_p["attainment"]
     if hi_p is None:
@@ -428,31 +414,6 @@ def search(
         out["first_failing_rps"] = hi_p["rate_rps"]
         out["binding"] = binding(hi_p)
     return out
-
-
-def _guess(points: Sequence[Mapping[str, Any]], target: float, lo: Fraction, hi: Fraction, step: Fraction):
-    """The next exponent to try inside the bracket (lo, hi), on its grid of ``step``, where the
-    missed share of requests reaches ``1 - target``: read off the two runs nearest the bracket
-    that ran to their end with some misses, ln(missed share) taken as linear in the exponent, and
-    rounded down to the grid (the passing side: the next probe above it then closes the bracket).
-    None when no such two runs, or the misses do not grow with the rate."""
-    if hi - lo <= step:
-        return None
-    known = {}
-    for p in points:
-        a = p.get("attainment")
-        if a is not None and a < 1.0:
-            known[Fraction(p["exponent"])] = math.log(1.0 - a)
-    if len(known) < 2:
-        return None
-    centre = (lo + hi) / 2
-    (e1, y1), (e2, y2) = sorted(sorted(known.items(), key=lambda kv: abs(kv[0] - centre))[:2])
-    if y2 <= y1:
-        return None
-    e = float(e1) + (math.log(1.0 - target) - y1) * float(e2 - e1) / (y2 - y1)
-    k = math.floor((e - float(lo)) / float(step))
-    k = min(max(k, 1), int((hi - lo) / step) - 1)  # strictly inside the bracket
-    return lo + k * step
 
 
 def binding(point: Mapping[str, Any]) -> str | None:

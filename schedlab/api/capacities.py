@@ -574,10 +574,7 @@ def _search_config(cfg: _Config, shared: Mapping[str, Any]) -> dict[str, Any]:
     try:
         run_fn = _runner(cfg, shared["block_size"], shared["prefix_caching"])
         found = search(
-            lambda rate: evaluate(trace, rate, run_fn, slo, att, shared["early_stop"]),
-            cfg.start,
-            shared["tolerance"],
-            target=att,
+            lambda rate: evaluate(trace, rate, run_fn, slo, att, shared["early_stop"]), cfg.start, shared["tolerance"]
         )
     except Exception as exc:  # a user's policy or router: this configuration's error, the others go on
         row.update({k: None for k in ("capacity_rps", "first_failing_rps", "binding", "attainment_at_capacity")})
