@@ -647,12 +647,14 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
             "met": bool(vs_ref["best"]) and vs_ref["best_gain_x"] >= 1.5,
         }
     curve = summarize_curve(rounds, servers)
-    ready = {}  # process start to its first answer (the model's load, warm-up, listening)
+    ready, ready_spread = {}, {}  # process start to its first answer (the model's load, warm-up, listening)
     for s in servers:
         got = [r["runs"][s]["ready_s"] for r in rounds if (r["runs"].get(s) or {}).get("ready_s") is not None]
         ready[s] = statistics.median(got) if got else None
+        ready_spread[s] = spread(got)
     return {
         "ready_s": ready,
+        "ready_s_spread": ready_spread,
         "uniform": uniform,
         "mixed": mixed,
         "uniform_over_mlx_lm": vs,
@@ -805,7 +807,8 @@ def main() -> None:
                     "default: WORK/checkpoint)")  # fmt: skip
     ap.add_argument("--policies", default=None, help="comma-separated (default: every bundled policy)")
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (--quick: 1)")
-    ap.add_argument("--loads", default="uniform,mixed", help="uniform, mixed or both")
+    ap.add_argument("--loads", default="uniform,mixed", help="uniform, mixed and/or curve; ready: only each "
+                    "server's start-up, process start to its first answer (alternating, --rounds)")  # fmt: skip
     ap.add_argument("--concurrency", default=None, help=f"uniform load's levels (default {DEFAULTS['concurrency']})")
     ap.add_argument("--uniform", default=None, help=f"sonnet lengths (default {DEFAULTS['uniform']})")
     ap.add_argument("--requests-per-client", type=int, default=None, help="uniform: requests = max(MIN, this x C)")
@@ -864,8 +867,8 @@ def main() -> None:
 
     args.policy_list = [p.strip() for p in (args.policies or ",".join(POLICIES)).split(",") if p.strip()]
     loads = {x.strip() for x in args.loads.split(",") if x.strip()}
-    if not loads <= {"uniform", "mixed", "curve"}:
-        raise SystemExit(f"--loads: uniform, mixed and/or curve, got {args.loads!r}")
+    if not loads <= {"uniform", "mixed", "curve", "ready"} or ("ready" in loads and len(loads) > 1):
+        raise SystemExit(f"--loads: uniform, mixed and/or curve, or ready alone, got {args.loads!r}")
     try:
         curve_rates = sorted({float(r) for r in args.curve_rates.split(",") if r.strip()})
     except ValueError:

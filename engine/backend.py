@@ -315,7 +315,11 @@ class EngineStateError(RuntimeError):
 
 
 class MLXBackend:
-    """Executes passes on an mlx-lm model and returns their measured seconds (wall clock)."""
+    """Executes passes on an mlx-lm model and returns their measured seconds (wall clock).
+
+    ``warmup``: before the clock starts, throwaway passes of the run's shapes (True: the longest
+    known prompt's chunk, padded batches and decode batches up to 8 rows, what a measured run
+    wants), of small shapes only ("light": what a server wants, ready seconds sooner), or none."""
 
     mode = "real"
 
@@ -325,7 +329,7 @@ class MLXBackend:
         sampling: Any = "greedy",
         seed: int = 0,
         *,
-        warmup: bool = True,
+        warmup: bool | str = True,
         check: bool = True,
         ignore_eos: bool = False,
         noise: Noise | None = None,
@@ -336,6 +340,8 @@ class MLXBackend:
         self.model = model_info.model
         self.sampling = parse_sampling(sampling)
         self.seed = int(seed)
+        if warmup not in (True, False, "light"):
+            raise ValueError(f"warmup is True, False or 'light', got {warmup!r}")
         self.warmup = warmup
         self.check = check
         self.ignore_eos = ignore_eos
@@ -432,8 +438,9 @@ class MLXBackend:
             self._prefix.on_owner_gone = self._owner_gone
         if self.warmup:
             t0 = time.perf_counter()
+            light = self.warmup == "light"
             for _ in range(max(self.noise.warmup, 1)):
-                self._warm_up(max((r.prompt_tokens for r in requests), default=64))
+                self._warm_up(max((r.prompt_tokens for r in requests), default=64), light=light)
             self.stats["warmup_s"] = time.perf_counter() - t0
 
     def step_overhead(self, predicted_s: float) -> float:
@@ -1347,9 +1354,11 @@ class MLXBackend:
         return h, arrays
 
     # ------------------------------------------------------------------ warm-up
-    def _warm_up(self, longest: int) -> None:
-        """Throwaway passes of representative shapes: allocation and first-call costs."""
-        chunk = int(min(max(longest, 16), 1024))
+    def _warm_up(self, longest: int, light: bool = False) -> None:
+        """Throwaway passes of representative shapes: allocation and first-call costs. ``light``:
+        every kind of pass once at small shapes (a chunk, a padded batch, decode batches that grow,
+        shrink and carry a chunk), the first-call costs without the allocations of large ones."""
+        chunk = 16 if light else int(min(max(longest, 16), 1024))
         vocab = self.vocab
         rng = np.random.default_rng(12345)
 
@@ -1359,7 +1368,7 @@ class MLXBackend:
         saved = (self._batch, self._rows)
         self._batch, self._rows = None, []
         fakes = {}
-        for i, n in enumerate((chunk, 96, 64, 48, 40, 32, 24, 16)):
+        for i, n in enumerate((chunk, 12, 8) if light else (chunk, 96, 64, 48, 40, 32, 24, 16)):
             rid = f"\x00warm{i}"
             fakes[rid] = _Fake(rid, n + 1, 4)
             self._seq[rid] = rng.integers(0, vocab, n + 8).tolist()
@@ -1373,7 +1382,7 @@ class MLXBackend:
             out = self._padded_graph([(rid, fakes[rid].prompt_tokens - 1) for rid in rest], fakes)
             mx.eval(out[2])
             # decode batches growing then shrinking: extend/filter and several batch sizes
-            for k in (1, 2, 4, 8, len(ids)):
+            for k in (1, len(ids)) if light else (1, 2, 4, 8, len(ids)):
                 (tok,) = self._decode_graph(ids[:k], fakes)
                 mx.eval(tok, _cache_arrays(self._batch))
                 for rid in self._rows:

@@ -191,14 +191,19 @@ class Engine:
     def kv_tokens(self) -> int:
         return self.cost_model.kv_tokens
 
-    def make_backend(self) -> "MLXBackend":
+    def make_backend(self, warmup: bool | str = True) -> "MLXBackend":
         """A fresh engine backend (``engine.backend.MLXBackend``) with this engine's sampling,
         seed, EOS handling and noise settings: what ``run`` runs on unless given one (``serve``
-        hooks its ``on_token`` first)."""
+        hooks its ``on_token`` first, and warms it up "light")."""
         from schedlab.engine.backend import MLXBackend
 
         return MLXBackend(
-            self.info, sampling=self._sampler, seed=self.seed, ignore_eos=self.options.ignore_eos, noise=self.noise
+            self.info,
+            sampling=self._sampler,
+            seed=self.seed,
+            ignore_eos=self.options.ignore_eos,
+            noise=self.noise,
+            warmup=warmup,
         )
 
     @public
