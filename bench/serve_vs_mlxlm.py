@@ -109,6 +109,13 @@ load, the best policy at least 1.5x lower p99 TTFT or p99 ITL than mlx_lm.server
         [--policies mlx-default,vllm,chunked-prefill] [--concurrency 1,4,8,16] [--loads uniform,mixed]
         [--mixed-rate R | --load 0.85] [--server-cpus 0-1] [--client-cpus ...] [--ignore-eos]
     python bench/serve_vs_mlxlm.py --aiperf ... --quick      # a smoke run: minutes, figures meaningless
+    python bench/serve_vs_mlxlm.py --aiperf ... --loads ready --rounds 5 --policies mlx-default \
+        --serve-baseline DIR --out bench/results/serve_ready.json   # start-up only, beside another checkout
+
+Start-up (``--loads ready``): each server's seconds from process start to its first answer (the
+model's load, the warm-up, listening), no load; with ``--serve-baseline DIR`` (another checkout,
+``git worktree add DIR REV``) that checkout's ``serve`` runs too, as ``serve@REV:POLICY``, in the
+same alternating rounds. ``summary/ready_s`` and ``summary/ready_s_spread``.
 
 Results: ``bench/results/serve_vs_mlxlm.json`` (``--quick``: ``WORK/serve_vs_mlxlm-quick.json``
 unless ``--out``), rewritten after every round; aiperf's own files stay under ``--work``
@@ -380,6 +387,17 @@ def server_cmds(args, ckpt: Path, model_name: str) -> dict[str, tuple[list[str],
         if args.profile:
             cmd += ["--profile", args.profile]
         out[SERVE + pol] = (cmd + shlex.split(args.serve_args), False)
+    if args.serve_baseline is not None:  # the same serve from another checkout, imported from there
+        tree = args.serve_baseline.resolve()
+        rev = common.git_rev(tree) or tree.name
+        for pol in args.policy_list:
+            cmd, _ = out[SERVE + pol]
+            i = cmd.index(str(BIN / "schedlab"))
+            run = [sys.executable, "-c", "import sys; from schedlab.cli import main; sys.argv[0] = 'schedlab'; main()"]
+            out[f"serve@{rev}:{pol}"] = (
+                [*cmd[:i], "env", "-C", str(tree), f"PYTHONPATH={tree}", *run, *cmd[i + 1 :]],
+                False,
+            )
     return out
 
 
@@ -824,6 +842,8 @@ def main() -> None:
                     "smollm2-135m; 'none': serve's own choice)")  # fmt: skip
     ap.add_argument("--serve-args", default="", help="extra arguments for every serve (e.g. --prefix-caching)")
     ap.add_argument("--mlx-lm-args", default="", help="extra arguments for mlx_lm.server")
+    ap.add_argument("--serve-baseline", type=Path, default=None, help="another checkout (git worktree add DIR REV): "
+                    "its serve runs too, as serve@REV:POLICY, in the same rounds")  # fmt: skip
     ap.add_argument("--server-cpus", default=None, help="taskset -c list for both servers (default: none)")
     ap.add_argument("--client-cpus", default=None, help="taskset -c list for aiperf (default: none)")
     ap.add_argument("--aiperf", default=None, help="aiperf executable (default $AIPERF, else aiperf on PATH)")
