@@ -117,7 +117,6 @@ class _PlanFields(NamedTuple):
     passes: tuple[Pass, ...]
     repeat: int
     past_arrivals: bool
-    through_finish: bool
 
 
 class Plan(_PlanFields):
@@ -137,12 +136,6 @@ class Plan(_PlanFields):
     arrivals, which join the waiting queue at their own times, and asks again at the first
     finish, hand-off or cancellation (and after every arrival where a prefix cache is on: the
     blocks a step adds are visible to whoever looks next).
-
-    ``through_finish``: the promise holds for the step in which a row produces its last token
-    too (that step starts before the row finishes): a policy whose decisions never read how many
-    tokens a row has left can say so (the bundled FIFO policies and vllm; not mlx-default, which
-    admits as rows are about to finish). The loop then runs that step without asking as well, and
-    asks again after it.
     """
 
     __slots__ = ()
@@ -154,7 +147,6 @@ class Plan(_PlanFields):
         passes: Sequence[Pass] = (),
         repeat: int = 0,
         past_arrivals: bool = False,
-        through_finish: bool = False,
     ):
         if type(admit) is not tuple:
             admit = tuple(admit)
@@ -162,7 +154,7 @@ class Plan(_PlanFields):
             preempt = tuple(preempt)
         if type(passes) is not tuple:
             passes = tuple(passes)
-        return tuple.__new__(cls, (admit, preempt, passes, repeat, past_arrivals, through_finish))
+        return tuple.__new__(cls, (admit, preempt, passes, repeat, past_arrivals))
 
 
 class PassShape(NamedTuple):
@@ -392,20 +384,17 @@ class Policy(Protocol):
 UNTIL_CHANGE = 1 << 30
 
 
-def decode_plan(
-    rows: tuple[str, ...], admit: Sequence[str] = (), *, blocked: bool = False, through_finish: bool = False
-) -> Plan:
+def decode_plan(rows: tuple[str, ...], admit: Sequence[str] = (), *, blocked: bool = False) -> Plan:
     """One decode pass over ``rows``. With no admission it repeats until something changes:
     for the bundled policies a decode-only plan depends only on the queues' members, the KV
     budget and whether a row is about to finish, and none of those moves in between.
 
     ``blocked``: nothing waiting can be admitted before a row finishes (the FIFO head was
     refused, or the batch is full), so an arrival, queued behind it, changes nothing either
-    (``Plan.past_arrivals``). ``through_finish``: the caller's decisions never read how many
-    tokens a row has left (``Plan.through_finish``)."""
+    (``Plan.past_arrivals``)."""
     if admit:
         return Plan(admit=admit, passes=(Pass(decode=rows),))
-    return Plan(passes=(Pass(decode=rows),), repeat=UNTIL_CHANGE, past_arrivals=blocked, through_finish=through_finish)
+    return Plan(passes=(Pass(decode=rows),), repeat=UNTIL_CHANGE, past_arrivals=blocked)
 
 
 class OptionError(ValueError):

@@ -37,9 +37,7 @@ class ChunkedPrefill(PolicyBase):
             cap = self.long_prefill_threshold or max(1, self.budget // 2)
         chunks = fifo_chunks(queue, self.budget, max_chunk=cap)
         if not chunks and not admitted and view.decoding:
-            return decode_plan(
-                view.decoding.ids(), blocked=bool(view.waiting), through_finish=True
-            )  # (FIFO head refused)
+            return decode_plan(view.decoding.ids(), blocked=bool(view.waiting))  # (the FIFO head was refused)
         passes = []
         if chunks:
             passes.append(Pass(prefill=tuple(chunks)))

@@ -25,9 +25,7 @@ class Slots(PolicyBase):
         admitted = admit_fifo(view, self.n_slots - active)
         chunks = tuple((r.id, r.remaining_prompt) for r in list(view.prefilling) + admitted)
         if not chunks and view.decoding:
-            return decode_plan(
-                view.decoding.ids(), blocked=bool(view.waiting), through_finish=True
-            )  # (FIFO head refused)
+            return decode_plan(view.decoding.ids(), blocked=bool(view.waiting))  # (the FIFO head was refused)
         passes = []
         if chunks:
             passes.append(Pass(prefill=chunks))

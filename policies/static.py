@@ -23,9 +23,7 @@ class Static(PolicyBase):
 
     def plan(self, view: SchedulerView) -> Plan:
         if view.decoding and not view.prefilling:
-            return decode_plan(
-                view.decoding.ids(), blocked=True, through_finish=True
-            )  # (admits once the batch is done)
+            return decode_plan(view.decoding.ids(), blocked=True)  # (it admits only once the batch is done)
         if view.prefilling or view.decoding:
             passes = []
             if view.prefilling:

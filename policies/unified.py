@@ -48,7 +48,7 @@ class Unified(PolicyBase):
         if not decode and not chunks:
             return Plan(admit=tuple(r.id for r in admitted))
         if not chunks and not admitted:
-            return decode_plan(decode, blocked=bool(view.waiting), through_finish=True)  # (the FIFO head was refused)
+            return decode_plan(decode, blocked=bool(view.waiting))  # (the FIFO head was refused)
         admit = tuple(r.id for r in admitted)
         if self.separate and decode and chunks:
             return Plan(admit=admit, passes=(Pass(prefill=tuple(chunks)), Pass(decode=decode)))

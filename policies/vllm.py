@@ -176,7 +176,6 @@ class Vllm(PolicyBase):
             repeat=repeat,
             # with requests waiting and none admitted, the head was refused: an arrival queues behind it
             past_arrivals=bool(repeat and view.waiting and not admit),
-            through_finish=bool(repeat),  # (nothing here reads how many tokens a row has left)
         )
 
     @staticmethod

@@ -39,16 +39,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from schedlab.policies.base import (
-    CostModel,
-    Pass,
-    PassShape,
-    Plan,
-    Policy,
-    as_cost_model,
-    draft_seconds,
-    verify_seconds,
-)
+from schedlab.policies.base import CostModel, Pass, PassShape, Policy, as_cost_model, draft_seconds, verify_seconds
 from schedlab.traces.schema import Request
 
 from .backend import Backend, SimBackend
@@ -520,44 +511,33 @@ class ReplicaLoop:
         # went to another replica (a cluster), nothing here changed, and the policy's promise
         # still holds: the run goes on without asking it
         rest = None
-        # the step that finishes a row, after a bulk run, where the plan's promise reaches through
-        # it (``Plan.through_finish``): (the pass, how many requests the replica had been sent, and
-        # whether the promise holds past arrivals); run as planned without asking the policy
-        finishing = None
         while not state.done:
             t0 = clock.now() if t_end is None else t_end
             if t0 >= deadline or self.failed:
                 return self._fail()
             if cancels and cancels[0][0] <= t0 and self._cancel_due(t0):
-                rest = finishing = None
+                rest = None
                 continue  # (the queues changed: the policy sees them as they are now)
             if rest is not None:
-                repeat, p, shape, sent, through = rest
+                repeat, p, shape, sent = rest
                 if len(state.requests) == sent:
-                    t_end, rest, finishing = run_repeats(repeat, p, shape, t_end, False, through)
+                    t_end, rest = run_repeats(repeat, p, shape, t_end, False)
                     if state.open:
                         ev = clock.sync(next_arrival())
                         if ev is not None:
                             yield ev
                     continue
                 rest = None
-            plan = None
-            if finishing is not None:
-                p, sent, past = finishing
-                finishing = None
-                if len(state.requests) == sent or past:
-                    plan = Plan(passes=(p,))  # (the pass the policy would plan again)
-            if plan is None:
-                view.now = t0
-                view.step_index = state.step_index
-                try:
-                    plan = policy.plan(view)
-                except (PlanError, KeyboardInterrupt):
-                    raise
-                except Exception as exc:  # the user's policy code
-                    raise self._policy_error(exc) from exc
-                for r in state.apply_admin(plan, t0):
-                    backend.release(r)
+            view.now = t0
+            view.step_index = state.step_index
+            try:
+                plan = policy.plan(view)
+            except (PlanError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # the user's policy code
+                raise self._policy_error(exc) from exc
+            for r in state.apply_admin(plan, t0):
+                backend.release(r)
             passes = [p for p in plan.passes if p.decode or p.prefill]
             if not passes:  # nothing to run: plan again at once if the state changed, else wait idle
                 if not (plan.admit or plan.preempt):
@@ -618,9 +598,7 @@ class ReplicaLoop:
             if plan.repeat and run_repeats is not None and not ended and since_wake is None:
                 # (one decode pass, no row finished, none handed off from prefilling: queues as planned)
                 if len(passes) == 1 and not passes[0].prefill and len(state.prefilling) == prefilling:
-                    t_end, rest, finishing = run_repeats(
-                        plan.repeat, passes[0], shape, t_end, plan.past_arrivals, plan.through_finish
-                    )
+                    t_end, rest = run_repeats(plan.repeat, passes[0], shape, t_end, plan.past_arrivals)
             if state.open:  # (once the source is done nothing can arrive: no hop to make)
                 ev = clock.sync(next_arrival())
                 if ev is not None:
@@ -733,26 +711,18 @@ class ReplicaLoop:
         p_step, p_k, p_start, p_end, p_pass = self.pass_log._lists
         record_run = self.on_change[1] if self.on_change is not None else None
 
-        def run_repeats(
-            repeat: int, p: Pass, shape, t_end: float, past_arrivals: bool = False, through_finish: bool = False
-        ) -> tuple:
+        def run_repeats(repeat: int, p: Pass, shape, t_end: float, past_arrivals: bool = False) -> tuple:
             """The same decode pass until a row is about to finish, a request arrives (unless
             the plan holds ``past_arrivals``), or ``repeat`` runs out. Every step is recorded
-            (and timed) as if planned on its own. ``finishing``: where the run reached the step
-            that finishes a row and the promise covers it (``through_finish``), that step's
-            ``(p, requests sent so far, whether arrivals change nothing)`` for the loop, else None."""
+            (and timed) as if planned on its own."""
             # (a prefix cache's blocks, which the steps add, are read at an arrival: a router's
             # prefix hit, a newcomer's lookup; a newcomer's cancellation is due from its arrival)
-            past = past_arrivals and state.prefix is None and not self.arrivals_cancel
-            nxt = None if past else next_arrival()
+            nxt = None if past_arrivals and state.prefix is None and not self.arrivals_cancel else next_arrival()
             if cancels and (nxt is None or cancels[0][0] < nxt):
                 nxt = cancels[0][0]  # (a cancellation ends the run as an arrival does)
-            left = min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode)))
-            k = min(repeat, left - 1)
-            # the step after the run finishes a row; the policy's promise reaches it
-            finishing = (p, len(state.requests), past) if through_finish and left <= repeat else None
+            k = min(repeat, min(map(_TOKENS_LEFT, map(state.by_id.__getitem__, p.decode))) - 1)
             if k <= 0 or (nxt is not None and nxt <= t_end):
-                return t_end, None, (finishing if k <= 0 else None)
+                return t_end, None
             rows = len(p.decode)
             predicted_overhead = overhead(1, rows)
             seconds, pass_starts, ends = clock.advance_steps(
@@ -783,13 +753,11 @@ class ReplicaLoop:
             state.repeat_decode(p, ends)
             if record_run is not None and ends:
                 record_run(ends, rows)
-            if dies:
-                return t, None, None
-            if m == k:
-                return t, None, (finishing and (p, len(state.requests), past))
+            if m == k or dies:
+                return t, None
             if m:  # (the shape of the run's last pass: what the steps after it follow)
                 shape = PassShape(tuple(map(add, shape.decode_contexts, _repeat(m, rows))), (), False, rows)
-            return t, (repeat - m, p, shape, len(state.requests), through_finish), None
+            return t, (repeat - m, p, shape, len(state.requests))
 
         return run_repeats
 

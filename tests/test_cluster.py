@@ -398,10 +398,9 @@ def test_every_request_is_answered_once_by_one_replica(d):
 
 
 class Counted:
-    """``inner``, counting its plans; ``keep``: "all" its plans as they are, "past" without
-    ``through_finish`` (the step that finishes a row is planned), "repeat" without
-    ``past_arrivals`` either (bulk runs stop at every arrival), "none" without ``repeat`` (every
-    step planned on its own)."""
+    """``inner``, counting its plans; ``keep``: "all" its plans as they are, "repeat" without
+    ``past_arrivals`` (bulk runs stop at every arrival), "none" without ``repeat`` (every step
+    planned on its own)."""
 
     def __init__(self, inner, keep: str = "all"):
         self.inner, self.name, self.keep, self.plans = inner, inner.name, keep, 0
@@ -413,8 +412,6 @@ class Counted:
         p = self.inner.plan(view)
         if self.keep == "all" or not p.repeat:
             return p
-        if self.keep == "past":
-            return p._replace(through_finish=False)
         return Plan(p.admit, p.preempt, p.passes, p.repeat if self.keep == "repeat" else 0)
 
 
@@ -450,26 +447,6 @@ def test_bulk_steps_past_arrivals_equal_planning_every_step(d):
     ]
     assert runs[0].error == runs[1].error
     assert fingerprint(runs[0]) == fingerprint(runs[1])
-
-
-@pytest.mark.parametrize("name", ["unified", "vllm", "slots"])
-def test_the_step_that_finishes_a_row_runs_without_asking_where_the_promise_reaches_it(name):
-    """One overloaded replica: the plans of these policies hold through the step that finishes a
-    row (``Plan.through_finish``: their decisions never read how many tokens a row has left), so
-    the loop runs that step as planned without asking; the run is the one that plans it, and the
-    one that plans every step, with fewer plans asked (here 0.5 to 0.9 fewer per request)."""
-    from schedlab import traces
-
-    reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / 8) for r in traces.load("azure2023_conv").requests[:600]]
-    got = {}
-    for keep in ("all", "past", "none"):
-        pol = Counted(make_policy(name, {"n_slots": 16} if name == "slots" else {}), keep)
-        res = run_cluster(reqs, [pol], cost_model(), None, kv_capacity=60_000)
-        assert res.error is None and all(r.finish_s is not None for r in res.requests)
-        got[keep] = ([(r.id, tuple(r.token_times), r.finish_s) for r in res.requests], list(res.steps), pol.plans)
-    assert got["all"][:2] == got["past"][:2] == got["none"][:2]
-    plans = {k: v[2] for k, v in got.items()}
-    assert plans["all"] <= plans["past"] - 0.4 * len(reqs) and plans["past"] < plans["none"], plans
 
 
 def test_an_overloaded_cluster_runs_past_arrivals_and_plans_less():
