@@ -115,7 +115,9 @@ load, the best policy at least 1.5x lower p99 TTFT or p99 ITL than mlx_lm.server
 Start-up (``--loads ready``): each server's seconds from process start to its first answer (the
 model's load, the warm-up, listening), no load; with ``--serve-baseline DIR`` (another checkout,
 ``git worktree add DIR REV``) that checkout's ``serve`` runs too, as ``serve@REV:POLICY``, in the
-same alternating rounds. ``summary/ready_s`` and ``summary/ready_s_spread``.
+same alternating rounds. ``summary/ready_s`` and ``summary/ready_s_spread``; every mode also times
+the ``--warmup`` requests sent after the first answer (sonnet prompts of the uniform load's
+lengths), ``summary/first_requests_s``: the k-th one's latency, median over rounds.
 
 Results: ``bench/results/serve_vs_mlxlm.json`` (``--quick``: ``WORK/serve_vs_mlxlm-quick.json``
 unless ``--out``), rewritten after every round; aiperf's own files stay under ``--work``
@@ -670,9 +672,18 @@ def summarize(rounds: list[dict], servers: list[str], concurrency: list[int]) ->
         got = [r["runs"][s]["ready_s"] for r in rounds if (r["runs"].get(s) or {}).get("ready_s") is not None]
         ready[s] = statistics.median(got) if got else None
         ready_spread[s] = spread(got)
+    # the latency of the k-th request after the first answer (the warm-up requests, same for all)
+    first = {
+        s: [
+            statistics.median(w)
+            for w in zip(*[r["runs"][s]["warm_s"] for r in rounds if (r["runs"].get(s) or {}).get("warm_s")])
+        ]
+        for s in servers
+    }
     return {
         "ready_s": ready,
         "ready_s_spread": ready_spread,
+        "first_requests_s": first,
         "uniform": uniform,
         "mixed": mixed,
         "uniform_over_mlx_lm": vs,
@@ -1041,8 +1052,11 @@ def main() -> None:
                     t = time.monotonic()
                     srv.start()
                     runs["ready_s"] = round(time.monotonic() - t + wait_ready(srv, model_name), 1)
+                    runs["warm_s"] = []  # (each untimed request's latency: what the first requests pay)
                     for text, n_out in warm[: args.warmup]:
+                        t = time.monotonic()
                         chat(srv.url, model_name, text, n_out)
+                        runs["warm_s"].append(round(time.monotonic() - t, 3))
                     if srv.blas() is not None:
                         runs["blas"] = srv.blas()
                     if "uniform" in loads:

@@ -319,7 +319,8 @@ class MLXBackend:
 
     ``warmup``: before the clock starts, throwaway passes of the run's shapes (True: the longest
     known prompt's chunk, padded batches and decode batches up to 8 rows, what a measured run
-    wants), of small shapes only ("light": what a server wants, ready seconds sooner), or none."""
+    wants), of small shapes only ("light": what a server wants, ready seconds sooner; on a GPU
+    only, whose kernels are compiled at their first call: on the CPU none), or none."""
 
     mode = "real"
 
@@ -436,7 +437,9 @@ class MLXBackend:
             if self._prefix.token_keys is None:  # a text prompt's blocks are keyed by its token ids
                 self._prefix.token_keys = self._text_keys
             self._prefix.on_owner_gone = self._owner_gone
-        if self.warmup:
+        # a light warm-up is for a device that compiles its kernels at their first call (Metal,
+        # CUDA); the CPU's first passes cost what later ones do (bench/results/serve_ready.json)
+        if self.warmup and not (self.warmup == "light" and mx.default_device() == mx.cpu):
             t0 = time.perf_counter()
             light = self.warmup == "light"
             for _ in range(max(self.noise.warmup, 1)):

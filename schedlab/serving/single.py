@@ -73,8 +73,9 @@ def serve_replica(
     from schedlab.sim import LiveSource, WallClock
 
     info = eng.info
-    # a light warm-up: every kind of pass once at small shapes, so that the server is ready
-    # seconds sooner; the larger passes' allocations come with the first requests that need them
+    # a light warm-up (on a GPU: every kind of pass once at small shapes; on the CPU none), so
+    # that the server is ready seconds sooner; larger passes' allocations come with the first
+    # requests that need them
     backend = eng.make_backend(warmup="light")
     clock = WallClock()
     bridge = Bridge(backend, eng.kv_tokens, info.tokenizer, frozenset(info.eos_token_ids or ()))
