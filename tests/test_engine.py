@@ -77,6 +77,30 @@ def assert_reference_tokens(backend, references, requests=None):
         assert backend.tokens[r.id] == references[r.id], f"request {r.id} differs from its reference"
 
 
+@pytest.mark.parametrize("warmup", [True, "light", False])
+def test_a_warm_up_leaves_the_engine_as_it_found_it(micro, references, monkeypatch, warmup):
+    """The full warm-up (measured runs), the light one (a server's, on a GPU) and none: the run
+    after yields every request's reference tokens and counts only its own passes. On the CPU the
+    light one is skipped (its first passes cost what later ones do); it runs where the device is
+    a GPU (pretended here: its passes still run on the CPU)."""
+    import schedlab.engine.backend as engine_backend
+
+    policy = make_policy("unified", {"token_budget": "48", "max_batch": "5"})
+    _, cold = run_real(micro, policy, warmup=False)
+    if warmup == "light":
+        _, on_cpu = run_real(micro, make_policy("unified", {"token_budget": "48", "max_batch": "5"}), warmup="light")
+        assert on_cpu.stats["warmup_s"] == 0.0
+        gpu = engine_backend.mx.gpu
+        monkeypatch.setattr(engine_backend.mx, "default_device", lambda: gpu)
+    _, backend = run_real(micro, make_policy("unified", {"token_budget": "48", "max_batch": "5"}), warmup=warmup)
+    assert_reference_tokens(backend, references)
+    assert (backend.stats["warmup_s"] > 0) == bool(warmup)
+    for key in ("forwards", "decode_rows", "prefill_tokens", "padded_prefill_tokens", "joins", "leaves"):
+        assert backend.stats[key] == cold.stats[key], key
+    with pytest.raises(ValueError, match="warmup is True, False or 'light'"):
+        MLXBackend(micro, warmup="fast")
+
+
 def test_references_are_context_sensitive(micro, references):
     """The equivalence tests have teeth: one changed early prompt token changes the output,
     and the requests do not all produce the same tokens."""
