@@ -151,14 +151,36 @@ def test_preemption_and_cancellation_leave_no_draft_cache(micro, other, referenc
     assert "a" not in backend._dkv and backend.tokens["b"] == references["b"]
 
 
+class AfterSteps(TraceSource):
+    """``first`` at their times, then ``late`` once the step hook opens ``gate`` (after so many
+    steps, not seconds: on a wall clock the same run on any machine)."""
+
+    def __init__(self, first, late):
+        super().__init__(first)
+        self.late, self.gate = late, None
+
+    def process(self, env, deliver):
+        self.gate = env.event()
+        yield from super().process(env, deliver)
+        yield self.gate
+        deliver(self.late)
+
+
 def test_rows_that_decode_without_drafts_catch_up_after(micro, references):
-    # a sampled row in the batch: no row drafts while it runs, the others' draft caches fall
-    # behind, then catch up (more than a few tokens behind: in caches of their own) and draft again
+    # a sampled row joins the batch once the others draft: no row drafts while it runs, the
+    # others' draft caches fall behind, then catch up (more than a few tokens behind: in caches of
+    # their own) and draft again
     backend = MLXBackend(micro, warmup=False)
     backend.request_sampling["s"] = parse_sampling("temperature=0.8,seed=1")
     watch = DraftWatch(backend, content=True, lag=1 + 12)
-    trace = [*TRACE[:2], Request("s", 0.05, 6, 12)]
-    res = run_replica(trace, drafting("unified", micro), NO_COST, kv_capacity=4096, backend=backend, on_step=watch)
+    src = AfterSteps(TRACE[:2], Request("s", 0.0, 6, 12))
+
+    def step(state):
+        watch(state)
+        if state.step_index >= 3 and not src.gate.triggered:
+            src.gate.succeed()
+
+    res = run_replica(src, drafting("unified", micro), NO_COST, kv_capacity=4096, backend=backend, on_step=step)
     assert res.error is None and res.speculative["acceptance_rate"] == 1.0 and watch.behind > DRAFT_LAG
     assert [backend.tokens[r.id] for r in TRACE[:2]] == [references["a"], references["b"]]
 
