@@ -41,20 +41,15 @@ GOAL_RAY_SPEEDUP = 1.7
 BIN = Path(sys.executable).parent
 
 
-def schedlab_code(tree: Path) -> str:
-    """Python that runs a checkout's ``schedlab`` command as its console script does."""
-    import tomllib
-
-    module, func = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"]["schedlab"].split(":")
-    return f"import sys; from {module} import {func} as f; sys.argv[0] = 'schedlab'; sys.exit(f())"
-
-
 def one(args, out: Path, workers: int | None = None, tree: Path | None = None) -> tuple[float, dict]:
     """One ``schedlab capacity`` run, launch to exit: the installed command, or ``tree``'s (another
     checkout, imported from there in a fresh process)."""
     head, env = [str(BIN / "schedlab")], None
     if tree is not None:
-        head, env = [sys.executable, "-c", schedlab_code(tree)], {**os.environ, "PYTHONPATH": str(tree)}
+        head, env = (
+            [sys.executable, "-c", common.script_code(tree, "schedlab")],
+            {**os.environ, "PYTHONPATH": str(tree)},
+        )
     cmd = [
         *head,
         "capacity",

@@ -41,6 +41,17 @@ def git_rev(tree: Path = ROOT, short: bool = True) -> str | None:
     return (_git(tree, "rev-parse", *(["--short"] if short else []), "HEAD") or "").strip() or None
 
 
+def script_code(tree: Path, script: str) -> str:
+    """Python (for ``python -c``) that runs checkout ``tree``'s console script ``script`` as the
+    installed one does: the entry point its pyproject.toml names (they moved between versions).
+    Run it with ``PYTHONPATH=tree`` and ``tree`` as the working directory, so that the tree's own
+    package is imported."""
+    import tomllib
+
+    module, func = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"][script].split(":")
+    return f"import sys; from {module} import {func} as f; sys.argv[0] = {script!r}; sys.exit(f())"
+
+
 def git_dirty(tree: Path = ROOT) -> bool | None:
     """Whether a checkout's tracked files differ from its commit (staged or not), the results in
     ``bench/results/`` aside (what benches write, not what ran); None outside git."""

@@ -71,9 +71,9 @@ def cases(policies: list[str], pd_file: Path) -> dict[str, list[str]]:
 
 def digest(tree: Path) -> dict[str, dict[str, str]]:
     sys.path.insert(0, str(Path(__file__).parent))
-    from sim_speed import _policies, simulate_code
+    from sim_speed import _policies
 
-    code = simulate_code(tree)
+    code = common.script_code(tree, "simulate")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:

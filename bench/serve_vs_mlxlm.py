@@ -395,7 +395,7 @@ def server_cmds(args, ckpt: Path, model_name: str) -> dict[str, tuple[list[str],
         for pol in args.policy_list:
             cmd, _ = out[SERVE + pol]
             i = cmd.index(str(BIN / "schedlab"))
-            run = [sys.executable, "-c", "import sys; from schedlab.cli import main; sys.argv[0] = 'schedlab'; main()"]
+            run = [sys.executable, "-c", common.script_code(tree, "schedlab")]
             out[f"serve@{rev}:{pol}"] = (
                 [*cmd[:i], "env", "-C", str(tree), f"PYTHONPATH={tree}", *run, *cmd[i + 1 :]],
                 False,

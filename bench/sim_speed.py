@@ -49,19 +49,9 @@ TARGET_CLI_S = 2.0
 TARGET_VS_BASELINE = 1.3  # ... or at least this much faster than the baseline, in the same rounds
 
 
-def simulate_code(tree: Path) -> str:
-    """Python that runs a checkout's ``simulate`` command as its console script does (the entry
-    point its pyproject.toml names: it moved between versions)."""
-    import tomllib
-
-    target = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["scripts"]["simulate"]
-    module, func = target.split(":")
-    return f"import sys; from {module} import {func} as f; sys.argv[0] = 'simulate'; sys.exit(f())"
-
-
 def cli_seconds(tree: Path, policy: str, trace: str, extra: list[str]) -> float:
     """Wall seconds of one ``simulate ... --out DIR -q`` in a fresh process importing ``tree``."""
-    code = simulate_code(tree)
+    code = common.script_code(tree, "simulate")
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         t0 = time.perf_counter()

@@ -85,14 +85,16 @@ def test_a_warm_up_leaves_the_engine_as_it_found_it(micro, references, monkeypat
     a GPU (pretended here: its passes still run on the CPU)."""
     import schedlab.engine.backend as engine_backend
 
-    policy = make_policy("unified", {"token_budget": "48", "max_batch": "5"})
-    _, cold = run_real(micro, policy, warmup=False)
+    def unified():
+        return make_policy("unified", {"token_budget": "48", "max_batch": "5"})
+
+    _, cold = run_real(micro, unified(), warmup=False)
     if warmup == "light":
-        _, on_cpu = run_real(micro, make_policy("unified", {"token_budget": "48", "max_batch": "5"}), warmup="light")
+        _, on_cpu = run_real(micro, unified(), warmup="light")
         assert on_cpu.stats["warmup_s"] == 0.0
         gpu = engine_backend.mx.gpu
         monkeypatch.setattr(engine_backend.mx, "default_device", lambda: gpu)
-    _, backend = run_real(micro, make_policy("unified", {"token_budget": "48", "max_batch": "5"}), warmup=warmup)
+    _, backend = run_real(micro, unified(), warmup=warmup)
     assert_reference_tokens(backend, references)
     assert (backend.stats["warmup_s"] > 0) == bool(warmup)
     for key in ("forwards", "decode_rows", "prefill_tokens", "padded_prefill_tokens", "joins", "leaves"):
