@@ -384,8 +384,11 @@ def server_cmds(args, ckpt: Path, model_name: str) -> dict[str, tuple[list[str],
         )
     }  # fmt: skip
     for pol in args.policy_list:
-        cmd = [*pin, str(BIN / "schedlab"), "serve", "--policy", pol, "--model", str(ckpt),
+        name, *options = pol.split(":")  # a policy, or one with options: vllm:max_batch=8:...
+        cmd = [*pin, str(BIN / "schedlab"), "serve", "--policy", name, "--model", str(ckpt),
                "--served-model-name", model_name, "--port", "0", "-q"]  # fmt: skip
+        for option in options:
+            cmd += ["-o", option]
         if args.profile:
             cmd += ["--profile", args.profile]
         out[SERVE + pol] = (cmd + shlex.split(args.serve_args), False)
@@ -834,7 +837,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="what export-mlx exports (a preset or .gguf file)")
     ap.add_argument("--checkpoint", type=Path, help="the exported mlx-lm directory (exported there when missing; "
                     "default: WORK/checkpoint)")  # fmt: skip
-    ap.add_argument("--policies", default=None, help="comma-separated (default: every bundled policy)")
+    ap.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated (default: every bundled policy); POLICY:key=value[:key=value] runs it with those "
+        "options (-o), as a server of its own (mlx-default,mlx-default:time_budget=0.5: both, in the same rounds)",
+    )
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (--quick: 1)")
     ap.add_argument("--loads", default="uniform,mixed", help="uniform, mixed and/or curve; ready: only each "
                     "server's start-up, process start to its first answer (alternating, --rounds)")  # fmt: skip

@@ -11,6 +11,14 @@ token left joins the decode batch, its last prompt token is the first decode inp
 prefill logits are never computed. (mlx-lm runs that first decode of the newcomers as a
 separate small forward and hands the token out one step later; here the newcomers ride in
 the next decode pass, which computes the same tokens with one forward fewer.)
+
+``time_budget`` (seconds; 0, the default: off) is what ``mlx_lm.server`` adds around the
+generator (``TimeBudget`` in mlx_lm/server.py, 0.5 s): it hands the generator the requests that
+arrived only between runs of steps that long, and at once when the batch has nothing to do. Here
+a window opens every ``time_budget`` seconds while requests are running (at once when none is),
+and a waiting request may be admitted from the first step of the first window that opened after
+it arrived. A burst is then admitted in fuller prompt batches, and prompt batches interrupt the
+decode rows at most once a window.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import (
+    OptionError,
     Pass,
     Plan,
     PolicyBase,
@@ -36,6 +45,7 @@ class MlxDefault(PolicyBase):
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
+    time_budget: float = 0.0
 
     def __post_init__(self) -> None:
         require_positive(
@@ -44,8 +54,31 @@ class MlxDefault(PolicyBase):
             prefill_batch_size=self.prefill_batch_size,
             prefill_step_size=self.prefill_step_size,
         )
+        if not self.time_budget >= 0:
+            raise OptionError(f"policy '{self.name}': option time_budget must be >= 0 seconds, got {self.time_budget}")
         # mlx-lm: completion_batch_size = max(completion_batch_size, prefill_batch_size)
         self.completion_batch_size = max(self.completion_batch_size, self.prefill_batch_size)
+        self._window: float | None = None  # when the current time-budget window opened
+
+    def visible(self, view: SchedulerView) -> int | None:
+        """With a ``time_budget``: how many of the waiting requests (from the front, at most a
+        prompt batch) arrived before the current window opened, opening a new one when due.
+        None without one: every waiting request may be admitted."""
+        if not self.time_budget:
+            return None
+        now, w, budget = view.now, self._window, self.time_budget
+        # idle, mlx_lm.server hands over what came at once (a clock behind the window: the object
+        # plans another run); busy, a window opens every budget's worth of steps
+        if w is None or now < w or not (view.decoding or view.prefilling):
+            self._window = w = now
+        elif now - w >= budget:
+            self._window = w = w + budget * ((now - w) // budget)
+        n = 0
+        for r in view.waiting:
+            if n >= self.prefill_batch_size or r.arrival_s > w:
+                break
+            n += 1
+        return n
 
     # -- pieces shared with prefer-prefill -------------------------------------------
     @staticmethod
@@ -62,7 +95,8 @@ class MlxDefault(PolicyBase):
             self.prefill_batch_size - len(prompt_batch),
             self.completion_batch_size - batch_after,
         )
-        admitted = admit_fifo(view, room)
+        seen = self.visible(view)
+        admitted = admit_fifo(view, room if seen is None else min(room, seen))
         chunks = []
         for r in prompt_batch + admitted:
             n = min(r.remaining_prompt - 1, self.prefill_step_size)
@@ -79,6 +113,8 @@ class MlxDefault(PolicyBase):
         batch_after = len(rows) - count_finishing(view.decoding) - count_finishing(handoffs)
         admit, prefill = self.prompt_step(view, batch_after)
         if prefill is None and rows and not admit:
+            if self.time_budget and view.waiting:  # (a window opening may admit them: no promise)
+                return Plan(passes=(Pass(decode=rows),))
             # (with requests waiting, the batch is full or the FIFO head was refused)
             return decode_plan(rows, blocked=bool(view.waiting))
         if prefill is not None:

@@ -8,7 +8,8 @@ import pytest
 
 from schedlab.policies import POLICIES, OptionError, PolicyNotFound, make_policy
 from schedlab.policies.base import Pass, Plan
-from simkit import Bench, req
+from schedlab.sim import run_replica
+from simkit import Bench, cost_model, req
 
 
 def decode_ids(plan: Plan) -> list[str]:
@@ -49,6 +50,37 @@ def test_mlx_default_hands_off_last_prompt_token_to_decode():
     b.apply(plan)
     rb = b.state.by_id["b"]
     assert rb.phase.value == "decoding" and rb.generated == 1 and rb.first_token_s == b.t
+
+
+def _admitted(time_budget: float, name: str = "mlx-default"):
+    """A real SimPy run: ``a`` decodes a long answer from 0 s, ``b`` and ``c`` arrive at 0.05 and
+    0.3 s while it runs, ``d`` once everything has finished. (admission times, step starts)"""
+    reqs = [req("a", 64, 200), req("b", 32, 4, arrival=0.05), req("c", 32, 4, arrival=0.3), req("d", 32, 4, 60.0)]
+    res = run_replica(reqs, make_policy(name, {"time_budget": time_budget}), cost_model(), kv_capacity=10_000)
+    assert res.error is None and all(r.finish_s is not None for r in res.requests)
+    return {r.id: r.admitted_s for r in res.requests}, [s.start_s for s in res.steps]
+
+
+@pytest.mark.parametrize("name", ["mlx-default", "prefer-prefill"])
+def test_a_time_budget_admits_arrivals_when_a_window_opens_as_mlx_lm_server_does(name):
+    budget = 0.5
+    at, starts = _admitted(budget, name)
+    first_at = lambda t: min(s for s in starts if s >= t)  # noqa: E731
+    # the first request opens a window at once (nothing was running); b and c arrived inside it and
+    # wait for the next, which opens 0.5 s later, while a decodes; they join together
+    assert at["a"] == 0.0
+    assert at["b"] == at["c"] == first_at(budget), (at, starts[:12])
+    # d comes to an idle replica: admitted at once, as mlx_lm.server hands it over
+    assert at["d"] == 60.0
+    # without a budget each is admitted at the first step after its arrival
+    at0, starts0 = _admitted(0.0, name)
+    assert at0["b"] == min(s for s in starts0 if s >= 0.05) < budget
+    assert at0["c"] == min(s for s in starts0 if s >= 0.3) < budget
+
+
+def test_a_time_budget_must_be_a_number_of_seconds():
+    with pytest.raises(OptionError, match="time_budget"):
+        make_policy("mlx-default", {"time_budget": -1})
 
 
 def test_prefer_prefill_equals_mlx_default_without_pending_prefill():
