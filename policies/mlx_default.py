@@ -17,8 +17,8 @@ generator (``TimeBudget`` in mlx_lm/server.py, 0.5 s): it hands the generator th
 arrived only between runs of steps that long, and at once when the batch has nothing to do. Here
 a window opens every ``time_budget`` seconds while requests are running (at once when none is),
 and a waiting request may be admitted from the first step of the first window that opened after
-it arrived. A burst is then admitted in fuller prompt batches, and prompt batches interrupt the
-decode rows at most once a window.
+it arrived. A burst is then admitted in fuller prompt batches, and the requests that arrive while
+the batch runs join it at most once a window.
 """
 
 from __future__ import annotations
