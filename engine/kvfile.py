@@ -32,11 +32,26 @@ CACHES_VERSION = 2
 SIXTEEN_BIT = ("bfloat16", "float16")
 
 
+SHARED_PREFIX = "schedlab-kv-"  # the name of every folder ``shared_dir`` makes starts so
+
+
 def shared_dir() -> Path:
     """A fresh folder for KV files: under ``/dev/shm`` when there is one (memory), else the system's
     temporary folder."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="schedlab-kv-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=SHARED_PREFIX, dir=base))
+
+
+def check_handed(path: str | Path) -> None:
+    """An ``EngineError`` unless ``path`` names what a prefill replica hands on: a ``.kv`` file
+    (or nothing yet) right in a folder ``shared_dir`` made. A decode replica reads the path from a
+    request's header, and reads and then deletes the file: no other file is ever opened so (an
+    outsider could otherwise learn which files exist, or have any KV file deleted)."""
+    p = Path(path).resolve()
+    if p.suffix != ".kv" or not p.parent.name.startswith(SHARED_PREFIX) or (p.exists() and not p.is_file()):
+        raise EngineError(
+            f"{str(path)[:200]}: not a KV file a prefill replica hands on (a .kv file in a {SHARED_PREFIX}* folder)"
+        )
 
 
 def write(path: str | Path, ids: Sequence[int], layers: Sequence[tuple[np.ndarray, np.ndarray]], dtype: str) -> int:

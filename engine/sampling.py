@@ -41,11 +41,16 @@ def prompt_ids(seed: int, rid: str, n: int, vocab: int, prefix_ids: Sequence[int
 
 PENALTY_CONTEXT = 20  # tokens a penalty looks back over (prompt + output): mlx-lm's default
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's limit)
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
 
 # what each sampling parameter may be (OpenAI's ranges; vLLM's for its extensions): a check
 # that returns the value as stored, or None when it is out of range (the message says why)
 _RANGES: dict[str, tuple[str, Any]] = {
-    "temperature": ("a number from 0 to 2", lambda v: float(v) if 0 <= v <= 2 else None),
+    # (below GREEDY_BELOW: greedy, as vLLM; dividing logits by less overflows float32 into garbage)
+    "temperature": (
+        "a number from 0 to 2",
+        lambda v: (float(v) if v >= GREEDY_BELOW else 0.0) if 0 <= v <= 2 else None,
+    ),
     "top_p": ("a number in (0, 1]", lambda v: float(v) if 0 < v <= 1 else None),
     "top_k": ("an integer: -1 or 0 (off), or >= 1", lambda v: max(int(v), 0) if v == int(v) and v >= -1 else None),
     "min_p": ("a number from 0 to 1", lambda v: float(v) if 0 <= v <= 1 else None),

@@ -250,6 +250,11 @@ class LiveSource:
         with self._lock:
             self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether it was closed (the replica shuts down: it takes no more requests)."""
+        return self._closed
+
     def process(self, env, deliver):
         with self._lock:
             self._running = True

@@ -493,9 +493,8 @@ class ReplicaState:
         self.requests.append(r)
         self.by_id[r.id] = r
         if self.layout is not None:
-            bs = self.block_size
-            r._xb = xb = -(-self.layout.fixed_tokens(r.kv_footprint) // bs)
-            r._xt = xb * bs
+            r._xt = xt = self.fixed_tokens_for(r.kv_footprint)
+            r._xb = xt // self.block_size
         if r.prompt_tokens < 1:  # nothing to prefill: admitted, it would be prefilling forever
             self.rejected.append((r, f"request {r.id} has an empty prompt ({r.prompt_tokens} tokens)"))
             return None
@@ -515,6 +514,15 @@ class ReplicaState:
         self.accepted.append(r)
         self.n_accepted += 1
         return r
+
+    def fixed_tokens_for(self, kv_tokens: int) -> int:
+        """Tokens of capacity, in whole blocks, that a request whose KV reaches ``kv_tokens`` holds
+        besides it from admission to its end (its sliding windows and recurrent state; 0 where every
+        layer is full attention): what ``register`` adds to its footprint."""
+        if self.layout is None:
+            return 0
+        bs = self.block_size
+        return -(-self.layout.fixed_tokens(kv_tokens) // bs) * bs
 
     def receive(self, req: Request) -> RequestState | None:
         """A request arrives: register it and, unless rejected, put it in the waiting queue."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -66,10 +67,15 @@ def test_answers_are_the_model_alones_with_the_kv_moved_not_recomputed(pd, smol)
     assert (r.choices[0].text, r.usage.completion_tokens) == ref(smol, prompt="Once upon a time", max_tokens=1)[:2]
 
 
-def test_a_bad_kv_hand_off_is_a_400_at_the_replica(pd):
+def test_a_bad_kv_hand_off_is_a_400_at_the_replica(pd, tmp_path):
     reps = health(pd)["replicas"]
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
-    r = httpx.post(reps[1]["url"] + "/v1/completions", json=body, headers={"x-schedlab-kv-import": "/nonexistent.kv"})
+    # only a .kv file in a folder made for the hand-off is ever opened: another path says nothing of its file
+    for path in ("/nonexistent.kv", "/etc/hostname", "/dev/zero", str(tmp_path / "schedlab-kv-x" / "..")):
+        r = httpx.post(reps[1]["url"] + "/v1/completions", json=body, headers={"x-schedlab-kv-import": path})
+        assert r.status_code == 400 and "not a KV file a prefill replica hands on" in r.json()["error"]["message"]
+    shared = tempfile.mkdtemp(prefix="schedlab-kv-", dir=tmp_path)
+    r = httpx.post(reps[1]["url"] + "/v1/completions", json=body, headers={"x-schedlab-kv-import": f"{shared}/0.kv"})
     assert r.status_code == 400 and "no such KV file" in r.json()["error"]["message"]
     r = httpx.post(reps[1]["url"] + "/v1/completions", json=body, headers={"x-schedlab-kv-export": "1"})
     assert r.status_code == 400 and "--kv-dir" in r.json()["error"]["message"]

@@ -392,3 +392,45 @@ def test_serve_says_so_when_its_port_is_taken(smol):
             timeout=180,
         )
     assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_what_never_fits_the_kv_is_a_400_before_a_stream_starts_and_no_max_tokens_takes_what_fits(server, smol):
+    c = server.client()
+    with pytest.raises(openai.BadRequestError) as e:  # (not a 200 whose stream then carries the error)
+        c.completions.create(model=MODEL, prompt="Hello there, how are you", max_tokens=KV, stream=True)
+    assert e.value.body["param"] == "max_tokens" and "KV capacity is 2048" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=KV, stream=True)
+
+    def prompt_of(at_least: int) -> tuple[str, int]:  # a prompt of a little more than that many tokens
+        text = "the cat sat on the mat " * (at_least // 6 + 1)
+        return text, len(traces.prompt_ids(Request("p", 0.0, None, 1, prompt=text), smol.tokenizer))
+
+    # without max_tokens: the default (24) where it fits, else what the KV cache leaves (a request
+    # that fits the context but not the KV with the default is served, not refused)
+    text, n = prompt_of(KV - 12)
+    assert KV - 24 < n < KV
+    r = c.completions.create(model=MODEL, prompt=text, extra_body={"ignore_eos": True})
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].finish_reason) == (n, KV - n + 1, "length")
+    text, n = prompt_of(KV + 100)  # inside the 8192 context, past the KV
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=text)
+    assert e.value.body["param"] == "prompt" and "no room for output" in e.value.body["message"]
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_a_plain_text_response_format_is_taken(server, smol):
+    c = server.client()
+    want = expected(smol, prompt="Once upon a time", max_tokens=6)
+    for t in (1e-38, 1e-6, 0.0):  # (logits / 1e-38 overflow float32: vLLM samples below 1e-5 greedily too)
+        r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=t)
+        assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == want, t
+    want = expected(smol, messages=chat(QUESTIONS[3]), max_tokens=8)
+    r = c.chat.completions.create(
+        model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=8, response_format={"type": "text"}
+    )
+    assert r.choices[0].message.content == want[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=8, response_format={"type": "json_object"}
+        )
+    assert e.value.body["param"] == "response_format"

@@ -123,6 +123,9 @@ def test_cancelled_while_waiting_prefilling_and_decoding_ends_at_once_then_shutd
     until("all four in flight", lambda: health()["in_flight"] == len(want))
     until("two running, two waiting", lambda: (x := state())["running"] == 2 and x["waiting"] == 2)
     os.kill(s.proc.pid, signal.SIGTERM)  # the server is asked to stop
+    # ... and says so on /health while it finishes (a load balancer sends it nothing more)
+    r = until("/health to say shutting down", lambda: (x := httpx.get(s.url + "/health")).status_code != 200 and x)
+    assert r.status_code == 503 and r.json()["status"] == "shutting down" and r.json()["in_flight"] >= 1
     for t in threads:
         t.join(timeout=180)
     assert answers == {q: w[0] for q, w in want.items()}  # every answer in flight finished, whole

@@ -53,6 +53,16 @@ def test_cached_prompt_tokens_are_reported_in_usage(tmp_path):
         )
         last = [chunk for chunk in stream][-1]
         assert last.usage.prompt_tokens_details.cached_tokens == cached
+        # through a front (serve --replica-url): whole answers carry the replica's count too
+        front = Served(["--replica-url", s.url], tmp_path / "front")
+        try:
+            usages, texts_front = three_chats(front.client())
+            assert texts_front == texts
+            assert all(u.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+                       for u in (usages[0], usages[2])), usages  # fmt: skip
+            assert usages[1].prompt_tokens_details.cached_tokens > 0
+        finally:
+            front.stop()
     finally:
         s.stop()
 

@@ -50,6 +50,7 @@ class Record:
     finish: float | None = None
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    prompt_tokens_details: dict | None = None  # its usage's (cached_tokens: a replica with --prefix-caching)
     # prefill and decode apart: the KV handed from its prefill replica to its decode replica (tokens,
     # bytes, export_s: the prefill engine writing it; at_s: when the front heard of it; notice_s: from
     # its first token to then; handoff_s: from then to the decode replica taking it, KV read;
@@ -417,13 +418,19 @@ class Front:
             return
         rec.kv = kv
         rec.saw_tokens = True  # (its KV was read by the decode replica it went to: no second try)
+        # the prompt's cached tokens are the prefill replica's to say (the decode replica was given its KV)
+        cached = next((h["usage"].get("prompt_tokens_details") for h in held if h.get("usage") is not None), None)
         rest = json.dumps({**body, key: rec.max_tokens - 1}).encode()
         async for item in self.events(rec, rest, "decode", {"x-schedlab-kv-import": kv["path"]}):
             usage = item.get("usage") if isinstance(item, dict) else None
             if usage is not None:  # every token, the prompt as the client sent it
                 done = int(usage.get("completion_tokens") or 0) + 1
-                item = {**item, "usage": {**usage, "prompt_tokens": rec.prompt_tokens, "completion_tokens": done}}
-                item["usage"]["total_tokens"] = rec.prompt_tokens + done
+                usage = {**usage, "prompt_tokens": rec.prompt_tokens, "completion_tokens": done}
+                usage["total_tokens"] = rec.prompt_tokens + done
+                usage.pop("prompt_tokens_details", None)
+                if cached is not None:
+                    usage["prompt_tokens_details"] = cached
+                item = {**item, "usage": usage}
             yield item
 
     def _retry(self, rec: Record) -> None:
@@ -446,8 +453,10 @@ class Front:
         front = self
 
         @app.get("/health")
-        async def health():
-            return front.health()
+        async def health():  # (503 once shutting down: a load balancer sends it nothing more)
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(front.health(), status_code=503 if front.closing else 200)
 
         @app.get("/v1/models")
         async def models():
@@ -556,6 +565,7 @@ class Front:
         """Note a chunk's text, finish and usage on ``rec``: (its text, whether it is the usage chunk)."""
         if item.get("usage") is not None:
             rec.completion_tokens = item["usage"].get("completion_tokens")
+            rec.prompt_tokens_details = item["usage"].get("prompt_tokens_details")
         choices = item.get("choices") or []
         if not choices:
             return None, True
@@ -671,6 +681,10 @@ class Front:
         else:
             choice["text"] = text
         n = rec.completion_tokens if rec.completion_tokens is not None else len(rec.times)
+        usage: dict[str, Any] = {"prompt_tokens": rec.prompt_tokens, "completion_tokens": n}
+        usage["total_tokens"] = rec.prompt_tokens + n
+        if rec.prompt_tokens_details is not None:  # (as the replica's own whole answer has it)
+            usage["prompt_tokens_details"] = rec.prompt_tokens_details
         return JSONResponse(
             {
                 "id": rec.id,
@@ -678,11 +692,7 @@ class Front:
                 "created": created,
                 "model": self.model_name,
                 "choices": [choice],
-                "usage": {
-                    "prompt_tokens": rec.prompt_tokens,
-                    "completion_tokens": n,
-                    "total_tokens": rec.prompt_tokens + n,
-                },
+                "usage": usage,
             }
         )
 

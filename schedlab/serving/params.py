@@ -106,8 +106,10 @@ def request_sampling(body: dict, default, chat: bool, vocab: int | None = None):
             what = "one choice per request" if key != "min_tokens" else "not supported by this server"
             raise APIError(400, f"{key} must be {neutral} ({what}), got {json.dumps(v)}", key)
     for key in ("echo", "suffix", "tools", "functions", "response_format"):
-        if body.get(key) not in (None, False, [], {}, ""):
-            raise APIError(400, f"{key} is not supported by this server", key)
+        v = body.get(key)
+        if v in (None, False, [], {}, "") or (key == "response_format" and v == {"type": "text"}):
+            continue  # (plain text, OpenAI's default response_format, which some clients always send)
+        raise APIError(400, f"{key} is not supported by this server", key)
     return replace(default, **values)
 
 

@@ -19,6 +19,9 @@ from .metrics import Metrics
 from .params import Params
 
 
+LONG_PROMPT_CHARS = 1 << 16  # a prompt this long is tokenized off the event loop (Server.counted)
+
+
 async def _json(http: HTTPRequest) -> Any:
     try:
         return await http.json()
@@ -91,7 +94,7 @@ class Server:
         if n < 1:
             raise APIError(400, "the prompt is 0 tokens for this model's tokenizer", "messages" if chat else "prompt")
         ctx = self.info.max_context
-        if params.max_tokens is None:
+        if params.max_tokens is None:  # (what the context leaves, at most the default, and what fits the KV)
             room = self.default_max_tokens if ctx is None else min(self.default_max_tokens, ctx - n)
             if room < 1:
                 raise APIError(
@@ -99,7 +102,17 @@ class Server:
                     f"the prompt is {n} tokens and the model's context is {ctx}: no room for output",
                     "messages" if chat else "prompt",
                 )
-            max_tokens, key = room, "max_tokens"
+            fits = self.kv_room(n)
+            if fits < 1:
+                _, fixed, capacity = self.kv_need(n, 1)
+                held = f" + {fixed} for its sliding windows and recurrent state" if fixed else ""
+                raise APIError(
+                    400,
+                    f"the prompt is {n} tokens{held} and the server's KV capacity is {capacity} (serve --kv-tokens): "
+                    "no room for output",
+                    "messages" if chat else "prompt",
+                )
+            max_tokens, key = min(room, fits), "max_tokens"
         else:
             max_tokens, key = params.max_tokens, params.max_tokens_key
         req = Request(rid, 0.0, n, max_tokens, prompt=params.prompt, messages=params.messages)
@@ -111,8 +124,16 @@ class Server:
             ) from None
         return req
 
+    async def counted(self, params: Params, chat: bool, rid: str = "request"):
+        """``request``, a long prompt counted on a worker thread: tokenizing megabytes takes
+        seconds, which the event loop would otherwise spend not streaming anyone's tokens."""
+        size = len(params.prompt) if params.prompt is not None else sum(len(c) for _, c in params.messages)
+        if size < LONG_PROMPT_CHARS:
+            return self.request(params, chat, rid)
+        return await asyncio.to_thread(self.request, params, chat, rid)
+
     def _make_app(self):
-        from fastapi.responses import Response, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
 
         from schedlab.sim.sources import SourceClosed
 
@@ -120,8 +141,14 @@ class Server:
         server = self
 
         @app.get("/health")
-        async def health():
-            return {"status": "ok", "in_flight": server.bridge.in_flight(), "cancelled": server.bridge.cancelled}
+        async def health():  # (503 once shutting down: a load balancer sends it nothing more)
+            closing = getattr(server.source, "closed", False)
+            body = {
+                "status": "shutting down" if closing else "ok",
+                "in_flight": server.bridge.in_flight(),
+                "cancelled": server.bridge.cancelled,
+            }
+            return JSONResponse(body, status_code=503 if closing else 200)
 
         @app.get("/info")
         async def info():  # what it runs (a front routing to it by URL reports its policy)
@@ -141,7 +168,7 @@ class Server:
             before it routes): its prompt and max_tokens, or the error it would get."""
             try:
                 params = Params(await _json(http), server, chat)
-                req = server.request(params, chat)
+                req = await server.counted(params, chat)
                 server.check_fits(req)
             except APIError as e:
                 return error(e)
@@ -174,9 +201,10 @@ class Server:
                 return error(e)
             seen: tuple[int, ...] = ()
             try:
-                req = server.request(params, chat, rid)
+                req = await server.counted(params, chat, rid)
                 if http.headers.get("x-schedlab-kv-import"):  # a decode replica's: it comes with its KV
                     req, seen = await server.take_kv(req, http.headers["x-schedlab-kv-import"])
+                server.check_fits(req)
                 server.check_queue(rid)
                 if http.headers.get("x-schedlab-kv-export"):  # a prefill replica's: it leaves its KV
                     server.export_kv(rid)
@@ -249,6 +277,7 @@ class Server:
         from schedlab.sim.disagg import TransferredRequest
 
         try:
+            kvfile.check_handed(path)
             head, kv = await asyncio.to_thread(kvfile.read, path)
             n = kvfile.prompt_tokens(head)
             if n != req.prompt_tokens:
@@ -296,16 +325,39 @@ class Server:
             headers={"Retry-After": str(self.metrics.retry_after())},
         )
 
-    def check_fits(self, req) -> None:
-        """The 400 the replica gives on arrival a request larger than its KV capacity, said now."""
+    def kv_need(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int, int]:
+        """What a request of these sizes holds at most, as the replica counts it on arrival: its KV
+        tokens (prompt + max_tokens - 1), the tokens it holds besides (sliding windows, recurrent
+        state: ``ReplicaState.fixed_tokens_for``), and the replica's KV capacity."""
         st = self.bridge.state
-        capacity = st.kv_capacity if st is not None else self.bridge.kv_capacity
-        need = req.prompt_tokens + req.output_tokens - 1
-        if need > capacity:
+        kv = prompt_tokens + max_tokens - 1
+        if st is None:  # (before the run starts: no layout known yet)
+            return kv, 0, self.bridge.kv_capacity
+        return kv, st.fixed_tokens_for(kv), st.kv_capacity
+
+    def kv_room(self, prompt_tokens: int) -> int:
+        """The most output tokens a request with this prompt can ask for and fit the KV cache."""
+        kv, fixed, capacity = self.kv_need(prompt_tokens, 1)
+        lo, hi = 0, capacity - prompt_tokens + 1  # (held besides the KV only grows with it)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            kv, fixed, _ = self.kv_need(prompt_tokens, mid)
+            if kv + fixed <= capacity:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def check_fits(self, req) -> None:
+        """The 400 the replica gives on arrival a request larger than its KV capacity, said before
+        the answer starts (a stream's status could no longer say it)."""
+        kv, fixed, capacity = self.kv_need(req.prompt_tokens, req.output_tokens)
+        if kv + fixed > capacity:
+            held = f" + {fixed} for its sliding windows and recurrent state" if fixed else ""
             raise APIError(
                 400,
-                f"this request needs {need} KV tokens (prompt {req.prompt_tokens} + max_tokens "
-                f"{req.output_tokens} - 1) but the server's KV capacity is {self.bridge.kv_capacity} (serve --kv-tokens)",
+                f"this request needs {kv + fixed} KV tokens (prompt {req.prompt_tokens} + max_tokens "
+                f"{req.output_tokens} - 1{held}) but the server's KV capacity is {capacity} (serve --kv-tokens)",
                 "max_tokens",
             )
 
