@@ -258,7 +258,10 @@ def _without_eos(smol, messages, n: int) -> str:
         Request("q", 0.0, None, 1, messages=tuple((m["role"], m["content"]) for m in messages)), smol.tokenizer
     )
     eos = set(smol.eos_token_ids or ())
-    _REFS[key] = smol.tokenizer.decode([t for t in reference_tokens(smol, ids, n) if t not in eos])
+    # (special tokens past the EOS have no text in an answer, as in vLLM)
+    _REFS[key] = smol.tokenizer.decode(
+        [t for t in reference_tokens(smol, ids, n) if t not in eos], skip_special_tokens=True
+    )
     return _REFS[key]
 
 

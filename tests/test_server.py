@@ -207,8 +207,9 @@ def test_answers_are_the_model_alones_greedy_text(server, smol):
     )
     ids = traces.prompt_ids(Request("q", 0.0, None, 1, messages=(("user", QUESTIONS[0]),)), smol.tokenizer)
     eos = set(smol.eos_token_ids or ())
+    # (the chat-template markers it emits past its EOS are special tokens: no text, as in vLLM)
     assert r.choices[0].message.content == smol.tokenizer.decode(
-        [t for t in model_alone(smol, ids, 16) if t not in eos]
+        [t for t in model_alone(smol, ids, 16) if t not in eos], skip_special_tokens=True
     )
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length")
 
@@ -418,7 +419,7 @@ def test_what_never_fits_the_kv_is_a_400_before_a_stream_starts_and_no_max_token
     assert e.value.body["param"] == "prompt" and "no room for output" in e.value.body["message"]
 
 
-def test_a_temperature_too_small_to_divide_by_is_greedy_and_a_plain_text_response_format_is_taken(server, smol):
+def test_a_tiny_temperature_is_greedy_plain_text_response_format_is_taken_and_special_tokens_have_no_text(server, smol):
     c = server.client()
     want = expected(smol, prompt="Once upon a time", max_tokens=6)
     for t in (1e-38, 1e-6, 0.0):  # (logits / 1e-38 overflow float32: vLLM samples below 1e-5 greedily too)
@@ -434,3 +435,12 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_and_a_plain_text_respons
             model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=8, response_format={"type": "json_object"}
         )
     assert e.value.body["param"] == "response_format"
+    # special tokens have no text in the answer (vLLM's skip_special_tokens): a bias that makes the
+    # model emit a chat-template marker gives tokens but no text, streamed or whole
+    marker = smol.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(marker) == 1 and smol.tokenizer.decode(marker) == "<|im_start|>"
+    bias = {str(marker[0]): 100}
+    r = c.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logit_bias=bias)
+    assert (r.choices[0].text, r.usage.completion_tokens) == ("", 3)
+    chunks = c.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logit_bias=bias, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ""

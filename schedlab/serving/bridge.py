@@ -256,7 +256,8 @@ class TextDelta:
     """Incremental text of a growing list of token ids: each ``feed`` returns the new text. Held
     back: an incomplete UTF-8 sequence at the end (the tokenizer's replacement character), and
     an end that may begin one of the ``stop`` strings; the text ends before the first stop string
-    (``stopped`` then), which it never contains, as OpenAI's API returns it."""
+    (``stopped`` then), which it never contains, as OpenAI's API returns it. Special tokens (EOS,
+    chat-template markers, ...) have no text in it, as vLLM's default ``skip_special_tokens``."""
 
     def __init__(self, tokenizer, eos: frozenset[int], stop: tuple[str, ...] = ()):
         self.tok = tokenizer
@@ -270,7 +271,7 @@ class TextDelta:
         if self.stopped:
             return ""
         self.ids += [i for i in ids if i not in self.eos]
-        full = self.tok.decode(self.ids)
+        full = self.tok.decode(self.ids, skip_special_tokens=True)
         cuts = [i for i in (full.find(x) for x in self.stop) if i >= 0]
         if cuts:
             full, final, self.stopped = full[: min(cuts)], True, True
