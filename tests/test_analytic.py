@@ -680,3 +680,28 @@ def test_presets_md_is_what_refit_writes_from_hardware_json_prices_included():
     for name, p in data["presets"].items():
         price = p.get("price_usd_per_hour")
         assert rows[name][col] == (format(price["value"], "g") if price else "-"), name
+
+
+def test_gpt_oss_weights_cost_what_its_checkpoint_ships_mxfp4_experts_unless_a_quant_is_given():
+    # gpt-oss's config says quantization_config mxfp4 (its routed experts; attention, router,
+    # embeddings and head kept at 16 bits): 120b fits one 80 GB H100, as it is served
+    cost, kv, meta = make_analytic_cost_model("h100-sxm", "gpt-oss-120b", None)
+    assert meta["expert_bits_per_weight"] == 4.25 and meta["bits_per_weight"] == 16
+    name, cfg = load_model_config("gpt-oss-120b")
+    m = model_spec(cfg, name)
+    experts = m.all_expert_params
+    assert experts > 0.9 * m.total_params  # (nearly all of it)
+    assert m.weight_bytes() == pytest.approx(m.weight_bytes(16) - experts * (16 - 4.25) / 8)
+    assert meta["weight_gb"] == pytest.approx(
+        ((m.layer_matrix_params + 2 * m.embed_params) * 2 - experts * (2 - 4.25 / 8)) / 1e9
+    )
+    assert 60 < m.weight_bytes() / 1e9 < 70 and kv > 0
+    # a decode step reads the experts it routes to at their stored size: fewer bytes than at 16 bits
+    at16, _, _ = make_analytic_cost_model("h100-sxm", "gpt-oss-20b", 16)
+    mx, _, _ = make_analytic_cost_model("h100-sxm", "gpt-oss-20b", None)
+    assert mx.weight_bytes_read(64) < at16.weight_bytes_read(64)
+    with pytest.raises(AnalyticError, match="gpt-oss-120b at 16 bits needs 234 GB"):
+        make_analytic_cost_model("h100-sxm", "gpt-oss-120b", 16)  # (asked for: every matrix at 16 bits)
+    # a model whose config says nothing of it is unchanged: every matrix at its native bits
+    name, cfg = load_model_config("qwen3-30b-a3b")
+    assert model_spec(cfg, name).expert_bits is None

@@ -120,6 +120,10 @@ class ModelSpec:
     # the layers and the vocabulary matrices (OPT: learned positions, embedding projections)
     embed_dim: int = 0
     extra_params: int = 0
+    # bits per weight, as stored, of the routed experts' matrices where the config ships them
+    # quantised and the rest at ``native_bits`` (gpt-oss: MXFP4 experts, ``config_expert_bits``);
+    # None: every matrix at ``native_bits``. What weights cost unless a --quant says otherwise.
+    expert_bits: float | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -189,11 +193,25 @@ class ModelSpec:
 
     # ------------------------------------------------------------------ bytes
     def weight_bytes(self, bits: float | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> float:
-        """Bytes to hold every weight: matrices and embeddings at ``bits`` (None: native),
-        norms at 16 bits."""
+        """Bytes to hold every weight: matrices and embeddings at ``bits`` (None: as the config
+        ships them, native bits but for ``expert_bits``), norms at 16 bits."""
         b = bits_per_weight(self.native_bits if bits is None else bits, group_size) / 8.0
         emb = self.embed_params if self.tied else 2 * self.embed_params
-        return (self.layer_matrix_params + emb + self.extra_params) * b + self.norm_params * 2.0
+        total = (self.layer_matrix_params + emb + self.extra_params) * b + self.norm_params * 2.0
+        if bits is None and self.expert_bits is not None:
+            total += self.all_expert_params * (self.expert_bits / 8.0 - b)
+        return total
+
+    @property
+    def all_expert_params(self) -> int:
+        """The routed experts' matrices in every MoE layer."""
+        return self.moe_layers * self.n_experts * self.expert_params
+
+    def bits_said(self, bits: float | None = None) -> str:
+        """How the weights are stored, in words: "16 bits", or "16 bits, experts 4.25 (mxfp4)"."""
+        if bits is not None or self.expert_bits is None:
+            return f"{self.native_bits if bits is None else bits:g} bits"
+        return f"{self.native_bits:g} bits, experts {self.expert_bits:g} (mxfp4)"
 
     @property
     def kv_layers(self) -> int:
@@ -256,6 +274,20 @@ class ModelSpec:
         }
 
 
+#: bits per weight of an MXFP4 matrix as stored: 4-bit values, one 8-bit scale per 32 of them
+MXFP4_BITS = 4.25
+
+
+def config_expert_bits(cfg: Mapping[str, Any]) -> float | None:
+    """The routed experts' bits per weight where the config says they ship quantised and the other
+    matrices do not (``quantization_config``: MXFP4, as gpt-oss's checkpoints and vLLM serve them,
+    the attention, router, embeddings and head left out in ``modules_to_not_convert``); else None."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, Mapping) or str(q.get("quant_method", "")).lower() != "mxfp4":
+        return None
+    return MXFP4_BITS
+
+
 def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """Multimodal configs keep the language model under ``text_config``."""
     inner = cfg.get("text_config")
@@ -298,6 +330,7 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     full, sliding, window = layer_kinds(cfg, n_layers)
     linear = n_layers - full - sliding if full is not None else 0
     lin_params, lin_flops, lin_state = _linear_attention(cfg, h, native_bits) if linear else (0, 0.0, 0.0)
+    expert_bits = config_expert_bits(cfg) if n_exp else None
     return ModelSpec(
         name=name,
         model_type=mtype,
@@ -328,6 +361,7 @@ def model_spec(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
         linear_state_bytes=lin_state,
         embed_dim=embed_dim,
         extra_params=extra,
+        expert_bits=expert_bits,
     )
 
 

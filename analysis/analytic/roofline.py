@@ -201,7 +201,12 @@ class AnalyticCostModel(CostModel):
             self.bytes_per_weight
         )
         self._moe_fixed_bytes = m.moe_layers * (m.attn_params + m.shared_params) * self.bytes_per_weight
-        self._expert_bytes = m.moe_layers * m.expert_params * self.bytes_per_weight
+        # the routed experts' bytes per weight: the rest's, but where the config ships them quantised
+        # and nothing else was asked for (gpt-oss: MXFP4)
+        self._expert_bpw = self.bytes_per_weight
+        if bits is None and bpw is None and m.expert_bits is not None:
+            self._expert_bpw = m.expert_bits / 8.0
+        self._expert_bytes = m.moe_layers * m.expert_params * self._expert_bpw
         self._set_efficiency(self.efficiency)
 
     def _set_efficiency(self, eff: Efficiency) -> None:
@@ -517,7 +522,12 @@ class AnalyticCostModel(CostModel):
             "model": m.summary(),
             "quant_bits": self.bits if self.bits is not None else m.native_bits,
             "bits_per_weight": self.bytes_per_weight * 8,
-            "weight_gb": (m.layer_matrix_params + (1 if m.tied else 2) * m.embed_params) * self.bytes_per_weight / 1e9,
+            "weight_gb": (
+                (m.layer_matrix_params + (1 if m.tied else 2) * m.embed_params) * self.bytes_per_weight
+                + m.all_expert_params * (self._expert_bpw - self.bytes_per_weight)
+            )
+            / 1e9,
+            **({"expert_bits_per_weight": self._expert_bpw * 8} if self._expert_bpw != self.bytes_per_weight else {}),
             "kv_bits": self.kv_bits,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             **(
@@ -583,11 +593,11 @@ def kv_capacity_tokens(
     tp = hw.tp
     rep = kv_replication(model, tp)
     budget = hw.memory_bytes * tp * mem_fraction
-    bits = model.native_bits if quant is None else quant
+    bits = model.bits_said(quant)
     if weights >= budget:
         gpus = f"{tp} x {hw.name}" if tp > 1 else hw.name
         raise AnalyticError(
-            f"{model.name} at {bits:g} bits needs {weights / 1e9:.0f} GB of weights; {gpus} has "
+            f"{model.name} at {bits} needs {weights / 1e9:.0f} GB of weights; {gpus} has "
             f"{hw.memory_bytes * tp / 1e9:.0f} GB ({mem_fraction:.0%} usable: {budget / 1e9:.0f} GB)"
         )
     per_token = model.kv_bytes_per_token(kv_bits)
@@ -595,5 +605,5 @@ def kv_capacity_tokens(
         per_token *= rep
     tokens = int((budget - weights) // per_token)
     if tokens < 1:
-        raise AnalyticError(f"{model.name} at {bits:g} bits leaves no room for a KV cache on {hw.name}")
+        raise AnalyticError(f"{model.name} at {bits} leaves no room for a KV cache on {hw.name}")
     return tokens

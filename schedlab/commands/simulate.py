@@ -69,7 +69,9 @@ def simulate(
         help="with --hardware: a bundled model config (llama-3.1-8b, qwen3-30b-a3b, ...) or a config.json path",
     ),
     quant: Optional[int] = typer.Option(
-        None, "--quant", help="with --hardware: weight bits (4, 8, 16; default: the config's dtype)"
+        None,
+        "--quant",
+        help="with --hardware: weight bits (4, 8, 16; default: as the config ships them, its dtype, gpt-oss's experts MXFP4)",
     ),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
