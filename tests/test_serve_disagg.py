@@ -130,6 +130,14 @@ def test_shut_down_every_request_once_and_the_decode_replica_ran_no_prompt(pd):
         ("decode", len(on)),
     ]
     assert cluster["summary"]["finished"] == len(served)
+    # each replica's own part: the prefill replica one token per request, the decode replica the
+    # rest, from the KV's hand-off (its first token is the second): together the cluster's tokens
+    whole = cluster["summary"]
+    p, d = whole["replicas"]
+    assert (p["pool"], p["total_output_tokens"], p["finished"]) == ("prefill", len(served), len(served))
+    assert (d["pool"], d["finished"]) == ("decode", len(on))
+    assert p["total_output_tokens"] + d["total_output_tokens"] == whole["total_output_tokens"]
+    assert 0 < d["ttft_ms"]["p50"] and p["tpot_ms"]["p50"] is None  # (one token each: no TPOT there)
     # confirmed by the simulation of the same pools, with the link the front measured
     import schedlab
     from schedlab.api.cluster_validation import format_served

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .front import Front, Record
 from .replicas import Replica
@@ -24,6 +24,39 @@ def _finished(rec: Record) -> bool:
     return rec.finish is not None and rec.failed is None
 
 
+class _View(NamedTuple):
+    """A request as one replica (or the whole cluster) served it, in front time: when it came
+    there, the pieces of text made there, when that part ended, its tokens and prompt tokens."""
+
+    arrival: float
+    times: list[float]
+    finish: float | None
+    tokens: int
+    prompt_tokens: int
+    finished: bool
+
+
+def _whole(rec: Record) -> _View:
+    n = rec.completion_tokens if rec.completion_tokens is not None else len(rec.times)
+    return _View(rec.arrival, rec.times, rec.finish, n, rec.prompt_tokens, _finished(rec))
+
+
+def _share(rec: Record, r: Replica) -> _View:
+    """``rec`` as replica ``r`` served it: the whole request, but where prefill and decode ran apart
+    (its KV handed on) the prefill replica's part (from its arrival to its first token, one token)
+    and the decode replica's (from the front's hand-off of its KV, the second token on), as the
+    simulator counts each pool's replicas."""
+    whole = _whole(rec)
+    if rec.kv is None or r.pool is None:
+        return whole
+    if r.pool == "prefill":
+        first = rec.times[0] if rec.times else None
+        return _View(rec.arrival, rec.times[:1], first, 1, rec.prompt_tokens, first is not None and rec.failed is None)
+    return _View(
+        rec.kv["at_s"], rec.times[1:], rec.finish, max(whole.tokens - 1, 0), rec.prompt_tokens + 1, whole.finished
+    )
+
+
 def cluster_summary(front: Front) -> dict[str, Any]:
     """The summary (``vllm bench serve``'s metrics) as the front measured them: a request's
     arrival at the front, each piece of its text as it came from its replica, its end."""
@@ -31,29 +64,29 @@ def cluster_summary(front: Front) -> dict[str, Any]:
 
     from schedlab.sim.metrics import dist
 
-    def part(records: list[Record], start: float | None = None) -> dict[str, Any]:
-        done = [r for r in records if _finished(r)]
+    def part(views: list[_View], start: float | None = None) -> dict[str, Any]:
+        done = [v for v in views if v.finished]
         ttft, tpot, e2e, itl, rates = [], [], [], [], []
-        for r in done:
-            n = r.completion_tokens if r.completion_tokens is not None else len(r.times)
-            first = r.times[0] if r.times else r.finish
-            ttft.append((first - r.arrival) * 1e3)
-            e2e.append((r.finish - r.arrival) * 1e3)
-            if n > 1 and r.finish > first:
-                tpot.append((r.finish - first) / (n - 1) * 1e3)
-                rates.append((n - 1) / (r.finish - first))
-            itl.extend((np.diff(r.times) * 1e3).tolist())
-        arrivals = [r.arrival for r in records]
+        for v in done:
+            n = v.tokens
+            first = v.times[0] if v.times else v.finish
+            ttft.append((first - v.arrival) * 1e3)
+            e2e.append((v.finish - v.arrival) * 1e3)
+            if n > 1 and v.finish > first:
+                tpot.append((v.finish - first) / (n - 1) * 1e3)
+                rates.append((n - 1) / (v.finish - first))
+            itl.extend((np.diff(v.times) * 1e3).tolist())
+        arrivals = [v.arrival for v in views]
         t0 = start if start is not None else (min(arrivals) if arrivals else 0.0)
-        end = max((r.finish for r in done), default=t0)
+        end = max((v.finish for v in done), default=t0)
         makespan = end - t0
-        out_tokens = sum(r.completion_tokens or len(r.times) for r in done)
+        out_tokens = sum(v.tokens for v in done)
         return {
-            "requests": len(records),
+            "requests": len(views),
             "finished": len(done),
             "rejected": 0,
             "makespan_s": makespan,
-            "total_input_tokens": sum(r.prompt_tokens for r in done),
+            "total_input_tokens": sum(v.prompt_tokens for v in done),
             "total_output_tokens": out_tokens,
             "output_throughput_tok_s": out_tokens / makespan if makespan > 0 else None,
             "request_throughput_rps": len(done) / makespan if makespan > 0 else None,
@@ -84,7 +117,7 @@ def cluster_summary(front: Front) -> dict[str, Any]:
         "policy": front.policy,
         "mode": "real",
         "trace": front.trace_name,
-        **part(records),
+        **part([_whole(x) for x in records]),
         "steps": 0,
         "measured_at": "the front (arrival, each piece of text relayed, end)",
         "cluster": {
@@ -99,7 +132,7 @@ def cluster_summary(front: Front) -> dict[str, Any]:
             {
                 "replica": r.index,
                 **({"pool": r.pool} if r.pool else {}),
-                **part([x for x in records if _served_by(x, r)], start),
+                **part([_share(x, r) for x in records if _served_by(x, r)], start),
             }
             for r in front.replicas
         ],
