@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from simkit import command
 
 from schedlab import traces
 from schedlab.traces import TraceError
@@ -260,6 +263,15 @@ def test_sonnet_needs_a_tokenizer():
         assert "\n" not in msg and msg.startswith("sonnet:") and "--model" in msg and "tokenizer" in msg
     # the bare name is the bundled file, which needs none
     assert len(traces.load("sonnet")) == 100
+    # simulate has no --model: its error says which commands count with one, and what simulate takes
+    proc = subprocess.run([*command("simulate"), "-p", "vllm", "-t", "sonnet:n=3"], capture_output=True, text=True)
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and "\n" not in err and "run-real" in err and "sonnet.json" in err, err
+    helps = {
+        c: subprocess.run([*command(c), "--help"], capture_output=True, text=True).stdout
+        for c in ("run-real", "simulate")
+    }
+    assert "--model" in helps["run-real"] and "--model " not in helps["simulate"]
 
 
 def test_sonnet_impossible_lengths(bpe):

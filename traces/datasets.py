@@ -199,6 +199,14 @@ class _Counter:
         return len(encode(self.tokenizer, text))
 
 
+# where a dataset must count its prompts with a model's tokenizer, and the command has none
+_NEEDS_MODEL = (
+    "give the model whose tokenizer counts them (run-real, validate and calibrate: --model M; in Python: "
+    "traces.load(spec, tokenizer=...)); simulate, sweep and capacity take a trace with its counts, such as "
+    "the bundled sonnet.json"
+)
+
+
 def sonnet_dataset(
     tokenizer: Any,
     n: int = 1000,
@@ -213,10 +221,8 @@ def sonnet_dataset(
     """vLLM's SonnetDataset with prompts of exactly ``input_len`` tokens (see the module)."""
     if tokenizer is None:
         raise TraceError(
-            "sonnet: its prompts are cut to input_len tokens with the model's "
-            "tokenizer, and vLLM's sonnet dataset has no token estimate either: give "
-            "--model to count tokens with its tokenizer (in Python: "
-            "traces.load(spec, tokenizer=...))"
+            "sonnet: its prompts are cut to input_len tokens with the model's tokenizer, and vLLM's "
+            f"sonnet dataset has no token estimate either: {_NEEDS_MODEL}"
         )
     _check_common(n, output_len, prefix_len, rate, burstiness)
     _check_int(input_len, "input_len", 1)
@@ -271,7 +277,7 @@ def copy_dataset(
     lines' tokens (what a faithful copy takes). Speculative decoding's n-gram drafts find their
     continuations in the prompt: this is where it pays."""
     if tokenizer is None:
-        raise TraceError("copy: its prompts and outputs are counted with the model's tokenizer: give --model")
+        raise TraceError(f"copy: its prompts and outputs are counted with the model's tokenizer: {_NEEDS_MODEL}")
     _check_common(n, 1, 0, rate, burstiness)
     _check_int(lines, "lines", 1)
     pool = sonnet_lines()
