@@ -210,6 +210,22 @@ def is_validation_dir(path: str | Path) -> bool:
     return (p / "validation.json").is_file() and (p / "sim").is_dir() and (p / "real").is_dir()
 
 
+def validation_dirs(path: str | Path) -> list[Path]:
+    """The validation directories ``path`` is: itself, or those of each policy where ``validate
+    -p A,B --out`` wrote several (one per policy, in its validation.json's order, beside an
+    overview); [] when it is neither."""
+    p = Path(path)
+    if is_validation_dir(p):
+        return [p]
+    if not (p / "validation.json").is_file():
+        return []
+    try:
+        policies = list(json.loads((p / "validation.json").read_text()).get("policies") or ())
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [p / str(name) for name in policies if is_validation_dir(p / str(name))]
+
+
 def load_run(path: str | Path) -> RunData:
     """Parse a run directory; any problem is one ``RunDirError`` line."""
     p = Path(path)
@@ -318,11 +334,12 @@ def load_inputs(paths: Iterable[str | Path]) -> tuple[list[RunData], list[Valida
     runs: list[RunData] = []
     vals: list[ValidationData] = []
     for path in paths:
-        if is_validation_dir(path):
-            v = load_validation(path)
+        dirs = validation_dirs(path)  # (a validation of several policies: each policy's)
+        for d in dirs:
+            v = load_validation(d)
             vals.append(v)
             runs.extend((v.sim, v.real))
-        else:
+        if not dirs:
             runs.append(load_run(path))
     _unique_labels(runs)
     return runs, vals

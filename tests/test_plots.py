@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import schedlab
 from schedlab.policies import make_policy
 from schedlab.sim import WallClock, run_replica, summarize
 from schedlab.sim.cost import LinearCostModel
@@ -378,6 +379,23 @@ def test_validation_overlays_and_step_scatter(validation_dir, tmp_path):
     np.testing.assert_allclose(d["predicted_s"], pred, rtol=1e-12)
     np.testing.assert_allclose(d["measured_s"], meas, rtol=1e-12)
     assert d["median_abs_pct_error"] == pytest.approx(float(np.median(np.abs(pred - meas) / meas)) * 100)
+
+
+def test_a_validation_of_several_policies_is_each_policys(validation_dir, tmp_path):
+    # validate -p A,B --out DIR writes DIR/A, DIR/B (each a validation directory) and an overview
+    base, _, _ = validation_dir
+    import shutil
+
+    top = tmp_path / "several"
+    for name in ("b-policy", "a-policy"):
+        shutil.copytree(base, top / name)
+    (top / "validation.json").write_text(json.dumps({"policies": {"b-policy": {}, "a-policy": {}}}))
+    assert plots.validation_dirs(top) == [top / "b-policy", top / "a-policy"]  # (the overview's order)
+    assert plots.validation_dirs(base) == [base] and plots.validation_dirs(base / "sim") == []
+    runs, vals = plots.load_inputs([top])
+    assert [v.path for v in vals] == [top / "b-policy", top / "a-policy"] and len(runs) == 4
+    figs = schedlab.plot(top, kinds="validation")
+    assert sum(1 for name in figs if name.endswith("_cdfs")) == 2, list(figs)
 
 
 def test_validation_dir_needs_measured_steps(validation_dir, tmp_path):

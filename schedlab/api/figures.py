@@ -24,7 +24,7 @@ class Figures(dict):
 
 
 def _plot_inputs(items: Sequence[Any]):
-    from schedlab.analysis.plots import _unique_labels, is_validation_dir, load_run as read_dir, load_validation
+    from schedlab.analysis.plots import _unique_labels, load_run as read_dir, load_validation, validation_dirs
 
     runs, vals = [], []
     for it in items:
@@ -35,11 +35,12 @@ def _plot_inputs(items: Sequence[Any]):
         elif hasattr(it, "_run_data"):  # a Run
             runs.append(it._run_data())
         elif isinstance(it, (str, Path)):
-            if is_validation_dir(it):
-                v = load_validation(it)
+            dirs = validation_dirs(it)  # (a validation of several policies: each policy's)
+            for d in dirs:
+                v = load_validation(d)
                 vals.append(v)
                 runs.extend((v.sim, v.real))
-            else:
+            if not dirs:
                 runs.append(read_dir(it))
         else:
             fail(f"plot takes runs, validations and run directories, got {type(it).__name__}", 2)
