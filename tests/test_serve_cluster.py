@@ -201,6 +201,23 @@ def test_metrics_are_prometheus_text_per_replica(cluster):
     h = health(cluster)
     assert [samples[("schedlab:requests_routed_total", str(i))] for i in (0, 1)] == [x["routed"] for x in h["replicas"]]
     assert samples[("schedlab:request_retries_total", None)] == 0
+    # each replica's own vLLM counters and histograms, relayed with its label: what it says itself
+    for i, rep in enumerate(h["replicas"]):
+        mine = {
+            s.name: s.value
+            for fam in text_string_to_metric_families(httpx.get(rep["url"] + "/metrics").text)
+            for s in fam.samples
+            if not s.labels.get("le") and not s.labels.get("finished_reason")
+        }
+        for name in (
+            "vllm:generation_tokens_total",
+            "vllm:prompt_tokens_total",
+            "vllm:e2e_request_latency_seconds_count",
+        ):
+            assert samples[(name, str(i))] == mine[name], (name, i)
+    assert sum(samples[("vllm:generation_tokens_total", str(i))] for i in (0, 1)) > 0
+    kinds = {fam.name: fam.type for fam in text_string_to_metric_families(r.text)}
+    assert kinds["vllm:time_to_first_token_seconds"] == "histogram" and kinds["vllm:request_success"] == "counter"
 
 
 def test_bad_requests_and_illegal_routes_are_openai_errors_and_lose_nothing_else(cluster, smol):

@@ -165,6 +165,18 @@ class Front:
         r.last_state = st
         return st
 
+    async def _replica_metrics(self, r: Replica) -> str | None:
+        """Replica ``r``'s own /metrics text (None where it gives none: the front's gauges still say
+        what its /state does)."""
+        import httpx
+
+        try:
+            resp = await self.client().get(r.url + "/metrics", timeout=5.0)
+            resp.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return resp.text
+
     # ---------------------------------------------------------------- routing
 
     def ticket(self) -> int:
@@ -465,8 +477,9 @@ class Front:
         @app.get("/metrics")
         async def metrics():
             ups = [r for r in front.replicas if r.up]
-            await asyncio.gather(*(front._state(r) for r in ups))
-            body, kind = front._metrics.render(front.replicas)
+            texts = await asyncio.gather(*(front._state(r) for r in ups), *(front._replica_metrics(r) for r in ups))
+            own = {r.index: t for r, t in zip(ups, texts[len(ups) :]) if t is not None}
+            body, kind = front._metrics.render(front.replicas, own)
             return Response(body, media_type=kind)
 
         async def handle(http: HTTPRequest, chat: bool):

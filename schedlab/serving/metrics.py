@@ -235,6 +235,10 @@ class FrontMetrics:
         self.failures = Counter("schedlab:request_failures", "Requests ended with an error", registry=reg)
         for i in range(n):
             self.routed_c.labels(model_name, str(i))
+        # (said from /state: not relayed from the replicas)
+        self._mine = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+        self._own = _Relayed()
+        reg.register(self._own)
 
     def routed(self, i: int) -> None:
         self.routed_c.labels(self.model_name, str(i)).inc()
@@ -245,9 +249,13 @@ class FrontMetrics:
     def failed(self) -> None:
         self.failures.inc()
 
-    def render(self, replicas: list[Replica]) -> tuple[bytes, str]:
+    def render(self, replicas: list[Replica], own: dict[int, str] | None = None) -> tuple[bytes, str]:
+        """The front's metrics, and each replica's own (``own``: replica index -> its /metrics text:
+        vLLM's counters and histograms, tokens, latencies, finishes) with a ``replica`` label, so
+        that a dashboard made for vLLM reads the cluster (summed over ``replica``)."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        self._own.families = _relabelled(own or {}, self._mine)
         for r in replicas:
             labels = (self.model_name, str(r.index))
             st = r.last_state if r.up else None
@@ -257,3 +265,39 @@ class FrontMetrics:
             cap = st["kv_capacity"] if st else 0
             self.kv.labels(*labels).set(st.get("kv_usage", st["kv_used"] / cap if cap else 0) if st else 0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Relayed:
+    """A collector of metric families set before each render (the replicas' own, relabelled)."""
+
+    def __init__(self) -> None:
+        self.families: list = []
+
+    def collect(self):
+        return iter(self.families)
+
+
+def _relabelled(texts: dict[int, str], skip: set[str]) -> list:
+    """The metric families in each replica's Prometheus text (``texts``: index -> text), one family
+    per name with every replica's samples, each labelled ``replica``; the families named in
+    ``skip`` (or unparseable text) left out."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    out: dict[str, Metric] = {}
+    for index, text in sorted(texts.items()):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for fam in families:
+            if fam.name in skip:
+                continue
+            merged = out.get(fam.name)
+            if merged is None:
+                merged = out[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for smp in fam.samples:
+                labels = {**smp.labels, "replica": str(index)}
+                merged.samples.append(Sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar))
+    return list(out.values())
