@@ -177,7 +177,8 @@ def parse_sampling(spec: Any) -> Sampling:
         try:
             v = int(raw) if key in ("seed", "top_k") and not isinstance(raw, float) else float(raw)
         except (TypeError, ValueError):
-            raise EngineError(f"sampling values must be numbers: {items}") from None
+            what = "an integer" if key in ("seed", "top_k") else "a number"
+            raise EngineError(f"sampling {key} must be {what}, got {raw!r}") from None
         values[key], why = check_sampling_value(key, v)
         if why is not None:
             if key == "temperature" and np.isfinite(v) and v > 2:

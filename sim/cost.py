@@ -372,6 +372,14 @@ def read_profile(path: str | Path) -> dict[str, Any]:
         raise ProfileError(f"profile {path} has no 'coefficients' object")
     if data.get("schema", PROFILE_SCHEMA) != PROFILE_SCHEMA:
         raise ProfileError(f"profile {path} has schema {data.get('schema')!r}, expected {PROFILE_SCHEMA}")
+    for k, v in data["coefficients"].items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ProfileError(f"profile {path}: cost coefficient {k} must be a finite number >= 0, got {v!r}")
+    if "kv_tokens" in data:
+        kv = data["kv_tokens"]
+        if not isinstance(kv, (int, float)) or isinstance(kv, bool) or not math.isfinite(kv) or kv != int(kv) or kv < 1:
+            raise ProfileError(f"profile {path}: kv_tokens must be an integer >= 1, got {kv!r}")
+        data["kv_tokens"] = int(kv)
     return data
 
 

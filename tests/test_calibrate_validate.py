@@ -559,3 +559,26 @@ def test_validate_can_time_the_machine_with_the_calibrations_own_replay(tmp_path
             said.append,
             speed_probe="wall",
         )
+
+
+def test_validate_and_calibrate_refuse_what_they_cannot_use_in_one_line(tmp_path):
+    bundled = Path(__file__).resolve().parent.parent / "sim" / "profiles" / "tiny-cpu.json"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    base = ["--policy", "vllm", "--trace", "real-smoke", "--model", "micro"]
+    bad_kv = tmp_path / "bad-kv.json"
+    bad_kv.write_text(json.dumps({**json.loads(bundled.read_text()), "kv_tokens": "big"}))
+    for name, args, frags in (
+        # an --out it cannot make: the same line as simulate, capacity, plot and calibrate give
+        ("validate", [*base, "--profile", str(bundled), "--out", str(blocker / "x")], ["cannot write", str(blocker)]),
+        ("validate", [*base, "--profile", str(bad_kv), "--out", str(tmp_path / "v")], [str(bad_kv), "'big'"]),
+        # MLX's random key takes an unsigned 64-bit seed
+        ("calibrate", ["--quick", "--out", str(tmp_path / "p.json"), "--model-seed", "-1"], ["--model-seed", "-1"]),
+        ("calibrate", ["--quick", "--out", str(tmp_path / "p.json"), "--model-seed", str(2**64)], ["[0, 2**64)"]),
+    ):
+        proc = cli(name, *args)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and ": note:" not in ln]
+        assert len(lines) == 1 and lines[0].startswith(f"schedlab {name}: error:"), proc.stderr
+        assert all(f in lines[0] for f in frags), lines[0]
+    assert not (tmp_path / "p.json").exists()

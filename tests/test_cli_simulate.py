@@ -317,3 +317,89 @@ def test_help_lists_every_option():
     assert proc.returncode == 0
     for opt in ("--policy", "--trace", "--option", "--profile", "--kv-tokens", "--seed", "--out"):
         assert opt in proc.stdout
+
+
+def test_a_profile_with_a_bad_kv_tokens_or_a_negative_coefficient_is_one_line(tmp_path):
+    # every command reads the profile alike: an unusable KV capacity (0 held no request; a
+    # string, null or a list crashed) or a negative coefficient (negative latencies, exit 0)
+    def profile_with(name: str, **changes) -> str:
+        data = {"schema": "schedlab-profile/1", "model": "test", "kv_tokens": 262144, "coefficients": dict(KNOWN)}
+        data.update(changes)
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(data))
+        return str(p)
+
+    run = ["-p", "vllm", "-t", "real-smoke", "--out", str(tmp_path / "run")]
+    for i, bad in enumerate((0, -5, "big", None, [1], True, 1000.5)):
+        path = profile_with(f"kv{i}", kv_tokens=bad)
+        assert_one_line_error(
+            cli("simulate", *run, "--profile", path), path, f"kv_tokens must be an integer >= 1, got {bad!r}"
+        )
+    assert not (tmp_path / "run").exists()
+    neg = profile_with("neg", coefficients={**KNOWN, "d_pass": -0.001})
+    assert_one_line_error(cli("simulate", *run, "--profile", neg), neg, "d_pass", ">= 0", "-0.001")
+    bad = profile_with("kv-str", kv_tokens="big")
+    for name, extra in (("sweep", ["--rates", "1"]), ("capacity", ["--slo", "ttft_ms=1000"])):
+        line = assert_one_line_error(
+            cli(name, "-p", "vllm", "-t", "real-smoke", "--profile", bad, *extra, "--out", str(tmp_path / name)),
+            bad,
+            "kv_tokens must be an integer >= 1, got 'big'",
+        )
+        assert line.startswith(f"schedlab {name}: error:")
+    # an integral number is a capacity like any other (as --kv-tokens 160 would be)
+    ok = profile_with("kv-ok", kv_tokens=160.0)
+    proc = cli("simulate", *run, "--profile", ok)
+    assert "Traceback" not in proc.stderr and "KV capacity of 160 tokens" in proc.stderr, proc.stderr
+
+
+def test_a_kv_capacity_under_one_block_is_refused_up_front(tmp_path, profile):
+    # it held no request at all: every one was "rejected" against a capacity of 0 blocks
+    run = ["-p", "vllm", "-t", "real-smoke", "--profile", str(profile), "--out", str(tmp_path / "run")]
+    line = assert_one_line_error(cli("simulate", *run, "--kv-tokens", "10"), "--kv-tokens 10", "--block-size 16")
+    assert line == "simulate: error: --kv-tokens 10 is less than one block (--block-size 16)"
+    assert_one_line_error(
+        cli("simulate", *run, "--kv-tokens", "1000", "--block-size", "2000"), "--kv-tokens 1000", "--block-size 2000"
+    )
+    for name, extra in (("sweep", ["--rates", "1"]), ("capacity", ["--slo", "ttft_ms=1000"])):
+        assert_one_line_error(cli(name, *run, *extra, "--kv-tokens", "15"), "--kv-tokens 15", "--block-size 16")
+    # the profile's own capacity is held to the same
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**json.loads(profile.read_text()), "kv_tokens": 8}))
+    assert_one_line_error(
+        cli("simulate", "-p", "vllm", "-t", "real-smoke", "--profile", str(small)),
+        str(small),
+        "8 tokens",
+        "--block-size 16",
+    )
+    assert not (tmp_path / "run").exists()
+    # one block is enough to start: the requests that do not fit are refused one by one
+    proc = cli("simulate", *run, "--kv-tokens", "16")
+    assert_one_line_error(proc, "10 request(s) rejected", "KV capacity of 16 tokens")
+
+
+def test_an_empty_out_is_a_usage_error(tmp_path, profile):
+    # Path("") is the current directory: the run's files went there, exit 0
+    common = ["-p", "vllm", "-t", "real-smoke", "--profile", str(profile)]
+    for name, extra in (
+        ("simulate", common),
+        ("sweep", [*common, "--rates", "1"]),
+        ("capacity", [*common, "--slo", "ttft_ms=1000"]),
+        ("run-real", ["-p", "vllm", "-t", "real-smoke"]),
+        ("validate", ["-p", "vllm", "-t", "real-smoke"]),
+        ("calibrate", ["--quick"]),
+        ("serve", []),
+        ("plot", [str(tmp_path)]),
+    ):
+        proc = cli(name, *extra, "--out", "", cwd=tmp_path)
+        assert proc.returncode == 2, (name, proc.stderr)
+        assert_one_line_error(proc, "'--out'", "must not be empty")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_speculative_seed_that_is_not_an_integer_is_named(tmp_path, profile):
+    run = ["-p", "vllm", "-t", "real-smoke", "--profile", str(profile)]
+    for seed in ("x", "1.5"):
+        proc = cli("simulate", *run, "--speculative", f"ngram:k=4,accept=0.5,seed={seed}")
+        assert proc.returncode == 2
+        line = assert_one_line_error(proc)
+        assert line == f"simulate: error: --speculative: seed must be an integer, got '{seed}'"

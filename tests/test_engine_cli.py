@@ -138,6 +138,9 @@ def bad_models(tmp_path_factory):
         (["--model", "gigantic"], ["unknown model preset 'gigantic'"]),
         (["--dtype", "float64"], ["unknown dtype 'float64'"]),
         (["--sampling", "temperature=hot"], ["sampling"]),
+        (["--sampling", "temperature=0.7,seed=1.5"], ["sampling seed must be an integer, got '1.5'"]),
+        (["--model-seed", "-1"], ["--model-seed must be in [0, 2**64), got -1"]),
+        (["--model-seed", str(2**64)], [f"--model-seed must be in [0, 2**64), got {2**64}"]),
         (["--trace", "{root}/long.json", "--model", "micro"], ["request huge-one", "context of 32768"]),
     ],
 )

@@ -98,6 +98,14 @@ def check_seed(seed: Any, what: str = "seed") -> int:
     return seed
 
 
+def check_model_seed(seed: Any) -> int:
+    """A preset's weight seed: an integer in [0, 2**64) (what MLX's random key takes)."""
+    check_seed(seed, "model_seed")
+    if not 0 <= seed < 2**64:
+        fail(f"{opt('model_seed')} must be in [0, 2**64), got {seed}", 2)
+    return seed
+
+
 def check_kv_tokens(kv_tokens: int | None) -> None:
     if kv_tokens is None:
         return

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import opt
-from ._base import Log, TraceLike, check_model, check_seed, fail, logger, public
+from ._base import Log, TraceLike, check_model, check_model_seed, check_seed, fail, logger, public
 from .profiles import Profile
 from .runs import Run
 
@@ -197,7 +197,7 @@ def calibrate(
     from schedlab.engine import blas
 
     log = logger(log)
-    seed, model_seed = check_seed(seed), check_seed(model_seed, "model_seed")
+    seed, model_seed = check_seed(seed), check_model_seed(model_seed)
     check_model(model, dtype)
     out = _checked_out(out)
     _check_pairs(from_profile, analytic, add_verify, spec is not None, keep_runs, replay)

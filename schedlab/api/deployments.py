@@ -96,8 +96,9 @@ def parse_speculative(value: Any) -> dict[str, Any] | None:
             2,
         )
     out = {"method": method, "k": fields.get("k", 4), "adaptive": fields.get("adaptive", False)}
+    out["seed"] = fields.get("seed", 0)
     out["model"], out["draft_profile"] = _draft_fields(method, fields)
-    for key, kind in (("k", int), ("adaptive", bool)):
+    for key, kind in (("k", int), ("adaptive", bool), ("seed", int)):
         v = out[key]
         try:
             out[key] = parse_option(v, kind) if isinstance(v, str) else checked_option(v, kind)
@@ -106,7 +107,6 @@ def parse_speculative(value: Any) -> dict[str, Any] | None:
                 f"{opt('speculative')}: {key} must be {'an integer' if kind is int else 'true or false'}, got {v!r}", 2
             )
     out["accept"] = fields.get("accept")
-    out["seed"] = fields.get("seed", 0)
     return out
 
 
@@ -246,6 +246,16 @@ def build(
     if wrap is not None:
         groups = tuple(Group(tuple(map(wrap, g.policies)), g.cost_model, g.kv_capacity, g.pool, g.meta) for g in groups)
     where = f"{cu.file}: " if cu.file else ""
+    for k, g in enumerate(groups, 1):
+        if g.kv_capacity < replica.block_size:  # (Group checked it is an integer >= 1)
+            group = f"group {k}: " if cu.groups else ""
+            from_profile = g.meta.get("profile") and not cu.groups and replica.kv_tokens is None
+            source = f" (profile {g.meta['profile']}'s kv_tokens)" if from_profile else ""
+            fail(
+                f"{where}{group}a KV capacity of {g.kv_capacity} tokens{source} is less than one block "
+                f"({opt('block_size')} {replica.block_size})",
+                2,
+            )
     try:
         return Deployment(
             groups,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import SchedlabError, opt
-from ._base import check_kv_tokens, check_seed, fail
+from ._base import check_kv_tokens, check_model_seed, fail
 
 
 def _checked_failures(value: Any, n: int) -> tuple[tuple[int, float], ...]:
@@ -78,6 +78,10 @@ class ReplicaOptions:
             check_block_size(self.block_size, opt("block_size"))
         except DeploymentError as exc:
             fail(str(exc), 2)
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            fail(
+                f"{opt('kv_tokens')} {self.kv_tokens} is less than one block ({opt('block_size')} {self.block_size})", 2
+            )
         object.__setattr__(self, "prefix_caching", bool(self.prefix_caching))
 
 
@@ -585,7 +589,7 @@ class EngineOptions:
             )
         if self.noise is not None and not isinstance(self.noise, str):
             fail(f"noise is a string such as 'gc-off,pin=0-1,warmup=3', got {type(self.noise).__name__}", 2)
-        check_seed(self.model_seed, "model_seed")
+        check_model_seed(self.model_seed)
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Union
 
 from ..errors import SchedlabError, opt
-from ._base import check_kv_tokens, check_model, check_seed, fail, public
+from ._base import check_kv_tokens, check_model, check_model_seed, fail, public
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -328,7 +328,7 @@ def profile_mismatch(
 
     check_model(model, dtype)
     data = profile._data if isinstance(profile, Profile) else read_profile(profile_path(profile))
-    return mismatch(data, load_model(str(model), dtype=dtype, seed=check_seed(model_seed, "model_seed")))
+    return mismatch(data, load_model(str(model), dtype=dtype, seed=check_model_seed(model_seed)))
 
 
 # ---------------------------------------------------------------- calibrate --analytic's text

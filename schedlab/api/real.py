@@ -17,6 +17,7 @@ from ._base import (
     PolicyLike,
     TraceLike,
     check_model,
+    check_model_seed,
     check_seed,
     fail,
     logger,
@@ -536,4 +537,4 @@ def model_info(model: str = "tiny", *, dtype: str = "float32", model_seed: int =
     from schedlab.engine.models import load_model
 
     check_model(model, dtype)
-    return load_model(str(model), dtype=dtype, seed=check_seed(model_seed, "model_seed")).metadata()
+    return load_model(str(model), dtype=dtype, seed=check_model_seed(model_seed)).metadata()

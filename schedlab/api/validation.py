@@ -324,7 +324,10 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
         log("progress", msg)
 
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}")
     cost, capacity, cost_meta = validation_cost(profile, hardware, kv_tokens, info, out, log)
 
     results, sims, reals = {}, {}, {}
@@ -336,7 +339,10 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
             on_result(name, v)
     val = Validation(results, sims, reals, trace=tr.name, model=str(info.name), cost_model=cost_meta, path=out)
     if out is not None and len(results) > 1:
-        (out / "validation.json").write_text(json.dumps(val.overview(), indent=2) + "\n")
+        try:
+            (out / "validation.json").write_text(json.dumps(val.overview(), indent=2) + "\n")
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}")
     return val
 
 

@@ -79,6 +79,17 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise UserError(message, code)
 
 
+def out_path(value: str) -> Path:
+    """An ``--out`` option's parser: an empty path is a usage error (``Path("")`` is the current
+    directory, which the user did not name)."""
+    if value == "":
+        raise typer.BadParameter("must not be empty")
+    return Path(value)
+
+
+out_path.__name__ = "path"  # typer names the value after its parser: --out <path>, as a Path option
+
+
 def make_app(help_text: str) -> typer.Typer:
     return typer.Typer(
         add_completion=False,

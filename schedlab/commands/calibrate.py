@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import fail, log_to_stderr, make_app, run_app
+from ._app import fail, log_to_stderr, make_app, out_path, run_app
 
 calibrate_app = make_app(
     "Time real passes of the MLX engine over a grid (decode batch x context, prefill chunk x "
@@ -18,7 +18,7 @@ calibrate_app = make_app(
 
 @calibrate_app.command()
 def calibrate(
-    out: Path = typer.Option(..., "--out", help="profile JSON to write"),
+    out: Path = typer.Option(..., "--out", parser=out_path, help="profile JSON to write"),
     model: str = typer.Option(
         "tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"
     ),

@@ -18,6 +18,7 @@ from ._app import (
     Interrupted,
     fail,
     make_app,
+    out_path,
     parse_options,
     run_app,
 )
@@ -109,7 +110,11 @@ def capacity(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for trace loading (Mooncake tick jitter)"),
     out: Optional[Path] = typer.Option(
-        None, "--out", "-O", help="write capacity.csv, capacity.json and the figures into this directory"
+        None,
+        "--out",
+        "-O",
+        parser=out_path,
+        help="write capacity.csv, capacity.json and the figures into this directory",
     ),
     fmt: str = typer.Option("png,svg", "--format", "-f", help="figure formats: png, svg or png,svg"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress"),

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import Interrupted, make_app, run_app
+from ._app import Interrupted, make_app, out_path, run_app
 
 plot_app = make_app(
     "Draw figures from run directories (simulate --out DIR) and validation directories "
@@ -27,6 +27,7 @@ def plot(
         None,
         "--out",
         "-O",
+        parser=out_path,
         help="where to write the figures (default: RUN_DIR/plots for one directory, ./plots for several)",
     ),
     fmt: str = typer.Option("png,svg", "--format", "-f", help="png, svg or png,svg"),

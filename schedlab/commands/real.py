@@ -30,6 +30,7 @@ from ._app import (
     THINK_HELP,
     log_to_stderr,
     make_app,
+    out_path,
     parse_options,
     report_problems,
     replicas_stopped,
@@ -98,7 +99,10 @@ def run_real(
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"
+        None,
+        "--out",
+        parser=out_path,
+        help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here",
     ),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),

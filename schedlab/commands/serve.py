@@ -66,6 +66,7 @@ from ._app import (
     RAY_ADDRESS_HELP,
     log_to_stderr,
     make_app,
+    out_path,
     parse_options,
     replicas_stopped,
     run_app,
@@ -152,6 +153,7 @@ def serve(
     out: Optional[Path] = typer.Option(
         None,
         "--out",
+        parser=out_path,
         help="at shutdown write the run directory (as run-real --out) and trace.json, the requests as served",
     ),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),

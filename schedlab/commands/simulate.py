@@ -19,6 +19,7 @@ from ._app import (
     THINK_HELP,
     fail,
     make_app,
+    out_path,
     parse_options,
     report_problems,
     run_app,
@@ -81,7 +82,7 @@ def simulate(
     think_time: Optional[float] = typer.Option(None, "--think-time", help=THINK_HELP),
     seed: int = typer.Option(0, "--seed", help="seed for trace jitter/thinning and the --request-rate schedule"),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="write summary.json, requests.csv, steps/tokens.parquet, meta.json here"
+        None, "--out", parser=out_path, help="write summary.json, requests.csv, steps/tokens.parquet, meta.json here"
     ),
     passes: bool = typer.Option(
         False,

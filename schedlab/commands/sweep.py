@@ -16,6 +16,7 @@ from ._app import (
     PREFIX_HELP,
     Interrupted,
     make_app,
+    out_path,
     parse_options,
     run_app,
 )
@@ -78,7 +79,9 @@ def sweep(
         0.9, "--attainment", help="fraction of requests that must meet every SLO for a rate to count as sustained"
     ),
     seed: int = typer.Option(0, "--seed", help="seed for trace loading (Mooncake tick jitter)"),
-    out: Optional[Path] = typer.Option(None, "--out", "-O", help="output directory (default: ./sweep-TRACE)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-O", parser=out_path, help="output directory (default: ./sweep-TRACE)"
+    ),
     fmt: str = typer.Option("png,svg", "--format", "-f", help="figure formats: png, svg or png,svg"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no table, no progress bar"),
 ) -> None:

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import NOISE_HELP, fail, log_to_stderr, make_app, parse_options, run_app
+from ._app import NOISE_HELP, fail, log_to_stderr, make_app, out_path, parse_options, run_app
 
 validate_app = make_app(
     "Run a policy for real (MLX) and in simulation on the same trace and profile, and print "
@@ -59,7 +59,9 @@ def validate(
     kv_tokens: Optional[int] = typer.Option(None, "--kv-tokens", help="KV capacity in tokens (default: the profile's)"),
     seed: int = typer.Option(0, "--seed", help="seed for the trace and the prompt ids"),
     repeat: int = typer.Option(1, "--repeat", help="real runs per policy (reports their spread)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output directory (default: validate-<trace>)"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", parser=out_path, help="output directory (default: validate-<trace>)"
+    ),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),
     residuals: bool = typer.Option(
         False,
