@@ -22,11 +22,28 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .errors import EngineError
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (``bytes_to_unicode`` reversed): printable
+    bytes stand for themselves, the others for code points from 256 on, in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table, extra = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
 
 # llama.cpp's pre-tokenizer types (tokenizer.ggml.pre) -> how tokenizers splits text.
 # "gpt2": GPT-2's regex (tokenizers' ByteLevel(use_regex=True)); "digits+gpt2": single
@@ -156,6 +173,22 @@ class TextTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for, which may be part of a character (an emoji's first two
+        bytes: its text alone would be U+FFFD): byte-level BPE's vocabulary string mapped back
+        through GPT-2's byte alphabet, a byte-fallback token ``<0xNN>`` its byte; else its text."""
+        text = self.decode([i])
+        if "\ufffd" not in text:
+            return text.encode()
+        raw = self.id_to_token(i) or ""
+        m = _BYTE_TOKEN.fullmatch(raw)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        table = _gpt2_bytes()
+        if raw and all(c in table for c in raw):
+            return bytes(table[c] for c in raw)
+        return text.encode()
 
     def apply_chat_template(
         self,

@@ -303,3 +303,24 @@ def test_each_row_samples_the_same_alone_or_in_a_batch():
     noise = np.stack([np.random.default_rng([3, h64(r), len(b.tokens[r])]).gumbel(size=vocab) for r in rids])
     want = mx.argmax(logits / 1.5 + mx.array(noise.astype(np.float32)), axis=-1).tolist()
     assert sample(mx.arange(6), rids)[0] == want
+
+
+def test_logprobs_of_tokens_inside_a_character_give_their_own_bytes_and_names(server, smol):
+    # an emoji is several tokens here, each part of its UTF-8 bytes: OpenAI gives each token its own
+    # bytes, and names an alternative that is part of a character bytes:\\xNN..., never U+FFFD
+    c = server.client()
+    prompt = "Emoji list: \U0001f600\U0001f603\U0001f604\U0001f601\U0001f606\U0001f605"
+    r = c.chat.completions.create(
+        model=MODEL, messages=chat(prompt), max_tokens=12, logprobs=True, top_logprobs=5, temperature=0
+    )
+    content = r.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content) == r.choices[0].message.content.encode()
+    names = [t.token for e in content for t in e.top_logprobs]
+    assert not any("\ufffd" in n for n in names)
+    partial = [t for e in content for t in e.top_logprobs if t.token.startswith("bytes:")]
+    assert partial and all(bytes(t.bytes).hex() == t.token[6:].replace("\\x", "") for t in partial)
+    # the legacy format's alternatives, a dict by name: as many as asked, and the token's own among them
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=5, temperature=0)
+    lp = r.choices[0].logprobs
+    for top, own in zip(lp.top_logprobs, lp.token_logprobs):
+        assert len(top) >= 5 and own in top.values(), top

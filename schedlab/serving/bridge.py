@@ -327,23 +327,28 @@ class TokenLogprobs:
             self.pending = []
         return out
 
+    def _bytes(self, token: int) -> bytes:
+        """The token's own bytes (part of a character, for some: ``TextTokenizer.token_bytes``)."""
+        as_bytes = getattr(self.tok, "token_bytes", None)
+        return as_bytes(token) if as_bytes is not None else self.tok.decode([token]).encode()
+
     def _alt(self, token: int) -> str:
-        return self.tok.decode([token])
+        """A token as an alternative names it: its text, or where its bytes are part of a character,
+        ``bytes:\\xNN...`` as OpenAI writes them (so no two alternatives share a name)."""
+        raw = self._bytes(token)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def chat(self, entries: list[list]) -> dict[str, Any]:
         """``choices[i].logprobs`` of a chat completion (or chunk)."""
         content = []
-        for _, piece, _, lp in entries:
+        for _, piece, t, lp in entries:
             logprob, top = lp if lp is not None else (None, [])
-            alts = [(self._alt(i), v) for i, v in top]
-            content.append(
-                {
-                    "token": piece,
-                    "logprob": logprob,
-                    "bytes": list(piece.encode()),
-                    "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in alts],
-                }
-            )
+            alts = [{"token": self._alt(i), "logprob": v, "bytes": list(self._bytes(i))} for i, v in top]
+            # (its text is its share of the answer; its bytes its own, part of a character for some)
+            content.append({"token": piece, "logprob": logprob, "bytes": list(self._bytes(t)), "top_logprobs": alts})
         return {"content": content, "refusal": None}
 
     def legacy(self, entries: list[list]) -> dict[str, Any]:
