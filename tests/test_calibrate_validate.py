@@ -582,3 +582,15 @@ def test_validate_and_calibrate_refuse_what_they_cannot_use_in_one_line(tmp_path
         assert len(lines) == 1 and lines[0].startswith(f"schedlab {name}: error:"), proc.stderr
         assert all(f in lines[0] for f in frags), lines[0]
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_machines_speed_is_timed_only_against_a_profile_of_the_model_validated(smol):
+    # another model's profile times its own passes: this model's time against them is not the
+    # machine's speed (validate said "this machine ran 2073 % slower" for SmolLM2 on tiny's profile)
+    from schedlab.api._validation import _speed_reference
+    from schedlab.sim.profiles import PROFILE_DIR
+
+    own = _speed_reference({"profile": str(PROFILE_DIR / "smollm2-135m-cpu.json")}, smol)
+    assert own is not None and own["model"] == smol.metadata()["model"]
+    assert _speed_reference({"profile": str(PROFILE_DIR / "tiny-cpu.json")}, smol) is None
+    assert _speed_reference({}, smol) is None  # (an analytic model: no profile to time)

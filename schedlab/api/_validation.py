@@ -65,7 +65,7 @@ def validate_many(
     job = _Validation(pols, tr, info, cost, capacity, dirs, repeat, seed, cost_meta, say, speculative, acceptance)
     later = speculative is not None and acceptance is None  # (drawn from what the real runs measure)
     sims = None if later else job.simulate()
-    ref = _speed_reference(cost_meta) if speed_check_runs else None
+    ref = _speed_reference(cost_meta, info) if speed_check_runs else None
     probes = _SpeedProbes(info, ref, seed, speed_probe, speed_every_run, pols)
     probes.before(say)
     reals = job.real_rounds(probes)
@@ -421,8 +421,10 @@ def scaled_step_bias(factors: list[float], run_steps: list[list]) -> dict[str, f
     return {"median": ratios[len(ratios) // 2], "mean": sum(ratios) / len(ratios)} if ratios else None
 
 
-def _speed_reference(cost_meta: dict) -> dict | None:
-    """The measured profile the speed check times against (None for an analytic model)."""
+def _speed_reference(cost_meta: dict, info=None) -> dict | None:
+    """The measured profile the speed check times against (None for an analytic model, and for a
+    profile of another model than ``info``'s: its passes' times are that model's, and this model's
+    time against them would be read as the machine's speed)."""
     import json
 
     path = cost_meta.get("profile")  # analytic: only cpu-local factors fitted to a profile name one
@@ -432,7 +434,13 @@ def _speed_reference(cost_meta: dict) -> dict | None:
         prof = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    return prof if isinstance(prof, dict) and prof.get("samples") else None
+    if not isinstance(prof, dict) or not prof.get("samples"):
+        return None
+    if info is not None:
+        here = info.metadata()
+        if any(prof.get(k) != here.get(k) for k in ("model", "dtype", "parameters")):
+            return None
+    return prof
 
 
 def validation_cost(profile: ProfileLike, hardware, kv_tokens, info, out: Path | None, log: Log):
