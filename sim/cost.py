@@ -362,6 +362,8 @@ class ScaledCostModel(CostModel):
 
 def read_profile(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ProfileError(f"profile {path} is a directory, not a profile JSON (calibrate --out writes one)")
     if not p.is_file():
         raise ProfileError(f"profile not found: {path}")
     try:

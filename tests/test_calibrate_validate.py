@@ -568,10 +568,25 @@ def test_validate_and_calibrate_refuse_what_they_cannot_use_in_one_line(tmp_path
     base = ["--policy", "vllm", "--trace", "real-smoke", "--model", "micro"]
     bad_kv = tmp_path / "bad-kv.json"
     bad_kv.write_text(json.dumps({**json.loads(bundled.read_text()), "kv_tokens": "big"}))
+    folder = tmp_path / "profiles"
+    folder.mkdir()
     for name, args, frags in (
         # an --out it cannot make: the same line as simulate, capacity, plot and calibrate give
         ("validate", [*base, "--profile", str(bundled), "--out", str(blocker / "x")], ["cannot write", str(blocker)]),
+        (
+            "calibrate",
+            ["--quick", "--out", str(blocker / "p.json")],
+            [f"cannot write {blocker / 'p.json'}: {blocker} is a file"],
+        ),
+        # a bad profile fails before --out is made (checked below: no empty folder left)
         ("validate", [*base, "--profile", str(bad_kv), "--out", str(tmp_path / "v")], [str(bad_kv), "'big'"]),
+        # a folder where a file goes, and a file where a folder goes: named as such
+        (
+            "validate",
+            [*base, "--profile", str(folder), "--out", str(tmp_path / "w")],
+            [f"profile {folder} is a directory"],
+        ),
+        ("validate", ["--served", str(blocker)], [f"--served {blocker} is a file, not a real cluster's run directory"]),
         # MLX's random key takes an unsigned 64-bit seed
         ("calibrate", ["--quick", "--out", str(tmp_path / "p.json"), "--model-seed", "-1"], ["--model-seed", "-1"]),
         ("calibrate", ["--quick", "--out", str(tmp_path / "p.json"), "--model-seed", str(2**64)], ["[0, 2**64)"]),
@@ -582,6 +597,7 @@ def test_validate_and_calibrate_refuse_what_they_cannot_use_in_one_line(tmp_path
         assert len(lines) == 1 and lines[0].startswith(f"schedlab {name}: error:"), proc.stderr
         assert all(f in lines[0] for f in frags), lines[0]
     assert not (tmp_path / "p.json").exists()
+    assert not (tmp_path / "v").exists() and not (tmp_path / "w").exists()
 
 
 def test_the_machines_speed_is_timed_only_against_a_profile_of_the_model_validated(smol):

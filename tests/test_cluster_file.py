@@ -191,6 +191,7 @@ def test_bad_files_and_flags_are_one_line_and_a_non_zero_exit(tmp_path):
         "profile": '[[group]]\npolicy = "vllm"\nprofile = "none.json"\n',
         "delay": "router_delay = -1\n" + good_group,
         "router": 'router = "nope"\n' + good_group,
+        "router_option": 'router = "random"\nrouter_options = { nope = 1 }\n' + good_group,
     }
     for name, text in files.items():
         (tmp_path / f"{name}.toml").write_text(text)
@@ -207,7 +208,8 @@ def test_bad_files_and_flags_are_one_line_and_a_non_zero_exit(tmp_path):
         ("both.toml", "both.toml: group 1: give either profile or hardware + model_config"),
         ("profile.toml", "profile.toml: group 1: profile not found: none.json"),
         ("delay.toml", "delay.toml: router_delay must be a finite number of seconds >= 0"),
-        ("router.toml", "unknown router 'nope'"),
+        ("router.toml", "router.toml: unknown router 'nope'"),
+        ("router_option.toml", "router_option.toml: router 'random' has no option 'nope'"),
     ]
     for name, frag in in_process:
         path = tmp_path / name
@@ -224,6 +226,8 @@ def test_bad_files_and_flags_are_one_line_and_a_non_zero_exit(tmp_path):
         (["--cluster", "kv.toml"], "kv.toml: group 2: kv_tokens must be an integer >= 1, got 'x'"),
         (["--cluster", "policy.toml"], "policy.toml: group 2: unknown policy 'nope'"),
         (["--cluster", "hardware.toml"], "hardware.toml: group 1: unknown hardware 'a100'"),
+        (["--cluster", "router.toml"], "router.toml: unknown router 'nope'"),
+        (["--cluster", "router_option.toml"], "router_option.toml: router 'random' has no option 'nope'"),
         (["--cluster", "policy.toml", "-p", "vllm"], "--cluster policy.toml says each group's policy: drop --policy"),
         (["--cluster", "policy.toml", "--replicas", "2"], "drop --replicas"),
         (["--cluster", "policy.toml", "--kv-tokens", "100"], "drop --kv-tokens"),

@@ -300,6 +300,11 @@ def test_fewer_valid_than_n_oversamples_as_vllm(tok, tmp_path):
     rng = random.Random(5)
     assert [r.prompt for r in tr.requests[4:]] == [valid[rng.randrange(4)] for _ in range(6)]
     assert "only 4 valid in the whole file: 6 drawn again" in tr.description
+    # many more than there are: the same draws, all of them (a pool taken once, not per draw)
+    many = sharegpt_dataset(tok, n=200_000, seed=5, path=f)
+    rng = random.Random(5)
+    assert [r.prompt for r in many.requests[4:]] == [valid[rng.randrange(4)] for _ in range(200_000 - 4)]
+    assert "only 4 valid in the whole file: 199,996 drawn again" in many.description
 
 
 def test_another_tokenizer_counts_and_is_named(tmp_path):

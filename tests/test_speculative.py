@@ -266,6 +266,7 @@ def test_a_deployment_that_drafts_needs_an_acceptance_profile():
         ("ngram:adaptive=true", "adaptive k needs the acceptance"),
         ("ngram:k=4,accept=0.5/1.5", "a number in [0, 1]"),
         ("ngram:k=4,colour=red,accept=0.5", "unknown key 'colour'"),
+        ("ngram:k=4,seed=-1,accept=0.5", "seed must be an integer >= 0, got -1"),
     ],
 )
 def test_bad_speculative_settings_are_one_line(spec, message):
@@ -274,15 +275,22 @@ def test_bad_speculative_settings_are_one_line(spec, message):
     assert "\n" not in str(err.value) and err.value.code == 2
 
 
-def test_a_bad_speculative_flag_is_one_line_and_exit_2():
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("ngram:k=4", "needs an acceptance profile"),
+        ("ngram:k=4,seed=-1", "--speculative: seed must be an integer >= 0"),
+    ],
+)
+def test_a_bad_speculative_flag_is_one_line_and_exit_2(spec, message):
     proc = subprocess.run(
-        [*command("simulate"), "--policy", "vllm", "--trace", "mixed", "--speculative", "ngram:k=4"],
+        [*command("simulate"), "--policy", "vllm", "--trace", "mixed", "--speculative", spec],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
-    assert "needs an acceptance profile" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_the_replicas_metrics_carry_vllms_spec_decode_counters():

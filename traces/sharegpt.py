@@ -452,7 +452,8 @@ def sample(convs: Conversations, counts: Counts, n: int, seed: int, output_len: 
     if rows and valid < n:
         rng = random.Random(seed)  # = random.seed(seed); random.choice(requests)
         extra = n - valid
-        rows += [rng.choice(rows[:valid]) for _ in range(extra)]
+        kept = rows[:]  # (once: a slice per draw made n draws take n x valid steps)
+        rows += [rng.choice(kept) for _ in range(extra)]
     return Sample(tuple(rows), looked, valid, extra)
 
 

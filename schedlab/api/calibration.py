@@ -125,6 +125,9 @@ def _checked_out(out: str | Path | None) -> Path | None:
     if out is not None:
         if out.exists() and out.is_dir():
             fail(f"{opt('out')} {out} is a directory; give a file name")
+        above = next((p for p in out.parents if p.exists()), None)  # the nearest folder there is
+        if above is not None and not above.is_dir():
+            fail(f"cannot write {out}: {above} is a file")
         if not out.parent.exists():
             fail(f"{opt('out')}: directory {out.parent} does not exist")
     return out

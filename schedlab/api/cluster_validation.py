@@ -50,6 +50,11 @@ class _Served:
         import pandas as pd
 
         self.path = path
+        if path.exists() and not path.is_dir():
+            raise SchedlabError(
+                f"--served {path} is a file, not a real cluster's run directory "
+                "(serve --replicas N --out DIR, or run-real --replicas N --out DIR)"
+            )
         if not path.is_dir():
             raise SchedlabError(f"--served {path}: no such directory")
         self.cluster = _read_json(path / "cluster.json")

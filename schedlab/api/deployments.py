@@ -106,6 +106,8 @@ def parse_speculative(value: Any) -> dict[str, Any] | None:
             fail(
                 f"{opt('speculative')}: {key} must be {'an integer' if kind is int else 'true or false'}, got {v!r}", 2
             )
+    if out["seed"] < 0:
+        fail(f"{opt('speculative')}: seed must be an integer >= 0, got {out['seed']}", 2)
     out["accept"] = fields.get("accept")
     return out
 

@@ -522,9 +522,11 @@ class ClusterOptions:
         if ro and router is None:
             fail(f"{where}: router_options goes with router: name the router too", 2)
         delay = data.get("router_delay", 0.0)
+        from schedlab.routers import RouterNotFound, RouterOptionError
+
         token = _CLI.set(False)  # the file's keys, not the command's flags
         try:
-            return cls(
+            made = cls(
                 router=_near(router, base, spec=True),
                 router_options=ro,
                 router_delay=delay,
@@ -532,7 +534,10 @@ class ClusterOptions:
                 file=where,
                 transfer=_near_transfer(data.get("transfer"), base),
             )
-        except SchedlabError as exc:
+            if router is not None:
+                made.make_router()  # (the file's router and its options: a bad one fails here, naming the file)
+            return made
+        except (SchedlabError, RouterNotFound, RouterOptionError) as exc:
             msg = str(exc)
             raise SchedlabError(msg if msg.startswith(where) else f"{where}: {msg}", exc.code) from None
         finally:

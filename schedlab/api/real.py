@@ -483,6 +483,12 @@ def run_real(
         from .replicas import cluster_of, executor_of, run_real_cluster
 
         cluster, split = cluster_of(replicas, router, router_options, prefill, decode, rep.prefix_caching)
+        if cluster.replicas == 1 and router is not None:  # (one replica runs here, routed by nothing)
+            fail(
+                f"{opt('router')} goes with {opt('replicas')} N > 1 (or {opt('prefill')}/{opt('decode')}): "
+                "one replica is not routed",
+                2,
+            )
         where = executor_of(executor, ray_address, cluster.replicas, split)
         if cluster.replicas > 1:
             _one_replica_only(cl, slo, on_step)

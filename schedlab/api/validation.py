@@ -323,12 +323,20 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
     def say(msg: str) -> None:
         log("progress", msg)
 
-    if out is not None:
+    def make_out() -> None:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             fail(f"cannot write {out}: {exc.strerror or exc}")
+
+    # OUT is made once the cost model is read (a bad profile leaves no empty OUT behind), but
+    # before a calibration that may come first (minutes: an OUT it cannot make fails before)
+    may_calibrate = profile is None and not hardware
+    if out is not None and may_calibrate:
+        make_out()
     cost, capacity, cost_meta = validation_cost(profile, hardware, kv_tokens, info, out, log)
+    if out is not None and not may_calibrate:
+        make_out()
 
     results, sims, reals = {}, {}, {}
     dirs = {name: None if out is None else (out if len(pols) == 1 else out / name) for name in pols}

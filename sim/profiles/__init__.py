@@ -32,6 +32,8 @@ def resolve_profile(spec: str | None) -> Path:
     for cand in (PROFILE_DIR / spec, PROFILE_DIR / f"{spec}.json"):
         if cand.is_file():
             return cand
+    if p.is_dir():
+        raise ProfileError(f"profile {spec} is a directory, not a profile JSON (calibrate --out writes one)")
     raise ProfileError(f"profile not found: {spec}")
 
 
