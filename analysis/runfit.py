@@ -558,12 +558,17 @@ def profile_from_runs(
     grid = grid_rows(samples) if samples else None
     fit = fit_runs(runs, base=base, grid=grid, weigh_by=weigh_by, modes=modes, force=force)
     src = grid_profile or meta
+    # a model with sliding-window or recurrent layers: what one request's cache holds, as the grid
+    # profile (or the runs' engine) says it; the simulator's memory accounting reads it
+    layout = (grid_profile or {}).get("cache_layout") or meta.get("cache_layout")
+    layered = isinstance(layout, dict) and bool(layout.get("sliding") or layout.get("state_bytes"))
     return {
         "schema": PROFILE_SCHEMA,
         "model": meta["model"],
         "dtype": meta["dtype"],
         "parameters": meta["parameters"],
         "kv_tokens": (grid_profile or {}).get("kv_tokens", DEFAULT_KV_TOKENS),
+        **({"cache_layout": layout} if layered else {}),
         "blas": {k: v for k, v in (src.get("blas") or {}).items() if k in BLAS_KEYS},
         "mlx": meta.get("mlx"),
         "mlx_lm": meta.get("mlx_lm"),

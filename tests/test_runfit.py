@@ -259,3 +259,20 @@ def test_residual_table_shows_a_planted_effect_in_its_bin():
     jitter = bias({"measured_s": pred * np.tile([1.0, 1.5], 50), "predicted_s": pred, "after_idle": np.zeros(100)})
     assert spells["lag1_corr"] > 0.9 and jitter["lag1_corr"] < -0.9
     assert spells["median"] == jitter["median"] == pytest.approx(1.25) and spells["mean"] == pytest.approx(1.25)
+
+
+def test_a_profile_fitted_to_runs_keeps_the_models_cache_layout():
+    # sliding windows (Gemma 3): the simulator's memory accounting reads the profile's cache_layout;
+    # a fit to runs that dropped it counted every layer as full attention (validate then admitted
+    # what the real engine held back)
+    from schedlab.analysis.runfit import profile_from_runs
+
+    layout = {"full_layers": 3, "kv_bytes_per_token": 6144, "sliding": [[512, 15]], "state_bytes": 0}
+    runs = synthetic_runs(KNOWN, noise=0.02)
+    for r in runs:
+        r.meta.update(model="m", dtype="float32", parameters=1, cache_layout=layout)
+    assert profile_from_runs(runs)["cache_layout"] == layout
+    plain = {**layout, "full_layers": 30, "sliding": []}
+    for r in runs:
+        r.meta["cache_layout"] = plain
+    assert "cache_layout" not in profile_from_runs(runs)  # (every layer full attention: nothing to say)
