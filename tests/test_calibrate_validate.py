@@ -15,7 +15,7 @@ from schedlab.policies.base import PassShape
 from schedlab.sim.cost import FEATURES, LinearCostModel, pass_features, step_features
 from schedlab.analysis.fit import Sample, fit_profile
 from schedlab.analysis.validation import METRICS, compare, format_table, hold_one_out
-from simkit import command, KNOWN
+from simkit import command, KNOWN, read_table
 
 
 def cli(name, *args, cwd=None):
@@ -610,3 +610,35 @@ def test_the_machines_speed_is_timed_only_against_a_profile_of_the_model_validat
     assert own is not None and own["model"] == smol.metadata()["model"]
     assert _speed_reference({"profile": str(PROFILE_DIR / "tiny-cpu.json")}, smol) is None
     assert _speed_reference({}, smol) is None  # (an analytic model: no profile to time)
+
+
+@pytest.mark.slow
+def test_validate_counts_a_trace_of_text_with_the_models_tokenizer(tmp_path):
+    # a trace of chats with no token counts: validate counts them as run-real does (it refused them,
+    # "give --model", with --model given)
+    from schedlab.sim.profiles import PROFILE_DIR
+
+    chats = [
+        {"id": f"c{i}", "arrival_s": 0.1 * i, "output_tokens": 3, "messages": [{"role": "user", "content": q}]}
+        for i, q in enumerate(("What is 2 + 2?", "Name a colour."))
+    ]
+    (tmp_path / "chats.json").write_text(json.dumps({"name": "chats", "requests": chats}))
+    # the model's bundled profile without its grid samples: nothing to time the machine's speed with
+    # (a minute of probes this test does not need)
+    prof = json.loads((PROFILE_DIR / "smollm2-135m-cpu.json").read_text())
+    (tmp_path / "p.json").write_text(json.dumps({**prof, "samples": []}))
+    out = tmp_path / "val"
+    proc = cli(
+        "validate",
+        *("--policy", "vllm", "--trace", str(tmp_path / "chats.json"), "--model", "smollm2-135m"),
+        *("--profile", str(tmp_path / "p.json"), "--out", str(out), "-q"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    from schedlab.engine.models import load_model
+    from schedlab import traces
+
+    tok = load_model("smollm2-135m").tokenizer
+    want = [len(traces.prompt_ids(r, tok)) for r in traces.load(str(tmp_path / "chats.json"), tokenizer=tok).requests]
+    for side in ("sim", "real"):
+        rows = read_table(out / side / "requests.csv")
+        assert [int(r["prompt_tokens"]) for r in rows] == want and all(int(r["output_tokens"]) == 3 for r in rows)

@@ -68,7 +68,7 @@ from typing import Any, Callable
 from . import sharegpt as _sharegpt
 from .generate import _Rng, _t
 from .schema import Request, Trace, TraceError
-from .text import chat_ids, encode
+from .text import COUNTING, chat_ids, encode
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SONNET_FILE = DATA_DIR / "sonnet.txt"
@@ -201,9 +201,8 @@ class _Counter:
 
 # where a dataset must count its prompts with a model's tokenizer, and the command has none
 _NEEDS_MODEL = (
-    "give the model whose tokenizer counts them (run-real, validate and calibrate: --model M; in Python: "
-    "traces.load(spec, tokenizer=...)); simulate, sweep and capacity take a trace with its counts, such as "
-    "the bundled sonnet.json"
+    f"give the model whose tokenizer counts them ({COUNTING}); simulate, sweep and capacity take a trace "
+    "with its counts, such as the bundled sonnet.json"
 )
 
 

@@ -29,9 +29,10 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from .schema import Request, Trace, TraceError
 
 #: What to tell a user whose trace has text without token counts.
+# the commands that count a trace's text with a model's tokenizer (simulate, sweep and capacity have none)
+COUNTING = "run-real, validate and calibrate: --model M; in Python: traces.load(spec, tokenizer=...)"
 HOW_TO_COUNT = (
-    "count them with the model's tokenizer (give --model; in Python, "
-    "traces.load(spec, tokenizer=...) or traces.tokenize(trace, tokenizer)) "
+    f"count them with the model's tokenizer ({COUNTING} or traces.tokenize(trace, tokenizer)), "
     "or write prompt_tokens into the trace"
 )
 

@@ -11,9 +11,9 @@ from ..errors import SchedlabError, opt
 from ._base import Log, PolicyLike, TraceLike, check_kv_tokens, check_model, check_seed, fail, logger, public
 from ._validation import validate_many, validation_cost
 from .figures import Figures
-from .inputs import as_trace, policy_list
+from .inputs import policy_list
 from .profiles import ProfileLike
-from .real import noise_env
+from .real import _model_trace, noise_env
 from .runs import Run, real_dir_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -287,7 +287,6 @@ def validate(
     acceptance, wrap = _speculation(spec)
     if wrap is not None:
         pols = {name: wrap(pol) for name, pol in pols.items()}
-    tr = as_trace(trace, seed=seed)
     check_model(model, dtype)
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         fail(f"{opt('repeat')} must be >= 1, got {repeat}", 2)
@@ -305,10 +304,12 @@ def validate(
     if spec is not None:
         probe.update(speculative=spec, acceptance=acceptance)
     with noise_env(noise):
-        return _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe)
+        return _validate(
+            pols, trace, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe
+        )
 
 
-def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe):
+def _validate(pols, trace, model, dtype, profile, hardware, kv_tokens, seed, repeat, out, log, on_result, probe):
     from schedlab.engine import blas
     from schedlab.engine.models import load_model
 
@@ -317,7 +318,7 @@ def _validate(pols, tr, model, dtype, profile, hardware, kv_tokens, seed, repeat
         fail(f"{opt('out')} {out} exists and is not a directory")
 
     info = load_model(str(model), dtype=dtype)
-    info.check_trace(tr.requests)
+    tr = _model_trace(info, trace, seed)  # (text prompts counted with the model's tokenizer, as run-real's)
     blas.notify_if_missing()
 
     def say(msg: str) -> None:

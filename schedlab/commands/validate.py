@@ -99,8 +99,12 @@ def validate(
     if policy is None or trace is None:
         fail("Missing option '--policy' / '-p' and '--trace' / '-t' (or give --served DIR)", 2)
     opts = parse_options(option)
-    tr = schedlab.load_trace(trace, seed=seed)
-    out = out or Path(f"validate-{tr.name}")
+    if out is None:  # (validate counts a trace of text with the model's tokenizer: its name, or its file's)
+        try:
+            name = schedlab.load_trace(trace, seed=seed).name
+        except schedlab.SchedlabError:
+            name = Path(trace).stem or trace
+        out = Path(f"validate-{name}")
 
     def done(name: str, v: dict) -> None:  # each policy's table as soon as it is done
         from schedlab.analysis.residuals import format_residuals, format_step_split
@@ -116,7 +120,7 @@ def validate(
 
     val = schedlab.validate(
         policy,
-        tr,
+        trace,
         model=model,
         dtype=dtype,
         options=opts,
