@@ -38,6 +38,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import sys
 import typing
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ def _construct(kind: PluginKind, cls: type, label: str, options: dict[str, Any])
         obj = cls(**options)
     except TypeError as exc:
         raise kind.option_error(f"{kind.word} '{label}': {exc}") from None
+    except Exception as exc:  # a user's constructor: report, don't crash
+        raise kind.option_error(f"{kind.word} '{label}': its constructor raised {type(exc).__name__}: {exc}") from None
     if not hasattr(obj, "name"):
         try:
             obj.name = label
@@ -129,12 +132,18 @@ def load_class(kind: PluginKind, spec: str) -> type:
             # registered before it runs, as an import would: @dataclass (with postponed
             # annotations), pickle and typing look the module up by name while it executes
             sys.modules[name] = module
+            # its folder importable, as when a script runs: a policy file may import its neighbours
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             try:
                 mod_spec.loader.exec_module(module)
             except BaseException:
                 sys.modules.pop(name, None)
                 raise
         else:
+            if "" not in sys.path and os.getcwd() not in sys.path:  # (a console script's path has no ".")
+                sys.path.append(os.getcwd())
             module = importlib.import_module(where)
     except error:
         raise

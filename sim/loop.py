@@ -538,7 +538,13 @@ class ReplicaLoop:
                 raise self._policy_error(exc) from exc
             for r in state.apply_admin(plan, t0):
                 backend.release(r)
-            passes = [p for p in plan.passes if p.decode or p.prefill]
+            try:
+                passes = [p for p in plan.passes if p.decode or p.prefill]
+            except AttributeError:  # (shape() checks each pass; a thing with no decode never gets there)
+                bad = next((p for p in plan.passes if not isinstance(p, Pass)), None)
+                if bad is None:
+                    raise
+                raise state._fail(f"plan holds {type(bad).__name__}, not a Pass") from None
             if not passes:  # nothing to run: plan again at once if the state changed, else wait idle
                 if not (plan.admit or plan.preempt):
                     t_end, pending, since_wake = yield from self._idle(t_end, pending, since_wake)

@@ -466,6 +466,38 @@ def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):
     assert run.summary["error"] == run.error and (run.requests["status"] == "unfinished").all()
 
 
+def test_a_policy_file_imports_its_neighbours_and_its_faults_are_one_line(profile, tmp_path):
+    # a policy file that imports a module beside it (as a script may), and a module:Class policy
+    # in the folder the command runs from
+    (tmp_path / "helper.py").write_text(USER_POLICY)
+    (tmp_path / "pol.py").write_text("from helper import ShortestFirst as Mine\n")
+    run = schedlab.simulate(f"{tmp_path / 'pol.py'}:Mine", "real-mixed", options={"room": 4}, profile=profile)
+    assert run.error is None and run.policy == "shortest-first"
+    proc = cli("simulate", "-p", "helper:ShortestFirst", "-t", "real-mixed", "-q", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    # a constructor that raises, and a plan holding something that is not a Pass: one line each
+    (tmp_path / "bad.py").write_text(
+        "from schedlab.policies.base import Plan\n"
+        "class Boom:\n"
+        "    def __init__(self):\n"
+        "        raise ValueError('ctor boom')\n"
+        "    def plan(self, view):\n"
+        "        return Plan()\n"
+        "class Garbage:\n"
+        "    name = 'garbage'\n"
+        "    def plan(self, view):\n"
+        "        return Plan(admit=[r.id for r in view.waiting][:1], passes=['hello'])\n"
+    )
+    with pytest.raises(schedlab.SchedlabError, match=r"bad.py:Boom': its constructor raised ValueError: ctor boom"):
+        schedlab.simulate(f"{tmp_path / 'bad.py'}:Boom", "real-smoke", profile=profile)
+    run = schedlab.simulate(f"{tmp_path / 'bad.py'}:Garbage", "real-smoke", profile=profile)
+    assert run.error == "policy 'garbage' step 0: plan holds str, not a Pass"
+    for cls in ("Boom", "Garbage"):
+        proc = cli("simulate", "-p", f"{tmp_path / 'bad.py'}:{cls}", "-t", "real-smoke")
+        assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
 # ---------------------------------------------------------------------------- sweep and plot
 
 
