@@ -7,11 +7,13 @@ import csv
 import datetime as dt
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from schedlab import traces
@@ -640,3 +642,25 @@ def test_azure_slices_are_the_hours_consecutive_requests_scaled():
         k = (src[-1].arrival_s - src[0].arrival_s) / tr.requests[-1].arrival_s
         for a, b, s, t in zip(tr.requests, tr.requests[1:], src, src[1:]):
             assert (b.arrival_s - a.arrival_s) * k == pytest.approx(t.arrival_s - s.arrival_s, abs=1e-4)
+
+
+def test_requests_built_in_python_are_checked_as_a_files_are():
+    # a list of traces.Request objects gets the checks a JSON trace or a DataFrame gets: one line each
+    # (they ran: 10.5 prompt tokens were blamed on the policy, "0" arrivals were a TypeError)
+    import schedlab
+    from schedlab.traces.schema import Request
+
+    ok = Request("a", 0.0, 10, 5)
+    for reqs, why in (
+        ([None], "traces.Request objects, got NoneType"),
+        ([ok, None], "traces.Request objects, got NoneType"),
+        ([Request("b", 0.0, 10.5, 5)], "request b: prompt_tokens must be an integer, got 10.5"),
+        ([Request("b", 0.0, 10, 5.5)], "request b: output_tokens must be an integer, got 5.5"),
+        ([Request("b", 0.0, True, 5)], "request b: prompt_tokens must be an integer, got True"),
+        ([Request("b", "0", 10, 5)], "request b: arrival_s must be a number, got '0'"),
+        ([ok, Request(3, 0.0, 10, 5)], "a request id is a non-empty string, got 3"),
+        ([Request("b", 0.0, 10, 5, cancel_after_s=-1)], "request b: cancel_after_s must be a finite number >= 0"),
+    ):
+        with pytest.raises(schedlab.SchedlabError, match=re.escape(why)):
+            schedlab.simulate("vllm", reqs)
+    assert schedlab.simulate("vllm", [ok, Request("b", 0.0, np.int64(7), 3)]).summary["finished"] == 2

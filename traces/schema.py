@@ -39,7 +39,8 @@ every other key says what it was measured on and is kept as it is. ``calibrate -
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 #: Chat roles a message may have (OpenAI's chat roles; chat templates know these).
@@ -101,6 +102,7 @@ class Trace:
 
     def __post_init__(self) -> None:
         validate_requests(self.requests, where=self.name)
+        self.requests = [_plain_numbers(r) for r in self.requests]
         if self.speculative_acceptance is not None:
             self.speculative_acceptance = acceptance_from_json(self.speculative_acceptance, self.name)
         # stable: equal arrival times keep file order
@@ -243,14 +245,39 @@ def request_from_json(row: Any, index: int, where: str) -> Request:
     )
 
 
+def _plain_numbers(r: Request) -> Request:
+    """``r`` with Python numbers (numpy's, from a DataFrame or an array, as int and float): the
+    state machine checks a pass's token counts as ``int``."""
+    p, o, a = r.prompt_tokens, r.output_tokens, r.arrival_s
+    if type(o) is int and (p is None or type(p) is int) and type(a) in (int, float):
+        return r
+    return replace(r, prompt_tokens=None if p is None else int(p), output_tokens=int(o), arrival_s=float(a))
+
+
 def validate_requests(requests: Iterable[Request], where: str = "trace") -> None:
     """Reject what can never be served: empty prompts, zero outputs, negative times, dup ids,
     a request with neither a count nor text, one with both ``prompt`` and ``messages``."""
     seen: set[str] = set()
     for r in requests:
+        if not isinstance(r, Request):
+            raise TraceError(f"{where}: the requests are traces.Request objects, got {type(r).__name__}")
+        if not isinstance(r.id, str) or not r.id:
+            raise TraceError(f"{where}: a request id is a non-empty string, got {r.id!r}")
         if r.id in seen:
             raise TraceError(f"{where}: request {r.id}: duplicate id")
         seen.add(r.id)
+        for key in ("prompt_tokens", "output_tokens"):
+            v = getattr(r, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise TraceError(f"{where}: request {r.id}: {key} must be an integer, got {v!r}")
+        for key in ("arrival_s", "cancel_after_s"):
+            v = getattr(r, key)
+            if (v is not None or key == "arrival_s") and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+                raise TraceError(f"{where}: request {r.id}: {key} must be a number, got {v!r}")
+        if r.cancel_after_s is not None and not (r.cancel_after_s >= 0 and math.isfinite(r.cancel_after_s)):
+            raise TraceError(
+                f"{where}: request {r.id}: cancel_after_s must be a finite number >= 0, got {r.cancel_after_s}"
+            )
         if r.prompt is not None and r.messages is not None:
             raise TraceError(f"{where}: request {r.id}: give either 'prompt' or 'messages', not both")
         if r.prompt_tokens is None:

@@ -57,7 +57,7 @@ def as_trace(
     """A ``traces.Trace`` with token counts from anything ``load_trace`` takes; ``tokenizer``
     counts prompts given as text (``recount``: also those given with counts)."""
     from schedlab import traces
-    from schedlab.traces.schema import Request, Trace, TraceError, request_from_json
+    from schedlab.traces.schema import Trace, TraceError, request_from_json
 
     if isinstance(trace, Trace):
         tr = trace
@@ -74,10 +74,7 @@ def as_trace(
         rows = [{k: _plain(v) for k, v in row.items() if not _missing(_plain(v))} for row in trace.to_dict("records")]
         tr = Trace(name or "dataframe", "", [request_from_json(row, i, where) for i, row in enumerate(rows)])
     elif isinstance(trace, Iterable) and not isinstance(trace, (bytes, Mapping)):
-        reqs = list(trace)
-        bad = next((r for r in reqs if not isinstance(r, Request)), None)
-        if bad is not None:
-            raise TraceError(f"a list of requests holds traces.Request objects, got {type(bad).__name__}")
+        reqs = list(trace)  # (each checked as a traces.Request by the Trace: validate_requests)
         if not reqs:
             raise TraceError("the trace has no requests")
         tr = Trace(name or "requests", "", reqs)
