@@ -803,6 +803,12 @@ def test_validate_and_compare(micro, tmp_path):
     assert "static on real-smoke" in c.report()
     with pytest.raises(schedlab.SchedlabError, match="must be real runs"):
         schedlab.compare(v.sim["static"], v.sim["static"])
+    # another policy's real runs, or another trace's, are not this simulation's to compare with
+    with pytest.raises(schedlab.SchedlabError, match="is static on real-smoke, real run 1 is unified on real-smoke"):
+        schedlab.compare(v.sim["static"], v.real["unified"])
+    other = schedlab.simulate("static", "real-mixed", profile=v.sim["static"].meta.get("profile"))
+    with pytest.raises(schedlab.SchedlabError, match="is static on real-mixed, real run 1 is static on real-smoke"):
+        schedlab.compare(other, v.real["static"])
 
 
 # ---------------------------------------------------------------------------- the notebooks

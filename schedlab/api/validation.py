@@ -367,6 +367,21 @@ def compare(sim: Run, real: Run | Sequence[Run]) -> Validation:
         fail("compare takes a Run (the simulation) and a Run or a list of Runs (the real runs)", 2)
     if any(r.mode != "real" for r in reals):
         fail("compare: the runs to compare with must be real runs (run_real)", 2)
+    for k, r in enumerate(reals, 1):  # (the same policy on the same requests, or the errors mean nothing)
+        if (r.policy, r.trace) != (sim.policy, sim.trace):
+            fail(
+                f"compare: the simulation is {sim.policy} on {sim.trace}, real run {k} is {r.policy} on {r.trace}: "
+                "compare runs of the same policy and trace",
+                2,
+            )
+        ids, theirs = set(sim.requests["id"]), set(r.requests["id"])
+        if ids != theirs:
+            odd = sorted(ids ^ theirs)[0]
+            fail(
+                f"compare: the simulation has {len(ids)} requests, real run {k} {len(theirs)}, not the same "
+                f"(request {odd} is in one only)",
+                2,
+            )
     steps: list = []
     for r in reals:
         steps.extend(r._result.steps if r._result is not None else r.steps.itertuples(index=False))
