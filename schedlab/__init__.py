@@ -14,7 +14,8 @@ called)::
     schedlab.calibrate(model="tiny", quick=True)           # a Profile
     schedlab.validate("unified", "real-smoke")             # a Validation
     schedlab.sweep(["unified", "static"], "mixed", rates=[0.2, 0.4])   # a DataFrame
-    schedlab.capacity("unified,vllm", "mixed", slo="ttft_ms=2000", replicas=[1, 2])  # a DataFrame
+    schedlab.capacity("unified,vllm", "azure-conv-150", slo="ttft=500,tpot=50", replicas=[1, 2],
+                      hardware="h100-sxm", model_config="llama-3.1-8b")   # a DataFrame
 
 The commands (``schedlab COMMAND``: ``simulate``, ``run-real``, ``serve``, ``calibrate``,
 ``validate``, ``plot``, ``sweep``, ``capacity``, ``export-mlx``) are thin wrappers over it (and over the
