@@ -501,6 +501,7 @@ def test_bad_cluster_options_are_one_line_errors(tmp_path):
         ("run-real", ["--replicas", "0", "--trace", "sonnet"], "--replicas must be >= 1, got 0"),
         ("run-real", ["--replicas", "2", "--router", "nope", "--trace", "sonnet"], "unknown router 'nope'"),
         ("run-real", ["--router", "least-kv", "--trace", "sonnet"], "--router goes with --replicas N > 1"),
+        ("serve", ["--router", "least-kv"], "--router goes with --replicas N > 1"),
         ("run-real", ["--replicas", "2", "--trace", str(tmp_path / "counts.json")], "token counts only"),
         ("run-real", ["--replicas", "2", "--trace", "sonnet", "--max-concurrency", "2"], "does not go with --replicas"),
     ):

@@ -16,12 +16,15 @@ from ._base import (
     Log,
     PolicyLike,
     TraceLike,
+    check_bool,
+    check_callable,
     check_model,
     check_model_seed,
     check_seed,
     fail,
     logger,
     opt,
+    out_dir,
     parse_slo,
     policy_options,
     public,
@@ -228,6 +231,7 @@ class Engine:
         arrivals with). ``trace_name``: the run's trace name (default: the trace's, ``"live"``
         for a source); ``slo``: goodput SLOs; ``on_step(finished, requests)`` is called after
         every step; ``backend``: the engine backend to run on (default: ``make_backend()``)."""
+        check_callable(on_step, "on_step")
         pol = as_policy(policy)
         slos = parse_slo(slo)
         if hasattr(arrivals, "process"):  # an arrival source
@@ -361,6 +365,9 @@ def load_engine(
     sampling's; ``require_tokenizer``: fail (before any calibration) when the model has no
     tokenizer, i.e. takes no text; ``log(kind, message)`` hears progress, notes and warnings
     (default: warnings as ``SchedlabWarning``)."""
+    check_callable(log, "log")
+    check_bool(no_calibrate, "no_calibrate")
+    check_bool(require_tokenizer, "require_tokenizer")
     opts = merged(
         EngineOptions,
         engine,
@@ -454,6 +461,10 @@ def run_real(
     decode rows verify up to k draft tokens found by n-gram prompt lookup or proposed by draft
     model M (loaded beside the model, of its vocabulary), greedy rows only; the model decides
     what it accepts (``accept`` is only the adaptive k's prior)."""
+    check_callable(log, "log")
+    check_callable(on_step, "on_step")
+    check_bool(no_calibrate, "no_calibrate")
+    out = out_dir(out)
     log = logger(log)
     seed = check_seed(seed)
     opts = merged(
@@ -483,12 +494,6 @@ def run_real(
         from .replicas import cluster_of, executor_of, run_real_cluster
 
         cluster, split = cluster_of(replicas, router, router_options, prefill, decode, rep.prefix_caching)
-        if cluster.replicas == 1 and router is not None:  # (one replica runs here, routed by nothing)
-            fail(
-                f"{opt('router')} goes with {opt('replicas')} N > 1 (or {opt('prefill')}/{opt('decode')}): "
-                "one replica is not routed",
-                2,
-            )
         where = executor_of(executor, ray_address, cluster.replicas, split)
         if cluster.replicas > 1:
             _one_replica_only(cl, slo, on_step)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from schedlab.serving.result import ClusterRun
 
-from ._base import Log, PolicyLike, TraceLike, fail, opt
+from ._base import Log, PolicyLike, TraceLike, fail, opt, out_dir
 from .inputs import as_policy, as_trace
 from .options import ClusterOptions, EngineOptions, ReplicaOptions
 from .profiles import ProfileLike, profile_path
@@ -35,11 +35,20 @@ def pools(prefill: int, decode: int, replicas: int, prefix_caching: bool) -> tup
     return prefill, decode
 
 
-def cluster_of(replicas: int, router: Any, router_options: Any, prefill: int, decode: int, prefix_caching: bool):
+def cluster_of(
+    replicas: int, router: Any, router_options: Any, prefill: int, decode: int, prefix_caching: bool, urls=None
+):
     """(``ClusterOptions``, (P, D) or None): the replicas behind a router, checked before anything
-    starts (a bad router, a bad count)."""
+    starts (a bad router, a bad count, a router for one replica that this process runs alone:
+    nothing would route; a front over ``urls`` routes even to one)."""
     split = pools(prefill, decode, replicas, prefix_caching)
     n = sum(split) if split is not None else replicas
+    if n == 1 and router is not None and not urls:
+        fail(
+            f"{opt('router')} goes with {opt('replicas')} N > 1 (or {opt('prefill')}/{opt('decode')}): "
+            "one replica is not routed",
+            2,
+        )
     cluster = ClusterOptions(replicas=n, router=router, router_options=router_options)
     cluster.make_router()  # (a bad router fails now)
     return cluster, split
@@ -130,12 +139,7 @@ def replica_args(
 
 
 def check_out(out: str | Path | None) -> Path | None:
-    if out is None:
-        return None
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        fail(f"{opt('out')} {out} exists and is not a directory")
-    return out
+    return out_dir(out)
 
 
 class _Uncounted:

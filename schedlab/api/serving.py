@@ -160,7 +160,7 @@ def _front_over(urls, router, router_options, host, port, out, log) -> ClusterRu
     from schedlab.serving.cluster import serve_cluster
     from schedlab.serving.single import check_address
 
-    cluster, _ = cluster_of(len(urls), router, router_options, 0, 0, False)
+    cluster, _ = cluster_of(len(urls), router, router_options, 0, 0, False, urls=urls)
     check_address(host, port)
     return serve_cluster(
         len(urls),
