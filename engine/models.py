@@ -300,7 +300,7 @@ def _build_random(name: str, seed: int):
 def check_checkpoint_dir(path: Path) -> None:
     """One-line EngineError unless ``path`` looks like an mlx-lm checkpoint (no mlx needed)."""
     if not path.exists():
-        raise EngineError(f"model not found: {path} (not a preset: {', '.join(PRESETS)})")
+        raise EngineError(f"model not found: {path} (not a preset: {_all_presets()})")
     if not path.is_dir():
         raise EngineError(
             f"model {path} is not a directory (give an mlx-lm checkpoint "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from operator import attrgetter
+from operator import attrgetter, index
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from .plugins import construct, option_names
@@ -154,7 +154,21 @@ class Plan(_PlanFields):
             preempt = tuple(preempt)
         if type(passes) is not tuple:
             passes = tuple(passes)
+        if repeat and (type(repeat) is not int or repeat < 0):  # (0, the default, costs one test)
+            repeat = _repeat_count(repeat)
         return tuple.__new__(cls, (admit, preempt, passes, repeat, past_arrivals))
+
+
+def _repeat_count(repeat: Any) -> int:
+    """``Plan.repeat`` off the fast path: an integer >= 0 (a numpy integer becomes an int)."""
+    if not isinstance(repeat, bool):
+        try:
+            n = index(repeat)
+        except TypeError:
+            n = -1
+        if n >= 0:
+            return n
+    raise ValueError(f"Plan.repeat must be an integer >= 0, got {repeat!r}")
 
 
 class PassShape(NamedTuple):

@@ -161,6 +161,8 @@ def load_class(kind: PluginKind, spec: str) -> type:
 def option_keys(word: str, options: Mapping[str, Any] | None, error: Callable[[str], Exception]) -> dict[str, Any]:
     """``options`` as a dict with ``-`` in names read as ``_``; a name that is not a non-empty
     string raises ``error(message)`` (an exception type, or a function that makes one)."""
+    if options is not None and not isinstance(options, Mapping):
+        raise error(f"{word} options are a mapping of names to values, got {type(options).__name__} {options!r}")
     out: dict[str, Any] = {}
     for key, value in dict(options or {}).items():
         if not isinstance(key, str) or not key:

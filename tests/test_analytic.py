@@ -456,7 +456,7 @@ def test_weights_that_do_not_fit_are_a_one_line_error():
     [
         (("m9", "qwen3-4b", 4), "unknown hardware 'm9' (presets: a100-40gb-sxm"),
         (("m4-max", "qwen9", 4), "unknown model config 'qwen9' (bundled: gpt-oss-120b, gpt-oss-20b, llama-2-7b"),
-        (("m4-max", "qwen3-4b", 7), "--quant must be one of"),
+        (("m4-max", "qwen3-4b", 7), "--quant must be one of 2, 3, 4, 5, 6, 8, 16, 32 bits, got 7"),
     ],
 )
 def test_unknown_names_list_the_choices(args, fragment):

@@ -428,6 +428,37 @@ def _bad_cases(tmp):
         (lambda: S.load_run(one), "is not a run directory"),
         (lambda: S.plot(S.simulate("static", "real-smoke"), lanes=0), "lanes must be >= 1"),
         (lambda: S.plot(S.simulate("static", "real-smoke"), formats="pdf"), "formats must be png, svg"),
+        # an empty output path is the current directory, which nobody named: refused, as --out "" is
+        (lambda: S.sweep("chunked-prefill", "mixed", rates=[1], out=""), "out must not be empty"),
+        (lambda: S.capacity("vllm", "mixed", slo="ttft_ms=2000", out=""), "out must not be empty"),
+        (lambda: S.plot(S.simulate("static", "real-smoke"), out=""), "out must not be empty"),
+        (lambda: S.validate("static", "real-smoke", model="micro", out=""), "out must not be empty"),
+        (lambda: S.calibrate(model="micro", out=""), "out must not be empty"),
+        (lambda: S.run_real("static", "real-smoke", model="micro", out=""), "out must not be empty"),
+        (lambda: S.validate_served(tmp / "nowhere", out=""), "out must not be empty"),
+        (lambda: S.sweep("chunked-prefill", "mixed", rates=[1], out=5), "out must be a str or pathlib.Path, got int"),
+        (lambda: S.load_run(None), "path must be a str or pathlib.Path, got NoneType None"),
+        (lambda: S.load_run(""), "path must not be empty"),
+        # arguments of the wrong type: one line before any work, not a TypeError from below
+        (lambda: S.simulate("vllm", "mixed", options=[1, 2]), "policy options are a mapping of names to values"),
+        (lambda: S.sweep("vllm", "mixed", rates=[1], options=[1]), "policy options are a mapping of names to values"),
+        (lambda: S.simulate("vllm", "mixed", passes="no"), "passes must be True or False, got 'no'"),
+        (lambda: S.simulate("vllm", "mixed", prefix_caching="no"), "prefix_caching must be True or False"),
+        (lambda: S.capacity("vllm", "mixed", slo="ttft_ms=2000", early_stop=0), "early_stop must be True or False"),
+        (lambda: S.sweep("vllm", "mixed", rates=[1], on_done=5), "on_done must be a function (or None), got int 5"),
+        (lambda: S.run_real("vllm", "real-smoke", model="micro", on_step=5), "on_step must be a function"),
+        (lambda: S.sweep("vllm", "mixed", rates=[1], workers="2"), "workers must be an integer, got '2'"),
+        (lambda: S.validate("static", "real-smoke", model="micro", repeat="2"), "repeat must be an integer, got '2'"),
+        (
+            lambda: S.simulate("vllm", "mixed", hardware="m4-max", model_config="qwen3-4b", quant="4"),
+            "quant must be one of 2, 3, 4, 5, 6, 8, 16, 32 bits, got '4'",
+        ),
+        (lambda: S.plot(S.simulate("static", "real-smoke"), window="a:b"), "window must be START:END"),
+        (
+            lambda: S.run_real("vllm", "real-smoke", model=str(tmp / "nope_dir") + "/"),
+            "not a preset: micro, tiny, small, micro-qwen3_5, ",
+        ),
+        (lambda: S.run_real("vllm", "real-smoke", model=str(tmp / "nope_dir") + "/"), "smollm2-135m, gemma3-270m)"),
     ]
 
 
@@ -450,6 +481,39 @@ def test_bad_arguments_raise_one_error_type_with_one_line(tmp_path):
     # the same checks on the command line name the options as options
     proc = cli("simulate", "-p", "static", "-t", "mixed", "--kv-tokens", "0")
     assert proc.returncode == 2 and proc.stderr.strip() == "simulate: error: --kv-tokens must be >= 1, got 0"
+
+
+def test_saving_refuses_an_empty_or_non_path_out(tmp_path, monkeypatch):
+    # Path("") is the current directory: a run, a run read back and a profile all refuse it,
+    # and None or a number, as one line (they were a pathlib TypeError, or files written here)
+    monkeypatch.chdir(tmp_path)
+    run = schedlab.simulate("static", "real-smoke")
+    back = schedlab.load_run(run.save(tmp_path / "r"))
+    prof = schedlab.load_profile()
+    for save in (run.save, back.save, prof.save):
+        what = "path" if save == prof.save else "out"
+        for out, message in (
+            ("", f"{what} must not be empty"),
+            (None, f"{what} must be a str or pathlib.Path, got NoneType None"),
+            (5, f"{what} must be a str or pathlib.Path, got int 5"),
+        ):
+            with pytest.raises(schedlab.SchedlabError) as ei:
+                save(out)
+            assert str(ei.value) == message
+    with pytest.raises(schedlab.SchedlabError, match="^passes must be True or False, got 'no'$"):
+        run.save(tmp_path / "p", passes="no")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_the_model_help_is_the_same_for_every_command_that_loads_one():
+    from schedlab.engine.gguf import GGUF_PRESETS
+
+    helps = {}
+    for name in ("run-real", "validate", "calibrate"):
+        text = " ".join(cli(name, "--help").stdout.split())
+        helps[name] = text[text.index("-m, --model") : text.index("[default: tiny]")]
+    assert len(set(helps.values())) == 1, helps
+    assert all(p in helps["validate"] for p in ("micro, tiny, small", *GGUF_PRESETS, ".gguf file")), helps
 
 
 def test_a_run_that_stops_early_is_returned_with_its_error(profile, tmp_path):

@@ -361,6 +361,41 @@ def test_unknown_policy_and_user_policy_files(tmp_path):
         make_policy(f"{bad}:X")
 
 
+def test_plan_repeat_is_an_integer_of_at_least_zero(tmp_path):
+    import numpy as np
+
+    import schedlab
+
+    for bad in (-5, 2.5, "3", True, np.int64(-1)):
+        with pytest.raises(ValueError) as ei:
+            Plan(passes=(Pass(decode=("a",)),), repeat=bad)
+        assert str(ei.value) == f"Plan.repeat must be an integer >= 0, got {bad!r}"
+    assert Plan().repeat == 0 and Plan(repeat=None).repeat is None  # (None: no repeats, as 0)
+    got = Plan(repeat=np.int64(4)).repeat
+    assert got == 4 and type(got) is int
+    # a policy that plans a negative repeat stops its run with one line naming it
+    f = tmp_path / "neg.py"
+    f.write_text(
+        "from schedlab.policies.base import Plan\n"
+        "from schedlab.policies.vllm import Vllm\n"
+        "class Neg(Vllm):\n"
+        "    name = 'neg'\n"
+        "    def plan(self, view):\n"
+        "        p = super().plan(view)\n"
+        "        return Plan(p.admit, p.preempt, p.passes, repeat=-1)\n"
+    )
+    run = schedlab.simulate(f"{f}:Neg", "real-smoke")
+    assert "policy 'neg' step 0 raised ValueError: Plan.repeat must be an integer >= 0, got -1" in run.error
+
+
+def test_policy_options_must_be_a_mapping():
+    with pytest.raises(OptionError, match=r"^policy options are a mapping of names to values, got list \[1, 2\]$"):
+        make_policy("vllm", [1, 2])
+    with pytest.raises(OptionError, match="got str 'budget=8'"):
+        make_policy("chunked-prefill", "budget=8")
+    assert make_policy("vllm", {}).name == make_policy("vllm", None).name == "vllm"
+
+
 def test_plans_do_not_mutate_the_state():
     """A policy reads a view; planning twice gives the same plan and leaves state untouched."""
     b = Bench([req(i, 100 + 37 * i, 5 + i) for i in range(10)])

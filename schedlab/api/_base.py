@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
@@ -90,6 +91,50 @@ def executor_errors():
         fail(f"a worker process died (killed, or out of memory; {exc}); try fewer {opt('workers')}")
     except ExecutorUnavailable as exc:
         fail(str(exc))
+
+
+def as_path(value: Any, what: str = "out") -> Path:
+    """A path argument (a str or ``os.PathLike``); one line for anything else, and for ``""``
+    (``Path("")`` is the current directory, which the caller did not name), as the commands
+    refuse an empty ``--out``."""
+    raw = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(raw, str):
+        fail(f"{opt(what)} must be a str or pathlib.Path, got {type(value).__name__} {value!r}", 2)
+    if raw == "":
+        fail(f"{opt(what)} must not be empty", 2)
+    return Path(raw)
+
+
+def out_dir(out: Any, what: str = "out") -> Path | None:
+    """An output directory argument: None, or a path (``as_path``) that is not a file."""
+    if out is None:
+        return None
+    path = as_path(out, what)
+    if path.exists() and not path.is_dir():
+        fail(f"{opt(what)} {path} exists and is not a directory")
+    return path
+
+
+def check_bool(value: Any, what: str) -> bool:
+    """A flag: True or False only (``"no"`` is not False)."""
+    if not isinstance(value, bool):
+        fail(f"{opt(what)} must be True or False, got {value!r}", 2)
+    return value
+
+
+def check_callable(fn: Any, what: str) -> None:
+    """A callback: None or something callable, checked before any work starts."""
+    if fn is not None and not callable(fn):
+        fail(f"{what} must be a function (or None), got {type(fn).__name__} {fn!r}", 2)
+
+
+def option_map(options: Any, word: str = "policy") -> dict[str, Any]:
+    """A plugin's ``options`` (None or a mapping) as a dict; one line for anything else."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        fail(f"{word} options are a mapping of names to values, got {type(options).__name__} {options!r}", 2)
+    return dict(options)
 
 
 def check_seed(seed: Any, what: str = "seed") -> int:
@@ -220,8 +265,10 @@ def worker_count(in_process: bool, workers: Any, executor: str, n_jobs: int) -> 
     (>= 1) or, not given, one per job up to the CPUs (Ray: None, as many as it gives); 1 when a
     job holds a class or a policy object, which runs in this process (one line if ``workers`` or
     the executor says otherwise)."""
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        fail(f"{opt('workers')} must be >= 1, got {workers!r}", 2)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
+        fail(f"{opt('workers')} must be an integer, got {workers!r}", 2)
+    if workers is not None and workers < 1:
+        fail(f"{opt('workers')} must be >= 1, got {workers}", 2)
     if in_process and (workers not in (None, 1) or executor != "local"):
         fail(
             "classes and policy objects run in this process: give workers=1 and the local executor "

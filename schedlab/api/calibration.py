@@ -6,7 +6,19 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import opt
-from ._base import Log, TraceLike, check_model, check_model_seed, check_seed, fail, logger, public
+from ._base import (
+    Log,
+    TraceLike,
+    as_path,
+    check_bool,
+    check_callable,
+    check_model,
+    check_model_seed,
+    check_seed,
+    fail,
+    logger,
+    public,
+)
 from .profiles import Profile
 from .runs import Run
 
@@ -121,7 +133,7 @@ def _stored_profile(path: Path, info) -> dict:
 
 def _checked_out(out: str | Path | None) -> Path | None:
     """``out`` as a path whose directory exists (one line if not)."""
-    out = Path(out) if out is not None else None
+    out = as_path(out) if out is not None else None
     if out is not None:
         if out.exists() and out.is_dir():
             fail(f"{opt('out')} {out} is a directory; give a file name")
@@ -193,6 +205,10 @@ def calibrate(
     reads it); with ``from_profile``, that profile with the acceptance added (nothing else timed);
     ``acceptance_only``: time nothing else, the profile only that (a small JSON, ``schema``
     ``schedlab-acceptance/1``)."""
+    for name, flag in (("quick", quick), ("analytic", analytic), ("add_verify", add_verify), ("replay", replay)):
+        check_bool(flag, name)
+    check_bool(acceptance_only, "acceptance_only")
+    check_callable(log, "log")
     spec = _acceptance_spec(speculative, trace, acceptance_only, analytic, from_profile, replay, from_runs)
     if from_runs is not None:
         return _from_runs(from_runs, grid, out)

@@ -30,10 +30,14 @@ from ..errors import opt
 from ._base import (
     PolicyLike,
     TraceLike,
+    check_bool,
+    check_callable,
     check_seed,
     executor_errors,
     executor_name,
     fail,
+    option_map,
+    out_dir,
     parse_formats,
     parse_slo,
     public,
@@ -230,6 +234,10 @@ def capacity(
     from schedlab.analysis.capacity import requests_per_usd
     from schedlab.analysis.sweep import rescale
 
+    check_callable(on_start, "on_start")
+    check_callable(on_done, "on_done")
+    check_bool(early_stop, "early_stop")
+    check_bool(pd_splits, "pd_splits")
     slos, att, tol, price = _checked_search(slo, attainment, tolerance, start_rps, price_per_hour)
     executor, seed, fmts = executor_name(executor, ray_address), check_seed(seed), parse_formats(formats)
     rep = merged(
@@ -237,8 +245,8 @@ def capacity(
     )
     own = (profile, hardware, model_config, quant, cost, kv_tokens, options)  # (the policy configurations')
     pols, rts, counts, files = _selection(policies, routers, replicas, clusters, router_options, own)
-    opts = dict(options or {})
-    r_opts = dict(router_options or {}) or None
+    opts = option_map(options)
+    r_opts = option_map(router_options, "router") or None
     cost_spec = (profile, rep.kv_tokens, hardware, model_config, quant, cost)
     cost_meta = _cost_meta(cost_spec) if pols else {}  # (a bad profile or preset fails here, once)
     preset_price, price_source = _preset_price(price, hardware) if pols else (None, _given(price))
@@ -251,9 +259,7 @@ def capacity(
     configs = _policy_configs(pols, rts, counts, opts, r_opts, cost_spec, hardware, base)
     configs += _file_configs(files, rts, r_opts, pd_splits, base)
     n_workers = _workers(configs, workers, executor)
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists() and not out.is_dir():
-        fail(f"{opt('out')} {out} exists and is not a directory")
+    out = out_dir(out)
     shared = {
         "trace": tr,
         "slo": slos,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import SchedlabError
-from ._base import public
+from ._base import out_dir, public
 
 __all__ = ["validate_served"]
 
@@ -133,6 +133,7 @@ def validate_served(
 
     from .simulation import simulate
 
+    out = out_dir(out)
     dirs = [served] if isinstance(served, (str, Path)) else list(served)
     if not dirs:
         raise SchedlabError("give at least one real cluster run directory (--served DIR)")

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import opt
-from ._base import fail, parse_formats, public
+from ._base import fail, out_dir, parse_formats, public
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -79,7 +79,10 @@ def plot(
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         fail(f"{opt('lanes')} must be >= 1, got {lanes}", 2)
     if isinstance(window, str) or window is None:
-        win = parse_window(window)
+        try:
+            win = parse_window(window)
+        except ValueError as exc:  # (the analysis layer names the command's flag)
+            fail(str(exc).replace("--window", opt("window"), 1), 2)
     else:
         try:
             start, end = (float(x) for x in window)
@@ -88,9 +91,7 @@ def plot(
         if not end > start:
             fail(f"window end must be after its start, got {window!r}", 2)
         win = (start, end)
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists() and not out.is_dir():
-        fail(f"{opt('out')} {out} exists and is not a directory")
+    out = out_dir(out)
     runs, vals = _plot_inputs(items)
     try:
         rep = plot_runs(runs, vals, out, formats=fmts, lanes=lanes, window=win, kinds=kinds)

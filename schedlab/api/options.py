@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import SchedlabError, opt
-from ._base import check_kv_tokens, check_model_seed, fail
+from ._base import check_bool, check_kv_tokens, check_model_seed, fail
 
 
 def _checked_failures(value: Any, n: int) -> tuple[tuple[int, float], ...]:
@@ -82,7 +82,7 @@ class ReplicaOptions:
             fail(
                 f"{opt('kv_tokens')} {self.kv_tokens} is less than one block ({opt('block_size')} {self.block_size})", 2
             )
-        object.__setattr__(self, "prefix_caching", bool(self.prefix_caching))
+        check_bool(self.prefix_caching, "prefix_caching")
 
 
 def parse_rate(value: float | str | None, name: str = "request_rate") -> float | None:
@@ -595,7 +595,7 @@ class EngineOptions:
         if self.noise is not None and not isinstance(self.noise, str):
             fail(f"noise is a string such as 'gc-off,pin=0-1,warmup=3', got {type(self.noise).__name__}", 2)
         check_model_seed(self.model_seed)
-        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        check_bool(self.ignore_eos, "ignore_eos")
 
 
 def merged(cls, given, what: str, **fields):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Union
 
 from ..errors import SchedlabError, opt
-from ._base import check_kv_tokens, check_model, check_model_seed, fail, public
+from ._base import as_path, check_kv_tokens, check_model, check_model_seed, fail, public
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -138,7 +138,7 @@ class Profile:
         from schedlab.analysis.speculation import ACCEPTANCE_SCHEMA, acceptance_line
         from schedlab.engine.calibrate import write_profile
 
-        path = Path(path)
+        path = as_path(path, "path")
         if path.is_dir():
             raise SchedlabError(f"{path} is a directory; give a file name")
         try:
@@ -286,7 +286,11 @@ def pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, co
         fail(f"give either {opt('profile')} or {opt('hardware')}/{opt('model_config')}, not both", 2)
     check_kv_tokens(kv_tokens)
     from schedlab.analysis.analytic import make_analytic_cost_model
+    from schedlab.analysis.analytic.modelspec import FLOAT_BITS, QUANT_BITS
 
+    if quant is not None and (isinstance(quant, bool) or quant not in QUANT_BITS + FLOAT_BITS):
+        allowed = ", ".join(str(b) for b in QUANT_BITS + FLOAT_BITS)
+        fail(f"{opt('quant')} must be one of {allowed} bits, got {quant!r}", 2)
     model, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
     return model, (kv_tokens if kv_tokens is not None else capacity), {"analytic": meta}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import SchedlabError
-from ._base import public
+from ._base import as_path, check_bool, public
 from .figures import Figures
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -282,17 +282,17 @@ class Run:
         tokens/steps.parquet, passes.parquet (``passes``: None writes it when the run has its
         pass log, which ``simulate(..., passes=False)`` does not keep), meta.json. Returns the
         directory."""
+        out = as_path(out)
+        if out.exists() and not out.is_dir():
+            raise SchedlabError(f"{out} exists and is not a directory")
         has = self._has_passes()
         if passes is None:
             passes = has
-        elif passes and not has:
+        elif check_bool(passes, "passes") and not has:
             raise SchedlabError(
                 "this run has no pass log to write as passes.parquet "
                 "(simulated with passes=False, or read back without the file)"
             )
-        out = Path(out)
-        if out.exists() and not out.is_dir():
-            raise SchedlabError(f"{out} exists and is not a directory")
         try:
             if self._result is not None:
                 from schedlab.sim.output import write_run
@@ -357,7 +357,7 @@ def load_run(path: str | Path) -> Run:
     from schedlab.analysis.plots import load_run as read_dir
     from schedlab.sim.output import read_requests_csv
 
-    p = Path(path)
+    p = as_path(path, "path")
     data = read_dir(p)  # checks the directory: one RunDirError line for anything wrong
     frames = {
         "requests": read_requests_csv(p / "requests.csv"),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from schedlab.serving.result import ClusterRun
 
-from ._base import Log, PolicyLike, check_seed, fail, logger, opt, public
+from ._base import Log, PolicyLike, check_bool, check_seed, fail, logger, opt, public
 from .deployments import parse_speculative, speculative_policy, speculative_text
 from .inputs import as_policy
 from .options import EngineOptions, ReplicaOptions
@@ -188,7 +188,7 @@ def _check_serve(port, max_tokens, max_waiting, calibrate, profile, kv_dir) -> N
         isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
     ):
         fail(f"{opt('max_waiting')} must be >= 1 (leave it out for no limit), got {max_waiting}", 2)
-    if calibrate and profile is not None:
+    if check_bool(calibrate, "calibrate") and profile is not None:
         fail(f"{opt('calibrate')} does not go with {opt('profile')}", 2)
     if kv_dir is not None and not Path(kv_dir).is_dir():
         fail(f"{opt('kv_dir')} {kv_dir}: no such directory")

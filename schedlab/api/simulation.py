@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ._base import PolicyLike, TraceLike, check_seed, fail, parse_slo, public
+from ._base import PolicyLike, TraceLike, check_bool, check_seed, fail, parse_slo, public
 from ..errors import SchedlabError
 from .inputs import as_trace
 from .options import ClientOptions, ClusterOptions, ReplicaOptions, merged
@@ -87,6 +87,7 @@ def simulate(
     from .deployments import build, label_summary, parse_speculative, run_meta
 
     seed = check_seed(seed)
+    check_bool(passes, "passes")
     cluster_options = merged(
         ClusterOptions,
         cluster,
@@ -121,7 +122,7 @@ def simulate(
     )
     arrivals = client_options.arrivals(loaded_trace.requests, seed)
     try:
-        result = run(deployment, arrivals, trace_name=loaded_trace.name, record_passes=bool(passes))
+        result = run(deployment, arrivals, trace_name=loaded_trace.name, record_passes=passes)
     except DisaggError as exc:
         where = f"{cluster_options.file}: " if cluster_options.file else ""
         raise SchedlabError(f"{where}{exc}", 2) from None  # (``fail`` is the failures here)

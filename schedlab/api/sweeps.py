@@ -11,11 +11,14 @@ from ..errors import opt
 from ._base import (
     PolicyLike,
     TraceLike,
+    check_callable,
     check_seed,
     executor_errors,
     executor_name,
     fail,
     is_frame,
+    option_map,
+    out_dir,
     parse_formats,
     parse_slo,
     public,
@@ -171,13 +174,15 @@ def sweep(
     from schedlab.analysis.sweep import max_sustained_rate, rescale
     from schedlab.analysis.sweep import sweep as run_sweep
 
+    check_callable(on_start, "on_start")
+    check_callable(on_done, "on_done")
     pols = _policy_list(policies)
     rate_list, conc_list, clients = _grid(rates, concurrency, request_rate, burstiness, think_time)
     rep = merged(
         ReplicaOptions, replica, "replica", kv_tokens=kv_tokens, block_size=block_size, prefix_caching=prefix_caching
     )
     fmts = parse_formats(formats)
-    opts = dict(options or {})
+    opts = option_map(options)
     slos = parse_slo(slo)
     _check_attainment(attainment)
     executor = executor_name(executor, ray_address)
@@ -193,9 +198,7 @@ def sweep(
     if rate_list:
         rescale(tr, rate_list[0])  # a trace whose rate cannot be set fails here
     cost, capacity, profile_path = linear_model(profile, rep.kv_tokens)
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists() and not out.is_dir():
-        fail(f"{opt('out')} {out} exists and is not a directory")
+    out = out_dir(out)
     n_jobs = len(pols) * len(rate_list or [None]) * len(conc_list or [None])
     n_workers = worker_count(in_process, workers, executor, n_jobs)
     jobs_pols = [p if isinstance(p, str) else _Built(p, opts, label) for p, label in zip(pols, labels)]
@@ -386,6 +389,6 @@ def plot_sweep(
     if not is_frame(table) or "rate_rps" not in table.columns:
         fail("plot_sweep takes the DataFrame sweep() returns", 2)
     try:
-        return _sweep_figure(table, Path(out) if out is not None else None, parse_formats(formats))[0]
+        return _sweep_figure(table, out_dir(out), parse_formats(formats))[0]
     except OSError as exc:
         fail(f"cannot write to {out}: {exc.strerror or exc}")

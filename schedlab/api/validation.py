@@ -8,7 +8,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import SchedlabError, opt
-from ._base import Log, PolicyLike, TraceLike, check_kv_tokens, check_model, check_seed, fail, logger, public
+from ._base import (
+    Log,
+    PolicyLike,
+    TraceLike,
+    as_path,
+    check_bool,
+    check_callable,
+    check_kv_tokens,
+    check_model,
+    check_seed,
+    fail,
+    logger,
+    out_dir,
+    public,
+)
 from ._validation import validate_many, validation_cost
 from .figures import Figures
 from .inputs import policy_list
@@ -133,7 +147,7 @@ class Validation:
     def save(self, out: str | Path) -> Path:
         """Write what ``validate --out`` writes: validation.json, sim/, real/ [real-2/ ...]
         (one policy), or validation.json and one such directory per policy."""
-        out = Path(out)
+        out = as_path(out)
         if out.exists() and not out.is_dir():
             raise SchedlabError(f"{out} exists and is not a directory")
         try:
@@ -280,6 +294,9 @@ def validate(
 
     from .deployments import _speculation, parse_speculative
 
+    check_callable(log, "log")
+    check_callable(on_result, "on_result")
+    check_bool(probe_every_run, "probe_every_run")
     log = logger(log)
     seed = check_seed(seed)
     pols = policy_list(policy, options)  # bad names and options fail here, before any run
@@ -288,7 +305,9 @@ def validate(
     if wrap is not None:
         pols = {name: wrap(pol) for name, pol in pols.items()}
     check_model(model, dtype)
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+    if isinstance(repeat, bool) or not isinstance(repeat, int):
+        fail(f"{opt('repeat')} must be an integer, got {repeat!r}", 2)
+    if repeat < 1:
         fail(f"{opt('repeat')} must be >= 1, got {repeat}", 2)
     if hardware and profile:
         fail(f"give either {opt('profile')} or {opt('hardware')}, not both", 2)
@@ -313,9 +332,7 @@ def _validate(pols, trace, model, dtype, profile, hardware, kv_tokens, seed, rep
     from schedlab.engine import blas
     from schedlab.engine.models import load_model
 
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists() and not out.is_dir():
-        fail(f"{opt('out')} {out} exists and is not a directory")
+    out = out_dir(out)
 
     info = load_model(str(model), dtype=dtype)
     tr = _model_trace(info, trace, seed)  # (text prompts counted with the model's tokenizer, as run-real's)

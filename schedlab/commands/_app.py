@@ -36,6 +36,10 @@ PREFILL_HELP = (
     "prompt's KV then goes to a decode replica through shared memory)"
 )
 DECODE_HELP = "with --prefill: this many decode replicas (each request's other tokens)"
+MODEL_HELP = (
+    "preset (micro, tiny, small, micro-qwen3_5 and the other tiny families, smollm2-135m, gemma3-270m), "
+    "a llama or gemma3 .gguf file or a local mlx-lm checkpoint directory"
+)
 
 
 NOISE_HELP = (

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import fail, log_to_stderr, make_app, out_path, run_app
+from ._app import MODEL_HELP, fail, log_to_stderr, make_app, out_path, run_app
 
 calibrate_app = make_app(
     "Time real passes of the MLX engine over a grid (decode batch x context, prefill chunk x "
@@ -19,9 +19,7 @@ calibrate_app = make_app(
 @calibrate_app.command()
 def calibrate(
     out: Path = typer.Option(..., "--out", parser=out_path, help="profile JSON to write"),
-    model: str = typer.Option(
-        "tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"
-    ),
+    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
     quick: bool = typer.Option(False, "--quick", help="a smaller grid (under a minute for tiny on 2 cores)"),
     seed: int = typer.Option(0, "--seed", help="seed of the grid's order and the prompt ids"),

@@ -22,6 +22,7 @@ from ._app import (
     BURST_HELP,
     CONCURRENCY_HELP,
     DECODE_HELP,
+    MODEL_HELP,
     NOISE_HELP,
     PREFILL_HELP,
     PREFIX_HELP,
@@ -61,7 +62,7 @@ def run_real(
         "tiny",
         "--model",
         "-m",
-        help="preset (micro, tiny, small, micro-qwen3_5 and the other tiny families, smollm2-135m, gemma3-270m), a llama or gemma3 .gguf file or a local mlx-lm checkpoint directory",
+        help=MODEL_HELP,
     ),
     dtype: str = typer.Option(
         "float32",

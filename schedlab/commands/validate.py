@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from ._app import NOISE_HELP, fail, log_to_stderr, make_app, out_path, parse_options, run_app
+from ._app import MODEL_HELP, NOISE_HELP, fail, log_to_stderr, make_app, out_path, parse_options, run_app
 
 validate_app = make_app(
     "Run a policy for real (MLX) and in simulation on the same trace and profile, and print "
@@ -41,9 +41,7 @@ def validate(
         "repeatable: several runs of one setting): simulate its traffic on as many replicas behind the same "
         "router, policy and profile, and compare the cluster, each replica and the routing",
     ),
-    model: str = typer.Option(
-        "tiny", "--model", "-m", help="preset (micro, tiny, small) or a local mlx-lm checkpoint directory"
-    ),
+    model: str = typer.Option("tiny", "--model", "-m", help=MODEL_HELP),
     dtype: str = typer.Option("float32", "--dtype", help="float32, float16 or bfloat16"),
     option: Optional[List[str]] = typer.Option(None, "--option", "-o", help="policy option key=value (repeatable)"),
     profile: Optional[str] = typer.Option(
