@@ -108,7 +108,7 @@ def load_runs(dirs: Iterable[str | Path]) -> list[RunSteps]:
     for d in dirs:
         d = Path(d)
         if not d.is_dir():
-            raise RunsError(f"{d}: no such run directory")
+            raise RunsError(f"{d} is a file, not a run directory" if d.exists() else f"{d}: no such run directory")
         found = [d] if (d / "features.parquet").is_file() else sorted(p.parent for p in d.rglob("features.parquet"))
         if not found:
             raise RunsError(f"{d}: no features.parquet (a real run of this version of run-real or validate writes one)")

@@ -220,8 +220,10 @@ def test_calibrate_from_runs_reproduces_the_steps_within_the_error_it_reports(
 
 def test_calibrate_from_runs_bad_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
     for args, frag in (
         (["--from-runs", str(tmp_path / "nope")], "no such run directory"),
+        (["--from-runs", str(tmp_path / "afile")], "is a file, not a run directory"),
         (["--from-runs", str(tmp_path / "empty")], "no features.parquet"),
         (["--from-runs"], "one or more run directories"),
         ([str(tmp_path)], "go with --from-runs"),
