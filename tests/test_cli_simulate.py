@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -403,3 +404,18 @@ def test_a_speculative_seed_that_is_not_an_integer_is_named(tmp_path, profile):
         assert proc.returncode == 2
         line = assert_one_line_error(proc)
         assert line == f"simulate: error: --speculative: seed must be an integer, got '{seed}'"
+
+
+def test_prefix_caching_says_when_text_prompts_share_nothing_it_can_see():
+    # the simulated cache keys a prompt by its prefix_ids; sonnet.json's prompts are text sharing a
+    # ~195-token head it cannot see without the model's tokens: a warning, not a silent 0 % hit rate
+    proc = subprocess.run([*command("simulate"), "-p", "vllm", "-t", "sonnet", "--prefix-caching", "-q"],
+                          capture_output=True, text=True)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("simulate: warning: --prefix-caching: 100 of 100 request(s) have text prompts")
+    spec = "random:n=20,input_len=1200,output_len=16,prefix_len=1024,rate=2"  # (prefix_ids: seen, no warning)
+    proc = subprocess.run([*command("simulate"), "-p", "vllm", "-t", spec, "--prefix-caching"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert float(re.search(r"Prefix cache hit rate \(prompt tokens\):\s+([\d.]+)%", proc.stdout).group(1)) > 0

@@ -155,11 +155,11 @@ class Run:
                 else f"the KV capacity of {self._result.kv_capacity} tokens"
             )
             lines.append(
-                f"{len(rej)} request(s) rejected: their prompt + output exceeds {cap}: {shown}{more}; "
-                "the other requests ran"
+                f"{len(rej)} request(s) rejected: the KV each would hold (prompt + output - 1, and any sliding "
+                f"windows or recurrent state) exceeds {cap}: {shown}{more}; the other requests ran"
             )
         elif self._result is None and self.rejected:
-            lines.append(f"{len(self.rejected)} request(s) rejected: their prompt + output exceeds the KV capacity")
+            lines.append(f"{len(self.rejected)} request(s) rejected: the KV each would hold exceeds the KV capacity")
         if self.error:
             lines.append(self.error)
         return lines

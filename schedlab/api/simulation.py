@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ._base import PolicyLike, TraceLike, check_bool, check_seed, fail, parse_slo, public
-from ..errors import SchedlabError
+from ..errors import SchedlabError, SchedlabWarning, opt
 from .inputs import as_trace
 from .options import ClientOptions, ClusterOptions, ReplicaOptions, merged
 from .profiles import ProfileLike
@@ -107,6 +107,8 @@ def simulate(
     cost_source = (profile, replica_options.kv_tokens, hardware, model_config, quant, cost)
     spec = parse_speculative(speculative)
     loaded_trace = as_trace(trace, seed=seed)
+    if replica_options.prefix_caching:
+        _warn_uncached_text(loaded_trace)
     deployment = build(
         policy, options, cost_source, replica_options, cluster_options, speculative=trace_acceptance(spec, loaded_trace)
     )
@@ -170,4 +172,21 @@ def _no_own_settings(policy, options, profile, hardware, model_config, quant, co
             f"the cluster's groups name each replica's policy, cost model and KV capacity: give {given[0]} in "
             f"a ReplicaGroup (or the cluster file's [[group]]), not beside them (policy=None)",
             2,
+        )
+
+
+def _warn_uncached_text(trace) -> None:
+    """A ``SchedlabWarning`` where prefix caching cannot see what the trace's text prompts share:
+    the simulator keys a prompt's blocks by its ``prefix_ids``; text it keys by token ids only
+    where a model's tokenizer counts them (the real engine)."""
+    import warnings
+
+    n = sum(1 for r in trace.requests if r.has_text and not r.prefix_ids)
+    if n:
+        warnings.warn(
+            f"{opt('prefix_caching')}: {n} of {len(trace)} request(s) have text prompts and no prefix_ids: the "
+            "simulated cache sees nothing they share (it keys text by the model's token ids, which the real "
+            "engine has: run-real or validate --prefix-caching)",
+            SchedlabWarning,
+            stacklevel=3,
         )

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import typer
 
-from ..errors import _CLI, SchedlabError, one_line, user_error_types
+from ..errors import _CLI, SchedlabError, SchedlabWarning, one_line, user_error_types
 
 # the help of options several commands share
 BLOCK_SIZE_HELP = "KV block size in tokens: KV is allocated in blocks (a request holds ceil(tokens / block))"
@@ -117,6 +117,17 @@ def run_app(app: typer.Typer, prog: str) -> None:
 
 
 def _run_app(app: typer.Typer, prog: str) -> None:
+    import warnings
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # the API's warnings: one line each
+        if issubclass(category, SchedlabWarning):
+            print(f"{prog}: warning: {one_line(str(message))}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
     try:
         rc = app(prog_name=prog, standalone_mode=False)
         if isinstance(rc, int) and rc:

@@ -57,7 +57,8 @@ def simulate(
     kv_tokens: Optional[int] = typer.Option(
         None,
         "--kv-tokens",
-        help="KV cache capacity in tokens (default: the profile's, or what --hardware's memory holds)",
+        help="KV cache capacity in tokens, in whole --block-size blocks (rounded down; default: the profile's, or "
+        "what --hardware's memory holds)",
     ),
     hardware: Optional[str] = typer.Option(
         None,
