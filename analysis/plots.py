@@ -598,20 +598,20 @@ def plot_decode_rates(runs: Sequence[RunData], out_dir: str | Path, formats=FORM
 # ------------------------------------------------------------------------ timeline
 
 
-def parse_window(text: str | None) -> tuple[float, float] | None:
-    """``START:END`` in seconds (either side may be empty)."""
+def parse_window(text: str | None, name: str = "--window") -> tuple[float, float] | None:
+    """``START:END`` in seconds (either side may be empty); ``name``: the option, in messages."""
     if text is None or text == "":
         return None
     if ":" not in text:
-        raise RunDirError(f"--window must be START:END in seconds, got {text!r}")
+        raise RunDirError(f"{name} must be START:END in seconds, got {text!r}")
     a, b = text.split(":", 1)
     try:
         start = float(a) if a.strip() else -math.inf
         end = float(b) if b.strip() else math.inf
     except ValueError:
-        raise RunDirError(f"--window must be START:END in seconds, got {text!r}") from None
+        raise RunDirError(f"{name} must be START:END in seconds, got {text!r}") from None
     if not end > start:
-        raise RunDirError(f"--window end must be after its start, got {text!r}")
+        raise RunDirError(f"{name} end must be after its start, got {text!r}")
     return start, end
 
 

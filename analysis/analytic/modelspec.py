@@ -557,11 +557,9 @@ def load_model_config(spec: str | Path) -> tuple[str, dict[str, Any]]:
     )
 
 
-def check_quant(bits: int | float | None) -> None:
+def check_quant(bits: int | float | None, name: str = "--quant") -> None:
     if bits is None:
         return
-    allowed = ", ".join(str(b) for b in QUANT_BITS + FLOAT_BITS)
-    if isinstance(bits, bool) or not isinstance(bits, (int, float)):
-        raise AnalyticError(f"--quant must be an integer ({allowed} bits), got {bits!r}")
-    if bits not in QUANT_BITS + FLOAT_BITS:
-        raise AnalyticError(f"--quant must be one of {allowed} bits, got {bits}")
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or bits not in QUANT_BITS + FLOAT_BITS:
+        allowed = ", ".join(str(b) for b in QUANT_BITS + FLOAT_BITS)
+        raise AnalyticError(f"{name} must be one of {allowed} bits, got {bits!r}")

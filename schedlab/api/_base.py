@@ -129,12 +129,12 @@ def check_callable(fn: Any, what: str) -> None:
 
 
 def option_map(options: Any, word: str = "policy") -> dict[str, Any]:
-    """A plugin's ``options`` (None or a mapping) as a dict; one line for anything else."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        fail(f"{word} options are a mapping of names to values, got {type(options).__name__} {options!r}", 2)
-    return dict(options)
+    """A plugin's ``options`` (None or a mapping) as a dict, checked now by the plugins' own rule
+    (``policies.plugins.option_keys``: before any worker starts); one line for anything else."""
+    from schedlab.policies.plugins import option_keys
+
+    option_keys(word, options, lambda message: SchedlabError(message, 2))
+    return dict(options or {})
 
 
 def check_seed(seed: Any, what: str = "seed") -> int:

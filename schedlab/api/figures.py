@@ -80,9 +80,9 @@ def plot(
         fail(f"{opt('lanes')} must be >= 1, got {lanes}", 2)
     if isinstance(window, str) or window is None:
         try:
-            win = parse_window(window)
-        except ValueError as exc:  # (the analysis layer names the command's flag)
-            fail(str(exc).replace("--window", opt("window"), 1), 2)
+            win = parse_window(window, opt("window"))
+        except ValueError as exc:
+            fail(str(exc), 2)
     else:
         try:
             start, end = (float(x) for x in window)

@@ -286,11 +286,12 @@ def pick_cost(profile: ProfileLike, kv_tokens, hardware, model_config, quant, co
         fail(f"give either {opt('profile')} or {opt('hardware')}/{opt('model_config')}, not both", 2)
     check_kv_tokens(kv_tokens)
     from schedlab.analysis.analytic import make_analytic_cost_model
-    from schedlab.analysis.analytic.modelspec import FLOAT_BITS, QUANT_BITS
+    from schedlab.analysis.analytic.modelspec import check_quant
 
-    if quant is not None and (isinstance(quant, bool) or quant not in QUANT_BITS + FLOAT_BITS):
-        allowed = ", ".join(str(b) for b in QUANT_BITS + FLOAT_BITS)
-        fail(f"{opt('quant')} must be one of {allowed} bits, got {quant!r}", 2)
+    try:
+        check_quant(quant, opt("quant"))  # (first, named as the caller names it)
+    except ValueError as exc:
+        fail(str(exc), 2)
     model, capacity, meta = make_analytic_cost_model(hardware, model_config, quant)
     return model, (kv_tokens if kv_tokens is not None else capacity), {"analytic": meta}
 

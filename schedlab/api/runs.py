@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import SchedlabError
-from ._base import as_path, check_bool, public
+from ._base import as_path, check_bool, out_dir, public
 from .figures import Figures
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -282,9 +282,7 @@ class Run:
         tokens/steps.parquet, passes.parquet (``passes``: None writes it when the run has its
         pass log, which ``simulate(..., passes=False)`` does not keep), meta.json. Returns the
         directory."""
-        out = as_path(out)
-        if out.exists() and not out.is_dir():
-            raise SchedlabError(f"{out} exists and is not a directory")
+        out = out_dir(as_path(out))  # (a path is required here: None is not one)
         has = self._has_passes()
         if passes is None:
             passes = has

@@ -106,9 +106,7 @@ def simulate(
     )
     cost_source = (profile, replica_options.kv_tokens, hardware, model_config, quant, cost)
     spec = parse_speculative(speculative)
-    loaded_trace = as_trace(trace, seed=seed)
-    if replica_options.prefix_caching:
-        _warn_uncached_text(loaded_trace)
+    loaded_trace = _loaded(trace, seed, replica_options.prefix_caching)
     deployment = build(
         policy, options, cost_source, replica_options, cluster_options, speculative=trace_acceptance(spec, loaded_trace)
     )
@@ -175,13 +173,14 @@ def _no_own_settings(policy, options, profile, hardware, model_config, quant, co
         )
 
 
-def _warn_uncached_text(trace) -> None:
-    """A ``SchedlabWarning`` where prefix caching cannot see what the trace's text prompts share:
-    the simulator keys a prompt's blocks by its ``prefix_ids``; text it keys by token ids only
-    where a model's tokenizer counts them (the real engine)."""
+def _loaded(trace: TraceLike, seed: int, prefix_caching: bool):
+    """The trace, with a ``SchedlabWarning`` where prefix caching cannot see what its text prompts
+    share: the simulator keys a prompt's blocks by its ``prefix_ids``; text it keys by token ids
+    only where a model's tokenizer counts them (the real engine)."""
     import warnings
 
-    n = sum(1 for r in trace.requests if r.has_text and not r.prefix_ids)
+    trace = as_trace(trace, seed=seed)
+    n = sum(1 for r in trace.requests if r.has_text and not r.prefix_ids) if prefix_caching else 0
     if n:
         warnings.warn(
             f"{opt('prefix_caching')}: {n} of {len(trace)} request(s) have text prompts and no prefix_ids: the "
@@ -190,3 +189,4 @@ def _warn_uncached_text(trace) -> None:
             SchedlabWarning,
             stacklevel=3,
         )
+    return trace

@@ -147,9 +147,7 @@ class Validation:
     def save(self, out: str | Path) -> Path:
         """Write what ``validate --out`` writes: validation.json, sim/, real/ [real-2/ ...]
         (one policy), or validation.json and one such directory per policy."""
-        out = as_path(out)
-        if out.exists() and not out.is_dir():
-            raise SchedlabError(f"{out} exists and is not a directory")
+        out = out_dir(as_path(out))  # (a path is required here: None is not one)
         try:
             out.mkdir(parents=True, exist_ok=True)
             for pol, v in self.results.items():

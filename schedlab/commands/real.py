@@ -52,6 +52,9 @@ SPECULATIVE_HELP = (
 )
 
 
+OUT_HELP = "write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here"
+
+
 @real_app.command()
 def run_real(
     policy: str = typer.Option(..., "--policy", "-p", help="bundled policy name or file.py:Class"),
@@ -99,12 +102,7 @@ def run_real(
     ),
     model_seed: int = typer.Option(0, "--model-seed", help="seed of a preset's random weights"),
     sampling: str = typer.Option("greedy", "--sampling", help="greedy, or temperature=0.7,seed=1"),
-    out: Optional[Path] = typer.Option(
-        None,
-        "--out",
-        parser=out_path,
-        help="write summary.json, requests.csv, texts.jsonl, steps/tokens/passes.parquet, meta.json here",
-    ),
+    out: Optional[Path] = typer.Option(None, "--out", parser=out_path, help=OUT_HELP),
     slo: Optional[str] = typer.Option(None, "--slo", help="goodput SLOs, e.g. ttft_ms=2000,tpot_ms=100"),
     noise: Optional[str] = typer.Option(None, "--noise", help=NOISE_HELP),
     residuals: bool = typer.Option(

@@ -38,6 +38,15 @@ simulate_app = make_app(
 )
 
 
+KV_TOKENS_HELP = (
+    "KV cache capacity in tokens, in whole --block-size blocks (rounded down; default: the profile's, or what "
+    "--hardware's memory holds)"
+)
+QUANT_HELP = (
+    "with --hardware: weight bits (4, 8, 16; default: as the config ships them, its dtype, gpt-oss's experts MXFP4)"
+)
+
+
 @simulate_app.command()
 def simulate(
     policy: Optional[str] = typer.Option(
@@ -57,8 +66,7 @@ def simulate(
     kv_tokens: Optional[int] = typer.Option(
         None,
         "--kv-tokens",
-        help="KV cache capacity in tokens, in whole --block-size blocks (rounded down; default: the profile's, or "
-        "what --hardware's memory holds)",
+        help=KV_TOKENS_HELP,
     ),
     hardware: Optional[str] = typer.Option(
         None,
@@ -70,11 +78,7 @@ def simulate(
         "--model-config",
         help="with --hardware: a bundled model config (llama-3.1-8b, qwen3-30b-a3b, ...) or a config.json path",
     ),
-    quant: Optional[int] = typer.Option(
-        None,
-        "--quant",
-        help="with --hardware: weight bits (4, 8, 16; default: as the config ships them, its dtype, gpt-oss's experts MXFP4)",
-    ),
+    quant: Optional[int] = typer.Option(None, "--quant", help=QUANT_HELP),
     block_size: int = typer.Option(16, "--block-size", help=BLOCK_SIZE_HELP),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help=PREFIX_HELP),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", help=CONCURRENCY_HELP),

@@ -181,12 +181,7 @@ class Bridge:
             rejected = getattr(self.state, "rejected", None)
             why = rejected[-1][1] if rejected and rejected[-1][0] is r else None
             if why is None or "KV capacity" in why:
-                why = (
-                    f"this request needs {r.kv_footprint} KV tokens (prompt {r.prompt_tokens} + max_tokens "
-                    f"{r.output_tokens} - 1"
-                    + (f" + {r.fixed_tokens} for its sliding windows and recurrent state" if r.fixed_tokens else "")
-                    + f") but the server's KV capacity is {self.kv_capacity} (serve --kv-tokens)"
-                )
+                why = kv_refusal(r.prompt_tokens, r.output_tokens, r.fixed_tokens, self.kv_capacity)
             st.put(("error", APIError(400, why, "max_tokens" if "KV" in why else "prompt")))
             return
         st.put(("done", reason))
@@ -250,6 +245,16 @@ class Bridge:
             self._unadmitted.clear()
         for st in streams:
             st.put(("error", error))
+
+
+def kv_refusal(prompt_tokens: int, max_tokens: int, fixed: int, capacity: int) -> str:
+    """Why a request whose KV (prompt + max_tokens - 1, plus ``fixed`` tokens of sliding windows and
+    recurrent state) can never fit a replica of ``capacity`` tokens is refused: its 400's message."""
+    held = f" + {fixed} for its sliding windows and recurrent state" if fixed else ""
+    return (
+        f"this request needs {prompt_tokens + max_tokens - 1 + fixed} KV tokens (prompt {prompt_tokens} + max_tokens "
+        f"{max_tokens} - 1{held}) but the server's KV capacity is {capacity} (serve --kv-tokens)"
+    )
 
 
 class TextDelta:

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest  # (module level: FastAPI resolves handler annotations here)
 
-from .bridge import Bridge, TextDelta, TokenLogprobs, _Stream, _unlink
+from .bridge import Bridge, TextDelta, TokenLogprobs, _Stream, _unlink, kv_refusal
 from .http import DEFAULT_MAX_TOKENS, APIError, models_body, openai_app
 from .metrics import Metrics
 from .params import Params
@@ -337,7 +337,7 @@ class Server:
 
     def kv_room(self, prompt_tokens: int) -> int:
         """The most output tokens a request with this prompt can ask for and fit the KV cache."""
-        kv, fixed, capacity = self.kv_need(prompt_tokens, 1)
+        capacity = self.kv_need(prompt_tokens, 1)[2]
         lo, hi = 0, capacity - prompt_tokens + 1  # (held besides the KV only grows with it)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -353,13 +353,7 @@ class Server:
         the answer starts (a stream's status could no longer say it)."""
         kv, fixed, capacity = self.kv_need(req.prompt_tokens, req.output_tokens)
         if kv + fixed > capacity:
-            held = f" + {fixed} for its sliding windows and recurrent state" if fixed else ""
-            raise APIError(
-                400,
-                f"this request needs {kv + fixed} KV tokens (prompt {req.prompt_tokens} + max_tokens "
-                f"{req.output_tokens} - 1{held}) but the server's KV capacity is {capacity} (serve --kv-tokens)",
-                "max_tokens",
-            )
+            raise APIError(400, kv_refusal(req.prompt_tokens, req.output_tokens, fixed, capacity), "max_tokens")
 
     def _usage(self, req, completion: int) -> dict:
         usage = {
